@@ -1,0 +1,146 @@
+// CachingAllocator: one device's caching allocator.
+//
+// With the native policy (the default) it makes the decisions PyTorch's
+// CUDACachingAllocator makes: 512-byte rounding (or power-of-two divisions),
+// small (<= 1 MiB) and large pools, 2 MiB / 20 MiB / 2 MiB-multiple segments,
+// best fit by (stream, size, address), the split rules, max_split_size_mb and
+// max_non_split_rounding_mb, merging with free neighbours, the retry ladder
+// (free-memory callbacks, garbage collection by block age, device allocation,
+// release of oversize cached blocks, release of all cached blocks after
+// synchronizing, retry, out-of-memory), memory fraction, record_stream with
+// event-deferred frees, and private pools. A recorded PyTorch trace replayed on
+// it makes the same device requests and gets the same addresses.
+//
+// Thread safety: every public member may be called from any thread; one mutex
+// serializes them. Free-memory callbacks and out-of-memory observers run with
+// that mutex released; trace trackers run with it held and must not call back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "reservoir/config.hpp"
+#include "reservoir/device.hpp"
+#include "reservoir/snapshot.hpp"
+#include "reservoir/stats.hpp"
+
+namespace reservoir {
+
+// PyTorch's size constants.
+inline constexpr std::size_t kMinBlockSize = 512;        // every size rounds to 512 bytes
+inline constexpr std::size_t kSmallSize = 1048576;       // largest small request: 1 MiB
+inline constexpr std::size_t kSmallBuffer = 2097152;     // small segments: 2 MiB
+inline constexpr std::size_t kLargeBuffer = 20971520;    // 1..10 MiB requests share 20 MiB
+inline constexpr std::size_t kMinLargeAlloc = 10485760;  // from 10 MiB, a segment of its own
+inline constexpr std::size_t kRoundLarge = 2097152;      // large segments round to 2 MiB
+
+// One allocator event, as PyTorch's TraceEntry.
+struct TraceEntry {
+  enum class Action : std::uint8_t {
+    alloc,
+    free_requested,
+    free_completed,
+    segment_alloc,
+    segment_free,
+    segment_map,
+    segment_unmap,
+    snapshot,
+    oom,
+  };
+  Action action;
+  DevicePtr addr;    // for oom: the device's free bytes
+  std::size_t size;  // requested size for alloc/free_*, segment size, or tried size for oom
+  StreamId stream;
+};
+std::string_view to_string(TraceEntry::Action action) noexcept;
+
+// Called when an allocation is about to fail: (device, bytes tried, bytes
+// allowed or device total, device free bytes).
+using OomObserver = std::function<void(int, std::size_t, std::size_t, std::size_t)>;
+// Asked to free memory before the allocator goes to the device; returns true
+// when it freed something worth searching the cache again for.
+using FreeMemoryCallback = std::function<bool()>;
+using TraceTracker = std::function<void(const TraceEntry&)>;
+// Chooses whether an allocation on this stream goes to a private pool.
+using PoolFilter = std::function<bool(StreamId)>;
+
+class CachingAllocator {
+ public:
+  // Throws ConfigError or UsageError for a configuration it cannot serve.
+  explicit CachingAllocator(Device& device, AllocatorConfig config = AllocatorConfig::from_env(),
+                            int device_index = 0);
+  // Returns every segment to the device, including ones with live blocks.
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Returns memory usable on `stream`, or nullptr for size 0.
+  // Throws OutOfMemoryError after the retry ladder, DeviceError on device failure.
+  void* allocate(std::size_t size, StreamId stream = 0);
+  // Returns a block to the cache (after the events of streams recorded with
+  // record_stream complete). Throws InvalidPointerError for a pointer this
+  // allocator does not hold (unknown, interior or already freed); nullptr is a no-op.
+  void deallocate(void* ptr);
+  // Marks the block as used on `stream`, so its memory is not reused before
+  // the work queued there at deallocation completes.
+  void record_stream(void* ptr, StreamId stream);
+  // Returns every unused cached segment to the device (after synchronizing
+  // the events of pending frees).
+  void empty_cache();
+  // Limits the memory this allocator reserves to fraction * device total.
+  void set_memory_fraction(double fraction);
+
+  void set_config(const AllocatorConfig& config);
+  AllocatorConfig config() const;
+  int device_index() const noexcept;
+
+  DeviceStats stats() const;
+  std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  std::string memory_summary(bool abbreviated = false) const;
+  Snapshot snapshot() const;
+  // Size of the largest cached free block.
+  std::size_t largest_cached_block() const;
+
+  void attach_oom_observer(OomObserver observer);
+  void add_free_memory_callback(FreeMemoryCallback callback);
+  void attach_trace_tracker(TraceTracker tracker);
+
+  // Private pools (PyTorch's MemPool / graph pools). While a route is active,
+  // allocations whose stream passes `filter` are served from pool `id`.
+  void begin_allocate_to_pool(PoolId id, PoolFilter filter);
+  // Routes the calling thread's allocations (any stream) to pool `id`.
+  void begin_allocate_current_thread_to_pool(PoolId id);
+  void end_allocate_to_pool(PoolId id);
+  // Drops one use of the pool; at zero its cached segments become releasable.
+  void release_pool(PoolId id);
+
+  // Recreates a recorded layout in an empty allocator: each segment is asked
+  // of the device (whose address source must give the recorded address), then
+  // carved into the recorded blocks; active_allocated blocks become live
+  // allocations with their requested sizes. All or nothing: throws UsageError
+  // (and holds nothing) if the allocator is not empty or the layout is invalid.
+  void restore(const Snapshot& layout);
+
+  // Checks every invariant (blocks tile segments, free blocks in exactly one
+  // pool, no two free neighbours, stats equal a recount, pointer map and
+  // event queues consistent). Throws InvariantError naming the first breach.
+  void validate() const;
+
+  // The size a request is rounded to, and the device allocation a request of
+  // that rounded size would make (PyTorch's round_size / get_allocation_size).
+  static std::size_t round_size(std::size_t size, const AllocatorConfig& config);
+  static std::size_t allocation_size(std::size_t rounded);
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace reservoir

@@ -1,0 +1,54 @@
+// AllocatorConfig: the allocator's policy, as data.
+//
+// Parsed from RESERVOIR_ALLOC_CONF in PyTorch's syntax and key names
+// ("max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:8]");
+// PYTORCH_CUDA_ALLOC_CONF is read when RESERVOIR_ALLOC_CONF is unset. Unknown
+// keys and bad values raise ConfigError naming the key, the value and what is
+// accepted. docs/config.md documents every key.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <string>
+
+namespace reservoir {
+
+inline constexpr std::size_t kRoundupIntervals = 16;  // 1 MiB .. 64 GiB, powers of two
+
+enum class Policy { native, expandable, paging };
+
+struct AllocatorConfig {
+  // Blocks of this size or more are never split (default: unlimited).
+  std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  // A request >= max_split_size may take a cached block up to this much larger.
+  std::size_t max_non_split_rounding_size = std::size_t{20} << 20;
+  // Divisions per power-of-two interval, for sizes from 1 MiB (index 0) to
+  // 32 GiB and beyond (index 15); 0 or 1 means plain 512-byte rounding.
+  std::array<std::size_t, kRoundupIntervals> roundup_power2_divisions{};
+  // Fraction of the allowed memory above which cached blocks are reclaimed
+  // by age (only with a memory fraction set); 0 disables.
+  double garbage_collection_threshold = 0.0;
+  bool expandable_segments = false;
+  // Accepted for compatibility; reservoir never drops its lock around device calls.
+  bool release_lock_on_cudamalloc = false;
+  // Pinned host allocator settings (used by the saver).
+  bool pinned_use_host_register = false;
+  std::size_t pinned_num_register_threads = 1;
+  bool pinned_use_background_threads = false;
+  Policy policy = Policy::native;
+
+  // The division count for a (rounded) request size.
+  std::size_t divisions_for(std::size_t size) const noexcept;
+
+  // Parses a configuration string. An empty string gives the defaults.
+  static AllocatorConfig parse(const std::string& text);
+  // RESERVOIR_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else defaults.
+  static AllocatorConfig from_env();
+  // The canonical string for this configuration ("" for the defaults).
+  std::string to_string() const;
+
+  bool operator==(const AllocatorConfig&) const = default;
+};
+
+}  // namespace reservoir

@@ -1,0 +1,134 @@
+// The device contract: the only portability layer of reservoir.
+//
+// Every backend (SimDevice, HostDevice, and the CUDA backends) implements this
+// small set of primitive operations. Operations return a Status and never
+// throw; the allocator turns failures into exceptions with context.
+//
+// Glossary
+//   segment   memory obtained whole from the device (cudaMalloc/cudaFree).
+//   reservation  a range of virtual addresses with no memory behind it.
+//   physical  a handle to physical memory that can be mapped into a
+//             reservation (cuMemCreate).
+//   stream    an ordered queue of device work; 0 is the default stream.
+//   event     a marker recorded on a stream; it completes when the work
+//             queued before it completes.
+//
+// Thread safety: every backend is safe to call from several threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace reservoir {
+
+using DevicePtr = std::uintptr_t;
+using StreamId = std::uint64_t;
+using EventId = std::uint64_t;
+using PhysicalHandle = std::uint64_t;
+
+enum class Status : std::uint8_t {
+  ok = 0,
+  out_of_memory,     // the device has not enough free memory
+  invalid_argument,  // a precondition written beside the operation was broken
+  not_supported,     // the backend lacks this capability
+  not_ready,         // query_event: the event has not completed yet
+  device_error,      // any other failure of the device or driver
+};
+
+std::string_view to_string(Status status) noexcept;
+
+// Kinds of device calls, used by counters, latency models and fault injection.
+enum class CallKind : std::uint8_t {
+  allocate_segment,
+  free_segment,
+  reserve,
+  unreserve,
+  create_physical,
+  release_physical,
+  map,
+  unmap,
+  set_access,
+  memory_info,
+  create_event,
+  destroy_event,
+  record_event,
+  query_event,
+  synchronize_event,
+  synchronize_stream,
+  synchronize_device,
+  copy_to_host,
+  copy_to_device,
+  count_,  // number of kinds, not a kind
+};
+inline constexpr std::size_t kCallKindCount = static_cast<std::size_t>(CallKind::count_);
+std::string_view to_string(CallKind kind) noexcept;
+
+struct MemoryInfo {
+  std::size_t free = 0;
+  std::size_t total = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // A short name for messages ("sim", "host", "cuda-runtime", "cuda-vmm").
+  virtual std::string_view name() const noexcept = 0;
+
+  // ---- classic segments ---------------------------------------------------
+  // allocate_segment: bytes > 0. On ok, *addr is aligned to at least 512 bytes
+  // and the range [*addr, *addr + bytes) overlaps no other live memory of this
+  // device. out_of_memory when the device cannot hold bytes more.
+  virtual Status allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept = 0;
+  // free_segment: addr was returned by allocate_segment and not freed since.
+  virtual Status free_segment(DevicePtr addr) noexcept = 0;
+
+  // ---- virtual memory (optional capability) -------------------------------
+  virtual bool supports_virtual_memory() const noexcept = 0;
+  // The size and alignment unit of physical memory and of mappings.
+  virtual std::size_t granularity() const noexcept = 0;
+  // reserve: bytes > 0 and a multiple of granularity(); alignment is 0 or a
+  // power of two. Reserves address space only: nothing is accessible.
+  virtual Status reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept = 0;
+  // unreserve: [va, va + bytes) is exactly one reservation with no mapping left.
+  virtual Status unreserve(DevicePtr va, std::size_t bytes) noexcept = 0;
+  // create_physical: bytes > 0 and a multiple of granularity(). Counts against
+  // the device's capacity; out_of_memory when it does not fit.
+  virtual Status create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept = 0;
+  // release_physical: handle is live. Memory is returned once no mapping of
+  // the handle remains (as with cuMemRelease).
+  virtual Status release_physical(PhysicalHandle handle) noexcept = 0;
+  // map: va and bytes are multiples of granularity(), [va, va + bytes) lies in
+  // one reservation and is not mapped, offset + bytes <= size of handle.
+  virtual Status map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                     std::size_t offset) noexcept = 0;
+  // unmap: [va, va + bytes) is the union of whole earlier mappings.
+  virtual Status unmap(DevicePtr va, std::size_t bytes) noexcept = 0;
+  // set_access: [va, va + bytes) is mapped; makes it readable and writable.
+  virtual Status set_access(DevicePtr va, std::size_t bytes) noexcept = 0;
+
+  // ---- information --------------------------------------------------------
+  virtual Status memory_info(MemoryInfo* info) noexcept = 0;
+
+  // ---- streams and events -------------------------------------------------
+  virtual Status create_event(EventId* event) noexcept = 0;
+  // destroy_event: event is live and not needed by any pending query.
+  virtual Status destroy_event(EventId event) noexcept = 0;
+  // record_event: event is live; (re)records it on stream.
+  virtual Status record_event(EventId event, StreamId stream) noexcept = 0;
+  // query_event: ok when completed, not_ready when not yet.
+  virtual Status query_event(EventId event) noexcept = 0;
+  virtual Status synchronize_event(EventId event) noexcept = 0;
+  virtual Status synchronize_stream(StreamId stream) noexcept = 0;
+  virtual Status synchronize_device() noexcept = 0;
+
+  // ---- copies (for backup) ------------------------------------------------
+  // Ranges lie inside live, accessible device memory; ordered on stream.
+  virtual Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
+                              StreamId stream) noexcept = 0;
+  virtual Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
+                                StreamId stream) noexcept = 0;
+};
+
+}  // namespace reservoir

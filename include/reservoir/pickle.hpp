@@ -1,0 +1,63 @@
+// A small, strict codec for the subset of Python's pickle format (protocols 2
+// to 4) that holds plain data: None, bool, int (64-bit), float, str, bytes,
+// list, tuple and dict. Integers are 64-bit (signed, or unsigned up to 2^64 - 1). PyTorch's memory snapshots use nothing else. Opcodes
+// that build objects (GLOBAL, REDUCE, BUILD, ...) are refused: reading a
+// snapshot never runs code.
+//
+// Why our own: no packaged C++ library reads pickle.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace reservoir::pickle {
+
+enum class Kind : std::uint8_t { none, boolean, integer, floating, string, bytes, list, tuple, dict };
+std::string_view to_string(Kind kind) noexcept;
+
+struct Value {
+  Kind kind = Kind::none;
+  bool boolean = false;
+  std::int64_t integer = 0;
+  bool above_int64 = false;  // integer holds the bits of a value in [2^63, 2^64)
+  double floating = 0.0;
+  std::string text;                                         // string or bytes
+  std::vector<const Value*> items;                          // list or tuple
+  std::vector<std::pair<const Value*, const Value*>> entries;  // dict, in insertion order
+
+  // Dict lookup by string key; nullptr when absent or not a dict.
+  const Value* find(std::string_view key) const;
+};
+
+// Owns every Value of one decoded pickle (values may be shared through the
+// memo, and may even form cycles, so ownership is by the document).
+class Document {
+ public:
+  const Value& root() const { return *root_; }
+  Value* make(Kind kind) {
+    values_.emplace_back();
+    values_.back().kind = kind;
+    return &values_.back();
+  }
+  void set_root(const Value* root) { root_ = root; }
+  std::size_t size() const { return values_.size(); }
+
+ private:
+  std::deque<Value> values_;
+  const Value* root_ = nullptr;
+};
+
+// Decodes a pickle. Throws TraceError with the byte offset of the problem:
+// truncation, an unknown or unsupported opcode, a stack underflow, a bad memo
+// reference, an integer beyond 64 bits, or bytes after STOP.
+Document decode(std::span<const std::uint8_t> data);
+
+// Encodes a value tree as protocol 4 (readable by Python's pickle.load).
+std::string encode(const Value& root);
+
+}  // namespace reservoir::pickle

@@ -1,0 +1,158 @@
+// SimDevice: an accounting-only device. No memory is touched.
+//
+// - Addresses are fake, deterministic and never overlap; a replay may instead
+//   dictate the address of each new segment through an AddressSource.
+// - Capacity and granularity are settings.
+// - Fault injection: fail the Nth call of a kind, or a seeded fraction of calls.
+// - Events complete only when the caller says so (or at synchronize), unless
+//   auto_complete_events is set.
+// - Every call is counted per kind, and a latency model (nanoseconds per call
+//   kind) gives an estimate of the time a real device would have spent.
+//
+// Thread safety: all members are safe to call concurrently (one internal mutex).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "reservoir/device.hpp"
+
+namespace reservoir {
+
+// Nanoseconds per call kind. Defaults are typical figures for a recent NVIDIA
+// data-center GPU and driver (cudaMalloc of a fresh segment costs tens to
+// hundreds of microseconds; cudaFree synchronizes the device; cuMemMap and
+// cuMemUnmap cost tens of microseconds per physical handle); docs/config.md
+// lists them. A segment allocation also pays per_byte_allocate_ns per MiB.
+struct LatencyModel {
+  std::array<double, kCallKindCount> ns_per_call{};
+  double allocate_ns_per_mib = 0.0;
+  static LatencyModel defaults();
+  static LatencyModel zero() { return LatencyModel{}; }
+};
+
+struct SimDeviceOptions {
+  std::size_t capacity = std::size_t{80} << 30;  // 80 GiB
+  std::size_t granularity = std::size_t{2} << 20;  // 2 MiB
+  DevicePtr base_address = 0x7f0000000000;        // first fake address
+  std::size_t segment_alignment = std::size_t{2} << 20;
+  bool auto_complete_events = false;
+  LatencyModel latency = LatencyModel::defaults();
+};
+
+class SimDevice final : public Device {
+ public:
+  // Returns the address the device must give a segment of `bytes`, or a
+  // non-ok status the device must fail the call with.
+  using AddressSource = std::function<Status(std::size_t bytes, DevicePtr* addr)>;
+
+  explicit SimDevice(SimDeviceOptions options = {});
+  ~SimDevice() override;
+
+  std::string_view name() const noexcept override { return "sim"; }
+
+  Status allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept override;
+  Status free_segment(DevicePtr addr) noexcept override;
+  bool supports_virtual_memory() const noexcept override { return true; }
+  std::size_t granularity() const noexcept override { return options_.granularity; }
+  Status reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept override;
+  Status unreserve(DevicePtr va, std::size_t bytes) noexcept override;
+  Status create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept override;
+  Status release_physical(PhysicalHandle handle) noexcept override;
+  Status map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+             std::size_t offset) noexcept override;
+  Status unmap(DevicePtr va, std::size_t bytes) noexcept override;
+  Status set_access(DevicePtr va, std::size_t bytes) noexcept override;
+  Status memory_info(MemoryInfo* info) noexcept override;
+  Status create_event(EventId* event) noexcept override;
+  Status destroy_event(EventId event) noexcept override;
+  Status record_event(EventId event, StreamId stream) noexcept override;
+  Status query_event(EventId event) noexcept override;
+  Status synchronize_event(EventId event) noexcept override;
+  Status synchronize_stream(StreamId stream) noexcept override;
+  Status synchronize_device() noexcept override;
+  Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
+                      StreamId stream) noexcept override;
+  Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
+                        StreamId stream) noexcept override;
+
+  // ---- test and replay controls -------------------------------------------
+  void set_capacity(std::size_t bytes);
+  void set_address_source(AddressSource source);
+  // Fail the nth (1-based) call of `kind` counted from now with `status`.
+  void fail_nth(CallKind kind, std::uint64_t n, Status status = Status::out_of_memory);
+  // Fail each call of `kind` with probability `fraction` (seeded, repeatable).
+  void fail_fraction(CallKind kind, double fraction, std::uint64_t seed,
+                     Status status = Status::device_error);
+  void clear_faults();
+  // Complete one recorded event, every event recorded on a stream, or all.
+  void complete_event(EventId event);
+  void complete_stream(StreamId stream);
+  void complete_all_events();
+  void set_auto_complete_events(bool on);
+
+  // ---- observation --------------------------------------------------------
+  std::uint64_t calls(CallKind kind) const;
+  std::uint64_t failures(CallKind kind) const;
+  std::size_t used_bytes() const;       // segments plus physical memory
+  std::size_t live_segments() const;
+  std::size_t live_physical() const;
+  std::size_t live_reservations() const;
+  std::size_t live_events() const;
+  // Estimated nanoseconds spent in device calls under the latency model.
+  double estimated_ns() const;
+  void reset_counters();
+
+ private:
+  struct Fault {
+    std::uint64_t nth = 0;  // 0: none
+    Status nth_status = Status::ok;
+    double fraction = 0.0;
+    Status fraction_status = Status::ok;
+    std::mt19937_64 rng;
+  };
+  struct Mapping {
+    std::size_t bytes;
+    PhysicalHandle handle;
+  };
+  struct Physical {
+    std::size_t bytes;
+    std::size_t mappings = 0;
+    bool released = false;
+  };
+  struct EventState {
+    StreamId stream = 0;
+    bool recorded = false;
+    bool done = true;
+  };
+
+  // Counts the call and applies injected faults. Returns ok or the fault.
+  Status enter(CallKind kind, double extra_ns = 0.0);
+  DevicePtr next_address(std::size_t bytes, std::size_t alignment);
+  void free_physical_if_unused(PhysicalHandle handle);
+
+  SimDeviceOptions options_;
+  mutable std::mutex mutex_;
+  AddressSource address_source_;
+  DevicePtr next_address_;
+  std::size_t used_ = 0;
+  std::unordered_map<DevicePtr, std::size_t> segments_;
+  std::map<DevicePtr, std::size_t> reservations_;
+  std::map<DevicePtr, Mapping> mappings_;
+  std::unordered_map<PhysicalHandle, Physical> physical_;
+  PhysicalHandle next_handle_ = 1;
+  std::unordered_map<EventId, EventState> events_;
+  EventId next_event_ = 1;
+  std::array<std::uint64_t, kCallKindCount> calls_{};
+  std::array<std::uint64_t, kCallKindCount> failures_{};
+  std::array<Fault, kCallKindCount> faults_{};
+  double estimated_ns_ = 0.0;
+};
+
+}  // namespace reservoir

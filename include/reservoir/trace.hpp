@@ -1,0 +1,127 @@
+// Allocation traces: what a program asked of its allocator, and what the
+// allocator asked of the device, as recorded by PyTorch's memory snapshots
+// (torch.cuda.memory._dump_snapshot) or written by hand in our text format.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/snapshot.hpp"
+
+namespace reservoir {
+
+enum class TraceAction : std::uint8_t {
+  alloc,           // addr, size = requested bytes
+  free_requested,  // the caller freed addr
+  free_completed,  // the block returned to the cache (after stream events)
+  segment_alloc,   // the allocator got a segment of size bytes at addr
+  segment_free,
+  segment_map,     // expandable segments: pages mapped at addr
+  segment_unmap,
+  snapshot,
+  oom,             // an allocation of size bytes failed; addr = device free bytes
+  empty_cache,     // text traces: the program called empty_cache()
+};
+std::string_view to_string(TraceAction action) noexcept;
+
+struct TraceEvent {
+  TraceAction action = TraceAction::alloc;
+  DevicePtr addr = 0;
+  std::uint64_t size = 0;
+  StreamId stream = 0;
+};
+
+struct Trace {
+  std::string name;            // file name, for messages
+  std::string format;          // "pytorch-snapshot" or "reservoir-text"
+  std::string recorded_config; // allocator settings the trace was recorded with
+  bool has_addresses = false;  // events carry real device addresses (snapshots)
+  std::vector<TraceEvent> events;
+  Snapshot final_state;        // segments at the end of recording (snapshots)
+};
+
+// Reads a trace, choosing the reader by content (pickle, or text with the
+// "reservoir-trace" header). Throws TraceError naming the file and the byte
+// offset or line of the problem.
+Trace read_trace_file(const std::string& path);
+// PyTorch snapshot pickle, already in memory.
+Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
+                            int device = 0);
+// reservoir's text format (docs/traces.md).
+Trace read_text_trace(const std::string& text, const std::string& name);
+std::string write_text_trace(const Trace& trace);
+
+// ---- replay ---------------------------------------------------------------
+
+// A trace compiled to allocator operations on dense ids.
+struct ReplayOp {
+  enum class Kind : std::uint8_t { alloc, free, empty_cache } kind;
+  std::uint32_t id;
+  std::uint64_t size;
+  StreamId stream;
+};
+struct ReplayProgram {
+  std::string name;
+  std::vector<ReplayOp> initial;  // blocks live when recording began, in address order
+  std::vector<ReplayOp> ops;      // then the recorded requests, in order
+  std::uint32_t id_count = 0;
+  std::uint64_t recorded_events = 0;
+};
+// Blocks live at the start are those freed before any alloc at their address,
+// plus those still allocated at the end that no event touches.
+ReplayProgram compile(const Trace& trace);
+
+struct ReplayOptions {
+  std::optional<std::uint64_t> capacity;  // device capacity; unlimited when empty
+  bool validate_each_step = false;        // run the invariant validator after every op
+};
+
+struct ReplayResult {
+  std::string trace;
+  std::string config;
+  std::uint64_t events = 0;  // recorded events the program came from
+  std::uint64_t ops = 0;     // allocator calls made
+  std::uint64_t peak_requested_bytes = 0;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t peak_reserved_op = 0;  // index of the op at which reserved peaked
+  std::uint64_t final_reserved_bytes = 0;
+  std::int64_t device_allocs = 0;
+  std::int64_t device_frees = 0;
+  std::int64_t num_alloc_retries = 0;
+  std::int64_t num_ooms = 0;
+  std::string first_oom;  // message of the first out-of-memory error
+  double device_call_seconds = 0.0;  // latency-model estimate
+  double wall_seconds = 0.0;
+};
+
+ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
+                    const std::string& config_text, const ReplayOptions& options = {});
+
+// ---- verify -----------------------------------------------------------------
+
+struct VerifyResult {
+  bool agreed = false;
+  std::uint64_t events = 0;
+  std::uint64_t allocs_checked = 0;
+  std::uint64_t segment_allocs_checked = 0;
+  std::uint64_t segment_frees_checked = 0;
+  std::uint64_t initial_segments = 0;
+  std::uint64_t initial_live_blocks = 0;
+  std::uint64_t unsplit_tails = 0;     // live-at-start blocks found to carry an unsplit tail
+  bool final_state_checked = false;
+  std::uint64_t divergence_event = 0;  // index into the recorded events
+  std::string divergence;              // what differed, and the state that explains it
+};
+
+// Replays a PyTorch snapshot with the settings it was recorded with, giving
+// each new segment the recorded address, and checks every alloc address,
+// segment_alloc size and segment_free against the recording, then the final
+// segment layout. Throws TraceError when the trace cannot be verified at all.
+VerifyResult verify(const Trace& trace);
+
+}  // namespace reservoir

@@ -1,0 +1,130 @@
+// The state and the private operations of CachingAllocator.
+//
+// Lock discipline: mutex_ guards every member below. Members named *_locked
+// or taking a `Locked` tag expect it held; the public entry points in
+// caching_allocator.cpp take it. The lock is dropped on purpose in two places,
+// both marked "LOCK RELEASED": around free-memory callbacks (they may free
+// memory through this allocator) and around out-of-memory observers.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <memory_resource>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "block.hpp"
+#include "reservoir/caching_allocator.hpp"
+
+namespace reservoir {
+
+
+class CachingAllocator::Impl {
+ public:
+  Impl(Device& device, AllocatorConfig config, int device_index);
+  ~Impl();
+
+  // ---- entry points (take the lock) ----
+  void* allocate(std::size_t size, StreamId stream);
+  void deallocate(void* ptr);
+  void record_stream(void* ptr, StreamId stream);
+  void empty_cache();
+  void set_memory_fraction(double fraction);
+  void set_config(const AllocatorConfig& config);
+  AllocatorConfig config() const;
+  DeviceStats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  Snapshot snapshot() const;
+  std::size_t largest_cached_block() const;
+  void attach_oom_observer(OomObserver observer);
+  void add_free_memory_callback(FreeMemoryCallback callback);
+  void attach_trace_tracker(TraceTracker tracker);
+  void begin_allocate_to_pool(PoolId id, PoolFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);
+  void validate() const;
+  void restore(const Snapshot& layout);
+
+  const int device_index_;
+
+  // Pure size rules, exposed for tests.
+  static std::size_t round_size(std::size_t size, const AllocatorConfig& config);
+  static std::size_t allocation_size(std::size_t size);
+
+ private:
+  struct AllocParams {
+    std::size_t size;        // rounded request
+    std::size_t alloc_size;  // device allocation size if a new segment is needed
+    StreamId stream;
+    detail::BlockPool* pool;
+    detail::Block* block = nullptr;
+  };
+  struct PendingEvent {
+    EventId event;
+    detail::Block* block;
+  };
+
+  // ---- all below expect mutex_ held ----
+  detail::BlockPool& pool_for(std::size_t size, StreamId stream);
+  bool get_free_block(AllocParams& p);
+  bool alloc_block(AllocParams& p, bool is_retry);
+  detail::Block* alloc_found_block(AllocParams& p, std::size_t requested);
+  bool should_split(const detail::Block* block, std::size_t size) const;
+  void free_block(detail::Block* block);
+  std::size_t try_merge(detail::Block* dst, detail::Block* src);
+  void garbage_collect_cached_blocks();
+  bool release_available_cached_blocks(const AllocParams& p);
+  bool release_cached_blocks();
+  void release_blocks(detail::BlockPool& pool);
+  void release_block(detail::Block* block);
+  void insert_events(detail::Block* block);
+  void insert_deferred_events();
+  void process_events();
+  void synchronize_and_free_events();
+  EventId take_event();
+  [[noreturn]] void throw_oom(std::unique_lock<std::mutex>& lock, const AllocParams& p);
+  [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
+  void trace(TraceEntry::Action action, DevicePtr addr, std::size_t size, StreamId stream) {
+    if (!trackers_.empty()) emit(TraceEntry{action, addr, size, stream});
+  }
+  void emit(const TraceEntry& entry);
+  static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
+  template <typename F>
+  static void for_types(const detail::BlockPool& pool, F&& f) {
+    f(std::size_t{0});
+    f(stat_index(pool));
+  }
+  void check_supported(const AllocatorConfig& config) const;
+  void restore_locked(const Snapshot& layout);
+  void drop_all_locked() noexcept;
+
+  Device& device_;
+  mutable std::mutex mutex_;
+  AllocatorConfig config_;
+  DeviceStats stats_;
+  std::pmr::unsynchronized_pool_resource node_resource_;
+  detail::BlockArena arena_;
+  detail::BlockPool large_;
+  detail::BlockPool small_;
+  std::pmr::unordered_map<DevicePtr, detail::Block*> allocated_;
+  std::map<DevicePtr, std::unique_ptr<detail::Segment>> segments_;
+  std::map<PoolId, std::unique_ptr<detail::PrivatePool>> private_pools_;
+  std::vector<PoolId> freeable_pools_;
+  std::vector<std::pair<PoolId, PoolFilter>> routes_;  // PyTorch's captures_underway
+  std::vector<detail::Block*> deferred_event_blocks_;
+  std::map<StreamId, std::deque<PendingEvent>> pending_events_;
+  std::vector<EventId> idle_events_;
+  std::size_t total_reserved_ = 0;
+  std::size_t allowed_memory_maximum_ = 0;
+  bool set_fraction_ = false;
+  bool max_split_changed_ = false;  // oversize stats are not recountable after a change
+  std::vector<OomObserver> oom_observers_;
+  std::vector<FreeMemoryCallback> free_memory_callbacks_;
+  std::vector<TraceTracker> trackers_;
+};
+
+}  // namespace reservoir

@@ -1,0 +1,125 @@
+// Blocks, pools and segments: the allocator's data structures.
+//
+// Glossary
+//   segment  one device allocation; its blocks tile it exactly.
+//   block    a piece of a segment, allocated to a caller or free.
+//   pool     the free blocks of one size class (small <= 1 MiB, large) of the
+//            default pool or of a private pool, ordered by (stream, size, address).
+//
+// Invariants (checked by CachingAllocator::validate):
+//   for every segment S:  sum(b.size for b in S) == S.size,
+//                         b.next.ptr == b.ptr + b.size, head.ptr == S.base
+//   a block is in pool.blocks  <=>  !allocated && event_count == 0 && stream_uses empty
+//   no two neighbours are both in a pool (free neighbours always merge)
+//   stats.X.current == recount of X over all segments (allocated, active,
+//   reserved, requested, inactive split), total_reserved == sum(S.size)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory_resource>
+#include <set>
+#include <vector>
+
+#include "reservoir/device.hpp"
+#include "reservoir/snapshot.hpp"
+
+namespace reservoir::detail {
+
+struct BlockPool;
+struct Segment;
+struct PrivatePool;
+
+struct Block {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;
+  StreamId stream = 0;
+  BlockPool* pool = nullptr;
+  Segment* segment = nullptr;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  bool allocated = false;
+  int event_count = 0;               // outstanding stream events
+  std::vector<StreamId> stream_uses;  // streams recorded with record_stream
+  std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
+
+  bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
+  bool is_free() const noexcept { return !allocated && event_count == 0 && stream_uses.empty(); }
+};
+
+// Best fit order: stream, then size, then address.
+struct BlockBySize {
+  bool operator()(const Block* a, const Block* b) const noexcept {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+  }
+};
+
+using BlockSet = std::set<Block*, BlockBySize, std::pmr::polymorphic_allocator<Block*>>;
+
+struct BlockPool {
+  BlockPool(bool small, PrivatePool* owner, std::pmr::memory_resource* resource)
+      : blocks(resource), is_small(small), owner(owner) {}
+  BlockSet blocks;
+  const bool is_small;
+  PrivatePool* const owner;  // null for the default pools
+  std::int64_t get_free_blocks_call_count = 0;
+
+  void insert(Block* block) {
+    block->gc_count_base = get_free_blocks_call_count;
+    blocks.insert(block);
+  }
+  // Age of a cached block in free-block searches, as PyTorch computes it.
+  std::size_t gc_count(const Block* block) const noexcept {
+    return static_cast<std::size_t>(
+        static_cast<int>(get_free_blocks_call_count - block->gc_count_base));
+  }
+};
+
+struct Segment {
+  DevicePtr base = 0;
+  std::size_t size = 0;
+  StreamId stream = 0;
+  BlockPool* pool = nullptr;
+  Block* head = nullptr;  // the block at base
+};
+
+struct PrivatePool {
+  PrivatePool(PoolId pool_id, std::pmr::memory_resource* resource)
+      : id(pool_id), large(false, this, resource), small(true, this, resource) {}
+  PoolId id;
+  int use_count = 1;
+  int device_alloc_count = 0;  // segments still held (PyTorch's cudaMalloc_count)
+  BlockPool large;
+  BlockPool small;
+};
+
+// Recycles Block objects so steady-state allocation does no heap allocation.
+class BlockArena {
+ public:
+  Block* make() {
+    if (free_.empty()) {
+      storage_.emplace_back();
+      return &storage_.back();
+    }
+    Block* b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  void recycle(Block* b) {
+    std::vector<StreamId> uses = std::move(b->stream_uses);
+    uses.clear();
+    *b = Block{};
+    b->stream_uses = std::move(uses);  // keep capacity
+    free_.push_back(b);
+  }
+
+ private:
+  std::deque<Block> storage_;
+  std::vector<Block*> free_;
+};
+
+}  // namespace reservoir::detail

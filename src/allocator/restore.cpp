@@ -1,0 +1,140 @@
+// Restoring a recorded segment layout into an empty allocator.
+#include <fmt/format.h>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::Segment;
+
+void CachingAllocator::Impl::restore(const Snapshot& layout) {
+  std::lock_guard lock(mutex_);
+  if (!segments_.empty() || !allocated_.empty()) {
+    throw UsageError("restore: the allocator already holds memory; restore needs an empty one");
+  }
+  try {
+    restore_locked(layout);
+  } catch (...) {
+    drop_all_locked();
+    throw;
+  }
+}
+
+void CachingAllocator::Impl::drop_all_locked() noexcept {
+  for (auto& [base, seg] : segments_) {
+    (void)device_.free_segment(base);
+    for (Block* b = seg->head; b != nullptr;) {
+      Block* next = b->next;
+      arena_.recycle(b);
+      b = next;
+    }
+  }
+  segments_.clear();
+  allocated_.clear();
+  large_.blocks.clear();
+  small_.blocks.clear();
+  total_reserved_ = 0;
+  const std::int64_t max_split = stats_.max_split_size;
+  stats_ = DeviceStats{};
+  stats_.max_split_size = max_split;
+}
+
+void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
+  DevicePtr previous_end = 0;
+  for (const SegmentInfo& info : layout.segments) {
+    const std::string where = fmt::format("restore: segment at {:#x}", info.address);
+    if (info.address < previous_end) throw UsageError(where + " overlaps the one before it");
+    if (info.pool_id != PoolId{0, 0}) throw UsageError(where + " belongs to a private pool");
+    if (info.is_expandable) throw UsageError(where + " is an expandable segment");
+    if (info.blocks.empty()) throw UsageError(where + " has no blocks");
+    BlockPool& pool = info.is_large ? large_ : small_;
+    DevicePtr got = 0;
+    const Status status = device_.allocate_segment(info.total_size, &got);
+    if (status != Status::ok) {
+      throw DeviceError(CallKind::allocate_segment, status,
+                        fmt::format("{}: asking the device for {} bytes", where, info.total_size));
+    }
+    if (got != info.address) {
+      (void)device_.free_segment(got);
+      throw UsageError(fmt::format("{}: the device gave address {:#x}", where, got));
+    }
+    auto segment = std::make_unique<Segment>();
+    Segment* seg = segment.get();
+    seg->base = got;
+    seg->size = info.total_size;
+    seg->stream = info.stream;
+    seg->pool = &pool;
+    segments_.emplace(got, std::move(segment));
+    total_reserved_ += info.total_size;
+    for_types(pool, [&](std::size_t t) {
+      stats_.segment[t].increase(1);
+      stats_.reserved_bytes[t].increase(info.total_size);
+    });
+    if (info.total_size >= config_.max_split_size) stats_.oversize_segments.increase(1);
+    ++stats_.num_device_alloc;
+
+    const bool split = info.blocks.size() > 1;
+    DevicePtr cursor = info.address;
+    Block* prev = nullptr;
+    for (const BlockInfo& bi : info.blocks) {
+      if (bi.address != cursor || bi.size == 0 || bi.size % kMinBlockSize != 0) {
+        throw UsageError(fmt::format("{}: block at {:#x} of {} bytes does not tile the segment "
+                                     "(expected a multiple of 512 bytes at {:#x})",
+                                     where, bi.address, bi.size, cursor));
+      }
+      if (bi.state == BlockState::active_pending_free) {
+        throw UsageError(fmt::format("{}: block at {:#x} is pending free; restore takes "
+                                     "allocated or inactive blocks", where, bi.address));
+      }
+      Block* b = arena_.make();
+      b->ptr = bi.address;
+      b->size = bi.size;
+      b->stream = info.stream;
+      b->pool = &pool;
+      b->segment = seg;
+      b->prev = prev;
+      if (prev != nullptr) {
+        prev->next = b;
+      } else {
+        seg->head = b;
+      }
+      prev = b;
+      cursor += bi.size;
+      if (bi.state == BlockState::active_allocated) {
+        b->allocated = true;
+        b->requested_size = bi.requested_size;
+        allocated_.emplace(b->ptr, b);
+        for_types(pool, [&](std::size_t t) {
+          stats_.allocation[t].increase(1);
+          stats_.allocated_bytes[t].increase(b->size);
+          stats_.active[t].increase(1);
+          stats_.active_bytes[t].increase(b->size);
+          stats_.requested_bytes[t].increase(b->requested_size);
+        });
+        if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
+      } else {
+        if (b->prev != nullptr && b->prev->is_free()) {
+          throw UsageError(fmt::format("{}: free blocks at {:#x} and {:#x} are neighbours (they "
+                                       "would have merged)", where, b->prev->ptr, b->ptr));
+        }
+        pool.insert(b);
+        if (split) {
+          for_types(pool, [&](std::size_t t) {
+            stats_.inactive_split[t].increase(1);
+            stats_.inactive_split_bytes[t].increase(b->size);
+          });
+        }
+      }
+    }
+    if (cursor != info.address + info.total_size) {
+      throw UsageError(fmt::format("{}: blocks cover {} of {} bytes", where,
+                                   cursor - info.address, info.total_size));
+    }
+    previous_end = info.address + info.total_size;
+  }
+}
+
+}  // namespace reservoir

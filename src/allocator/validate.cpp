@@ -1,0 +1,168 @@
+// The whole-structure validator: tests call it after every operation.
+#include <fmt/format.h>
+
+#include <unordered_set>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+
+namespace {
+
+[[noreturn]] void breach(const std::string& what) {
+  throw InvariantError("allocator invariant broken: " + what);
+}
+
+void expect_stat(const char* name, std::size_t type, std::int64_t have, std::int64_t recount) {
+  static constexpr const char* kTypes[] = {"all", "small_pool", "large_pool"};
+  if (have != recount) {
+    breach(fmt::format("stat {}.{}.current is {} but a recount gives {}", name, kTypes[type],
+                       have, recount));
+  }
+}
+
+}  // namespace
+
+void CachingAllocator::Impl::validate() const {
+  std::lock_guard lock(mutex_);
+  std::array<std::int64_t, kStatTypes> allocation{}, segment{}, active{}, inactive_split{},
+      allocated_bytes{}, reserved_bytes{}, active_bytes{}, inactive_split_bytes{},
+      requested_bytes{};
+  std::int64_t oversize_allocations = 0;
+  std::int64_t oversize_segments = 0;
+  std::size_t free_blocks = 0;
+  std::size_t allocated_blocks = 0;
+  std::size_t reserved = 0;
+  std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
+  for (const auto& [id, pool] : private_pools_) {
+    known_pools.insert(&pool->large);
+    known_pools.insert(&pool->small);
+  }
+  std::unordered_map<const Block*, int> events_per_block;
+  for (const auto& [stream, queue] : pending_events_) {
+    for (const PendingEvent& e : queue) ++events_per_block[e.block];
+  }
+
+  for (const auto& [base, seg] : segments_) {
+    if (seg->base != base) breach(fmt::format("segment keyed {:#x} has base {:#x}", base, seg->base));
+    if (known_pools.count(seg->pool) == 0) breach(fmt::format("segment {:#x} has an unknown pool", base));
+    const Block* head = seg->head;
+    if (head == nullptr || head->prev != nullptr || head->ptr != base) {
+      breach(fmt::format("segment {:#x}: head block is missing or not at the base", base));
+    }
+    const std::size_t t = stat_index(*seg->pool);
+    segment[0] += 1;
+    segment[t] += 1;
+    reserved_bytes[0] += static_cast<std::int64_t>(seg->size);
+    reserved_bytes[t] += static_cast<std::int64_t>(seg->size);
+    reserved += seg->size;
+    if (seg->size >= config_.max_split_size) ++oversize_segments;
+    const bool split = head->next != nullptr;
+    std::size_t covered = 0;
+    DevicePtr cursor = base;
+    for (const Block* b = head; b != nullptr; b = b->next) {
+      if (b->ptr != cursor) {
+        breach(fmt::format("segment {:#x}: block at {:#x} should start at {:#x}", base, b->ptr,
+                           cursor));
+      }
+      if (b->size == 0) breach(fmt::format("block at {:#x} has size 0", b->ptr));
+      if (b->next != nullptr && b->next->prev != b) {
+        breach(fmt::format("block at {:#x}: next->prev does not point back", b->ptr));
+      }
+      if (b->segment != seg.get() || b->pool != seg->pool || b->stream != seg->stream) {
+        breach(fmt::format("block at {:#x} disagrees with its segment {:#x}", b->ptr, base));
+      }
+      auto ev = events_per_block.find(b);
+      const int queued = ev == events_per_block.end() ? 0 : ev->second;
+      if (queued != b->event_count) {
+        breach(fmt::format("block at {:#x}: event_count {} but {} events queued", b->ptr,
+                           b->event_count, queued));
+      }
+      const bool in_pool = b->pool->blocks.count(const_cast<Block*>(b)) == 1 &&
+                           *b->pool->blocks.find(const_cast<Block*>(b)) == b;
+      if (b->is_free() != in_pool) {
+        breach(fmt::format("block at {:#x} ({}) is {}in its pool", b->ptr,
+                           b->is_free() ? "free" : "in use", in_pool ? "" : "not "));
+      }
+      if (b->is_free()) {
+        ++free_blocks;
+        if (b->next != nullptr && b->next->is_free()) {
+          breach(fmt::format("free blocks at {:#x} and {:#x} are neighbours but not merged",
+                             b->ptr, b->next->ptr));
+        }
+        if (split) {
+          inactive_split[0] += 1;
+          inactive_split[t] += 1;
+          inactive_split_bytes[0] += static_cast<std::int64_t>(b->size);
+          inactive_split_bytes[t] += static_cast<std::int64_t>(b->size);
+        }
+      } else {
+        active[0] += 1;
+        active[t] += 1;
+        active_bytes[0] += static_cast<std::int64_t>(b->size);
+        active_bytes[t] += static_cast<std::int64_t>(b->size);
+        requested_bytes[0] += static_cast<std::int64_t>(b->requested_size);
+        requested_bytes[t] += static_cast<std::int64_t>(b->requested_size);
+      }
+      if (b->allocated) {
+        ++allocated_blocks;
+        auto it = allocated_.find(b->ptr);
+        if (it == allocated_.end() || it->second != b) {
+          breach(fmt::format("allocated block at {:#x} is missing from the pointer map", b->ptr));
+        }
+        allocation[0] += 1;
+        allocation[t] += 1;
+        allocated_bytes[0] += static_cast<std::int64_t>(b->size);
+        allocated_bytes[t] += static_cast<std::int64_t>(b->size);
+        if (b->size >= config_.max_split_size) ++oversize_allocations;
+      }
+      covered += b->size;
+      cursor += b->size;
+    }
+    if (covered != seg->size) {
+      breach(fmt::format("segment {:#x}: blocks cover {} of {} bytes", base, covered, seg->size));
+    }
+  }
+
+  std::size_t pooled = 0;
+  for (const BlockPool* pool : known_pools) pooled += pool->blocks.size();
+  if (pooled != free_blocks) {
+    breach(fmt::format("pools hold {} blocks but segments have {} free blocks", pooled,
+                       free_blocks));
+  }
+  if (allocated_.size() != allocated_blocks) {
+    breach(fmt::format("pointer map holds {} entries for {} allocated blocks", allocated_.size(),
+                       allocated_blocks));
+  }
+  if (reserved != total_reserved_) {
+    breach(fmt::format("reserved total is {} but segments sum to {}", total_reserved_, reserved));
+  }
+  for (std::size_t t = 0; t < kStatTypes; ++t) {
+    expect_stat("allocation", t, stats_.allocation[t].current, allocation[t]);
+    expect_stat("segment", t, stats_.segment[t].current, segment[t]);
+    expect_stat("active", t, stats_.active[t].current, active[t]);
+    expect_stat("inactive_split", t, stats_.inactive_split[t].current, inactive_split[t]);
+    expect_stat("allocated_bytes", t, stats_.allocated_bytes[t].current, allocated_bytes[t]);
+    expect_stat("reserved_bytes", t, stats_.reserved_bytes[t].current, reserved_bytes[t]);
+    expect_stat("active_bytes", t, stats_.active_bytes[t].current, active_bytes[t]);
+    expect_stat("inactive_split_bytes", t, stats_.inactive_split_bytes[t].current,
+                inactive_split_bytes[t]);
+    expect_stat("requested_bytes", t, stats_.requested_bytes[t].current, requested_bytes[t]);
+  }
+  if (!max_split_changed_) {
+    if (stats_.oversize_allocations.current != oversize_allocations) {
+      breach(fmt::format("oversize_allocations.current is {} but a recount gives {}",
+                         stats_.oversize_allocations.current, oversize_allocations));
+    }
+    if (stats_.oversize_segments.current != oversize_segments) {
+      breach(fmt::format("oversize_segments.current is {} but a recount gives {}",
+                         stats_.oversize_segments.current, oversize_segments));
+    }
+  }
+}
+
+}  // namespace reservoir

@@ -1,0 +1,419 @@
+#include "reservoir/sim_device.hpp"
+
+#include <algorithm>
+
+namespace reservoir {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+bool is_multiple(std::size_t value, std::size_t unit) { return unit != 0 && value % unit == 0; }
+
+std::size_t index(CallKind kind) { return static_cast<std::size_t>(kind); }
+
+}  // namespace
+
+LatencyModel LatencyModel::defaults() {
+  LatencyModel m;
+  auto set = [&m](CallKind k, double ns) { m.ns_per_call[index(k)] = ns; };
+  set(CallKind::allocate_segment, 25'000);
+  set(CallKind::free_segment, 15'000);
+  set(CallKind::reserve, 5'000);
+  set(CallKind::unreserve, 5'000);
+  set(CallKind::create_physical, 10'000);
+  set(CallKind::release_physical, 5'000);
+  set(CallKind::map, 8'000);
+  set(CallKind::unmap, 10'000);
+  set(CallKind::set_access, 8'000);
+  set(CallKind::memory_info, 1'000);
+  set(CallKind::create_event, 1'000);
+  set(CallKind::destroy_event, 500);
+  set(CallKind::record_event, 2'000);
+  set(CallKind::query_event, 500);
+  set(CallKind::synchronize_event, 5'000);
+  set(CallKind::synchronize_stream, 5'000);
+  set(CallKind::synchronize_device, 10'000);
+  m.allocate_ns_per_mib = 1'000;
+  return m;
+}
+
+SimDevice::SimDevice(SimDeviceOptions options)
+    : options_(options), next_address_(options.base_address) {
+  for (std::size_t i = 0; i < kCallKindCount; ++i) faults_[i].rng.seed(i + 1);
+}
+
+SimDevice::~SimDevice() = default;
+
+Status SimDevice::enter(CallKind kind, double extra_ns) {
+  const std::size_t i = index(kind);
+  ++calls_[i];
+  estimated_ns_ += options_.latency.ns_per_call[i] + extra_ns;
+  Fault& f = faults_[i];
+  if (f.nth != 0 && --f.nth == 0) {
+    ++failures_[i];
+    return f.nth_status;
+  }
+  if (f.fraction > 0.0) {
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    if (u(f.rng) < f.fraction) {
+      ++failures_[i];
+      return f.fraction_status;
+    }
+  }
+  return Status::ok;
+}
+
+DevicePtr SimDevice::next_address(std::size_t bytes, std::size_t alignment) {
+  alignment = std::max<std::size_t>(alignment, 512);
+  DevicePtr addr = (next_address_ + alignment - 1) & ~(DevicePtr{alignment} - 1);
+  next_address_ = addr + bytes;
+  return addr;
+}
+
+Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::allocate_segment,
+                       options_.latency.allocate_ns_per_mib * static_cast<double>(bytes) / kMiB);
+      s != Status::ok) {
+    return s;
+  }
+  if (bytes == 0 || addr == nullptr) return Status::invalid_argument;
+  if (bytes > options_.capacity - std::min(used_, options_.capacity)) return Status::out_of_memory;
+  DevicePtr result = 0;
+  if (address_source_) {
+    if (Status s = address_source_(bytes, &result); s != Status::ok) return s;
+    if (segments_.count(result) != 0) return Status::invalid_argument;
+  } else {
+    result = next_address(bytes, options_.segment_alignment);
+  }
+  segments_.emplace(result, bytes);
+  used_ += bytes;
+  *addr = result;
+  return Status::ok;
+}
+
+Status SimDevice::free_segment(DevicePtr addr) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::free_segment); s != Status::ok) return s;
+  auto it = segments_.find(addr);
+  if (it == segments_.end()) return Status::invalid_argument;
+  used_ -= it->second;
+  segments_.erase(it);
+  return Status::ok;
+}
+
+Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::reserve); s != Status::ok) return s;
+  if (bytes == 0 || va == nullptr || !is_multiple(bytes, options_.granularity) ||
+      (alignment & (alignment - 1)) != 0) {
+    return Status::invalid_argument;
+  }
+  DevicePtr addr = next_address(bytes, std::max(alignment, options_.granularity));
+  reservations_.emplace(addr, bytes);
+  *va = addr;
+  return Status::ok;
+}
+
+Status SimDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::unreserve); s != Status::ok) return s;
+  auto it = reservations_.find(va);
+  if (it == reservations_.end() || it->second != bytes) return Status::invalid_argument;
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.end() && m->first < va + bytes) return Status::invalid_argument;
+  reservations_.erase(it);
+  return Status::ok;
+}
+
+Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::create_physical,
+                       options_.latency.allocate_ns_per_mib * static_cast<double>(bytes) / kMiB);
+      s != Status::ok) {
+    return s;
+  }
+  if (bytes == 0 || handle == nullptr || !is_multiple(bytes, options_.granularity)) {
+    return Status::invalid_argument;
+  }
+  if (bytes > options_.capacity - std::min(used_, options_.capacity)) return Status::out_of_memory;
+  PhysicalHandle h = next_handle_++;
+  physical_.emplace(h, Physical{bytes});
+  used_ += bytes;
+  *handle = h;
+  return Status::ok;
+}
+
+void SimDevice::free_physical_if_unused(PhysicalHandle handle) {
+  auto it = physical_.find(handle);
+  if (it != physical_.end() && it->second.released && it->second.mappings == 0) {
+    used_ -= it->second.bytes;
+    physical_.erase(it);
+  }
+}
+
+Status SimDevice::release_physical(PhysicalHandle handle) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::release_physical); s != Status::ok) return s;
+  auto it = physical_.find(handle);
+  if (it == physical_.end() || it->second.released) return Status::invalid_argument;
+  it->second.released = true;
+  free_physical_if_unused(handle);
+  return Status::ok;
+}
+
+Status SimDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                      std::size_t offset) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::map); s != Status::ok) return s;
+  const std::size_t g = options_.granularity;
+  if (bytes == 0 || !is_multiple(va, g) || !is_multiple(bytes, g) || !is_multiple(offset, g)) {
+    return Status::invalid_argument;
+  }
+  auto p = physical_.find(handle);
+  if (p == physical_.end() || p->second.released || offset > p->second.bytes ||
+      bytes > p->second.bytes - offset) {
+    return Status::invalid_argument;
+  }
+  auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin()) return Status::invalid_argument;
+  --r;
+  if (va + bytes > r->first + r->second) return Status::invalid_argument;
+  auto next = mappings_.lower_bound(va);
+  if (next != mappings_.end() && next->first < va + bytes) return Status::invalid_argument;
+  if (next != mappings_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.bytes > va) return Status::invalid_argument;
+  }
+  mappings_.emplace(va, Mapping{bytes, handle});
+  ++p->second.mappings;
+  return Status::ok;
+}
+
+Status SimDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::unmap); s != Status::ok) return s;
+  // The range must be exactly a run of whole, adjacent mappings.
+  auto it = mappings_.find(va);
+  DevicePtr cursor = va;
+  const DevicePtr end = va + bytes;
+  auto scan = it;
+  while (scan != mappings_.end() && cursor < end) {
+    if (scan->first != cursor) return Status::invalid_argument;
+    cursor += scan->second.bytes;
+    ++scan;
+  }
+  if (it == mappings_.end() || cursor != end) return Status::invalid_argument;
+  while (it != scan) {
+    PhysicalHandle h = it->second.handle;
+    --physical_.at(h).mappings;
+    it = mappings_.erase(it);
+    free_physical_if_unused(h);
+  }
+  return Status::ok;
+}
+
+Status SimDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::set_access); s != Status::ok) return s;
+  DevicePtr cursor = va;
+  auto it = mappings_.upper_bound(va);
+  if (it == mappings_.begin()) return Status::invalid_argument;
+  --it;
+  while (cursor < va + bytes) {
+    if (it == mappings_.end() || it->first > cursor || it->first + it->second.bytes <= cursor) {
+      return Status::invalid_argument;
+    }
+    cursor = it->first + it->second.bytes;
+    ++it;
+  }
+  return Status::ok;
+}
+
+Status SimDevice::memory_info(MemoryInfo* info) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::memory_info); s != Status::ok) return s;
+  if (info == nullptr) return Status::invalid_argument;
+  info->total = options_.capacity;
+  info->free = options_.capacity - std::min(used_, options_.capacity);
+  return Status::ok;
+}
+
+Status SimDevice::create_event(EventId* event) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::create_event); s != Status::ok) return s;
+  if (event == nullptr) return Status::invalid_argument;
+  EventId id = next_event_++;
+  events_.emplace(id, EventState{});
+  *event = id;
+  return Status::ok;
+}
+
+Status SimDevice::destroy_event(EventId event) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::destroy_event); s != Status::ok) return s;
+  return events_.erase(event) == 1 ? Status::ok : Status::invalid_argument;
+}
+
+Status SimDevice::record_event(EventId event, StreamId stream) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::record_event); s != Status::ok) return s;
+  auto it = events_.find(event);
+  if (it == events_.end()) return Status::invalid_argument;
+  it->second = EventState{stream, true, options_.auto_complete_events};
+  return Status::ok;
+}
+
+Status SimDevice::query_event(EventId event) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::query_event); s != Status::ok) return s;
+  auto it = events_.find(event);
+  if (it == events_.end()) return Status::invalid_argument;
+  return it->second.done ? Status::ok : Status::not_ready;
+}
+
+Status SimDevice::synchronize_event(EventId event) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::synchronize_event); s != Status::ok) return s;
+  auto it = events_.find(event);
+  if (it == events_.end()) return Status::invalid_argument;
+  it->second.done = true;
+  return Status::ok;
+}
+
+Status SimDevice::synchronize_stream(StreamId stream) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::synchronize_stream); s != Status::ok) return s;
+  for (auto& [id, e] : events_) {
+    if (e.stream == stream) e.done = true;
+  }
+  return Status::ok;
+}
+
+Status SimDevice::synchronize_device() noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::synchronize_device); s != Status::ok) return s;
+  for (auto& [id, e] : events_) e.done = true;
+  return Status::ok;
+}
+
+Status SimDevice::copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
+                               StreamId /*stream*/) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::copy_to_host); s != Status::ok) return s;
+  // Accounting only: no contents exist. Validate the arguments.
+  return (dst == nullptr && bytes != 0) || (src == 0 && bytes != 0) ? Status::invalid_argument
+                                                                    : Status::ok;
+}
+
+Status SimDevice::copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
+                                 StreamId /*stream*/) noexcept {
+  std::lock_guard lock(mutex_);
+  if (Status s = enter(CallKind::copy_to_device); s != Status::ok) return s;
+  return (src == nullptr && bytes != 0) || (dst == 0 && bytes != 0) ? Status::invalid_argument
+                                                                    : Status::ok;
+}
+
+void SimDevice::set_capacity(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  options_.capacity = bytes;
+}
+
+void SimDevice::set_address_source(AddressSource source) {
+  std::lock_guard lock(mutex_);
+  address_source_ = std::move(source);
+}
+
+void SimDevice::fail_nth(CallKind kind, std::uint64_t n, Status status) {
+  std::lock_guard lock(mutex_);
+  faults_[index(kind)].nth = n;
+  faults_[index(kind)].nth_status = status;
+}
+
+void SimDevice::fail_fraction(CallKind kind, double fraction, std::uint64_t seed, Status status) {
+  std::lock_guard lock(mutex_);
+  Fault& f = faults_[index(kind)];
+  f.fraction = fraction;
+  f.fraction_status = status;
+  f.rng.seed(seed);
+}
+
+void SimDevice::clear_faults() {
+  std::lock_guard lock(mutex_);
+  for (Fault& f : faults_) {
+    f.nth = 0;
+    f.fraction = 0.0;
+  }
+}
+
+void SimDevice::complete_event(EventId event) {
+  std::lock_guard lock(mutex_);
+  auto it = events_.find(event);
+  if (it != events_.end()) it->second.done = true;
+}
+
+void SimDevice::complete_stream(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, e] : events_) {
+    if (e.stream == stream) e.done = true;
+  }
+}
+
+void SimDevice::complete_all_events() {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, e] : events_) e.done = true;
+}
+
+void SimDevice::set_auto_complete_events(bool on) {
+  std::lock_guard lock(mutex_);
+  options_.auto_complete_events = on;
+}
+
+std::uint64_t SimDevice::calls(CallKind kind) const {
+  std::lock_guard lock(mutex_);
+  return calls_[index(kind)];
+}
+
+std::uint64_t SimDevice::failures(CallKind kind) const {
+  std::lock_guard lock(mutex_);
+  return failures_[index(kind)];
+}
+
+std::size_t SimDevice::used_bytes() const {
+  std::lock_guard lock(mutex_);
+  return used_;
+}
+
+std::size_t SimDevice::live_segments() const {
+  std::lock_guard lock(mutex_);
+  return segments_.size();
+}
+
+std::size_t SimDevice::live_physical() const {
+  std::lock_guard lock(mutex_);
+  return physical_.size();
+}
+
+std::size_t SimDevice::live_reservations() const {
+  std::lock_guard lock(mutex_);
+  return reservations_.size();
+}
+
+std::size_t SimDevice::live_events() const {
+  std::lock_guard lock(mutex_);
+  return events_.size();
+}
+
+double SimDevice::estimated_ns() const {
+  std::lock_guard lock(mutex_);
+  return estimated_ns_;
+}
+
+void SimDevice::reset_counters() {
+  std::lock_guard lock(mutex_);
+  calls_.fill(0);
+  failures_.fill(0);
+  estimated_ns_ = 0.0;
+}
+
+}  // namespace reservoir

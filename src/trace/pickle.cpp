@@ -1,0 +1,431 @@
+#include "reservoir/pickle.hpp"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cstring>
+#include <limits>
+
+#include "reservoir/errors.hpp"
+
+namespace reservoir::pickle {
+
+std::string_view to_string(Kind kind) noexcept {
+  switch (kind) {
+    case Kind::none: return "None";
+    case Kind::boolean: return "bool";
+    case Kind::integer: return "int";
+    case Kind::floating: return "float";
+    case Kind::string: return "str";
+    case Kind::bytes: return "bytes";
+    case Kind::list: return "list";
+    case Kind::tuple: return "tuple";
+    case Kind::dict: return "dict";
+  }
+  return "unknown";
+}
+
+const Value* Value::find(std::string_view key) const {
+  if (kind != Kind::dict) return nullptr;
+  for (const auto& [k, v] : entries) {
+    if (k->kind == Kind::string && k->text == key) return v;
+  }
+  return nullptr;
+}
+
+namespace {
+
+// Opcodes of the supported subset.
+enum Op : std::uint8_t {
+  MARK = '(', STOP = '.', POP = '0', POP_MARK = '1', DUP = '2', NONE = 'N',
+  BININT = 'J', BININT1 = 'K', BININT2 = 'M', BINFLOAT = 'G', BINUNICODE = 'X',
+  BINBYTES = 'B', SHORT_BINBYTES = 'C', EMPTY_LIST = ']', APPEND = 'a', APPENDS = 'e',
+  EMPTY_DICT = '}', SETITEM = 's', SETITEMS = 'u', EMPTY_TUPLE = ')', TUPLE = 't',
+  BINGET = 'h', LONG_BINGET = 'j', BINPUT = 'q', LONG_BINPUT = 'r',
+  PROTO = 0x80, TUPLE1 = 0x85, TUPLE2 = 0x86, TUPLE3 = 0x87, NEWTRUE = 0x88, NEWFALSE = 0x89,
+  LONG1 = 0x8a, LONG4 = 0x8b, SHORT_BINUNICODE = 0x8c, BINUNICODE8 = 0x8d, BINBYTES8 = 0x8e,
+  MEMOIZE = 0x94, FRAME = 0x95,
+};
+
+const char* refused_name(std::uint8_t op) {
+  switch (op) {
+    case 'c': return "GLOBAL";
+    case 0x93: return "STACK_GLOBAL";
+    case 'R': return "REDUCE";
+    case 'b': return "BUILD";
+    case 'i': return "INST";
+    case 'o': return "OBJ";
+    case 0x81: return "NEWOBJ";
+    case 0x92: return "NEWOBJ_EX";
+    case 'P': return "PERSID";
+    case 'Q': return "BINPERSID";
+    case 0x82: return "EXT1";
+    case 0x83: return "EXT2";
+    case 0x84: return "EXT4";
+    default: return nullptr;
+  }
+}
+
+class Decoder {
+ public:
+  explicit Decoder(std::span<const std::uint8_t> data) : data_(data) {}
+
+  Document run() {
+    while (true) {
+      if (pos_ >= data_.size()) fail(pos_, "truncated: the pickle ends before its STOP opcode");
+      const std::size_t at = pos_;
+      const std::uint8_t op = data_[pos_++];
+      if (op == STOP) {
+        if (!marks_.empty()) fail(at, "STOP with an unclosed MARK");
+        if (stack_.size() != 1) {
+          fail(at, fmt::format("STOP with {} values on the stack (expected 1)", stack_.size()));
+        }
+        if (pos_ != data_.size()) {
+          fail(pos_, fmt::format("{} unexpected bytes after STOP", data_.size() - pos_));
+        }
+        doc_.set_root(stack_.back());
+        return std::move(doc_);
+      }
+      step(at, op);
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(std::size_t at, const std::string& what) const {
+    throw TraceError(fmt::format("pickle: byte {}: {}", at, what));
+  }
+
+  std::span<const std::uint8_t> take(std::size_t n, std::size_t at, const char* what) {
+    if (n > data_.size() - pos_) {
+      fail(at, fmt::format("truncated: {} needs {} bytes, {} remain", what, n, data_.size() - pos_));
+    }
+    auto out = data_.subspan(pos_, n);
+    pos_ += n;
+    return out;
+  }
+
+  std::uint64_t little(std::size_t n, std::size_t at, const char* what) {
+    auto bytes = take(n, at, what);
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{bytes[i]} << (8 * i);
+    return v;
+  }
+
+  const Value* pop(std::size_t at, const char* what) {
+    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) {
+      fail(at, fmt::format("{} needs a value but the stack is empty", what));
+    }
+    const Value* v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+
+  std::size_t pop_mark(std::size_t at, const char* what) {
+    if (marks_.empty()) fail(at, fmt::format("{} without a MARK", what));
+    std::size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+
+  Value* top_container(std::size_t at, Kind kind, const char* what) {
+    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) {
+      fail(at, fmt::format("{} needs a {} on the stack", what, to_string(kind)));
+    }
+    const Value* v = stack_.back();
+    if (v->kind != kind) {
+      fail(at, fmt::format("{} applied to a {}, expected a {}", what, to_string(v->kind),
+                           to_string(kind)));
+    }
+    return const_cast<Value*>(v);
+  }
+
+  void push_string(Kind kind, std::size_t n, std::size_t at, const char* what) {
+    if (n > data_.size()) fail(at, fmt::format("{} length {} exceeds the file", what, n));
+    auto bytes = take(n, at, what);
+    Value* v = doc_.make(kind);
+    v->text.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    stack_.push_back(v);
+  }
+
+  void push_int(std::int64_t i) {
+    Value* v = doc_.make(Kind::integer);
+    v->integer = i;
+    stack_.push_back(v);
+  }
+
+  void push_long(std::size_t n, std::size_t at) {
+    if (n > 9) fail(at, fmt::format("integer of {} bytes does not fit 64 bits", n));
+    auto bytes = take(n, at, "LONG");
+    if (n == 9) {
+      // Python writes values in [2^63, 2^64) with a ninth, zero sign byte.
+      std::uint64_t u = 0;
+      for (std::size_t i = 0; i < 8; ++i) u |= std::uint64_t{bytes[i]} << (8 * i);
+      if (bytes[8] != 0 || u < (std::uint64_t{1} << 63)) {
+        fail(at, "integer of 9 bytes does not fit 64 bits");
+      }
+      push_int(static_cast<std::int64_t>(u));
+      const_cast<Value*>(stack_.back())->above_int64 = true;
+      return;
+    }
+    std::uint64_t v = 0;
+    for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{bytes[i]} << (8 * i);
+    if (n > 0 && n < 8 && (bytes[n - 1] & 0x80)) v |= ~std::uint64_t{0} << (8 * n);  // sign-extend
+    push_int(static_cast<std::int64_t>(v));
+  }
+
+  void memo_put(std::size_t index, std::size_t at) {
+    if (stack_.empty()) fail(at, "memo store with an empty stack");
+    if (index > data_.size()) fail(at, fmt::format("memo index {} is implausible", index));
+    if (memo_.size() <= index) memo_.resize(index + 1, nullptr);
+    memo_[index] = stack_.back();
+  }
+
+  void memo_get(std::size_t index, std::size_t at) {
+    if (index >= memo_.size() || memo_[index] == nullptr) {
+      fail(at, fmt::format("memo index {} was never stored", index));
+    }
+    stack_.push_back(memo_[index]);
+  }
+
+  void make_tuple(std::size_t from) {
+    Value* t = doc_.make(Kind::tuple);
+    t->items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+    stack_.resize(from);
+    stack_.push_back(t);
+  }
+
+  void step(std::size_t at, std::uint8_t op) {
+    switch (op) {
+      case PROTO: {
+        const auto version = take(1, at, "PROTO")[0];
+        if (version > 5) fail(at, fmt::format("unsupported pickle protocol {}", version));
+        return;
+      }
+      case FRAME: little(8, at, "FRAME"); return;
+      case MARK: marks_.push_back(stack_.size()); return;
+      case POP: pop(at, "POP"); return;
+      case POP_MARK: stack_.resize(pop_mark(at, "POP_MARK")); return;
+      case DUP: {
+        const Value* v = pop(at, "DUP");
+        stack_.push_back(v);
+        stack_.push_back(v);
+        return;
+      }
+      case NONE: stack_.push_back(doc_.make(Kind::none)); return;
+      case NEWTRUE:
+      case NEWFALSE: {
+        Value* v = doc_.make(Kind::boolean);
+        v->boolean = op == NEWTRUE;
+        stack_.push_back(v);
+        return;
+      }
+      case BININT: push_int(static_cast<std::int32_t>(little(4, at, "BININT"))); return;
+      case BININT1: push_int(static_cast<std::int64_t>(little(1, at, "BININT1"))); return;
+      case BININT2: push_int(static_cast<std::int64_t>(little(2, at, "BININT2"))); return;
+      case LONG1: push_long(little(1, at, "LONG1"), at); return;
+      case LONG4: push_long(little(4, at, "LONG4"), at); return;
+      case BINFLOAT: {
+        auto b = take(8, at, "BINFLOAT");
+        std::uint64_t bits = 0;
+        for (int i = 0; i < 8; ++i) bits = (bits << 8) | b[static_cast<std::size_t>(i)];  // big-endian
+        Value* v = doc_.make(Kind::floating);
+        v->floating = std::bit_cast<double>(bits);
+        stack_.push_back(v);
+        return;
+      }
+      case SHORT_BINUNICODE: push_string(Kind::string, little(1, at, "SHORT_BINUNICODE"), at, "SHORT_BINUNICODE"); return;
+      case BINUNICODE: push_string(Kind::string, little(4, at, "BINUNICODE"), at, "BINUNICODE"); return;
+      case BINUNICODE8: push_string(Kind::string, little(8, at, "BINUNICODE8"), at, "BINUNICODE8"); return;
+      case SHORT_BINBYTES: push_string(Kind::bytes, little(1, at, "SHORT_BINBYTES"), at, "SHORT_BINBYTES"); return;
+      case BINBYTES: push_string(Kind::bytes, little(4, at, "BINBYTES"), at, "BINBYTES"); return;
+      case BINBYTES8: push_string(Kind::bytes, little(8, at, "BINBYTES8"), at, "BINBYTES8"); return;
+      case EMPTY_LIST: stack_.push_back(doc_.make(Kind::list)); return;
+      case EMPTY_DICT: stack_.push_back(doc_.make(Kind::dict)); return;
+      case EMPTY_TUPLE: stack_.push_back(doc_.make(Kind::tuple)); return;
+      case APPEND: {
+        const Value* v = pop(at, "APPEND");
+        top_container(at, Kind::list, "APPEND")->items.push_back(v);
+        return;
+      }
+      case APPENDS: {
+        const std::size_t m = pop_mark(at, "APPENDS");
+        if (m == 0) fail(at, "APPENDS with no list below its MARK");
+        Value* list = const_cast<Value*>(stack_[m - 1]);
+        if (list->kind != Kind::list) {
+          fail(at, fmt::format("APPENDS applied to a {}, expected a list", to_string(list->kind)));
+        }
+        list->items.insert(list->items.end(), stack_.begin() + static_cast<std::ptrdiff_t>(m),
+                           stack_.end());
+        stack_.resize(m);
+        return;
+      }
+      case SETITEM: {
+        const Value* value = pop(at, "SETITEM");
+        const Value* key = pop(at, "SETITEM");
+        top_container(at, Kind::dict, "SETITEM")->entries.emplace_back(key, value);
+        return;
+      }
+      case SETITEMS: {
+        const std::size_t m = pop_mark(at, "SETITEMS");
+        if (m == 0) fail(at, "SETITEMS with no dict below its MARK");
+        if ((stack_.size() - m) % 2 != 0) fail(at, "SETITEMS with an odd number of values");
+        Value* dict = const_cast<Value*>(stack_[m - 1]);
+        if (dict->kind != Kind::dict) {
+          fail(at, fmt::format("SETITEMS applied to a {}, expected a dict", to_string(dict->kind)));
+        }
+        for (std::size_t i = m; i < stack_.size(); i += 2) {
+          dict->entries.emplace_back(stack_[i], stack_[i + 1]);
+        }
+        stack_.resize(m);
+        return;
+      }
+      case TUPLE: make_tuple(pop_mark(at, "TUPLE")); return;
+      case TUPLE1:
+      case TUPLE2:
+      case TUPLE3: {
+        const std::size_t n = op - TUPLE1 + 1u;
+        const std::size_t floor = marks_.empty() ? 0 : marks_.back();
+        if (stack_.size() < floor + n) fail(at, fmt::format("TUPLE{} needs {} values", n, n));
+        make_tuple(stack_.size() - n);
+        return;
+      }
+      case MEMOIZE: memo_put(memo_.size(), at); return;
+      case BINPUT: memo_put(little(1, at, "BINPUT"), at); return;
+      case LONG_BINPUT: memo_put(little(4, at, "LONG_BINPUT"), at); return;
+      case BINGET: memo_get(little(1, at, "BINGET"), at); return;
+      case LONG_BINGET: memo_get(little(4, at, "LONG_BINGET"), at); return;
+      default: break;
+    }
+    if (const char* name = refused_name(op)) {
+      fail(at, fmt::format("opcode {} (0x{:02x}) builds objects and is refused: a snapshot holds "
+                           "only plain data", name, op));
+    }
+    fail(at, fmt::format("unknown or unsupported opcode 0x{:02x}", op));
+  }
+
+  std::span<const std::uint8_t> data_;
+  std::size_t pos_ = 0;
+  Document doc_;
+  std::vector<const Value*> stack_;
+  std::vector<std::size_t> marks_;
+  std::vector<const Value*> memo_;
+};
+
+class Encoder {
+ public:
+  std::string run(const Value& root) {
+    out_.push_back(static_cast<char>(PROTO));
+    out_.push_back(4);
+    write(root, 0);
+    out_.push_back(static_cast<char>(STOP));
+    return std::move(out_);
+  }
+
+ private:
+  void byte(std::uint8_t b) { out_.push_back(static_cast<char>(b)); }
+  void little(std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) byte(static_cast<std::uint8_t>(v >> (8 * i)));
+  }
+
+  void write(const Value& v, int depth) {
+    if (depth > 10000) throw TraceError("pickle encode: value nests too deeply (cycle?)");
+    switch (v.kind) {
+      case Kind::none: byte(NONE); return;
+      case Kind::boolean: byte(v.boolean ? NEWTRUE : NEWFALSE); return;
+      case Kind::integer: {
+        const std::int64_t i = v.integer;
+        if (v.above_int64) {
+          byte(LONG1);
+          byte(9);
+          little(static_cast<std::uint64_t>(i), 8);
+          byte(0);
+        } else if (i >= 0 && i < 256) {
+          byte(BININT1);
+          little(static_cast<std::uint64_t>(i), 1);
+        } else if (i >= 0 && i < 65536) {
+          byte(BININT2);
+          little(static_cast<std::uint64_t>(i), 2);
+        } else if (i >= std::numeric_limits<std::int32_t>::min() &&
+                   i <= std::numeric_limits<std::int32_t>::max()) {
+          byte(BININT);
+          little(static_cast<std::uint32_t>(static_cast<std::int32_t>(i)), 4);
+        } else {
+          // Shortest two's-complement little-endian form, as Python writes it.
+          int n = 8;
+          while (n > 1) {
+            const std::int64_t shifted = i >> (8 * (n - 1) - 1);
+            if (shifted != 0 && shifted != -1) break;
+            --n;
+          }
+          byte(LONG1);
+          byte(static_cast<std::uint8_t>(n));
+          little(static_cast<std::uint64_t>(i), n);
+        }
+        return;
+      }
+      case Kind::floating: {
+        byte(BINFLOAT);
+        const auto bits = std::bit_cast<std::uint64_t>(v.floating);
+        for (int i = 7; i >= 0; --i) byte(static_cast<std::uint8_t>(bits >> (8 * i)));
+        return;
+      }
+      case Kind::string:
+      case Kind::bytes: {
+        const bool str = v.kind == Kind::string;
+        if (v.text.size() < 256) {
+          byte(str ? SHORT_BINUNICODE : SHORT_BINBYTES);
+          little(v.text.size(), 1);
+        } else {
+          byte(str ? BINUNICODE : BINBYTES);
+          little(v.text.size(), 4);
+        }
+        out_ += v.text;
+        return;
+      }
+      case Kind::list: {
+        byte(EMPTY_LIST);
+        for (std::size_t i = 0; i < v.items.size(); i += 1000) {
+          byte(MARK);
+          for (std::size_t j = i; j < std::min(v.items.size(), i + 1000); ++j) {
+            write(*v.items[j], depth + 1);
+          }
+          byte(APPENDS);
+        }
+        return;
+      }
+      case Kind::tuple: {
+        if (v.items.empty()) {
+          byte(EMPTY_TUPLE);
+          return;
+        }
+        if (v.items.size() > 3) byte(MARK);
+        for (const Value* item : v.items) write(*item, depth + 1);
+        byte(v.items.size() > 3 ? static_cast<std::uint8_t>(TUPLE)
+                                : static_cast<std::uint8_t>(TUPLE1 + v.items.size() - 1));
+        return;
+      }
+      case Kind::dict: {
+        byte(EMPTY_DICT);
+        for (std::size_t i = 0; i < v.entries.size(); i += 1000) {
+          byte(MARK);
+          for (std::size_t j = i; j < std::min(v.entries.size(), i + 1000); ++j) {
+            write(*v.entries[j].first, depth + 1);
+            write(*v.entries[j].second, depth + 1);
+          }
+          byte(SETITEMS);
+        }
+        return;
+      }
+    }
+  }
+
+  std::string out_;
+};
+
+}  // namespace
+
+Document decode(std::span<const std::uint8_t> data) { return Decoder(data).run(); }
+
+std::string encode(const Value& root) { return Encoder().run(root); }
+
+}  // namespace reservoir::pickle

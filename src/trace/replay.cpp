@@ -1,0 +1,136 @@
+// Compiling traces to allocator operations, and replaying them on a SimDevice.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+
+ReplayProgram compile(const Trace& trace) {
+  ReplayProgram program;
+  program.name = trace.name;
+  program.recorded_events = trace.events.size();
+  std::unordered_map<DevicePtr, std::uint32_t> live;
+  std::unordered_set<DevicePtr> touched;
+  std::vector<std::pair<DevicePtr, ReplayOp>> initial;
+  std::uint32_t next_id = 0;
+  program.ops.reserve(trace.events.size() / 2);
+  for (const TraceEvent& e : trace.events) {
+    switch (e.action) {
+      case TraceAction::alloc: {
+        const std::uint32_t id = next_id++;
+        live[e.addr] = id;
+        touched.insert(e.addr);
+        program.ops.push_back({ReplayOp::Kind::alloc, id, e.size, e.stream});
+        break;
+      }
+      case TraceAction::free_requested: {
+        touched.insert(e.addr);
+        std::uint32_t id = 0;
+        auto it = live.find(e.addr);
+        if (it == live.end()) {
+          // Live before recording began: allocate it first.
+          id = next_id++;
+          initial.emplace_back(e.addr, ReplayOp{ReplayOp::Kind::alloc, id, e.size, e.stream});
+        } else {
+          id = it->second;
+          live.erase(it);
+        }
+        program.ops.push_back({ReplayOp::Kind::free, id, 0, e.stream});
+        break;
+      }
+      case TraceAction::empty_cache:
+        program.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
+        break;
+      default: break;  // device-side and bookkeeping events are the allocator's to decide
+    }
+  }
+  // Blocks allocated before recording and never touched by it.
+  for (const SegmentInfo& s : trace.final_state.segments) {
+    for (const BlockInfo& b : s.blocks) {
+      if (b.state == BlockState::inactive || touched.count(b.address) != 0) continue;
+      const std::uint64_t size = b.requested_size != 0 ? b.requested_size : b.size;
+      initial.emplace_back(b.address, ReplayOp{ReplayOp::Kind::alloc, next_id++, size, s.stream});
+    }
+  }
+  std::sort(initial.begin(), initial.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [addr, op] : initial) program.initial.push_back(op);
+  program.id_count = next_id;
+  return program;
+}
+
+ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
+                    const std::string& config_text, const ReplayOptions& options) {
+  SimDeviceOptions device_options;
+  device_options.capacity = options.capacity.value_or(std::size_t{1} << 50);
+  device_options.auto_complete_events = true;
+  SimDevice device(device_options);
+  CachingAllocator allocator(device, config);
+
+  ReplayResult result;
+  result.trace = program.name;
+  result.config = config_text;
+  result.events = program.recorded_events;
+
+  std::uint64_t op_index = 0;
+  std::uint64_t reserved = 0;
+  allocator.attach_trace_tracker([&](const TraceEntry& e) {
+    if (e.action == TraceEntry::Action::segment_alloc) {
+      reserved += e.size;
+      if (reserved > result.peak_reserved_bytes) {
+        result.peak_reserved_bytes = reserved;
+        result.peak_reserved_op = op_index;
+      }
+    } else if (e.action == TraceEntry::Action::segment_free) {
+      reserved -= e.size;
+    }
+  });
+
+  std::vector<void*> pointers(program.id_count, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  auto run = [&](const ReplayOp& op) {
+    switch (op.kind) {
+      case ReplayOp::Kind::alloc:
+        try {
+          pointers[op.id] = allocator.allocate(op.size, op.stream);
+        } catch (const OutOfMemoryError& e) {
+          if (result.first_oom.empty()) {
+            result.first_oom = fmt::format("op {}: {}", op_index, e.what());
+          }
+        }
+        break;
+      case ReplayOp::Kind::free:
+        if (pointers[op.id] != nullptr) allocator.deallocate(pointers[op.id]);
+        pointers[op.id] = nullptr;
+        break;
+      case ReplayOp::Kind::empty_cache: allocator.empty_cache(); break;
+    }
+    if (options.validate_each_step) allocator.validate();
+    ++op_index;
+  };
+  for (const ReplayOp& op : program.initial) run(op);
+  for (const ReplayOp& op : program.ops) run(op);
+  result.wall_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  const DeviceStats s = allocator.stats();
+  result.ops = op_index;
+  result.peak_requested_bytes = static_cast<std::uint64_t>(s.requested_bytes[0].peak);
+  result.peak_allocated_bytes = static_cast<std::uint64_t>(s.allocated_bytes[0].peak);
+  result.final_reserved_bytes = static_cast<std::uint64_t>(s.reserved_bytes[0].current);
+  result.device_allocs = s.num_device_alloc;
+  result.device_frees = s.num_device_free;
+  result.num_alloc_retries = s.num_alloc_retries;
+  result.num_ooms = s.num_ooms;
+  result.device_call_seconds = device.estimated_ns() / 1e9;
+  return result;
+}
+
+}  // namespace reservoir

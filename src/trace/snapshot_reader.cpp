@@ -1,0 +1,236 @@
+// Reading PyTorch memory snapshots (torch.cuda.memory._dump_snapshot pickles).
+#include <fmt/format.h>
+
+#include <fstream>
+#include <iterator>
+#include <limits>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/pickle.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+
+using pickle::Kind;
+using pickle::Value;
+
+std::string_view to_string(TraceAction action) noexcept {
+  switch (action) {
+    case TraceAction::alloc: return "alloc";
+    case TraceAction::free_requested: return "free_requested";
+    case TraceAction::free_completed: return "free_completed";
+    case TraceAction::segment_alloc: return "segment_alloc";
+    case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
+    case TraceAction::snapshot: return "snapshot";
+    case TraceAction::oom: return "oom";
+    case TraceAction::empty_cache: return "empty_cache";
+  }
+  return "unknown";
+}
+
+namespace {
+
+class Reader {
+ public:
+  explicit Reader(std::string name) : name_(std::move(name)) {}
+
+  [[noreturn]] void fail(const std::string& path, const std::string& what) const {
+    throw TraceError(fmt::format("snapshot {}: {}: {}", name_, path, what));
+  }
+
+  const Value& field(const Value& dict, std::string_view key, const std::string& path) const {
+    if (dict.kind != Kind::dict) fail(path, fmt::format("expected a dict, found {}", to_string(dict.kind)));
+    const Value* v = dict.find(key);
+    if (v == nullptr) fail(path, fmt::format("'{}' is missing", key));
+    return *v;
+  }
+
+  std::int64_t integer(const Value& dict, std::string_view key, const std::string& path) const {
+    const Value& v = field(dict, key, path);
+    if (v.kind == Kind::boolean) return v.boolean ? 1 : 0;
+    if (v.kind != Kind::integer) {
+      fail(path, fmt::format("'{}' should be an int, found {}", key, to_string(v.kind)));
+    }
+    return v.integer;
+  }
+
+  std::uint64_t unsigned_int(const Value& dict, std::string_view key, const std::string& path) const {
+    const std::int64_t i = integer(dict, key, path);
+    if (field(dict, key, path).above_int64) return static_cast<std::uint64_t>(i);
+    if (i < 0) fail(path, fmt::format("'{}' is negative ({})", key, i));
+    return static_cast<std::uint64_t>(i);
+  }
+
+  const std::string& text(const Value& dict, std::string_view key, const std::string& path) const {
+    const Value& v = field(dict, key, path);
+    if (v.kind != Kind::string) {
+      fail(path, fmt::format("'{}' should be a str, found {}", key, to_string(v.kind)));
+    }
+    return v.text;
+  }
+
+  const std::vector<const Value*>& list(const Value& v, const std::string& path) const {
+    if (v.kind != Kind::list && v.kind != Kind::tuple) {
+      fail(path, fmt::format("expected a list, found {}", to_string(v.kind)));
+    }
+    return v.items;
+  }
+
+  std::string config_from_settings(const Value& settings) const {
+    const std::string path = "allocator_settings";
+    if (settings.kind != Kind::dict) fail(path, "expected a dict");
+    std::vector<std::string> parts;
+    if (const Value* v = settings.find("max_split_size"); v && v->kind == Kind::integer && v->integer > 0) {
+      parts.push_back(fmt::format("max_split_size_mb:{}", v->integer >> 20));
+    }
+    if (const Value* v = settings.find("garbage_collection_threshold");
+        v && v->kind == Kind::floating && v->floating > 0.0) {
+      parts.push_back(fmt::format("garbage_collection_threshold:{}", v->floating));
+    }
+    if (const Value* v = settings.find("expandable_segments"); v && v->kind == Kind::boolean && v->boolean) {
+      parts.push_back("expandable_segments:True");
+    }
+    if (const Value* v = settings.find("roundup_power2_divisions")) {
+      if (v->kind == Kind::dict) {
+        bool any = false;
+        std::vector<std::string> entries;
+        for (const auto& [k, d] : v->entries) {
+          if (k->kind != Kind::string || d->kind != Kind::integer) {
+            fail(path + ".roundup_power2_divisions", "expected str keys and int values");
+          }
+          any |= d->integer != 0;
+          entries.push_back(fmt::format("{}:{}", k->text, d->integer));
+        }
+        if (any) parts.push_back(fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")));
+      } else if (v->kind == Kind::integer && v->integer > 1) {
+        parts.push_back(fmt::format("roundup_power2_divisions:{}", v->integer));
+      }
+    }
+    return fmt::format("{}", fmt::join(parts, ","));
+  }
+
+  TraceAction action(const std::string& a, const std::string& path, bool* skip) const {
+    *skip = false;
+    if (a == "alloc") return TraceAction::alloc;
+    if (a == "free_requested") return TraceAction::free_requested;
+    if (a == "free_completed") return TraceAction::free_completed;
+    if (a == "segment_alloc") return TraceAction::segment_alloc;
+    if (a == "segment_free") return TraceAction::segment_free;
+    if (a == "segment_map") return TraceAction::segment_map;
+    if (a == "segment_unmap") return TraceAction::segment_unmap;
+    if (a == "snapshot") return TraceAction::snapshot;
+    if (a == "oom") return TraceAction::oom;
+    if (a == "user_defined") {
+      *skip = true;  // annotations carry no allocator work
+      return TraceAction::snapshot;
+    }
+    fail(path, fmt::format("unknown action '{}'", a));
+  }
+
+  Trace read(const Value& root, int device) {
+    Trace trace;
+    trace.name = name_;
+    trace.format = "pytorch-snapshot";
+    trace.has_addresses = true;
+    if (root.kind != Kind::dict) fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
+    if (const Value* settings = root.find("allocator_settings")) {
+      trace.recorded_config = config_from_settings(*settings);
+    }
+    const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
+    if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
+      fail("device_traces", fmt::format("no device {} (the snapshot has {})", device, traces.size()));
+    }
+    const std::string dpath = fmt::format("device_traces[{}]", device);
+    const auto& events = list(*traces[static_cast<std::size_t>(device)], dpath);
+    trace.events.reserve(events.size());
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      const std::string path = fmt::format("{}[{}]", dpath, i);
+      const Value& e = *events[i];
+      bool skip = false;
+      const TraceAction a = action(text(e, "action", path), path, &skip);
+      if (skip) continue;
+      TraceEvent ev;
+      ev.action = a;
+      ev.addr = unsigned_int(e, "addr", path);
+      ev.size = unsigned_int(e, "size", path);
+      ev.stream = unsigned_int(e, "stream", path);
+      trace.events.push_back(ev);
+    }
+    const auto& segments = list(field(root, "segments", "top level"), "segments");
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const std::string path = fmt::format("segments[{}]", i);
+      const Value& s = *segments[i];
+      if (const Value* d = s.find("device"); d && d->kind == Kind::integer && d->integer != device) {
+        continue;
+      }
+      SegmentInfo seg;
+      seg.device = device;
+      seg.address = unsigned_int(s, "address", path);
+      seg.total_size = unsigned_int(s, "total_size", path);
+      seg.stream = unsigned_int(s, "stream", path);
+      const std::string& type = text(s, "segment_type", path);
+      if (type != "large" && type != "small") fail(path, fmt::format("segment_type '{}' is neither large nor small", type));
+      seg.is_large = type == "large";
+      if (const Value* x = s.find("is_expandable"); x && x->kind == Kind::boolean) seg.is_expandable = x->boolean;
+      const auto& blocks = list(field(s, "blocks", path), path + ".blocks");
+      DevicePtr cursor = seg.address;
+      for (std::size_t j = 0; j < blocks.size(); ++j) {
+        const std::string bpath = fmt::format("{}.blocks[{}]", path, j);
+        const Value& b = *blocks[j];
+        BlockInfo block;
+        block.address = b.find("address") ? unsigned_int(b, "address", bpath) : cursor;
+        block.size = unsigned_int(b, "size", bpath);
+        block.requested_size = b.find("requested_size") ? unsigned_int(b, "requested_size", bpath) : 0;
+        const std::string& state = text(b, "state", bpath);
+        if (state == "active_allocated") {
+          block.state = BlockState::active_allocated;
+        } else if (state == "active_pending_free") {
+          block.state = BlockState::active_pending_free;
+        } else if (state == "inactive") {
+          block.state = BlockState::inactive;
+        } else {
+          fail(bpath, fmt::format("unknown block state '{}'", state));
+        }
+        cursor = block.address + block.size;
+        seg.blocks.push_back(block);
+      }
+      trace.final_state.segments.push_back(std::move(seg));
+    }
+    std::sort(trace.final_state.segments.begin(), trace.final_state.segments.end(),
+              [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+    return trace;
+  }
+
+ private:
+  std::string name_;
+};
+
+}  // namespace
+
+Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
+                            int device) {
+  pickle::Document doc = [&] {
+    try {
+      return pickle::decode(data);
+    } catch (const TraceError& e) {
+      throw TraceError(fmt::format("snapshot {}: {}", name, e.what()));
+    }
+  }();
+  return Reader(name).read(doc.root(), device);
+}
+
+Trace read_trace_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw TraceError(fmt::format("trace {}: read error", path));
+  if (!bytes.empty() && static_cast<unsigned char>(bytes[0]) == 0x80) {
+    return read_pytorch_snapshot(
+        std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path);
+  }
+  return read_text_trace(bytes, path);
+}
+
+}  // namespace reservoir

@@ -1,0 +1,472 @@
+// verify: replay a PyTorch snapshot exactly as it was recorded and compare
+// every device request and every address with the recording.
+//
+// Starting state. Most snapshots begin mid-run. The segments live at the start
+// are the final segments that no segment event touches, plus those whose first
+// event is a segment_free. The blocks live at the start are those freed before
+// any alloc at their address (their size is the rounded requested size) plus
+// final allocated blocks no event touches (their size is exact). The rest of
+// each starting segment is free. A large block may carry an unsplit tail of up
+// to 1 MiB (PyTorch does not split off a remainder of 1 MiB or less), which its
+// free event does not show: a gap of 1 MiB or less after it must be such a
+// tail (a free large block is always larger), and otherwise the first alloc
+// into the gap, before the block is freed, lands where the gap really starts.
+//
+// Device requests. SimDevice gives each new segment the address of the next
+// recorded segment_alloc. While the recording shows segment frees not yet
+// made, a request fails as out of memory: PyTorch releases cached segments
+// only after a failed device allocation.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+namespace {
+
+struct StartBlock {
+  std::uint64_t size = 0;
+  std::uint64_t requested = 0;
+  StreamId stream = 0;
+  std::size_t free_event = 0;  // index of its free_requested event
+  bool exact = false;          // size known exactly (from the final snapshot)
+};
+
+struct Expectations {
+  std::deque<std::pair<DevicePtr, std::uint64_t>> restore;         // starting segments
+  std::deque<std::pair<DevicePtr, std::uint64_t>> segment_allocs;  // recorded, not yet made
+  std::vector<std::pair<DevicePtr, std::uint64_t>> segment_frees;  // recorded for this step
+  std::size_t frees_made = 0;
+  bool oom_expected = false;
+  std::string problem;  // first disagreement seen inside a device call
+};
+
+class Verifier {
+ public:
+  explicit Verifier(const Trace& trace) : trace_(trace) {}
+
+  VerifyResult run() {
+    if (!trace_.has_addresses) {
+      throw TraceError(fmt::format("verify {}: a {} trace has no recorded addresses; it can be "
+                                   "replayed, not verified", trace_.name, trace_.format));
+    }
+    try {
+      config_ = AllocatorConfig::parse(trace_.recorded_config);
+    } catch (const ConfigError& e) {
+      throw TraceError(fmt::format("verify {}: recorded settings: {}", trace_.name, e.what()));
+    }
+    if (config_.expandable_segments) {
+      throw TraceError(fmt::format("verify {}: recorded with expandable_segments:True, which this "
+                                   "build cannot replay", trace_.name));
+    }
+    result_.events = trace_.events.size();
+    const Snapshot start = starting_state();
+
+    SimDeviceOptions options;
+    options.capacity = std::size_t{1} << 50;
+    SimDevice device(options);
+    device.set_address_source([this](std::size_t bytes, DevicePtr* addr) {
+      return serve(bytes, addr);
+    });
+    CachingAllocator allocator(device, config_);
+    allocator.attach_trace_tracker([this](const TraceEntry& e) {
+      if (e.action == TraceEntry::Action::segment_free) on_segment_free(e.addr, e.size);
+    });
+    restoring_ = true;
+    allocator.restore(start);
+    restoring_ = false;
+    allocator.reset_accumulated_stats();
+    allocator.reset_peak_stats();
+
+    for (std::size_t i = 0; i < trace_.events.size() && result_.divergence.empty(); ++i) {
+      step(allocator, device, i);
+    }
+    if (result_.divergence.empty()) {
+      finish_pending_frees(allocator, trace_.events.size());
+    }
+    if (result_.divergence.empty() && !trace_.final_state.segments.empty()) {
+      compare_final_state(allocator.snapshot());
+    }
+    result_.agreed = result_.divergence.empty();
+    return result_;
+  }
+
+ private:
+  // ---- the starting state --------------------------------------------------
+
+  Snapshot starting_state() {
+    const auto& events = trace_.events;
+    std::map<DevicePtr, SegmentInfo> segments;
+    std::unordered_set<DevicePtr> segment_seen;
+    for (const TraceEvent& e : events) {
+      if (e.action == TraceAction::segment_alloc) {
+        segment_seen.insert(e.addr);
+      } else if (e.action == TraceAction::segment_free && segment_seen.insert(e.addr).second) {
+        SegmentInfo s;
+        s.address = e.addr;
+        s.total_size = e.size;
+        s.stream = e.stream;
+        s.is_large = e.size != kSmallBuffer;
+        segments.emplace(e.addr, s);
+      }
+    }
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      if (segment_seen.count(s.address) == 0) {
+        SegmentInfo copy = s;
+        copy.blocks.clear();
+        segments.emplace(s.address, copy);
+      }
+    }
+
+    std::map<DevicePtr, StartBlock> blocks;
+    std::unordered_set<DevicePtr> live;
+    std::unordered_set<DevicePtr> touched;
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      const TraceEvent& e = events[i];
+      if (e.action == TraceAction::alloc) {
+        live.insert(e.addr);
+        touched.insert(e.addr);
+      } else if (e.action == TraceAction::free_requested) {
+        touched.insert(e.addr);
+        if (live.erase(e.addr) == 0) {
+          StartBlock b;
+          b.size = CachingAllocator::round_size(e.size, config_);
+          b.requested = e.size;
+          b.stream = e.stream;
+          b.free_event = i;
+          blocks.emplace(e.addr, b);
+        }
+      }
+    }
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      for (const BlockInfo& bi : s.blocks) {
+        if (bi.state == BlockState::inactive || touched.count(bi.address) != 0) continue;
+        StartBlock b;
+        b.size = bi.size;
+        b.requested = bi.requested_size;
+        b.stream = s.stream;
+        b.exact = true;
+        blocks.emplace(bi.address, b);
+      }
+    }
+
+    // Place each block in its segment, find unsplit tails, and lay out the gaps.
+    Snapshot layout;
+    auto block_it = blocks.begin();
+    for (auto& [base, seg] : segments) {
+      const DevicePtr end = base + seg.total_size;
+      std::vector<std::pair<DevicePtr, StartBlock*>> inside;
+      for (; block_it != blocks.end() && block_it->first < end; ++block_it) {
+        if (block_it->first < base) break;
+        inside.emplace_back(block_it->first, &block_it->second);
+      }
+      if (block_it != blocks.end() && block_it->first < base) {
+        throw TraceError(fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
+                                     "starting segment", trace_.name, block_it->first));
+      }
+      for (std::size_t k = 0; k < inside.size(); ++k) {
+        auto& [addr, b] = inside[k];
+        const DevicePtr limit = k + 1 < inside.size() ? inside[k + 1].first : end;
+        if (addr + b->size > limit) {
+          throw TraceError(fmt::format("verify {}: the block live at the start at {:#x} ({} bytes) "
+                                       "overlaps what follows at {:#x}", trace_.name, addr, b->size,
+                                       limit));
+        }
+        if (!b->exact && seg.is_large) b->size += unsplit_tail(addr, *b, limit);
+      }
+      DevicePtr cursor = base;
+      auto add_free = [&](DevicePtr to) {
+        if (to > cursor) seg.blocks.push_back({cursor, to - cursor, 0, BlockState::inactive});
+        cursor = to;
+      };
+      for (auto& [addr, b] : inside) {
+        add_free(addr);
+        seg.blocks.push_back({addr, b->size, b->requested, BlockState::active_allocated});
+        cursor = addr + b->size;
+      }
+      add_free(end);
+      layout.segments.push_back(seg);
+      expect_.restore.emplace_back(base, seg.total_size);
+      result_.initial_live_blocks += inside.size();
+    }
+    if (block_it != blocks.end()) {
+      throw TraceError(fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
+                                   "starting segment", trace_.name, block_it->first));
+    }
+    result_.initial_segments = layout.segments.size();
+    return layout;
+  }
+
+  std::uint64_t unsplit_tail(DevicePtr addr, const StartBlock& b, DevicePtr limit) {
+    const DevicePtr end = addr + b.size;
+    const std::uint64_t gap = limit - end;
+    std::uint64_t tail = 0;
+    if (gap > 0 && gap <= kSmallSize) {
+      tail = gap;  // a free large block is always larger than 1 MiB
+    } else if (gap > kSmallSize) {
+      for (std::size_t i = 0; i < b.free_event; ++i) {
+        const TraceEvent& e = trace_.events[i];
+        if (e.action == TraceAction::alloc && e.addr >= end && e.addr <= end + kSmallSize) {
+          tail = e.addr - end;
+          break;
+        }
+      }
+    }
+    if (tail > 0) ++result_.unsplit_tails;
+    return tail;
+  }
+
+  // ---- device requests -----------------------------------------------------
+
+  Status serve(std::size_t bytes, DevicePtr* addr) {
+    if (restoring_) {
+      if (expect_.restore.empty()) return Status::invalid_argument;
+      auto [a, size] = expect_.restore.front();
+      expect_.restore.pop_front();
+      *addr = a;
+      return size == bytes ? Status::ok : Status::invalid_argument;
+    }
+    if (expect_.frees_made < expect_.segment_frees.size()) return Status::out_of_memory;
+    if (!expect_.segment_allocs.empty()) {
+      auto [a, size] = expect_.segment_allocs.front();
+      if (size != bytes) {
+        note(fmt::format("reservoir asked the device for a segment of {} bytes ({}); the "
+                         "recording's segment_alloc here is {} bytes ({}) at {:#x}",
+                         bytes, format_size(bytes), size, format_size(size), a));
+        return Status::invalid_argument;
+      }
+      expect_.segment_allocs.pop_front();
+      *addr = a;
+      ++result_.segment_allocs_checked;
+      return Status::ok;
+    }
+    if (expect_.oom_expected) return Status::out_of_memory;
+    note(fmt::format("reservoir asked the device for a new segment of {} bytes ({}); the "
+                     "recording made no segment_alloc here", bytes, format_size(bytes)));
+    return Status::invalid_argument;
+  }
+
+  void on_segment_free(DevicePtr addr, std::uint64_t size) {
+    const std::size_t k = expect_.frees_made++;
+    if (k >= expect_.segment_frees.size()) {
+      note(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees no "
+                       "segment here", addr, size));
+    } else if (expect_.segment_frees[k] != std::make_pair(addr, size)) {
+      note(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees the "
+                       "one at {:#x} ({} bytes)", addr, size, expect_.segment_frees[k].first,
+                       expect_.segment_frees[k].second));
+    } else {
+      ++result_.segment_frees_checked;
+    }
+  }
+
+  void note(const std::string& problem) {
+    if (expect_.problem.empty()) expect_.problem = problem;
+  }
+
+  void diverge(std::size_t index, const std::string& what) {
+    if (!result_.divergence.empty()) return;
+    result_.divergence_event = index;
+    result_.divergence = what;
+  }
+
+  // Checks that a step made exactly the recorded device requests.
+  bool settle(std::size_t index) {
+    if (!expect_.problem.empty()) {
+      diverge(index, expect_.problem);
+      return false;
+    }
+    if (expect_.frees_made < expect_.segment_frees.size()) {
+      const auto& f = expect_.segment_frees[expect_.frees_made];
+      diverge(index, fmt::format("the recording frees the segment at {:#x} ({} bytes) here; "
+                                 "reservoir did not", f.first, f.second));
+      return false;
+    }
+    if (!expect_.segment_allocs.empty()) {
+      const auto& a = expect_.segment_allocs.front();
+      diverge(index, fmt::format("the recording allocates a segment of {} bytes at {:#x} here; "
+                                 "reservoir served the request from its cache", a.second, a.first));
+      return false;
+    }
+    expect_.segment_frees.clear();
+    expect_.frees_made = 0;
+    return true;
+  }
+
+  void finish_pending_frees(CachingAllocator& allocator, std::size_t index) {
+    if (expect_.segment_frees.empty()) return;
+    // Segment frees not followed by an allocation: the program emptied the cache.
+    allocator.empty_cache();
+    settle(index);
+  }
+
+  void step(CachingAllocator& allocator, SimDevice& device, std::size_t i) {
+    const TraceEvent& e = trace_.events[i];
+    switch (e.action) {
+      case TraceAction::segment_alloc: expect_.segment_allocs.emplace_back(e.addr, e.size); return;
+      case TraceAction::segment_free: expect_.segment_frees.emplace_back(e.addr, e.size); return;
+      case TraceAction::alloc: {
+        void* got = nullptr;
+        try {
+          got = allocator.allocate(e.size, e.stream);
+        } catch (const OutOfMemoryError&) {
+          diverge(i, expect_.problem.empty()
+                         ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
+                                       "recording returned {:#x}", e.size, e.addr)
+                         : expect_.problem);
+          return;
+        } catch (const DeviceError& err) {
+          diverge(i, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
+          return;
+        }
+        if (!settle(i)) return;
+        const auto ptr = reinterpret_cast<DevicePtr>(got);
+        if (ptr != e.addr) {
+          diverge(i, explain_alloc(allocator, e, ptr));
+          return;
+        }
+        ++result_.allocs_checked;
+        return;
+      }
+      case TraceAction::oom: {
+        expect_.oom_expected = true;
+        try {
+          void* got = allocator.allocate(e.size, e.stream);
+          expect_.oom_expected = false;
+          diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
+                                 "returned {:#x}", e.size, reinterpret_cast<DevicePtr>(got)));
+          return;
+        } catch (const OutOfMemoryError&) {
+        } catch (const DeviceError&) {
+        }
+        expect_.oom_expected = false;
+        settle(i);
+        return;
+      }
+      case TraceAction::free_requested: {
+        finish_pending_frees(allocator, i);
+        if (!result_.divergence.empty()) return;
+        const bool completes_now = i + 1 < trace_.events.size() &&
+                                   trace_.events[i + 1].action == TraceAction::free_completed &&
+                                   trace_.events[i + 1].addr == e.addr;
+        try {
+          if (!completes_now) {
+            // Freed now, returned to the cache later: hold it with a stream event.
+            const StreamId hold = kHoldStreamBase + next_hold_++;
+            allocator.record_stream(reinterpret_cast<void*>(e.addr), hold);
+            held_[e.addr] = hold;
+          }
+          allocator.deallocate(reinterpret_cast<void*>(e.addr));
+        } catch (const InvalidPointerError& err) {
+          diverge(i, fmt::format("free of {:#x}: {}", e.addr, err.what()));
+        }
+        return;
+      }
+      case TraceAction::free_completed: {
+        auto it = held_.find(e.addr);
+        if (it != held_.end()) {
+          device.complete_stream(it->second);
+          held_.erase(it);
+        }
+        return;
+      }
+      default: return;  // snapshot markers
+    }
+  }
+
+  std::string explain_alloc(const CachingAllocator& allocator, const TraceEvent& e,
+                            DevicePtr got) const {
+    const std::size_t size = CachingAllocator::round_size(e.size, config_);
+    const bool small = size <= kSmallSize;
+    std::string out = fmt::format(
+        "alloc of {} bytes (rounded to {}, {} pool, stream {}): expected {:#x}, got {:#x}", e.size,
+        size, small ? "small" : "large", e.stream, e.addr, got);
+    const Snapshot snap = allocator.snapshot();
+    std::vector<std::pair<std::uint64_t, DevicePtr>> fits;
+    for (const SegmentInfo& s : snap.segments) {
+      for (const BlockInfo& b : s.blocks) {
+        if (e.addr >= b.address && e.addr < b.address + b.size) {
+          out += fmt::format("\n  reservoir's block holding the expected address: {:#x}, {} bytes, "
+                             "{} (segment {:#x}, {} bytes, {})", b.address, b.size, to_string(b.state),
+                             s.address, s.total_size, s.is_large ? "large" : "small");
+        }
+        if (b.state == BlockState::inactive && s.is_large == !small && s.stream == e.stream &&
+            b.size >= size) {
+          fits.emplace_back(b.size, b.address);
+        }
+      }
+    }
+    std::sort(fits.begin(), fits.end());
+    out += fmt::format("\n  free blocks of the pool that fit, best first ({} in all):", fits.size());
+    for (std::size_t k = 0; k < fits.size() && k < 5; ++k) {
+      out += fmt::format("\n    {:#x}: {} bytes", fits[k].second, fits[k].first);
+    }
+    return out;
+  }
+
+  void compare_final_state(const Snapshot& ours) {
+    result_.final_state_checked = true;
+    const auto& theirs = trace_.final_state.segments;
+    const std::size_t n = std::max(ours.segments.size(), theirs.size());
+    for (std::size_t k = 0; k < n; ++k) {
+      if (k >= ours.segments.size() || k >= theirs.size()) {
+        diverge(trace_.events.size(),
+                fmt::format("final state: reservoir holds {} segments, the recording {}",
+                            ours.segments.size(), theirs.size()));
+        return;
+      }
+      const SegmentInfo& a = ours.segments[k];
+      const SegmentInfo& b = theirs[k];
+      if (a.address != b.address || a.total_size != b.total_size) {
+        diverge(trace_.events.size(),
+                fmt::format("final state: segment {} is {:#x} ({} bytes) in reservoir and {:#x} "
+                            "({} bytes) in the recording", k, a.address, a.total_size, b.address,
+                            b.total_size));
+        return;
+      }
+      const std::size_t m = std::max(a.blocks.size(), b.blocks.size());
+      for (std::size_t j = 0; j < m; ++j) {
+        const bool same = j < a.blocks.size() && j < b.blocks.size() &&
+                          a.blocks[j].address == b.blocks[j].address &&
+                          a.blocks[j].size == b.blocks[j].size &&
+                          (a.blocks[j].state == BlockState::inactive) ==
+                              (b.blocks[j].state == BlockState::inactive);
+        if (!same) {
+          auto describe = [](const SegmentInfo& s, std::size_t j) {
+            if (j >= s.blocks.size()) return std::string("no block");
+            return fmt::format("{:#x} ({} bytes, {})", s.blocks[j].address, s.blocks[j].size,
+                               to_string(s.blocks[j].state));
+          };
+          diverge(trace_.events.size(),
+                  fmt::format("final state: segment {:#x}, block {}: reservoir has {}, the "
+                              "recording {}", a.address, j, describe(a, j), describe(b, j)));
+          return;
+        }
+      }
+    }
+  }
+
+  static constexpr StreamId kHoldStreamBase = StreamId{0xfeed} << 48;
+
+  const Trace& trace_;
+  AllocatorConfig config_;
+  VerifyResult result_;
+  Expectations expect_;
+  bool restoring_ = false;
+  std::unordered_map<DevicePtr, StreamId> held_;
+  std::uint64_t next_hold_ = 0;
+};
+
+}  // namespace
+
+VerifyResult verify(const Trace& trace) { return Verifier(trace).run(); }
+
+}  // namespace reservoir

@@ -1,0 +1,128 @@
+// reservoir replay TRACE... [--config STR]... [--capacity SIZE] [--json]
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <memory>
+
+#include "commands.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir::tools {
+namespace {
+
+struct ReplayArgs {
+  std::vector<std::string> traces;
+  std::vector<std::string> configs;
+  std::string capacity;
+  bool json = false;
+  bool validate = false;
+};
+
+std::string gib(std::uint64_t bytes) {
+  return fmt::format("{:.3f} GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
+
+nlohmann::json to_json(const ReplayResult& r) {
+  const double ratio = r.peak_allocated_bytes
+                           ? static_cast<double>(r.peak_reserved_bytes) /
+                                 static_cast<double>(r.peak_allocated_bytes)
+                           : 0.0;
+  return nlohmann::json{
+      {"trace", r.trace},
+      {"config", r.config},
+      {"events", r.events},
+      {"ops", r.ops},
+      {"peak_requested_bytes", r.peak_requested_bytes},
+      {"peak_allocated_bytes", r.peak_allocated_bytes},
+      {"peak_reserved_bytes", r.peak_reserved_bytes},
+      {"reserved_over_allocated", ratio},
+      {"peak_reserved_op", r.peak_reserved_op},
+      {"final_reserved_bytes", r.final_reserved_bytes},
+      {"device_allocs", r.device_allocs},
+      {"device_frees", r.device_frees},
+      {"num_alloc_retries", r.num_alloc_retries},
+      {"num_ooms", r.num_ooms},
+      {"first_oom", r.first_oom},
+      {"device_call_seconds", r.device_call_seconds},
+      {"replay_seconds", r.wall_seconds},
+  };
+}
+
+void print_table(const std::vector<ReplayResult>& results) {
+  fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9} {:>8} {:>8} {:>7} {:>5} {:>11}\n", "trace",
+             "config", "peak request", "peak alloc", "peak reserve", "res/alloc", "dev.allc",
+             "dev.free", "retries", "OOMs", "device time");
+  for (const ReplayResult& r : results) {
+    std::string name = r.trace.substr(r.trace.find_last_of('/') + 1);
+    if (name.size() > 44) name = "..." + name.substr(name.size() - 41);
+    std::string config = r.config.empty() ? "(native defaults)" : r.config;
+    if (config.size() > 28) config = config.substr(0, 25) + "...";
+    const double ratio = r.peak_allocated_bytes
+                             ? static_cast<double>(r.peak_reserved_bytes) /
+                                   static_cast<double>(r.peak_allocated_bytes)
+                             : 0.0;
+    fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9.3f} {:>8} {:>8} {:>7} {:>5} {:>9.1f}ms\n",
+               name, config, gib(r.peak_requested_bytes), gib(r.peak_allocated_bytes),
+               gib(r.peak_reserved_bytes), ratio, r.device_allocs, r.device_frees,
+               r.num_alloc_retries, r.num_ooms, r.device_call_seconds * 1e3);
+  }
+  for (const ReplayResult& r : results) {
+    if (!r.first_oom.empty()) {
+      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace,
+                 r.config.empty() ? "native defaults" : r.config, r.num_ooms, r.first_oom);
+    }
+  }
+  for (const ReplayResult& r : results) {
+    fmt::print("\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
+               "call {}, ending at {}",
+               r.trace, r.config.empty() ? "native defaults" : r.config, r.events, r.ops,
+               r.wall_seconds, r.peak_reserved_op, gib(r.final_reserved_bytes));
+  }
+  fmt::print("\n");
+}
+
+void run(const ReplayArgs& args) {
+  ReplayOptions options;
+  if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+  options.validate_each_step = args.validate;
+  std::vector<std::pair<std::string, AllocatorConfig>> configs;
+  for (const std::string& c : args.configs) configs.emplace_back(c, AllocatorConfig::parse(c));
+  if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
+  std::vector<ReplayResult> results;
+  for (const std::string& path : args.traces) {
+    const ReplayProgram program = compile(read_trace_file(path));
+    for (const auto& [text, config] : configs) {
+      results.push_back(replay(program, config, text, options));
+    }
+  }
+  if (args.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const ReplayResult& r : results) out.push_back(to_json(r));
+    fmt::print("{}\n", out.dump(2));
+  } else {
+    print_table(results);
+  }
+}
+
+}  // namespace
+
+void add_replay(CLI::App& app) {
+  auto args = std::make_shared<ReplayArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "replay", "Replay traces on a simulated device under each config and report what they reserve");
+  cmd->add_option("traces", args->traces, "PyTorch snapshot pickles or reservoir text traces")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--config,-c", args->configs,
+                  "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults)");
+  cmd->add_option("--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
+  cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
+  cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
+  cmd->callback([args] { run(*args); });
+}
+
+}  // namespace reservoir::tools

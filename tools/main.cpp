@@ -1,0 +1,22 @@
+#include <fmt/format.h>
+
+#include <cstdio>
+
+#include "commands.hpp"
+#include "reservoir/errors.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"reservoir: replay, verify and compare GPU allocation traces"};
+  app.require_subcommand(1);
+  reservoir::tools::add_replay(app);
+  reservoir::tools::add_verify(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const reservoir::Error& e) {
+    fmt::print(stderr, "reservoir: {}\n", e.what());
+    return 2;
+  }
+  return 0;
+}
