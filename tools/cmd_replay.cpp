@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "commands.hpp"
 #include "reservoir/errors.hpp"
@@ -18,6 +19,7 @@ struct ReplayArgs {
   std::vector<std::string> traces;
   std::vector<std::string> configs;
   std::string capacity;
+  std::optional<double> fraction;
   bool json = false;
   bool validate = false;
 };
@@ -89,6 +91,7 @@ void run(const ReplayArgs& args) {
   ReplayOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
   options.validate_each_step = args.validate;
+  options.memory_fraction = args.fraction;
   std::vector<std::pair<std::string, AllocatorConfig>> configs;
   for (const std::string& c : args.configs) configs.emplace_back(c, AllocatorConfig::parse(c));
   if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
@@ -120,6 +123,9 @@ void add_replay(CLI::App& app) {
   cmd->add_option("--config,-c", args->configs,
                   "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults)");
   cmd->add_option("--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
+  cmd->add_option("--memory-fraction", args->fraction,
+                  "set_per_process_memory_fraction before replaying (enables garbage collection)")
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
   cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
   cmd->callback([args] { run(*args); });

@@ -54,6 +54,10 @@ Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::strin
 // reservoir's text format (docs/traces.md).
 Trace read_text_trace(const std::string& text, const std::string& name);
 std::string write_text_trace(const Trace& trace);
+// Writes a trace as a PyTorch snapshot pickle (segments from final_state,
+// device_traces from events, allocator_settings from recorded_config), which
+// read_pytorch_snapshot reads back to the same trace.
+std::string write_pytorch_snapshot(const Trace& trace);
 
 // ---- replay ---------------------------------------------------------------
 
@@ -77,6 +81,7 @@ ReplayProgram compile(const Trace& trace);
 
 struct ReplayOptions {
   std::optional<std::uint64_t> capacity;  // device capacity; unlimited when empty
+  std::optional<double> memory_fraction;  // set_memory_fraction before the replay
   bool validate_each_step = false;        // run the invariant validator after every op
 };
 

@@ -73,6 +73,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
   CachingAllocator allocator(device, config);
+  if (options.memory_fraction) allocator.set_memory_fraction(*options.memory_fraction);
 
   ReplayResult result;
   result.trace = program.name;

@@ -1,0 +1,65 @@
+# reservoir: `make run` (the main job) and `make test`. Both install the
+# Debian packages they need, and are idempotent.
+BUILD ?= build
+JOBS ?= 2
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
+        libcli11-dev nlohmann-json3-dev clang libclang-rt-14-dev python3
+TRACES := $(wildcard examples/traces/*.trace)
+SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
+CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
+           -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
+
+.PHONY: deps build run test asan tsan fuzz bench clean
+
+deps:
+	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:" $$missing; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+
+build: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
+	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Sanitizer builds (used by .ci/run).
+asan: deps
+	cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DRESERVOIR_BUILD_BENCH=OFF \
+	  -DRESERVOIR_SANITIZE=address,undefined >/dev/null
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && ctest --output-on-failure -j $(JOBS) -LE install
+
+tsan: deps
+	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESERVOIR_BUILD_BENCH=OFF \
+	  -DRESERVOIR_BUILD_TOOLS=OFF -DRESERVOIR_SANITIZE=thread >/dev/null
+	cmake --build build-tsan -j $(JOBS)
+	cd build-tsan && ctest --output-on-failure -L concurrency
+
+# libFuzzer targets, each run briefly from its seed corpus.
+FUZZ_SECONDS ?= 20
+fuzz: deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DRESERVOIR_BUILD_FUZZ=ON -DRESERVOIR_BUILD_TESTS=OFF -DRESERVOIR_BUILD_BENCH=OFF \
+	  -DRESERVOIR_BUILD_TOOLS=OFF >/dev/null
+	cmake --build build-fuzz -j $(JOBS)
+	for t in config pickle text_trace; do \
+	  mkdir -p build-fuzz/corpus-$$t && \
+	  build-fuzz/bin/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
+	    build-fuzz/corpus-$$t tests/fuzz/corpus/$$t || exit 1; \
+	done
+
+bench: build
+	$(BUILD)/bin/allocator_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+	$(BUILD)/bin/replay_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+
+clean:
+	rm -rf build build-asan build-tsan build-fuzz

@@ -1,0 +1,18 @@
+# Runs `reservoir verify` on every real PyTorch snapshot in ../shared/traces;
+# exits 77 (skipped) when that folder is absent.
+file(GLOB traces "${TRACES}/*.pickle")
+if(NOT traces)
+  message("no traces in ${TRACES}: skipped")
+  cmake_language(EXIT 77)
+endif()
+execute_process(COMMAND ${CLI} verify ${traces} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("${out}${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "reservoir verify failed (${rc})")
+endif()
+list(LENGTH traces n)
+string(REGEX MATCHALL "agrees with the recording" agreed "${out}")
+list(LENGTH agreed m)
+if(NOT n EQUAL m)
+  message(FATAL_ERROR "${m} of ${n} traces agreed")
+endif()

@@ -1,0 +1,189 @@
+// One typed suite every Device backend passes (the CUDA backends join it later).
+#include <gtest/gtest.h>
+
+#include <memory>
+
+#include "reservoir/host_device.hpp"
+#include "reservoir/sim_device.hpp"
+
+namespace reservoir {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+template <typename D>
+std::unique_ptr<Device> make_device(std::size_t capacity);
+template <>
+std::unique_ptr<Device> make_device<SimDevice>(std::size_t capacity) {
+  SimDeviceOptions o;
+  o.capacity = capacity;
+  o.auto_complete_events = true;
+  return std::make_unique<SimDevice>(o);
+}
+template <>
+std::unique_ptr<Device> make_device<HostDevice>(std::size_t capacity) {
+  HostDeviceOptions o;
+  o.capacity = capacity;
+  return std::make_unique<HostDevice>(o);
+}
+
+template <typename D>
+class DeviceConformance : public ::testing::Test {
+ protected:
+  std::unique_ptr<Device> device_ = make_device<D>(64 * kMiB);
+};
+TYPED_TEST_SUITE_P(DeviceConformance);
+
+TYPED_TEST_P(DeviceConformance, SegmentsAreAlignedDisjointAndCounted) {
+  Device& d = *this->device_;
+  DevicePtr a = 0, b = 0;
+  ASSERT_EQ(d.allocate_segment(3 * kMiB, &a), Status::ok);
+  ASSERT_EQ(d.allocate_segment(kMiB, &b), Status::ok);
+  EXPECT_EQ(a % 512, 0u);
+  EXPECT_EQ(b % 512, 0u);
+  EXPECT_TRUE(b >= a + 3 * kMiB || a >= b + kMiB);
+  MemoryInfo info;
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.total, 64 * kMiB);
+  EXPECT_EQ(info.free, 60 * kMiB);
+  EXPECT_EQ(d.free_segment(a), Status::ok);
+  EXPECT_EQ(d.free_segment(a), Status::invalid_argument);  // double free
+  EXPECT_EQ(d.free_segment(b), Status::ok);
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.free, 64 * kMiB);
+}
+
+TYPED_TEST_P(DeviceConformance, OutOfMemoryAndBadArguments) {
+  Device& d = *this->device_;
+  DevicePtr a = 0;
+  EXPECT_EQ(d.allocate_segment(65 * kMiB, &a), Status::out_of_memory);
+  EXPECT_EQ(d.allocate_segment(0, &a), Status::invalid_argument);
+  EXPECT_EQ(d.free_segment(0x1234), Status::invalid_argument);
+  PhysicalHandle h = 0;
+  EXPECT_EQ(d.create_physical(d.granularity() + 1, &h), Status::invalid_argument);
+  EXPECT_EQ(d.create_physical(66 * kMiB, &h), Status::out_of_memory);
+}
+
+TYPED_TEST_P(DeviceConformance, VirtualMemoryProtocol) {
+  Device& d = *this->device_;
+  ASSERT_TRUE(d.supports_virtual_memory());
+  const std::size_t g = d.granularity();
+  DevicePtr va = 0;
+  ASSERT_EQ(d.reserve(8 * g, 0, &va), Status::ok);
+  EXPECT_EQ(va % g, 0u);
+  PhysicalHandle h1 = 0, h2 = 0;
+  ASSERT_EQ(d.create_physical(2 * g, &h1), Status::ok);
+  ASSERT_EQ(d.create_physical(g, &h2), Status::ok);
+  EXPECT_EQ(d.map(va + g / 2, g, h1, 0), Status::invalid_argument);  // misaligned
+  EXPECT_EQ(d.map(va + 7 * g, 2 * g, h1, 0), Status::invalid_argument);  // past the reservation
+  EXPECT_EQ(d.map(va, g, h1, 2 * g), Status::invalid_argument);  // past the handle
+  ASSERT_EQ(d.map(va, 2 * g, h1, 0), Status::ok);
+  EXPECT_EQ(d.map(va + g, g, h2, 0), Status::invalid_argument);  // overlaps a mapping
+  ASSERT_EQ(d.map(va + 2 * g, g, h2, 0), Status::ok);
+  ASSERT_EQ(d.set_access(va, 3 * g), Status::ok);
+  EXPECT_EQ(d.set_access(va, 4 * g), Status::invalid_argument);  // the fourth page is unmapped
+  MemoryInfo info;
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.free, 64 * kMiB - 3 * g);
+  // Release while mapped: memory stays until the mapping goes (cuMemRelease semantics).
+  ASSERT_EQ(d.release_physical(h2), Status::ok);
+  EXPECT_EQ(d.release_physical(h2), Status::invalid_argument);
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.free, 64 * kMiB - 3 * g);
+  EXPECT_EQ(d.unmap(va, g), Status::invalid_argument);  // part of a mapping
+  EXPECT_EQ(d.unreserve(va, 8 * g), Status::invalid_argument);  // still mapped
+  ASSERT_EQ(d.unmap(va, 3 * g), Status::ok);
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.free, 64 * kMiB - 2 * g);  // h1 is not released yet
+  ASSERT_EQ(d.release_physical(h1), Status::ok);
+  ASSERT_EQ(d.memory_info(&info), Status::ok);
+  EXPECT_EQ(info.free, 64 * kMiB);
+  EXPECT_EQ(d.unreserve(va, 4 * g), Status::invalid_argument);  // not the whole reservation
+  EXPECT_EQ(d.unreserve(va, 8 * g), Status::ok);
+}
+
+TYPED_TEST_P(DeviceConformance, EventsCompleteAndSynchronize) {
+  Device& d = *this->device_;
+  EventId e = 0;
+  ASSERT_EQ(d.create_event(&e), Status::ok);
+  ASSERT_EQ(d.record_event(e, 3), Status::ok);
+  EXPECT_EQ(d.synchronize_event(e), Status::ok);
+  EXPECT_EQ(d.query_event(e), Status::ok);
+  EXPECT_EQ(d.synchronize_stream(3), Status::ok);
+  EXPECT_EQ(d.synchronize_device(), Status::ok);
+  EXPECT_EQ(d.destroy_event(e), Status::ok);
+  EXPECT_EQ(d.query_event(e), Status::invalid_argument);
+  EXPECT_EQ(d.record_event(e, 0), Status::invalid_argument);
+}
+
+TYPED_TEST_P(DeviceConformance, CopiesValidateArguments) {
+  Device& d = *this->device_;
+  DevicePtr a = 0;
+  ASSERT_EQ(d.allocate_segment(kMiB, &a), Status::ok);
+  std::vector<char> host(4096, 'x');
+  EXPECT_EQ(d.copy_to_device(a, host.data(), host.size(), 0), Status::ok);
+  EXPECT_EQ(d.copy_to_host(host.data(), a, host.size(), 0), Status::ok);
+  EXPECT_EQ(d.copy_to_host(nullptr, a, 16, 0), Status::invalid_argument);
+  EXPECT_EQ(d.copy_to_device(a, nullptr, 16, 0), Status::invalid_argument);
+  EXPECT_EQ(d.free_segment(a), Status::ok);
+}
+
+REGISTER_TYPED_TEST_SUITE_P(DeviceConformance, SegmentsAreAlignedDisjointAndCounted,
+                            OutOfMemoryAndBadArguments, VirtualMemoryProtocol,
+                            EventsCompleteAndSynchronize, CopiesValidateArguments);
+using Backends = ::testing::Types<SimDevice, HostDevice>;
+INSTANTIATE_TYPED_TEST_SUITE_P(All, DeviceConformance, Backends);
+
+// SimDevice-only controls.
+TEST(SimDevice, FaultInjectionCountersAndLatency) {
+  SimDeviceOptions o;
+  o.latency = LatencyModel::zero();
+  o.latency.ns_per_call[static_cast<std::size_t>(CallKind::allocate_segment)] = 100;
+  o.latency.allocate_ns_per_mib = 10;
+  SimDevice d(o);
+  d.fail_nth(CallKind::allocate_segment, 2);
+  DevicePtr a = 0;
+  EXPECT_EQ(d.allocate_segment(kMiB, &a), Status::ok);
+  EXPECT_EQ(d.allocate_segment(kMiB, &a), Status::out_of_memory);
+  EXPECT_EQ(d.allocate_segment(kMiB, &a), Status::ok);
+  EXPECT_EQ(d.calls(CallKind::allocate_segment), 3u);
+  EXPECT_EQ(d.failures(CallKind::allocate_segment), 1u);
+  EXPECT_DOUBLE_EQ(d.estimated_ns(), 3 * 110.0);
+  d.fail_fraction(CallKind::free_segment, 0.5, 42);
+  int failed = 0;
+  for (int i = 0; i < 1000; ++i) failed += d.free_segment(0x1) == Status::device_error;
+  EXPECT_GT(failed, 430);
+  EXPECT_LT(failed, 570);
+  SimDevice again(o);
+  again.fail_fraction(CallKind::free_segment, 0.5, 42);
+  int failed_again = 0;
+  for (int i = 0; i < 1000; ++i) failed_again += again.free_segment(0x1) == Status::device_error;
+  EXPECT_EQ(failed, failed_again);  // seeded: repeatable
+}
+
+TEST(SimDevice, EventsWaitForTheCaller) {
+  SimDevice d;
+  EventId e = 0;
+  ASSERT_EQ(d.create_event(&e), Status::ok);
+  ASSERT_EQ(d.record_event(e, 4), Status::ok);
+  EXPECT_EQ(d.query_event(e), Status::not_ready);
+  d.complete_stream(3);
+  EXPECT_EQ(d.query_event(e), Status::not_ready);
+  d.complete_event(e);
+  EXPECT_EQ(d.query_event(e), Status::ok);
+}
+
+TEST(SimDevice, AddressesComeFromTheSourceWhenSet) {
+  SimDevice d;
+  d.set_address_source([](std::size_t bytes, DevicePtr* addr) {
+    *addr = 0x100000 + bytes;
+    return Status::ok;
+  });
+  DevicePtr a = 0;
+  ASSERT_EQ(d.allocate_segment(4096, &a), Status::ok);
+  EXPECT_EQ(a, 0x100000u + 4096);
+  EXPECT_EQ(d.allocate_segment(4096, &a), Status::invalid_argument);  // would overlap
+}
+
+}  // namespace
+}  // namespace reservoir

@@ -1,0 +1,22 @@
+# Installs reservoir into a temporary prefix, then configures, builds and runs
+# tests/consumer against it with find_package(reservoir).
+set(prefix "${BINARY}/consumer-install")
+set(build "${BINARY}/consumer-build")
+file(REMOVE_RECURSE "${prefix}" "${build}")
+execute_process(COMMAND ${CMAKE_COMMAND} --install "${BINARY}" --prefix "${prefix}" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "install failed")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${build}" -G Ninja
+                        -DCMAKE_PREFIX_PATH=${prefix} RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "configure failed")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build "${build}" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "build failed")
+endif()
+execute_process(COMMAND "${build}/consumer" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "consumer failed")
+endif()

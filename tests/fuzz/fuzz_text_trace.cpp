@@ -1,0 +1,28 @@
+// libFuzzer target: the text trace reader; what it accepts must write back to
+// text it reads to the same events, and must replay.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/trace.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  try {
+    const reservoir::Trace t = reservoir::read_text_trace(text, "fuzz");
+    const std::string written = reservoir::write_text_trace(t);
+    const reservoir::Trace back = reservoir::read_text_trace(written, "fuzz-again");
+    if (back.events.size() != t.events.size()) std::abort();
+    if (t.events.size() <= 2000) {
+      reservoir::ReplayOptions options;
+      options.capacity = std::size_t{1} << 34;
+      (void)reservoir::replay(reservoir::compile(t), reservoir::AllocatorConfig::parse(t.recorded_config),
+                              t.recorded_config, options);
+    }
+  } catch (const reservoir::TraceError&) {
+  } catch (const reservoir::UsageError&) {
+  }
+  return 0;
+}

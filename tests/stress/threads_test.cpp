@@ -1,0 +1,113 @@
+// Many threads, seeded, every block filled with a pattern on a HostDevice and
+// checked when freed; blocks are handed between threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/host_device.hpp"
+#include "reservoir/sim_device.hpp"
+
+namespace reservoir {
+namespace {
+
+struct Handoff {
+  std::mutex mutex;
+  std::vector<std::pair<unsigned char*, std::size_t>> blocks;
+};
+
+TEST(Threads, ConcurrentAllocateFreeWithHandoff) {
+  HostDeviceOptions options;
+  options.capacity = std::size_t{2} << 30;
+  HostDevice device(options);
+  CachingAllocator allocator(device, AllocatorConfig{});
+  Handoff handoff;
+  std::atomic<int> bad{0};
+  constexpr int kThreads = 4;
+  constexpr int kSteps = 3000;
+  auto worker = [&](int id) {
+    std::mt19937_64 rng(static_cast<std::uint64_t>(id) + 100);
+    std::vector<std::pair<unsigned char*, std::size_t>> mine;
+    auto check_and_free = [&](std::pair<unsigned char*, std::size_t> b) {
+      const auto tag = static_cast<unsigned char>(b.second * 31);
+      for (std::size_t i = 0; i < b.second; i += 97) bad += b.first[i] != tag;
+      allocator.deallocate(b.first);
+    };
+    for (int step = 0; step < kSteps; ++step) {
+      const unsigned r = rng() % 100;
+      if (r < 50 || mine.empty()) {
+        const std::size_t size = rng() % 4 == 0 ? (1 << 20) + rng() % (4 << 20) : 1 + rng() % 65536;
+        auto* p = static_cast<unsigned char*>(allocator.allocate(size, static_cast<StreamId>(id % 2)));
+        std::memset(p, static_cast<unsigned char>(size * 31), size);
+        mine.emplace_back(p, size);
+      } else if (r < 85) {
+        const std::size_t k = rng() % mine.size();
+        check_and_free(mine[k]);
+        mine[k] = mine.back();
+        mine.pop_back();
+      } else if (r < 95) {
+        std::lock_guard lock(handoff.mutex);  // give a block to whichever thread comes next
+        handoff.blocks.push_back(mine.back());
+        mine.pop_back();
+      } else {
+        std::lock_guard lock(handoff.mutex);
+        if (!handoff.blocks.empty()) {
+          mine.push_back(handoff.blocks.back());
+          handoff.blocks.pop_back();
+        }
+      }
+    }
+    for (auto& b : mine) check_and_free(b);
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) threads.emplace_back(worker, i);
+  for (auto& t : threads) t.join();
+  for (auto& b : handoff.blocks) allocator.deallocate(b.first);
+  EXPECT_EQ(bad.load(), 0);
+  allocator.validate();
+  EXPECT_EQ(allocator.stats().allocation[0].current, 0);
+  allocator.empty_cache();
+  EXPECT_EQ(device.used_bytes(), 0u);
+}
+
+TEST(Threads, StatsSnapshotsAndEmptyCacheWhileAllocating) {
+  SimDevice device;
+  CachingAllocator allocator(device, AllocatorConfig{});
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    while (!stop) {
+      (void)allocator.stats_map();
+      (void)allocator.snapshot();
+      (void)allocator.memory_summary();
+      allocator.empty_cache();
+    }
+  });
+  std::vector<std::thread> writers;
+  for (int t = 0; t < 2; ++t) {
+    writers.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t));
+      std::vector<void*> live;
+      for (int i = 0; i < 20000; ++i) {
+        if (live.size() < 50 && rng() % 2) {
+          live.push_back(allocator.allocate(1 + rng() % (3 << 20)));
+        } else if (!live.empty()) {
+          allocator.deallocate(live.back());
+          live.pop_back();
+        }
+      }
+      for (void* p : live) allocator.deallocate(p);
+    });
+  }
+  for (auto& w : writers) w.join();
+  stop = true;
+  reader.join();
+  allocator.validate();
+  EXPECT_EQ(allocator.stats().allocation[0].current, 0);
+}
+
+}  // namespace
+}  // namespace reservoir

@@ -1,0 +1,215 @@
+// The retry ladder, memory fraction, garbage collection, stream events and
+// private pools, with exact device-call counts.
+#include <thread>
+
+#include "allocator_fixture.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir::testing {
+namespace {
+
+using Ladder = AllocatorTest;
+
+TEST_F(Ladder, ReleasesAllCachedBlocksThenRetries) {
+  make("", 40 * kMiB);
+  const DevicePtr a = alloc(20 * kMiB);
+  release(a);
+  const DevicePtr b = alloc(30 * kMiB);  // 20 cached + 30 > 40: free the cache, retry
+  EXPECT_EQ(b, kBase + 20 * kMiB);
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  EXPECT_EQ(stat("num_sync_all_streams"), 1);
+  EXPECT_EQ(stat("num_device_free"), 1);
+  EXPECT_EQ(stat("num_device_alloc"), 2);
+  EXPECT_EQ(device_->calls(CallKind::allocate_segment), 3u);  // first try failed
+}
+
+TEST_F(Ladder, ReleasesOneOversizeBlockThatCoversTheRequest) {
+  make("max_split_size_mb:40", 130 * kMiB);
+  const DevicePtr x = alloc(50 * kMiB);
+  const DevicePtr y = alloc(60 * kMiB);
+  release(x);
+  release(y);
+  const DevicePtr z = alloc(30 * kMiB);  // oversize blocks refused; 110 + 30 > 130
+  EXPECT_EQ(z, kBase + 110 * kMiB);
+  EXPECT_EQ(stat("num_device_free"), 1);  // only the 50 MiB block
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 90 * 1048576);
+  EXPECT_EQ(allocator_->largest_cached_block(), 60 * kMiB);
+}
+
+TEST_F(Ladder, ReleasesOversizeBlocksLargestFirstUntilEnough) {
+  make("max_split_size_mb:40", 130 * kMiB);
+  const DevicePtr x = alloc(50 * kMiB);
+  const DevicePtr y = alloc(60 * kMiB);
+  release(x);
+  release(y);
+  const DevicePtr z = alloc(100 * kMiB);
+  EXPECT_EQ(z, kBase + 110 * kMiB);
+  EXPECT_EQ(stat("num_device_free"), 2);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * 1048576);
+}
+
+TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
+  make("", 30 * kMiB);
+  const DevicePtr a = alloc(12 * kMiB);
+  const DevicePtr b = alloc(512);
+  (void)b;
+  std::vector<std::size_t> observed;
+  allocator_->attach_oom_observer([&](int device, std::size_t size, std::size_t limit,
+                                      std::size_t free) {
+    observed = {static_cast<std::size_t>(device), size, limit, free};
+  });
+  try {
+    (void)allocator_->allocate(20 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+              "30.00 MiB of which 16.00 MiB is free. Of the allocated memory 12.00 MiB is "
+              "allocated by PyTorch, and 2.00 MiB is reserved by PyTorch but unallocated. If "
+              "reserved but unallocated memory is large try setting "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+              "documentation for Memory Management  "
+              "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
+    EXPECT_EQ(e.requested_bytes(), 20 * kMiB);
+    EXPECT_EQ(e.device_free(), 16 * kMiB);
+    EXPECT_EQ(e.device_total(), 30 * kMiB);
+  }
+  allocator_->validate();
+  EXPECT_EQ(observed, (std::vector<std::size_t>{0, 20 * kMiB, 30 * kMiB, 16 * kMiB}));
+  EXPECT_EQ(stat("num_ooms"), 1);
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  release(a);
+}
+
+TEST_F(Ladder, MemoryFractionLimitsReservation) {
+  make("", 100 * kMiB);
+  allocator_->set_memory_fraction(0.5);
+  const DevicePtr a = alloc(40 * kMiB);
+  try {
+    (void)allocator_->allocate(20 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("of which 60.00 MiB is free. 50.00 MiB allowed; Of the "
+                                         "allocated memory 40.00 MiB"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(device_->calls(CallKind::allocate_segment), 1u);  // the fraction check needs no call
+  release(a);
+  EXPECT_THROW(allocator_->set_memory_fraction(1.5), UsageError);
+}
+
+TEST_F(Ladder, FreeMemoryCallbackRunsBeforeTheDevice) {
+  const DevicePtr held = alloc(12 * kMiB);
+  int calls = 0;
+  allocator_->add_free_memory_callback([&] {
+    ++calls;
+    allocator_->deallocate(reinterpret_cast<void*>(held));  // the lock is released here
+    return true;
+  });
+  const DevicePtr again = alloc(12 * kMiB);
+  EXPECT_EQ(again, held);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(stat("num_device_alloc"), 1);
+}
+
+TEST_F(Ladder, GarbageCollectionFreesBlocksOlderThanAverage) {
+  make("garbage_collection_threshold:0.5", 200 * kMiB);
+  allocator_->set_memory_fraction(1.0);  // allowed 200 MiB, GC above 100 MiB
+  const DevicePtr a = alloc(40 * kMiB, 0);
+  release(a);                               // cached at search count 1
+  const DevicePtr b = alloc(30 * kMiB, 1);  // search 2: no stream-1 block
+  release(b);
+  const DevicePtr c = alloc(35 * kMiB, 1);  // search 3: 30 < 35, a new 36 MiB segment: 106 MiB
+  release(c);
+  // Search 4 finds nothing for stream 2; ages are 3, 2 and 1, average 2:
+  // the 40 and 30 MiB blocks go, the youngest stays.
+  const DevicePtr d = alloc(10 * kMiB, 2);
+  EXPECT_EQ(stat("num_device_free"), 2);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), (36 + 10) * 1048576);
+  EXPECT_EQ(allocator_->largest_cached_block(), 36 * kMiB);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  release(d);
+}
+
+TEST_F(Ladder, GarbageCollectionNeedsAMemoryFraction) {
+  make("garbage_collection_threshold:0.5", 200 * kMiB);
+  const DevicePtr a = alloc(150 * kMiB);
+  release(a);
+  const DevicePtr b = alloc(20 * kMiB, 1);
+  EXPECT_EQ(stat("num_device_free"), 0);
+  release(b);
+}
+
+TEST_F(Ladder, RecordStreamDefersReuseUntilTheEventCompletes) {
+  const DevicePtr a = alloc(4096, 0);
+  allocator_->record_stream(reinterpret_cast<void*>(a), 5);
+  allocator_->record_stream(reinterpret_cast<void*>(a), 0);  // the allocation stream: ignored
+  release(a);
+  EXPECT_EQ(stat("active.all.current"), 1);
+  EXPECT_EQ(stat("allocation.all.current"), 0);
+  EXPECT_EQ(allocator_->snapshot().segments[0].blocks[0].state, BlockState::active_pending_free);
+  const DevicePtr b = alloc(4096, 0);
+  EXPECT_EQ(b, kBase + 4096);  // a is still in use on stream 5
+  device_->complete_stream(5);
+  release(b);
+  const DevicePtr c = alloc(4096, 0);  // events processed first: a is free again
+  EXPECT_EQ(c, kBase);
+  EXPECT_EQ(device_->live_events(), 1u);  // the event is kept for reuse
+  release(c);
+}
+
+TEST_F(Ladder, EmptyCacheSynchronizesPendingFrees) {
+  const DevicePtr a = alloc(12 * kMiB, 0);
+  allocator_->record_stream(reinterpret_cast<void*>(a), 3);
+  release(a);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("num_sync_all_streams"), 1);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  EXPECT_EQ(device_->calls(CallKind::synchronize_event), 1u);
+}
+
+TEST_F(Ladder, PrivatePoolsKeepTheirOwnSegments) {
+  const PoolId pool{1, 1};
+  allocator_->begin_allocate_to_pool(pool, [](StreamId s) { return s == 7; });
+  const DevicePtr p = alloc(4096, 7);
+  const DevicePtr q = alloc(4096, 0);
+  allocator_->end_allocate_to_pool(pool);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 2u);
+  EXPECT_EQ(snap.segments[0].pool_id, pool);
+  EXPECT_EQ(snap.segments[1].pool_id, (PoolId{0, 0}));
+  release(p);
+  release(q);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 2 * 1048576);  // the pool's segment stays
+  EXPECT_EQ(alloc(4096, 7), kBase + 4 * kMiB);  // not routed now: a new default segment
+  allocator_->release_pool(pool);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->live_segments(), 1u);
+  EXPECT_THROW(allocator_->release_pool(pool), UsageError);
+  EXPECT_THROW(allocator_->end_allocate_to_pool(pool), UsageError);
+}
+
+TEST_F(Ladder, CurrentThreadRoutingLeavesOtherThreadsAlone) {
+  const PoolId pool{0, 9};
+  allocator_->begin_allocate_current_thread_to_pool(pool);
+  const DevicePtr mine = alloc(4096);
+  DevicePtr theirs = 0;
+  std::thread other([&] { theirs = reinterpret_cast<DevicePtr>(allocator_->allocate(4096)); });
+  other.join();
+  allocator_->end_allocate_to_pool(pool);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 2u);
+  EXPECT_EQ(snap.segments[0].address, mine);
+  EXPECT_EQ(snap.segments[0].pool_id, pool);
+  EXPECT_EQ(snap.segments[1].address, theirs);
+  EXPECT_EQ(snap.segments[1].pool_id, (PoolId{0, 0}));
+  release(mine);
+  release(theirs);
+}
+
+}  // namespace
+}  // namespace reservoir::testing

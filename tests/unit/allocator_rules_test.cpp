@@ -1,0 +1,185 @@
+// Each native-policy rule pinned with exact numbers.
+#include "allocator_fixture.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir::testing {
+namespace {
+
+using Rules = AllocatorTest;
+
+TEST(SizeRules, RoundSize) {
+  const AllocatorConfig plain;
+  EXPECT_EQ(CachingAllocator::round_size(1, plain), 512u);
+  EXPECT_EQ(CachingAllocator::round_size(512, plain), 512u);
+  EXPECT_EQ(CachingAllocator::round_size(513, plain), 1024u);
+  EXPECT_EQ(CachingAllocator::round_size(kMiB + 1, plain), kMiB + 512);
+  const AllocatorConfig four = AllocatorConfig::parse("roundup_power2_divisions:4");
+  EXPECT_EQ(CachingAllocator::round_size(1200, four), 1536u);  // <= 512 * divisions: 512 rounding
+  EXPECT_EQ(CachingAllocator::round_size(5000, four), 5120u);
+  EXPECT_EQ(CachingAllocator::round_size(4096, four), 4096u);  // powers of two stay
+  EXPECT_EQ(CachingAllocator::round_size(kMiB + 1, four), kMiB + 256 * kKiB);
+  EXPECT_EQ(CachingAllocator::round_size(100 * kMiB, four), 112 * kMiB);
+  const AllocatorConfig list = AllocatorConfig::parse("roundup_power2_divisions:[1:1,64:8,>:1]");
+  EXPECT_EQ(CachingAllocator::round_size(65 * kMiB, list), 72 * kMiB);
+  EXPECT_EQ(CachingAllocator::round_size(3 * kMiB + 1, list), 3 * kMiB + 512);
+}
+
+TEST(SizeRules, AllocationSize) {
+  EXPECT_EQ(CachingAllocator::allocation_size(512), 2 * kMiB);
+  EXPECT_EQ(CachingAllocator::allocation_size(kMiB), 2 * kMiB);
+  EXPECT_EQ(CachingAllocator::allocation_size(kMiB + 512), 20 * kMiB);
+  EXPECT_EQ(CachingAllocator::allocation_size(10 * kMiB - 512), 20 * kMiB);
+  EXPECT_EQ(CachingAllocator::allocation_size(10 * kMiB), 10 * kMiB);
+  EXPECT_EQ(CachingAllocator::allocation_size(11 * kMiB + 512), 12 * kMiB);
+}
+
+TEST_F(Rules, AllocateZeroReturnsNull) {
+  EXPECT_EQ(allocator_->allocate(0), nullptr);
+  EXPECT_EQ(device_->calls(CallKind::allocate_segment), 0u);
+  allocator_->deallocate(nullptr);
+}
+
+TEST_F(Rules, SmallRequestsPackIntoTwoMiBSegments) {
+  const DevicePtr a = alloc(1000);
+  const DevicePtr b = alloc(1);
+  const DevicePtr c = alloc(kMiB);
+  EXPECT_EQ(a, kBase);
+  EXPECT_EQ(b, kBase + 1024);
+  EXPECT_EQ(c, kBase + 1536);
+  EXPECT_EQ(stat("segment.small_pool.current"), 1);
+  EXPECT_EQ(stat("reserved_bytes.small_pool.current"), 2 * 1048576);
+  EXPECT_EQ(stat("allocated_bytes.small_pool.current"), 1024 + 512 + 1048576);
+  EXPECT_EQ(stat("requested_bytes.small_pool.current"), 1000 + 1 + 1048576);
+  EXPECT_EQ(stat("inactive_split_bytes.small_pool.current"), 2097152 - 1050112);
+  // A request that no longer fits the remaining 1047040 bytes opens a new segment.
+  const DevicePtr d = alloc(kMiB);
+  EXPECT_EQ(d, kBase + 2 * kMiB);
+  EXPECT_EQ(stat("num_device_alloc"), 2);
+}
+
+TEST_F(Rules, MidSizeRequestsShareTwentyMiBSegments) {
+  const DevicePtr a = alloc(1536 * kKiB);  // 1.5 MiB: large pool, 20 MiB segment
+  const DevicePtr b = alloc(2 * kMiB);
+  EXPECT_EQ(a, kBase);
+  EXPECT_EQ(b, kBase + 1536 * kKiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 20971520);
+  EXPECT_EQ(stat("segment.large_pool.current"), 1);
+  // An 11 MiB request still fits the 16.5 MiB left in that segment.
+  EXPECT_EQ(alloc(11 * kMiB + 1), kBase + 3584 * kKiB);
+  // Requests of 10 MiB and more that fit nowhere get a segment of their own, rounded to 2 MiB.
+  const DevicePtr c = alloc(17 * kMiB + 1);
+  EXPECT_EQ(c, kBase + 20 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 20971520 + 18874368);
+}
+
+TEST_F(Rules, LargeRemainderOfOneMiBOrLessIsNotSplit) {
+  const DevicePtr a = alloc(19 * kMiB + 512 * kKiB);  // 20 MiB segment, 512 KiB left over
+  EXPECT_EQ(a, kBase);
+  EXPECT_EQ(stat("allocated_bytes.large_pool.current"), 20971520);
+  EXPECT_EQ(stat("inactive_split.large_pool.current"), 0);
+  release(a);
+  const DevicePtr b = alloc(18 * kMiB + 1);  // remainder just under 2 MiB > 1 MiB: split
+  EXPECT_EQ(b, kBase);
+  EXPECT_EQ(stat("allocated_bytes.large_pool.current"), 18 * 1048576 + 512);
+  EXPECT_EQ(stat("inactive_split_bytes.large_pool.current"), 2 * 1048576 - 512);
+}
+
+TEST_F(Rules, BestFitBySizeThenAddress) {
+  // Three 12 MiB segments, carved so that free blocks of 4, 2 and 2 MiB remain.
+  const DevicePtr s1 = alloc(12 * kMiB);
+  const DevicePtr s2 = alloc(12 * kMiB);
+  const DevicePtr s3 = alloc(12 * kMiB);
+  release(s1);
+  release(s2);
+  release(s3);
+  const DevicePtr x = alloc(8 * kMiB);   // smallest fit: 12 MiB at s1
+  const DevicePtr y = alloc(10 * kMiB);  // s2
+  const DevicePtr z = alloc(10 * kMiB);  // s3
+  EXPECT_EQ(x, s1);
+  EXPECT_EQ(y, s2);
+  EXPECT_EQ(z, s3);
+  // Free blocks now: 4 MiB at s1+8, 2 MiB at s2+10 and at s3+10.
+  EXPECT_EQ(alloc(1536 * kKiB), s2 + 10 * kMiB);  // 2 MiB blocks first, lowest address first
+  EXPECT_EQ(alloc(3 * kMiB), s1 + 8 * kMiB);     // only the 4 MiB block fits
+}
+
+TEST_F(Rules, FreeBlocksServeOnlyTheirStream) {
+  const DevicePtr a = alloc(4096, 1);
+  release(a);
+  const DevicePtr b = alloc(4096, 2);
+  EXPECT_EQ(b, kBase + 2 * kMiB);  // a second segment: stream 1's cache is not for stream 2
+  EXPECT_EQ(alloc(4096, 1), a);
+}
+
+TEST_F(Rules, FreedBlocksMergeWithFreeNeighbours) {
+  const DevicePtr a = alloc(512);
+  const DevicePtr b = alloc(512);
+  const DevicePtr c = alloc(512);
+  release(a);
+  release(c);
+  EXPECT_EQ(stat("inactive_split.small_pool.current"), 2);  // [a] and [c + rest]
+  release(b);
+  EXPECT_EQ(stat("inactive_split.small_pool.current"), 0);  // one unsplit 2 MiB block
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 1u);
+  EXPECT_EQ(snap.segments[0].blocks[0].size, 2 * kMiB);
+}
+
+TEST_F(Rules, MaxSplitSizeKeepsOversizeBlocksWhole) {
+  make("max_split_size_mb:40");
+  const DevicePtr big = alloc(70 * kMiB);
+  release(big);
+  // A splittable request does not take an oversize cached block.
+  EXPECT_EQ(alloc(30 * kMiB), kBase + 70 * kMiB);
+  // An oversize request takes one only if it is less than 20 MiB larger.
+  EXPECT_EQ(alloc(45 * kMiB), kBase + 100 * kMiB);  // 70 >= 45 + 20: a new segment
+  const DevicePtr over = alloc(55 * kMiB);           // 70 < 55 + 20: taken whole, not split
+  EXPECT_EQ(over, big);
+  // The 45 MiB request got a 46 MiB segment, kept whole: oversize blocks never split.
+  EXPECT_EQ(stat("allocated_bytes.all.current"), (30 + 46 + 70) * 1048576);
+  EXPECT_EQ(stat("requested_bytes.all.current"), (30 + 45 + 55) * 1048576);
+  EXPECT_EQ(stat("oversize_allocations.current"), 2);
+  EXPECT_EQ(stat("oversize_segments.current"), 2);
+  EXPECT_EQ(stat("inactive_split.all.current"), 0);
+  EXPECT_EQ(stat("max_split_size"), 40 * 1048576);
+}
+
+TEST_F(Rules, MaxNonSplitRoundingWidensTheLimit) {
+  make("max_split_size_mb:40,max_non_split_rounding_mb:30");
+  const DevicePtr big = alloc(70 * kMiB);
+  release(big);
+  EXPECT_EQ(alloc(41 * kMiB), big);  // 70 < 41 + 30
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 70 * 1048576);
+}
+
+TEST_F(Rules, EmptyCacheReleasesOnlyUnsplitFreeSegments) {
+  const DevicePtr a = alloc(512);        // small segment, stays split while a lives
+  const DevicePtr b = alloc(12 * kMiB);  // large segment
+  release(b);
+  allocator_->empty_cache();
+  allocator_->validate();
+  EXPECT_EQ(stat("num_device_free"), 1);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 2 * 1048576);
+  release(a);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  EXPECT_EQ(device_->live_segments(), 0u);
+}
+
+TEST_F(Rules, RuntimeConfigChangeAppliesToLaterRequests) {
+  const DevicePtr a = alloc(50 * kMiB);
+  release(a);
+  allocator_->set_config(AllocatorConfig::parse("max_split_size_mb:40"));
+  EXPECT_EQ(alloc(30 * kMiB), kBase + 50 * kMiB);
+  EXPECT_EQ(allocator_->config().max_split_size, 40 * kMiB);
+}
+
+TEST_F(Rules, UnsupportedPoliciesAreRefusedClearly) {
+  SimDevice device;
+  EXPECT_THROW(CachingAllocator(device, AllocatorConfig::parse("expandable_segments:True")),
+               UsageError);
+}
+
+}  // namespace
+}  // namespace reservoir::testing

@@ -1,0 +1,135 @@
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "reservoir/config.hpp"
+#include "reservoir/errors.hpp"
+
+using reservoir::AllocatorConfig;
+using reservoir::ConfigError;
+
+namespace {
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+std::string error_of(const std::string& text) {
+  try {
+    (void)AllocatorConfig::parse(text);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST(Config, EmptyGivesPyTorchDefaults) {
+  const AllocatorConfig c = AllocatorConfig::parse("");
+  EXPECT_EQ(c.max_split_size, std::numeric_limits<std::size_t>::max());
+  EXPECT_EQ(c.max_non_split_rounding_size, 20 * kMiB);
+  EXPECT_EQ(c.garbage_collection_threshold, 0.0);
+  EXPECT_FALSE(c.expandable_segments);
+  for (std::size_t d : c.roundup_power2_divisions) EXPECT_EQ(d, 0u);
+  EXPECT_EQ(c.to_string(), "");
+}
+
+TEST(Config, ParsesEveryKey) {
+  const AllocatorConfig c = AllocatorConfig::parse(
+      "max_split_size_mb:40, max_non_split_rounding_mb:30,garbage_collection_threshold:0.5,"
+      "release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True,"
+      "pinned_num_register_threads:8,pinned_use_background_threads:True,backend:native");
+  EXPECT_EQ(c.max_split_size, 40 * kMiB);
+  EXPECT_EQ(c.max_non_split_rounding_size, 30 * kMiB);
+  EXPECT_EQ(c.garbage_collection_threshold, 0.5);
+  EXPECT_TRUE(c.release_lock_on_cudamalloc);
+  EXPECT_TRUE(c.pinned_use_host_register);
+  EXPECT_EQ(c.pinned_num_register_threads, 8u);
+  EXPECT_TRUE(c.pinned_use_background_threads);
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+}
+
+// The list form, with PyTorch's own expectations for these two strings.
+TEST(Config, RoundupListFormMatchesPyTorch) {
+  const AllocatorConfig a =
+      AllocatorConfig::parse("roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]");
+  EXPECT_EQ(a.divisions_for(32 * kMiB), 8u);
+  EXPECT_EQ(a.divisions_for(64 * kMiB), 8u);
+  EXPECT_EQ(a.divisions_for(128 * kMiB), 2u);
+  EXPECT_EQ(a.divisions_for(256 * kMiB), 4u);
+  EXPECT_EQ(a.divisions_for(512 * kMiB), 2u);
+  EXPECT_EQ(a.divisions_for(1024 * kMiB), 4u);
+  EXPECT_EQ(a.divisions_for(2048 * kMiB), 1u);
+  EXPECT_EQ(a.divisions_for(8192 * kMiB), 1u);
+  const AllocatorConfig b =
+      AllocatorConfig::parse("roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]");
+  EXPECT_EQ(b.divisions_for(64 * kMiB), 8u);
+  EXPECT_EQ(b.divisions_for(128 * kMiB), 8u);
+  EXPECT_EQ(b.divisions_for(256 * kMiB), 16u);
+  EXPECT_EQ(b.divisions_for(512 * kMiB), 1u);
+  EXPECT_EQ(b.divisions_for(1024 * kMiB), 0u);
+  EXPECT_EQ(b.divisions_for(2048 * kMiB), 8u);
+  EXPECT_EQ(b.divisions_for(4096 * kMiB), 2u);
+  const AllocatorConfig c = AllocatorConfig::parse("roundup_power2_divisions:4");
+  EXPECT_EQ(c.divisions_for(1000), 4u);
+  EXPECT_EQ(c.divisions_for(64 * kMiB), 4u);
+  EXPECT_EQ(c.divisions_for(std::size_t{1} << 40), 4u);
+  EXPECT_EQ(AllocatorConfig::parse(b.to_string()), b);
+}
+
+TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
+  EXPECT_EQ(error_of("max_split_size_mb:19"),
+            "allocator config \"max_split_size_mb:19\": key 'max_split_size_mb': value '19' is "
+            "too small; accepted: a whole number of MiB >= 20");
+  EXPECT_EQ(error_of("max_split_size_mb:abc"),
+            "allocator config \"max_split_size_mb:abc\": key 'max_split_size_mb': value 'abc' is "
+            "not a whole number; accepted: a whole number of MiB >= 20");
+  EXPECT_EQ(error_of("max_split_size_mb"),
+            "allocator config \"max_split_size_mb\": key 'max_split_size_mb' at column 18: "
+            "expected ':' but found the end");
+  EXPECT_EQ(error_of("max_split_size_mb:"),
+            "allocator config \"max_split_size_mb:\": key 'max_split_size_mb' has no value; "
+            "accepted: a whole number of MiB >= 20");
+  EXPECT_EQ(error_of("garbage_collection_threshold:1.5"),
+            "allocator config \"garbage_collection_threshold:1.5\": key "
+            "'garbage_collection_threshold': value '1.5' is not accepted; accepted: a number in "
+            "(0.0, 1.0)");
+  EXPECT_EQ(error_of("expandable_segments:yes"),
+            "allocator config \"expandable_segments:yes\": key 'expandable_segments': value 'yes' "
+            "is not accepted; accepted: True or False");
+  EXPECT_EQ(error_of("roundup_power2_divisions:3"),
+            "allocator config \"roundup_power2_divisions:3\": key 'roundup_power2_divisions': "
+            "value '3' is not a power of two; accepted: a power of two, or a list "
+            "[MiB:divisions,...,>:divisions] with power-of-two MiB keys and power-of-two (or 0) "
+            "divisions");
+  EXPECT_EQ(error_of("roundup_power2_divisions:[64:8"),
+            "allocator config \"roundup_power2_divisions:[64:8\": key 'roundup_power2_divisions': "
+            "list is not closed with ']'");
+  EXPECT_EQ(error_of("roundup_power2_divisions:[100:8]"),
+            "allocator config \"roundup_power2_divisions:[100:8]\": key "
+            "'roundup_power2_divisions': interval '100' is not a power-of-two number of MiB");
+  EXPECT_EQ(error_of("backend:cudaMallocAsync"),
+            "allocator config \"backend:cudaMallocAsync\": key 'backend': value 'cudaMallocAsync' "
+            "is not supported by reservoir; accepted: native");
+  EXPECT_EQ(error_of("foo:123"),
+            "allocator config \"foo:123\": unknown key 'foo'; accepted keys: max_split_size_mb, "
+            "max_non_split_rounding_mb, garbage_collection_threshold, roundup_power2_divisions, "
+            "expandable_segments, release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
+            "pinned_num_register_threads, pinned_use_background_threads, backend, policy");
+  EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
+            "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
+            "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
+            "accepted: a whole number of MiB >= 20");
+  EXPECT_EQ(error_of("pinned_num_register_threads:3"),
+            "allocator config \"pinned_num_register_threads:3\": key "
+            "'pinned_num_register_threads': value '3' is not accepted; accepted: a power of two "
+            "from 1 to 128");
+}
+
+TEST(Config, EnvironmentPrefersOursOverPyTorchs) {
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:100", 1);
+  ::unsetenv("RESERVOIR_ALLOC_CONF");
+  EXPECT_EQ(AllocatorConfig::from_env().max_split_size, 100 * kMiB);
+  ::setenv("RESERVOIR_ALLOC_CONF", "max_split_size_mb:200", 1);
+  EXPECT_EQ(AllocatorConfig::from_env().max_split_size, 200 * kMiB);
+  ::unsetenv("RESERVOIR_ALLOC_CONF");
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_EQ(AllocatorConfig::from_env(), AllocatorConfig{});
+}
