@@ -161,7 +161,9 @@ class Verifier {
     // Place each block in its segment, find unsplit tails, and lay out the gaps.
     Snapshot layout;
     auto block_it = blocks.begin();
-    for (auto& [base, seg] : segments) {
+    for (auto& entry : segments) {
+      const DevicePtr base = entry.first;
+      SegmentInfo& seg = entry.second;
       const DevicePtr end = base + seg.total_size;
       std::vector<std::pair<DevicePtr, StartBlock*>> inside;
       for (; block_it != blocks.end() && block_it->first < end; ++block_it) {

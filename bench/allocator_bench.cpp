@@ -1,0 +1,99 @@
+// The cache-hit allocate+free pair, next to glibc malloc+free of the same
+// sizes in the same run. Run: build/bin/allocator_bench
+#include <benchmark/benchmark.h>
+
+#include <array>
+#include <cstdlib>
+#include <memory>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/sim_device.hpp"
+
+namespace {
+
+using reservoir::AllocatorConfig;
+using reservoir::CachingAllocator;
+using reservoir::SimDevice;
+
+constexpr std::array<std::size_t, 8> kMixed = {512, 4096, 65536, 300000, 1048576,
+                                               2097152, 5000000, 8388608};
+
+struct Shared {
+  SimDevice device;
+  CachingAllocator allocator{device, AllocatorConfig{}};
+};
+Shared& shared() {
+  static Shared s;
+  return s;
+}
+
+// Warm the cache so every timed request is a hit.
+void warm(CachingAllocator& a, std::size_t size, std::uint64_t streams) {
+  for (std::uint64_t s = 0; s < streams; ++s) {
+    void* p = a.allocate(size, s);
+    a.deallocate(p);
+  }
+}
+
+void BM_Reservoir_OneSize(benchmark::State& state) {
+  auto& a = shared().allocator;
+  if (state.thread_index() == 0) warm(a, 4096, 1);
+  for (auto _ : state) {
+    void* p = a.allocate(4096);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+}
+BENCHMARK(BM_Reservoir_OneSize)->Threads(1)->Threads(2)->UseRealTime();
+
+void BM_Glibc_OneSize(benchmark::State& state) {
+  for (auto _ : state) {
+    void* p = std::malloc(4096);
+    benchmark::DoNotOptimize(p);
+    std::free(p);
+  }
+}
+BENCHMARK(BM_Glibc_OneSize)->Threads(1)->Threads(2)->UseRealTime();
+
+void BM_Reservoir_MixedSizes(benchmark::State& state) {
+  auto& a = shared().allocator;
+  if (state.thread_index() == 0) {
+    for (std::size_t s : kMixed) warm(a, s, 1);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    void* p = a.allocate(kMixed[i++ & 7]);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+}
+BENCHMARK(BM_Reservoir_MixedSizes)->Threads(1)->Threads(2)->UseRealTime();
+
+void BM_Glibc_MixedSizes(benchmark::State& state) {
+  std::size_t i = 0;
+  for (auto _ : state) {
+    void* p = std::malloc(kMixed[i++ & 7]);
+    benchmark::DoNotOptimize(p);
+    std::free(p);
+  }
+}
+BENCHMARK(BM_Glibc_MixedSizes)->Threads(1)->Threads(2)->UseRealTime();
+
+void BM_Reservoir_FourStreams(benchmark::State& state) {
+  auto& a = shared().allocator;
+  if (state.thread_index() == 0) {
+    for (std::size_t s : kMixed) warm(a, s, 4);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    void* p = a.allocate(kMixed[i & 7], (i >> 3) & 3);
+    ++i;
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+}
+BENCHMARK(BM_Reservoir_FourStreams)->Threads(1)->Threads(2)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();
