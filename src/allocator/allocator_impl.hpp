@@ -10,7 +10,6 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <memory_resource>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -106,11 +105,11 @@ class CachingAllocator::Impl {
   mutable std::mutex mutex_;
   AllocatorConfig config_;
   DeviceStats stats_;
-  std::pmr::unsynchronized_pool_resource node_resource_;
+  detail::NodeRecycler node_resource_;  // set nodes of every pool
   detail::BlockArena arena_;
   detail::BlockPool large_;
   detail::BlockPool small_;
-  std::pmr::unordered_map<DevicePtr, detail::Block*> allocated_;
+  detail::AddressMap<detail::Block*> allocated_;  // allocated blocks by address
   std::map<DevicePtr, std::unique_ptr<detail::Segment>> segments_;
   std::map<PoolId, std::unique_ptr<detail::PrivatePool>> private_pools_;
   std::vector<PoolId> freeable_pools_;

@@ -18,11 +18,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <memory_resource>
 #include <set>
 #include <vector>
 
 #include "reservoir/device.hpp"
+#include "recycling.hpp"
 #include "reservoir/snapshot.hpp"
 
 namespace reservoir::detail {
@@ -58,11 +58,11 @@ struct BlockBySize {
   }
 };
 
-using BlockSet = std::set<Block*, BlockBySize, std::pmr::polymorphic_allocator<Block*>>;
+using BlockSet = std::set<Block*, BlockBySize, RecyclingAllocator<Block*>>;
 
 struct BlockPool {
-  BlockPool(bool small, PrivatePool* owner, std::pmr::memory_resource* resource)
-      : blocks(resource), is_small(small), owner(owner) {}
+  BlockPool(bool small, PrivatePool* owner, NodeRecycler* nodes)
+      : blocks(BlockBySize{}, RecyclingAllocator<Block*>(nodes)), is_small(small), owner(owner) {}
   BlockSet blocks;
   const bool is_small;
   PrivatePool* const owner;  // null for the default pools
@@ -88,8 +88,8 @@ struct Segment {
 };
 
 struct PrivatePool {
-  PrivatePool(PoolId pool_id, std::pmr::memory_resource* resource)
-      : id(pool_id), large(false, this, resource), small(true, this, resource) {}
+  PrivatePool(PoolId pool_id, NodeRecycler* nodes)
+      : id(pool_id), large(false, this, nodes), small(true, this, nodes) {}
   PoolId id;
   int use_count = 1;
   int device_alloc_count = 0;  // segments still held (PyTorch's cudaMalloc_count)

@@ -78,8 +78,7 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
       device_(device),
       config_(config),
       large_(false, nullptr, &node_resource_),
-      small_(true, nullptr, &node_resource_),
-      allocated_(&node_resource_) {
+      small_(true, nullptr, &node_resource_) {
   check_supported(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
 }
@@ -214,7 +213,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
   }
   block->allocated = true;
   block->requested_size = requested;
-  allocated_.emplace(block->ptr, block);
+  allocated_.insert(block->ptr, block);
   for_types(pool, [&](std::size_t t) {
     stats_.allocation[t].increase(1);
     stats_.allocated_bytes[t].increase(block->size);
@@ -328,14 +327,14 @@ void CachingAllocator::Impl::deallocate(void* raw) {
   if (raw == nullptr) return;
   const auto ptr = reinterpret_cast<DevicePtr>(raw);
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(ptr);
-  if (it == allocated_.end()) throw_invalid_pointer(ptr, "deallocate");
-  Block* block = it->second;
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) throw_invalid_pointer(ptr, "deallocate");
+  Block* block = *found;
   const bool deferred = !block->stream_uses.empty();
   // Record stream events first: if the device fails, the block stays allocated
   // and nothing has changed.
   if (deferred && routes_.empty()) insert_events(block);
-  allocated_.erase(it);
+  allocated_.erase(ptr);
   block->allocated = false;
   for_types(*block->pool, [&](std::size_t t) {
     stats_.allocation[t].decrease(1);
@@ -354,9 +353,9 @@ void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
   if (raw == nullptr) return;
   const auto ptr = reinterpret_cast<DevicePtr>(raw);
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(ptr);
-  if (it == allocated_.end()) throw_invalid_pointer(ptr, "record_stream");
-  Block* block = it->second;
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) throw_invalid_pointer(ptr, "record_stream");
+  Block* block = *found;
   if (stream == block->stream) return;  // uses on the allocation stream need no event
   if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
       block->stream_uses.end()) {

@@ -12,7 +12,7 @@ using detail::Segment;
 
 void CachingAllocator::Impl::restore(const Snapshot& layout) {
   std::lock_guard lock(mutex_);
-  if (!segments_.empty() || !allocated_.empty()) {
+  if (!segments_.empty() || allocated_.size() != 0) {
     throw UsageError("restore: the allocator already holds memory; restore needs an empty one");
   }
   try {
@@ -106,7 +106,7 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
       if (bi.state == BlockState::active_allocated) {
         b->allocated = true;
         b->requested_size = bi.requested_size;
-        allocated_.emplace(b->ptr, b);
+        allocated_.insert(b->ptr, b);
         for_types(pool, [&](std::size_t t) {
           stats_.allocation[t].increase(1);
           stats_.allocated_bytes[t].increase(b->size);

@@ -110,8 +110,8 @@ void CachingAllocator::Impl::validate() const {
       }
       if (b->allocated) {
         ++allocated_blocks;
-        auto it = allocated_.find(b->ptr);
-        if (it == allocated_.end() || it->second != b) {
+        Block* const* mapped = allocated_.find(b->ptr);
+        if (mapped == nullptr || *mapped != b) {
           breach(fmt::format("allocated block at {:#x} is missing from the pointer map", b->ptr));
         }
         allocation[0] += 1;
