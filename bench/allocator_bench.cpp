@@ -94,6 +94,37 @@ void BM_Reservoir_FourStreams(benchmark::State& state) {
 }
 BENCHMARK(BM_Reservoir_FourStreams)->Threads(1)->Threads(2)->UseRealTime();
 
+// Tensor-sized requests (32 to 256 MiB), typical of activations and weights.
+// glibc serves these with mmap/munmap (they exceed its 32 MiB mmap threshold
+// limit), so this pair is not the cache-hit comparison above; it shows what a
+// host allocator pays for GPU-sized buffers.
+constexpr std::array<std::size_t, 4> kTensors = {std::size_t{32} << 20, std::size_t{64} << 20,
+                                                 std::size_t{128} << 20, std::size_t{256} << 20};
+
+void BM_Reservoir_TensorSizes(benchmark::State& state) {
+  auto& a = shared().allocator;
+  if (state.thread_index() == 0) {
+    for (std::size_t s : kTensors) warm(a, s, 1);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    void* p = a.allocate(kTensors[i++ & 3]);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+}
+BENCHMARK(BM_Reservoir_TensorSizes)->Threads(1)->UseRealTime();
+
+void BM_Glibc_TensorSizes(benchmark::State& state) {
+  std::size_t i = 0;
+  for (auto _ : state) {
+    void* p = std::malloc(kTensors[i++ & 3]);
+    benchmark::DoNotOptimize(p);
+    std::free(p);
+  }
+}
+BENCHMARK(BM_Glibc_TensorSizes)->Threads(1)->UseRealTime();
+
 }  // namespace
 
 BENCHMARK_MAIN();

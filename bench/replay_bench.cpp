@@ -27,6 +27,8 @@ int register_all() {
   for (const auto& dir : {root / "examples" / "traces", root / ".." / "shared" / "traces"}) {
     if (!std::filesystem::exists(dir)) continue;
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const auto ext = entry.path().extension();
+      if (ext != ".pickle" && ext != ".trace") continue;
       const std::string path = entry.path().string();
       benchmark::RegisterBenchmark(("replay/" + entry.path().filename().string()).c_str(),
                                    [path](benchmark::State& s) { replay_file(s, path); })
