@@ -61,6 +61,7 @@ class CachingAllocator::Impl {
     StreamId stream;
     detail::BlockPool* pool;
     detail::Block* block = nullptr;
+    bool block_in_pool = false;  // a cached block, still in its pool's set
   };
   struct PendingEvent {
     EventId event;
@@ -74,7 +75,6 @@ class CachingAllocator::Impl {
   detail::Block* alloc_found_block(AllocParams& p, std::size_t requested);
   bool should_split(const detail::Block* block, std::size_t size) const;
   void free_block(detail::Block* block);
-  std::size_t try_merge(detail::Block* dst, detail::Block* src);
   void garbage_collect_cached_blocks();
   bool release_available_cached_blocks(const AllocParams& p);
   bool release_cached_blocks();

@@ -31,6 +31,15 @@ struct BlockPool;
 struct Segment;
 struct PrivatePool;
 
+struct Block;
+
+// Best fit order: stream, then size, then address.
+struct BlockBySize {
+  bool operator()(const Block* a, const Block* b) const noexcept;
+};
+
+using BlockSet = std::set<Block*, BlockBySize, RecyclingAllocator<Block*>>;
+
 struct Block {
   DevicePtr ptr = 0;
   std::size_t size = 0;
@@ -44,21 +53,17 @@ struct Block {
   int event_count = 0;               // outstanding stream events
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
+  BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
   bool is_free() const noexcept { return !allocated && event_count == 0 && stream_uses.empty(); }
 };
 
-// Best fit order: stream, then size, then address.
-struct BlockBySize {
-  bool operator()(const Block* a, const Block* b) const noexcept {
-    if (a->stream != b->stream) return a->stream < b->stream;
-    if (a->size != b->size) return a->size < b->size;
-    return a->ptr < b->ptr;
-  }
-};
-
-using BlockSet = std::set<Block*, BlockBySize, RecyclingAllocator<Block*>>;
+inline bool BlockBySize::operator()(const Block* a, const Block* b) const noexcept {
+  if (a->stream != b->stream) return a->stream < b->stream;
+  if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
 
 struct BlockPool {
   BlockPool(bool small, PrivatePool* owner, NodeRecycler* nodes)
@@ -70,7 +75,22 @@ struct BlockPool {
 
   void insert(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
-    blocks.insert(block);
+    block->pool_pos = blocks.insert(block).first;
+  }
+  void erase(Block* block) { blocks.erase(block->pool_pos); }
+  // A block in the set whose key (size, address) just changed: it keeps its
+  // node when its neighbours still bracket it, and is re-inserted otherwise.
+  // It counts as newly cached (as PyTorch re-inserts it).
+  void reposition(Block* block) {
+    block->gc_count_base = get_free_blocks_call_count;
+    const auto it = block->pool_pos;
+    const BlockBySize less;
+    const bool in_order = (it == blocks.begin() || less(*std::prev(it), block)) &&
+                          (std::next(it) == blocks.end() || less(block, *std::next(it)));
+    if (!in_order) {
+      blocks.erase(it);
+      block->pool_pos = blocks.insert(block).first;
+    }
   }
   // Age of a cached block in free-block searches, as PyTorch computes it.
   std::size_t gc_count(const Block* block) const noexcept {

@@ -131,8 +131,8 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   if (p.size >= max_split && (*it)->size >= p.size + config_.max_non_split_rounding_size) {
     return false;
   }
-  p.block = *it;
-  pool.blocks.erase(it);
+  p.block = *it;  // left in the set: alloc_found_block re-keys or removes it
+  p.block_in_pool = true;
   return true;
 }
 
@@ -196,7 +196,11 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     remaining->prev = block;
     remaining->ptr += p.size;
     remaining->size -= p.size;
-    pool.insert(remaining);
+    if (p.block_in_pool) {
+      pool.reposition(remaining);
+    } else {
+      pool.insert(remaining);
+    }
     if (already_split) {
       for_types(pool, [&](std::size_t t) { stats_.inactive_split_bytes[t].decrease(block->size); });
     } else {
@@ -205,11 +209,14 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
         stats_.inactive_split[t].increase(1);
       });
     }
-  } else if (already_split) {
-    for_types(pool, [&](std::size_t t) {
-      stats_.inactive_split_bytes[t].decrease(block->size);
-      stats_.inactive_split[t].decrease(1);
-    });
+  } else {
+    if (p.block_in_pool) pool.erase(block);
+    if (already_split) {
+      for_types(pool, [&](std::size_t t) {
+        stats_.inactive_split_bytes[t].decrease(block->size);
+        stats_.inactive_split[t].decrease(1);
+      });
+    }
   }
   block->allocated = true;
   block->requested_size = requested;
@@ -363,45 +370,63 @@ void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
   }
 }
 
-std::size_t CachingAllocator::Impl::try_merge(Block* dst, Block* src) {
-  if (src == nullptr || !src->is_free()) return 0;
-  if (dst->prev == src) {  // [src dst]
-    dst->ptr = src->ptr;
-    dst->prev = src->prev;
-    if (dst->prev != nullptr) {
-      dst->prev->next = dst;
-    } else {
-      dst->segment->head = dst;
-    }
-  } else {  // [dst src]
-    dst->next = src->next;
-    if (dst->next != nullptr) dst->next->prev = dst;
-  }
-  const std::size_t subsumed = src->size;
-  dst->size += subsumed;
-  src->pool->blocks.erase(src);
-  arena_.recycle(src);
-  return subsumed;
-}
-
 void CachingAllocator::Impl::free_block(Block* block) {
   trace(TraceEntry::Action::free_completed, block->ptr, block->requested_size, block->stream);
   const std::size_t original_size = block->size;
   const std::size_t requested = block->requested_size;
   BlockPool& pool = *block->pool;
+  Block* const prev = block->prev;
+  Block* const next = block->next;
+  const bool merge_prev = prev != nullptr && prev->is_free();
+  const bool merge_next = next != nullptr && next->is_free();
   std::int64_t split_blocks_change = 0;
   std::int64_t split_bytes_change = 0;
-  for (Block* candidate : {block->prev, block->next}) {
-    const std::size_t subsumed = try_merge(block, candidate);
-    if (subsumed > 0) {
+  Block* merged = block;
+  if (merge_prev || merge_next) {
+    // Merge into a neighbour that is already cached, so that it can keep its
+    // place in the pool; the freed block's own fields carry over as PyTorch's
+    // merge keeps them.
+    merged = merge_next ? next : prev;
+    DevicePtr start = block->ptr;
+    std::size_t total = block->size;
+    Block* new_prev = block->prev;
+    Block* new_next = block->next;
+    if (merge_prev) {
       split_blocks_change -= 1;
-      split_bytes_change -= static_cast<std::int64_t>(subsumed);
+      split_bytes_change -= static_cast<std::int64_t>(prev->size);
+      start = prev->ptr;
+      total += prev->size;
+      new_prev = prev->prev;
     }
+    if (merge_next) {
+      split_blocks_change -= 1;
+      split_bytes_change -= static_cast<std::int64_t>(next->size);
+      total += next->size;
+      new_next = next->next;
+    }
+    if (merge_prev && merge_next) {
+      pool.erase(prev);
+      arena_.recycle(prev);
+    }
+    merged->ptr = start;
+    merged->size = total;
+    merged->requested_size = block->requested_size;
+    merged->prev = new_prev;
+    merged->next = new_next;
+    if (new_prev != nullptr) {
+      new_prev->next = merged;
+    } else {
+      merged->segment->head = merged;
+    }
+    if (new_next != nullptr) new_next->prev = merged;
+    arena_.recycle(block);
+    pool.reposition(merged);
+  } else {
+    pool.insert(block);
   }
-  pool.insert(block);
-  if (block->is_split()) {
+  if (merged->is_split()) {
     split_blocks_change += 1;
-    split_bytes_change += static_cast<std::int64_t>(block->size);
+    split_bytes_change += static_cast<std::int64_t>(merged->size);
   }
   for_types(pool, [&](std::size_t t) {
     if (split_blocks_change > 0) {
@@ -538,7 +563,7 @@ void CachingAllocator::Impl::release_block(Block* block) {
     stats_.reserved_bytes[t].decrease(block->size);
   });
   if (block->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
-  pool.blocks.erase(block);
+  pool.erase(block);
   segments_.erase(block->ptr);
   arena_.recycle(block);
 }

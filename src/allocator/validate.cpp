@@ -83,7 +83,8 @@ void CachingAllocator::Impl::validate() const {
                            b->event_count, queued));
       }
       const bool in_pool = b->pool->blocks.count(const_cast<Block*>(b)) == 1 &&
-                           *b->pool->blocks.find(const_cast<Block*>(b)) == b;
+                           *b->pool->blocks.find(const_cast<Block*>(b)) == b &&
+                           *b->pool_pos == b;
       if (b->is_free() != in_pool) {
         breach(fmt::format("block at {:#x} ({}) is {}in its pool", b->ptr,
                            b->is_free() ? "free" : "in use", in_pool ? "" : "not "));
