@@ -85,7 +85,7 @@ class CachingAllocator::Impl {
   void process_events();
   void synchronize_and_free_events();
   EventId take_event();
-  [[noreturn]] void throw_oom(std::unique_lock<std::mutex>& lock, const AllocParams& p);
+  [[noreturn]] void throw_oom(std::unique_lock<detail::SpinMutex>& lock, const AllocParams& p);
   [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
   void trace(TraceEntry::Action action, DevicePtr addr, std::size_t size, StreamId stream) {
     if (!trackers_.empty()) emit(TraceEntry{action, addr, size, stream});
@@ -102,7 +102,7 @@ class CachingAllocator::Impl {
   void drop_all_locked() noexcept;
 
   Device& device_;
-  mutable std::mutex mutex_;
+  mutable detail::SpinMutex mutex_;
   AllocatorConfig config_;
   DeviceStats stats_;
   detail::NodeRecycler node_resource_;  // set nodes of every pool

@@ -262,7 +262,7 @@ void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
 }
 
-void CachingAllocator::Impl::throw_oom(std::unique_lock<std::mutex>& lock, const AllocParams& p) {
+void CachingAllocator::Impl::throw_oom(std::unique_lock<detail::SpinMutex>& lock, const AllocParams& p) {
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
   std::string allowed_info;
