@@ -15,8 +15,8 @@ using reservoir::AllocatorConfig;
 using reservoir::CachingAllocator;
 using reservoir::SimDevice;
 
-constexpr std::array<std::size_t, 8> kMixed = {512, 4096, 65536, 300000, 1048576,
-                                               2097152, 5000000, 8388608};
+constexpr std::array<std::size_t, 8> kMixed = {512,     4096,    65536,   300000,
+                                               1048576, 2097152, 5000000, 8388608};
 
 struct Shared {
   SimDevice device;

@@ -17,9 +17,9 @@ void replay_file(benchmark::State& state, const std::string& path) {
   }
   state.counters["events_per_second"] = benchmark::Counter(
       static_cast<double>(program.recorded_events), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["ops_per_second"] = benchmark::Counter(
-      static_cast<double>(program.initial.size() + program.ops.size()),
-      benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ops_per_second"] =
+      benchmark::Counter(static_cast<double>(program.initial.size() + program.ops.size()),
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 
 int register_all() {

@@ -29,10 +29,9 @@ std::string gib(std::uint64_t bytes) {
 }
 
 nlohmann::json to_json(const ReplayResult& r) {
-  const double ratio = r.peak_allocated_bytes
-                           ? static_cast<double>(r.peak_reserved_bytes) /
-                                 static_cast<double>(r.peak_allocated_bytes)
-                           : 0.0;
+  const double ratio = r.peak_allocated_bytes ? static_cast<double>(r.peak_reserved_bytes) /
+                                                    static_cast<double>(r.peak_allocated_bytes)
+                                              : 0.0;
   return nlohmann::json{
       {"trace", r.trace},
       {"config", r.config},
@@ -63,10 +62,9 @@ void print_table(const std::vector<ReplayResult>& results) {
     if (name.size() > 44) name = "..." + name.substr(name.size() - 41);
     std::string config = r.config.empty() ? "(native defaults)" : r.config;
     if (config.size() > 28) config = config.substr(0, 25) + "...";
-    const double ratio = r.peak_allocated_bytes
-                             ? static_cast<double>(r.peak_reserved_bytes) /
-                                   static_cast<double>(r.peak_allocated_bytes)
-                             : 0.0;
+    const double ratio = r.peak_allocated_bytes ? static_cast<double>(r.peak_reserved_bytes) /
+                                                      static_cast<double>(r.peak_allocated_bytes)
+                                                : 0.0;
     fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9.3f} {:>8} {:>8} {:>7} {:>5} {:>9.1f}ms\n",
                name, config, gib(r.peak_requested_bytes), gib(r.peak_allocated_bytes),
                gib(r.peak_reserved_bytes), ratio, r.device_allocs, r.device_frees,
@@ -79,10 +77,11 @@ void print_table(const std::vector<ReplayResult>& results) {
     }
   }
   for (const ReplayResult& r : results) {
-    fmt::print("\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
-               "call {}, ending at {}",
-               r.trace, r.config.empty() ? "native defaults" : r.config, r.events, r.ops,
-               r.wall_seconds, r.peak_reserved_op, gib(r.final_reserved_bytes));
+    fmt::print(
+        "\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
+        "call {}, ending at {}",
+        r.trace, r.config.empty() ? "native defaults" : r.config, r.events, r.ops, r.wall_seconds,
+        r.peak_reserved_op, gib(r.final_reserved_bytes));
   }
   fmt::print("\n");
 }
@@ -116,7 +115,8 @@ void run(const ReplayArgs& args) {
 void add_replay(CLI::App& app) {
   auto args = std::make_shared<ReplayArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "replay", "Replay traces on a simulated device under each config and report what they reserve");
+      "replay",
+      "Replay traces on a simulated device under each config and report what they reserve");
   cmd->add_option("traces", args->traces, "PyTorch snapshot pickles or reservoir text traces")
       ->required()
       ->check(CLI::ExistingFile);

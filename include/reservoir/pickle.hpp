@@ -1,8 +1,8 @@
 // A small, strict codec for the subset of Python's pickle format (protocols 2
 // to 4) that holds plain data: None, bool, int (64-bit), float, str, bytes,
-// list, tuple and dict. Integers are 64-bit (signed, or unsigned up to 2^64 - 1). PyTorch's memory snapshots use nothing else. Opcodes
-// that build objects (GLOBAL, REDUCE, BUILD, ...) are refused: reading a
-// snapshot never runs code.
+// list, tuple and dict. Integers are 64-bit (signed, or unsigned up to 2^64 - 1). PyTorch's memory
+// snapshots use nothing else. Opcodes that build objects (GLOBAL, REDUCE, BUILD, ...) are refused:
+// reading a snapshot never runs code.
 //
 // Why our own: no packaged C++ library reads pickle.
 #pragma once
@@ -17,7 +17,17 @@
 
 namespace reservoir::pickle {
 
-enum class Kind : std::uint8_t { none, boolean, integer, floating, string, bytes, list, tuple, dict };
+enum class Kind : std::uint8_t {
+  none,
+  boolean,
+  integer,
+  floating,
+  string,
+  bytes,
+  list,
+  tuple,
+  dict
+};
 std::string_view to_string(Kind kind) noexcept;
 
 struct Value {
@@ -26,8 +36,8 @@ struct Value {
   std::int64_t integer = 0;
   bool above_int64 = false;  // integer holds the bits of a value in [2^63, 2^64)
   double floating = 0.0;
-  std::string text;                                         // string or bytes
-  std::vector<const Value*> items;                          // list or tuple
+  std::string text;                                            // string or bytes
+  std::vector<const Value*> items;                             // list or tuple
   std::vector<std::pair<const Value*, const Value*>> entries;  // dict, in insertion order
 
   // Dict lookup by string key; nullptr when absent or not a dict.

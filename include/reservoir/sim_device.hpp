@@ -38,9 +38,9 @@ struct LatencyModel {
 };
 
 struct SimDeviceOptions {
-  std::size_t capacity = std::size_t{80} << 30;  // 80 GiB
+  std::size_t capacity = std::size_t{80} << 30;    // 80 GiB
   std::size_t granularity = std::size_t{2} << 20;  // 2 MiB
-  DevicePtr base_address = 0x7f0000000000;        // first fake address
+  DevicePtr base_address = 0x7f0000000000;         // first fake address
   std::size_t segment_alignment = std::size_t{2} << 20;
   bool auto_complete_events = false;
   LatencyModel latency = LatencyModel::defaults();
@@ -100,7 +100,7 @@ class SimDevice final : public Device {
   // ---- observation --------------------------------------------------------
   std::uint64_t calls(CallKind kind) const;
   std::uint64_t failures(CallKind kind) const;
-  std::size_t used_bytes() const;       // segments plus physical memory
+  std::size_t used_bytes() const;  // segments plus physical memory
   std::size_t live_segments() const;
   std::size_t live_physical() const;
   std::size_t live_reservations() const;

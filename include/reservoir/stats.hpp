@@ -33,15 +33,15 @@ inline constexpr std::size_t kStatTypes = 3;
 using StatArray = std::array<Stat, kStatTypes>;
 
 struct DeviceStats {
-  StatArray allocation;            // number of allocated blocks
-  StatArray segment;               // number of device segments
-  StatArray active;                // blocks allocated or awaiting their events
-  StatArray inactive_split;        // free blocks inside split segments
+  StatArray allocation;      // number of allocated blocks
+  StatArray segment;         // number of device segments
+  StatArray active;          // blocks allocated or awaiting their events
+  StatArray inactive_split;  // free blocks inside split segments
   StatArray allocated_bytes;
   StatArray reserved_bytes;
   StatArray active_bytes;
   StatArray inactive_split_bytes;
-  StatArray requested_bytes;       // bytes the callers asked for
+  StatArray requested_bytes;  // bytes the callers asked for
   std::int64_t num_alloc_retries = 0;
   std::int64_t num_ooms = 0;
   std::int64_t num_sync_all_streams = 0;

@@ -20,11 +20,11 @@ enum class TraceAction : std::uint8_t {
   free_completed,  // the block returned to the cache (after stream events)
   segment_alloc,   // the allocator got a segment of size bytes at addr
   segment_free,
-  segment_map,     // expandable segments: pages mapped at addr
+  segment_map,  // expandable segments: pages mapped at addr
   segment_unmap,
   snapshot,
-  oom,             // an allocation of size bytes failed; addr = device free bytes
-  empty_cache,     // text traces: the program called empty_cache()
+  oom,          // an allocation of size bytes failed; addr = device free bytes
+  empty_cache,  // text traces: the program called empty_cache()
 };
 std::string_view to_string(TraceAction action) noexcept;
 
@@ -36,12 +36,12 @@ struct TraceEvent {
 };
 
 struct Trace {
-  std::string name;            // file name, for messages
-  std::string format;          // "pytorch-snapshot" or "reservoir-text"
-  std::string recorded_config; // allocator settings the trace was recorded with
-  bool has_addresses = false;  // events carry real device addresses (snapshots)
+  std::string name;             // file name, for messages
+  std::string format;           // "pytorch-snapshot" or "reservoir-text"
+  std::string recorded_config;  // allocator settings the trace was recorded with
+  bool has_addresses = false;   // events carry real device addresses (snapshots)
   std::vector<TraceEvent> events;
-  Snapshot final_state;        // segments at the end of recording (snapshots)
+  Snapshot final_state;  // segments at the end of recording (snapshots)
 };
 
 // Reads a trace, choosing the reader by content (pickle, or text with the
@@ -99,7 +99,7 @@ struct ReplayResult {
   std::int64_t device_frees = 0;
   std::int64_t num_alloc_retries = 0;
   std::int64_t num_ooms = 0;
-  std::string first_oom;  // message of the first out-of-memory error
+  std::string first_oom;             // message of the first out-of-memory error
   double device_call_seconds = 0.0;  // latency-model estimate
   double wall_seconds = 0.0;
 };
@@ -117,7 +117,7 @@ struct VerifyResult {
   std::uint64_t segment_frees_checked = 0;
   std::uint64_t initial_segments = 0;
   std::uint64_t initial_live_blocks = 0;
-  std::uint64_t unsplit_tails = 0;     // live-at-start blocks found to carry an unsplit tail
+  std::uint64_t unsplit_tails = 0;  // live-at-start blocks found to carry an unsplit tail
   bool final_state_checked = false;
   std::uint64_t divergence_event = 0;  // index into the recorded events
   std::string divergence;              // what differed, and the state that explains it

@@ -20,7 +20,6 @@
 
 namespace reservoir {
 
-
 class CachingAllocator::Impl {
  public:
   Impl(Device& device, AllocatorConfig config, int device_index);

@@ -21,8 +21,8 @@
 #include <set>
 #include <vector>
 
-#include "reservoir/device.hpp"
 #include "recycling.hpp"
+#include "reservoir/device.hpp"
 #include "reservoir/snapshot.hpp"
 
 namespace reservoir::detail {
@@ -50,7 +50,7 @@ struct Block {
   Block* prev = nullptr;
   Block* next = nullptr;
   bool allocated = false;
-  int event_count = 0;               // outstanding stream events
+  int event_count = 0;                // outstanding stream events
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
   BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free

@@ -94,10 +94,10 @@ CachingAllocator::Impl::~Impl() {
 
 void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) const {
   if (config.expandable_segments || config.policy != Policy::native) {
-    throw UsageError(fmt::format(
-        "allocator config \"{}\": only the native policy is available in this build; "
-        "expandable_segments:True and policy:expandable|paging are not",
-        config.to_string()));
+    throw UsageError(
+        fmt::format("allocator config \"{}\": only the native policy is available in this build; "
+                    "expandable_segments:True and policy:expandable|paging are not",
+                    config.to_string()));
   }
 }
 
@@ -262,7 +262,8 @@ void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
 }
 
-void CachingAllocator::Impl::throw_oom(std::unique_lock<detail::SpinMutex>& lock, const AllocParams& p) {
+void CachingAllocator::Impl::throw_oom(std::unique_lock<detail::SpinMutex>& lock,
+                                       const AllocParams& p) {
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
   std::string allowed_info;
@@ -317,17 +318,17 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
                 "allocate() returned",
                 operation, ptr, ptr - b->ptr, b->ptr));
           }
-          throw InvalidPointerError(fmt::format(
-              "{}: pointer {:#x} is not allocated (already freed, or never returned by "
-              "allocate())",
-              operation, ptr));
+          throw InvalidPointerError(
+              fmt::format("{}: pointer {:#x} is not allocated (already freed, or never returned by "
+                          "allocate())",
+                          operation, ptr));
         }
       }
     }
   }
-  throw InvalidPointerError(fmt::format(
-      "{}: pointer {:#x} was not allocated by this allocator (device {})", operation, ptr,
-      device_index_));
+  throw InvalidPointerError(
+      fmt::format("{}: pointer {:#x} was not allocated by this allocator (device {})", operation,
+                  ptr, device_index_));
 }
 
 void CachingAllocator::Impl::deallocate(void* raw) {
@@ -449,8 +450,8 @@ void CachingAllocator::Impl::free_block(Block* block) {
 // Releasing cached memory
 
 void CachingAllocator::Impl::garbage_collect_cached_blocks() {
-  const auto threshold = static_cast<std::size_t>(
-      config_.garbage_collection_threshold * static_cast<double>(allowed_memory_maximum_));
+  const auto threshold = static_cast<std::size_t>(config_.garbage_collection_threshold *
+                                                  static_cast<double>(allowed_memory_maximum_));
   if (total_reserved_ <= threshold) return;
   const std::size_t target = total_reserved_ - threshold;
   std::size_t reclaimed = 0;
@@ -549,9 +550,9 @@ void CachingAllocator::Impl::release_blocks(BlockPool& pool) {
 void CachingAllocator::Impl::release_block(Block* block) {
   const Status status = device_.free_segment(block->ptr);
   if (status != Status::ok) {
-    throw DeviceError(CallKind::free_segment, status,
-                      fmt::format("freeing the segment at {:#x} ({} bytes)", block->ptr,
-                                  block->size));
+    throw DeviceError(
+        CallKind::free_segment, status,
+        fmt::format("freeing the segment at {:#x} ({} bytes)", block->ptr, block->size));
   }
   ++stats_.num_device_free;
   trace(TraceEntry::Action::segment_free, block->ptr, block->size, block->stream);
@@ -594,9 +595,9 @@ void CachingAllocator::Impl::insert_events(Block* block) {
       events.push_back(take_event());
       const Status status = device_.record_event(events.back(), s);
       if (status != Status::ok) {
-        throw DeviceError(CallKind::record_event, status,
-                          fmt::format("recording an event on stream {} for the block at {:#x}", s,
-                                      block->ptr));
+        throw DeviceError(
+            CallKind::record_event, status,
+            fmt::format("recording an event on stream {} for the block at {:#x}", s, block->ptr));
       }
     }
   } catch (...) {
@@ -628,9 +629,9 @@ void CachingAllocator::Impl::process_events() {
       const Status status = device_.query_event(e.event);
       if (status == Status::not_ready) break;
       if (status != Status::ok) {
-        throw DeviceError(CallKind::query_event, status,
-                          fmt::format("querying the event of a deferred free at {:#x}",
-                                      e.block->ptr));
+        throw DeviceError(
+            CallKind::query_event, status,
+            fmt::format("querying the event of a deferred free at {:#x}", e.block->ptr));
       }
       Block* block = e.block;
       idle_events_.push_back(e.event);
@@ -650,9 +651,9 @@ void CachingAllocator::Impl::synchronize_and_free_events() {
       PendingEvent& e = queue.front();
       const Status status = device_.synchronize_event(e.event);
       if (status != Status::ok) {
-        throw DeviceError(CallKind::synchronize_event, status,
-                          fmt::format("synchronizing the event of a deferred free at {:#x}",
-                                      e.block->ptr));
+        throw DeviceError(
+            CallKind::synchronize_event, status,
+            fmt::format("synchronizing the event of a deferred free at {:#x}", e.block->ptr));
       }
       Block* block = e.block;
       idle_events_.push_back(e.event);
@@ -673,8 +674,8 @@ void CachingAllocator::Impl::empty_cache() {
 
 void CachingAllocator::Impl::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
-    throw UsageError(fmt::format("set_memory_fraction: invalid fraction {}; accepted: 0.0 to 1.0",
-                                 fraction));
+    throw UsageError(
+        fmt::format("set_memory_fraction: invalid fraction {}; accepted: 0.0 to 1.0", fraction));
   }
   MemoryInfo info;
   const Status status = device_.memory_info(&info);
@@ -779,8 +780,8 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
     private_pools_.emplace(id, std::make_unique<PrivatePool>(id, &node_resource_));
   } else {
     if (it->second->use_count == 0) {
-      throw UsageError(fmt::format("begin_allocate_to_pool: pool ({}, {}) was released",
-                                   id.first, id.second));
+      throw UsageError(
+          fmt::format("begin_allocate_to_pool: pool ({}, {}) was released", id.first, id.second));
     }
     ++it->second->use_count;
   }
@@ -795,8 +796,8 @@ void CachingAllocator::Impl::end_allocate_to_pool(PoolId id) {
       return;
     }
   }
-  throw UsageError(fmt::format("end_allocate_to_pool: not allocating to pool ({}, {})", id.first,
-                               id.second));
+  throw UsageError(
+      fmt::format("end_allocate_to_pool: not allocating to pool ({}, {})", id.first, id.second));
 }
 
 void CachingAllocator::Impl::release_pool(PoolId id) {
@@ -817,27 +818,45 @@ CachingAllocator::~CachingAllocator() = default;
 void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
   return impl_->allocate(size, stream);
 }
-void CachingAllocator::deallocate(void* ptr) { impl_->deallocate(ptr); }
+void CachingAllocator::deallocate(void* ptr) {
+  impl_->deallocate(ptr);
+}
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);
 }
-void CachingAllocator::empty_cache() { impl_->empty_cache(); }
+void CachingAllocator::empty_cache() {
+  impl_->empty_cache();
+}
 void CachingAllocator::set_memory_fraction(double fraction) {
   impl_->set_memory_fraction(fraction);
 }
-void CachingAllocator::set_config(const AllocatorConfig& config) { impl_->set_config(config); }
-AllocatorConfig CachingAllocator::config() const { return impl_->config(); }
-int CachingAllocator::device_index() const noexcept { return impl_->device_index_; }
-DeviceStats CachingAllocator::stats() const { return impl_->stats(); }
+void CachingAllocator::set_config(const AllocatorConfig& config) {
+  impl_->set_config(config);
+}
+AllocatorConfig CachingAllocator::config() const {
+  return impl_->config();
+}
+int CachingAllocator::device_index() const noexcept {
+  return impl_->device_index_;
+}
+DeviceStats CachingAllocator::stats() const {
+  return impl_->stats();
+}
 std::map<std::string, std::int64_t> CachingAllocator::stats_map() const {
   return to_map(impl_->stats());
 }
-void CachingAllocator::reset_peak_stats() { impl_->reset_peak_stats(); }
-void CachingAllocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void CachingAllocator::reset_peak_stats() {
+  impl_->reset_peak_stats();
+}
+void CachingAllocator::reset_accumulated_stats() {
+  impl_->reset_accumulated_stats();
+}
 std::string CachingAllocator::memory_summary(bool abbreviated) const {
   return reservoir::memory_summary(stats_map(), impl_->device_index_, abbreviated);
 }
-Snapshot CachingAllocator::snapshot() const { return impl_->snapshot(); }
+Snapshot CachingAllocator::snapshot() const {
+  return impl_->snapshot();
+}
 std::size_t CachingAllocator::largest_cached_block() const {
   return impl_->largest_cached_block();
 }
@@ -855,17 +874,26 @@ void CachingAllocator::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
 }
 void CachingAllocator::begin_allocate_current_thread_to_pool(PoolId id) {
   const std::thread::id owner = std::this_thread::get_id();
-  impl_->begin_allocate_to_pool(id, [owner](StreamId) { return std::this_thread::get_id() == owner; });
+  impl_->begin_allocate_to_pool(id,
+                                [owner](StreamId) { return std::this_thread::get_id() == owner; });
 }
-void CachingAllocator::end_allocate_to_pool(PoolId id) { impl_->end_allocate_to_pool(id); }
-void CachingAllocator::release_pool(PoolId id) { impl_->release_pool(id); }
-void CachingAllocator::validate() const { impl_->validate(); }
+void CachingAllocator::end_allocate_to_pool(PoolId id) {
+  impl_->end_allocate_to_pool(id);
+}
+void CachingAllocator::release_pool(PoolId id) {
+  impl_->release_pool(id);
+}
+void CachingAllocator::validate() const {
+  impl_->validate();
+}
 std::size_t CachingAllocator::round_size(std::size_t size, const AllocatorConfig& config) {
   return Impl::round_size(size, config);
 }
 std::size_t CachingAllocator::allocation_size(std::size_t rounded) {
   return Impl::allocation_size(rounded);
 }
-void CachingAllocator::restore(const Snapshot& layout) { impl_->restore(layout); }
+void CachingAllocator::restore(const Snapshot& layout) {
+  impl_->restore(layout);
+}
 
 }  // namespace reservoir

@@ -55,7 +55,7 @@ class Parser {
     AllocatorConfig config;
     while (pos_ < tokens_.size()) {
       const Token key = tokens_[pos_++];
-      if (key.text == "," ) continue;  // tolerate empty entries ("a:1,,b:2", trailing comma)
+      if (key.text == ",") continue;  // tolerate empty entries ("a:1,,b:2", trailing comma)
       expect(key.text, ":");
       parse_value(config, key.text);
       if (pos_ < tokens_.size()) expect_separator(key.text);
@@ -83,8 +83,8 @@ class Parser {
   void expect_separator(const std::string& key) {
     const Token* t = peek();
     if (t->text != ",") {
-      fail(fmt::format("key '{}': unexpected '{}' at column {}; entries are separated by ','",
-                       key, t->text, t->column));
+      fail(fmt::format("key '{}': unexpected '{}' at column {}; entries are separated by ','", key,
+                       t->text, t->column));
     }
     ++pos_;
   }
@@ -152,15 +152,19 @@ class Parser {
     } else if (key == "pinned_num_register_threads") {
       const std::size_t n = unsigned_value(key, "a power of two from 1 to 128");
       if (n == 0 || !std::has_single_bit(n) || n > 128) {
-        fail(fmt::format("key '{}': value '{}' is not accepted; accepted: a power of two from 1 "
-                         "to 128", key, n));
+        fail(
+            fmt::format("key '{}': value '{}' is not accepted; accepted: a power of two from 1 "
+                        "to 128",
+                        key, n));
       }
       c.pinned_num_register_threads = n;
     } else if (key == "backend") {
       const std::string v = value_token(key, "native");
       if (v != "native") {
-        fail(fmt::format("key 'backend': value '{}' is not supported by reservoir; accepted: "
-                         "native", v));
+        fail(
+            fmt::format("key 'backend': value '{}' is not supported by reservoir; accepted: "
+                        "native",
+                        v));
       }
     } else if (key == "policy") {
       const std::string v = value_token(key, "native, expandable or paging");
@@ -171,8 +175,10 @@ class Parser {
       } else if (v == "paging") {
         c.policy = Policy::paging;
       } else {
-        fail(fmt::format("key 'policy': value '{}' is not accepted; accepted: native, "
-                         "expandable or paging", v));
+        fail(
+            fmt::format("key 'policy': value '{}' is not accepted; accepted: native, "
+                        "expandable or paging",
+                        v));
       }
     } else {
       fail(fmt::format(
@@ -218,8 +224,8 @@ class Parser {
                          key, divisions, interval));
       }
       if (interval == ">") {
-        std::fill(d.begin() + static_cast<std::ptrdiff_t>(std::min(last_index + (first ? 0 : 1),
-                                                                   d.size())),
+        std::fill(d.begin() +
+                      static_cast<std::ptrdiff_t>(std::min(last_index + (first ? 0 : 1), d.size())),
                   d.end(), divisions);
       } else {
         std::size_t mb = 0;
@@ -255,7 +261,9 @@ std::size_t AllocatorConfig::divisions_for(std::size_t size) const noexcept {
   return roundup_power2_divisions[static_cast<std::size_t>(index)];
 }
 
-AllocatorConfig AllocatorConfig::parse(const std::string& text) { return Parser(text).run(); }
+AllocatorConfig AllocatorConfig::parse(const std::string& text) {
+  return Parser(text).run();
+}
 
 AllocatorConfig AllocatorConfig::from_env() {
   if (const char* ours = std::getenv("RESERVOIR_ALLOC_CONF")) return parse(ours);
@@ -273,7 +281,8 @@ std::string AllocatorConfig::to_string() const {
     parts.push_back(fmt::format("max_split_size_mb:{}", max_split_size / kMiB));
   }
   if (max_non_split_rounding_size != defaults.max_non_split_rounding_size) {
-    parts.push_back(fmt::format("max_non_split_rounding_mb:{}", max_non_split_rounding_size / kMiB));
+    parts.push_back(
+        fmt::format("max_non_split_rounding_mb:{}", max_non_split_rounding_size / kMiB));
   }
   if (garbage_collection_threshold != 0.0) {
     parts.push_back(fmt::format("garbage_collection_threshold:{}", garbage_collection_threshold));

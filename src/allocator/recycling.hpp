@@ -31,8 +31,12 @@ class SpinMutex {
       }
     }
   }
-  bool try_lock() noexcept { return !locked_.exchange(true, std::memory_order_acquire); }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+  bool try_lock() noexcept {
+    return !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept {
+    locked_.store(false, std::memory_order_release);
+  }
 
  private:
   std::atomic<bool> locked_{false};
@@ -79,7 +83,7 @@ class NodeRecycler {
   void grow() {
     const std::size_t size = node_size_ < sizeof(Free) ? sizeof(Free) : node_size_;
     constexpr std::size_t kPerChunk = 256;
-    char* chunk = static_cast<char*>(::operator new(size * kPerChunk));
+    char* chunk = static_cast<char*>(::operator new(size* kPerChunk));
     chunks_.push_back(chunk);
     for (std::size_t i = 0; i < kPerChunk; ++i) {
       auto* f = reinterpret_cast<Free*>(chunk + i * size);

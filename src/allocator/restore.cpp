@@ -81,13 +81,16 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
     Block* prev = nullptr;
     for (const BlockInfo& bi : info.blocks) {
       if (bi.address != cursor || bi.size == 0 || bi.size % kMinBlockSize != 0) {
-        throw UsageError(fmt::format("{}: block at {:#x} of {} bytes does not tile the segment "
-                                     "(expected a multiple of 512 bytes at {:#x})",
-                                     where, bi.address, bi.size, cursor));
+        throw UsageError(
+            fmt::format("{}: block at {:#x} of {} bytes does not tile the segment "
+                        "(expected a multiple of 512 bytes at {:#x})",
+                        where, bi.address, bi.size, cursor));
       }
       if (bi.state == BlockState::active_pending_free) {
-        throw UsageError(fmt::format("{}: block at {:#x} is pending free; restore takes "
-                                     "allocated or inactive blocks", where, bi.address));
+        throw UsageError(
+            fmt::format("{}: block at {:#x} is pending free; restore takes "
+                        "allocated or inactive blocks",
+                        where, bi.address));
       }
       Block* b = arena_.make();
       b->ptr = bi.address;
@@ -117,8 +120,10 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
         if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
       } else {
         if (b->prev != nullptr && b->prev->is_free()) {
-          throw UsageError(fmt::format("{}: free blocks at {:#x} and {:#x} are neighbours (they "
-                                       "would have merged)", where, b->prev->ptr, b->ptr));
+          throw UsageError(
+              fmt::format("{}: free blocks at {:#x} and {:#x} are neighbours (they "
+                          "would have merged)",
+                          where, b->prev->ptr, b->ptr));
         }
         pool.insert(b);
         if (split) {
@@ -130,8 +135,8 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
       }
     }
     if (cursor != info.address + info.total_size) {
-      throw UsageError(fmt::format("{}: blocks cover {} of {} bytes", where,
-                                   cursor - info.address, info.total_size));
+      throw UsageError(fmt::format("{}: blocks cover {} of {} bytes", where, cursor - info.address,
+                                   info.total_size));
     }
     previous_end = info.address + info.total_size;
   }

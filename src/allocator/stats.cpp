@@ -99,7 +99,8 @@ std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int
   const std::string double_rule(75, '=');
   std::vector<std::string> lines;
   lines.push_back(double_rule);
-  lines.push_back(fmt::format(" {:16} PyTorch CUDA memory summary, device ID {:<17d} ", "", device));
+  lines.push_back(
+      fmt::format(" {:16} PyTorch CUDA memory summary, device ID {:<17d} ", "", device));
   lines.push_back(rule);
   lines.push_back(fmt::format("  {:9} CUDA OOMs: {:<12d} | {:6} cudaMalloc retries: {:<8d}  ", "",
                               get("num_ooms"), "", get("num_alloc_retries")));
@@ -117,11 +118,10 @@ std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int
                                   get(all + "freed")};
     for (const auto& [sub, label] : rows) {
       const std::string p = std::string(m.key) + "." + sub + ".";
-      lines.push_back(fmt::format(" {:<21} | {} | {} | {} | {} ", label,
-                                  m.format(get(p + "current"), pref[0]),
-                                  m.format(get(p + "peak"), pref[1]),
-                                  m.format(get(p + "allocated"), pref[2]),
-                                  m.format(get(p + "freed"), pref[3])));
+      lines.push_back(
+          fmt::format(" {:<21} | {} | {} | {} | {} ", label, m.format(get(p + "current"), pref[0]),
+                      m.format(get(p + "peak"), pref[1]), m.format(get(p + "allocated"), pref[2]),
+                      m.format(get(p + "freed"), pref[3])));
     }
   }
   static const Metric kOversize[] = {

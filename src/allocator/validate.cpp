@@ -20,8 +20,8 @@ namespace {
 void expect_stat(const char* name, std::size_t type, std::int64_t have, std::int64_t recount) {
   static constexpr const char* kTypes[] = {"all", "small_pool", "large_pool"};
   if (have != recount) {
-    breach(fmt::format("stat {}.{}.current is {} but a recount gives {}", name, kTypes[type],
-                       have, recount));
+    breach(fmt::format("stat {}.{}.current is {} but a recount gives {}", name, kTypes[type], have,
+                       recount));
   }
 }
 
@@ -48,8 +48,10 @@ void CachingAllocator::Impl::validate() const {
   }
 
   for (const auto& [base, seg] : segments_) {
-    if (seg->base != base) breach(fmt::format("segment keyed {:#x} has base {:#x}", base, seg->base));
-    if (known_pools.count(seg->pool) == 0) breach(fmt::format("segment {:#x} has an unknown pool", base));
+    if (seg->base != base)
+      breach(fmt::format("segment keyed {:#x} has base {:#x}", base, seg->base));
+    if (known_pools.count(seg->pool) == 0)
+      breach(fmt::format("segment {:#x} has an unknown pool", base));
     const Block* head = seg->head;
     if (head == nullptr || head->prev != nullptr || head->ptr != base) {
       breach(fmt::format("segment {:#x}: head block is missing or not at the base", base));
@@ -83,8 +85,7 @@ void CachingAllocator::Impl::validate() const {
                            b->event_count, queued));
       }
       const bool in_pool = b->pool->blocks.count(const_cast<Block*>(b)) == 1 &&
-                           *b->pool->blocks.find(const_cast<Block*>(b)) == b &&
-                           *b->pool_pos == b;
+                           *b->pool->blocks.find(const_cast<Block*>(b)) == b && *b->pool_pos == b;
       if (b->is_free() != in_pool) {
         breach(fmt::format("block at {:#x} ({}) is {}in its pool", b->ptr,
                            b->is_free() ? "free" : "in use", in_pool ? "" : "not "));
@@ -92,8 +93,8 @@ void CachingAllocator::Impl::validate() const {
       if (b->is_free()) {
         ++free_blocks;
         if (b->next != nullptr && b->next->is_free()) {
-          breach(fmt::format("free blocks at {:#x} and {:#x} are neighbours but not merged",
-                             b->ptr, b->next->ptr));
+          breach(fmt::format("free blocks at {:#x} and {:#x} are neighbours but not merged", b->ptr,
+                             b->next->ptr));
         }
         if (split) {
           inactive_split[0] += 1;
@@ -132,8 +133,8 @@ void CachingAllocator::Impl::validate() const {
   std::size_t pooled = 0;
   for (const BlockPool* pool : known_pools) pooled += pool->blocks.size();
   if (pooled != free_blocks) {
-    breach(fmt::format("pools hold {} blocks but segments have {} free blocks", pooled,
-                       free_blocks));
+    breach(
+        fmt::format("pools hold {} blocks but segments have {} free blocks", pooled, free_blocks));
   }
   if (allocated_.size() != allocated_blocks) {
     breach(fmt::format("pointer map holds {} entries for {} allocated blocks", allocated_.size(),

@@ -27,8 +27,10 @@ std::uint64_t parse_size(const std::string& text) {
   std::string unit = text.substr(i);
   for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (number.empty() || number.find('.') != number.rfind('.')) {
-    throw UsageError(fmt::format("size '{}': expected a number with an optional unit "
-                                 "(B, KiB, MiB, GiB, TiB)", text));
+    throw UsageError(
+        fmt::format("size '{}': expected a number with an optional unit "
+                    "(B, KiB, MiB, GiB, TiB)",
+                    text));
   }
   double scale = 1.0;
   if (unit.empty() || unit == "b") {

@@ -10,9 +10,13 @@
 namespace reservoir {
 namespace {
 
-bool is_multiple(std::size_t value, std::size_t unit) { return unit != 0 && value % unit == 0; }
+bool is_multiple(std::size_t value, std::size_t unit) {
+  return unit != 0 && value % unit == 0;
+}
 
-void* as_ptr(DevicePtr p) { return reinterpret_cast<void*>(p); }
+void* as_ptr(DevicePtr p) {
+  return reinterpret_cast<void*>(p);
+}
 
 }  // namespace
 
@@ -164,8 +168,8 @@ Status HostDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   }
   if (it == mappings_.end() || cursor != end) return Status::invalid_argument;
   // Replace the mapping with inaccessible reserved address space.
-  void* m = mmap(as_ptr(va), bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                 -1, 0);
+  void* m = mmap(as_ptr(va), bytes, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) return Status::device_error;
   while (it != scan) {
     PhysicalHandle h = it->second.handle;
@@ -229,8 +233,12 @@ Status HostDevice::synchronize_event(EventId event) noexcept {
   return events_.count(event) == 1 ? Status::ok : Status::invalid_argument;
 }
 
-Status HostDevice::synchronize_stream(StreamId /*stream*/) noexcept { return Status::ok; }
-Status HostDevice::synchronize_device() noexcept { return Status::ok; }
+Status HostDevice::synchronize_stream(StreamId /*stream*/) noexcept {
+  return Status::ok;
+}
+Status HostDevice::synchronize_device() noexcept {
+  return Status::ok;
+}
 
 Status HostDevice::copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
                                 StreamId /*stream*/) noexcept {

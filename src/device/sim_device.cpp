@@ -7,9 +7,13 @@ namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-bool is_multiple(std::size_t value, std::size_t unit) { return unit != 0 && value % unit == 0; }
+bool is_multiple(std::size_t value, std::size_t unit) {
+  return unit != 0 && value % unit == 0;
+}
 
-std::size_t index(CallKind kind) { return static_cast<std::size_t>(kind); }
+std::size_t index(CallKind kind) {
+  return static_cast<std::size_t>(kind);
+}
 
 }  // namespace
 

@@ -37,14 +37,44 @@ namespace {
 
 // Opcodes of the supported subset.
 enum Op : std::uint8_t {
-  MARK = '(', STOP = '.', POP = '0', POP_MARK = '1', DUP = '2', NONE = 'N',
-  BININT = 'J', BININT1 = 'K', BININT2 = 'M', BINFLOAT = 'G', BINUNICODE = 'X',
-  BINBYTES = 'B', SHORT_BINBYTES = 'C', EMPTY_LIST = ']', APPEND = 'a', APPENDS = 'e',
-  EMPTY_DICT = '}', SETITEM = 's', SETITEMS = 'u', EMPTY_TUPLE = ')', TUPLE = 't',
-  BINGET = 'h', LONG_BINGET = 'j', BINPUT = 'q', LONG_BINPUT = 'r',
-  PROTO = 0x80, TUPLE1 = 0x85, TUPLE2 = 0x86, TUPLE3 = 0x87, NEWTRUE = 0x88, NEWFALSE = 0x89,
-  LONG1 = 0x8a, LONG4 = 0x8b, SHORT_BINUNICODE = 0x8c, BINUNICODE8 = 0x8d, BINBYTES8 = 0x8e,
-  MEMOIZE = 0x94, FRAME = 0x95,
+  MARK = '(',
+  STOP = '.',
+  POP = '0',
+  POP_MARK = '1',
+  DUP = '2',
+  NONE = 'N',
+  BININT = 'J',
+  BININT1 = 'K',
+  BININT2 = 'M',
+  BINFLOAT = 'G',
+  BINUNICODE = 'X',
+  BINBYTES = 'B',
+  SHORT_BINBYTES = 'C',
+  EMPTY_LIST = ']',
+  APPEND = 'a',
+  APPENDS = 'e',
+  EMPTY_DICT = '}',
+  SETITEM = 's',
+  SETITEMS = 'u',
+  EMPTY_TUPLE = ')',
+  TUPLE = 't',
+  BINGET = 'h',
+  LONG_BINGET = 'j',
+  BINPUT = 'q',
+  LONG_BINPUT = 'r',
+  PROTO = 0x80,
+  TUPLE1 = 0x85,
+  TUPLE2 = 0x86,
+  TUPLE3 = 0x87,
+  NEWTRUE = 0x88,
+  NEWFALSE = 0x89,
+  LONG1 = 0x8a,
+  LONG4 = 0x8b,
+  SHORT_BINUNICODE = 0x8c,
+  BINUNICODE8 = 0x8d,
+  BINBYTES8 = 0x8e,
+  MEMOIZE = 0x94,
+  FRAME = 0x95,
 };
 
 const char* refused_name(std::uint8_t op) {
@@ -97,7 +127,8 @@ class Decoder {
 
   std::span<const std::uint8_t> take(std::size_t n, std::size_t at, const char* what) {
     if (n > data_.size() - pos_) {
-      fail(at, fmt::format("truncated: {} needs {} bytes, {} remain", what, n, data_.size() - pos_));
+      fail(at,
+           fmt::format("truncated: {} needs {} bytes, {} remain", what, n, data_.size() - pos_));
     }
     auto out = data_.subspan(pos_, n);
     pos_ += n;
@@ -227,16 +258,25 @@ class Decoder {
       case BINFLOAT: {
         auto b = take(8, at, "BINFLOAT");
         std::uint64_t bits = 0;
-        for (int i = 0; i < 8; ++i) bits = (bits << 8) | b[static_cast<std::size_t>(i)];  // big-endian
+        for (int i = 0; i < 8; ++i)
+          bits = (bits << 8) | b[static_cast<std::size_t>(i)];  // big-endian
         Value* v = doc_.make(Kind::floating);
         v->floating = std::bit_cast<double>(bits);
         stack_.push_back(v);
         return;
       }
-      case SHORT_BINUNICODE: push_string(Kind::string, little(1, at, "SHORT_BINUNICODE"), at, "SHORT_BINUNICODE"); return;
-      case BINUNICODE: push_string(Kind::string, little(4, at, "BINUNICODE"), at, "BINUNICODE"); return;
-      case BINUNICODE8: push_string(Kind::string, little(8, at, "BINUNICODE8"), at, "BINUNICODE8"); return;
-      case SHORT_BINBYTES: push_string(Kind::bytes, little(1, at, "SHORT_BINBYTES"), at, "SHORT_BINBYTES"); return;
+      case SHORT_BINUNICODE:
+        push_string(Kind::string, little(1, at, "SHORT_BINUNICODE"), at, "SHORT_BINUNICODE");
+        return;
+      case BINUNICODE:
+        push_string(Kind::string, little(4, at, "BINUNICODE"), at, "BINUNICODE");
+        return;
+      case BINUNICODE8:
+        push_string(Kind::string, little(8, at, "BINUNICODE8"), at, "BINUNICODE8");
+        return;
+      case SHORT_BINBYTES:
+        push_string(Kind::bytes, little(1, at, "SHORT_BINBYTES"), at, "SHORT_BINBYTES");
+        return;
       case BINBYTES: push_string(Kind::bytes, little(4, at, "BINBYTES"), at, "BINBYTES"); return;
       case BINBYTES8: push_string(Kind::bytes, little(8, at, "BINBYTES8"), at, "BINBYTES8"); return;
       case EMPTY_LIST: stack_.push_back(doc_.make(Kind::list)); return;
@@ -298,7 +338,8 @@ class Decoder {
     }
     if (const char* name = refused_name(op)) {
       fail(at, fmt::format("opcode {} (0x{:02x}) builds objects and is refused: a snapshot holds "
-                           "only plain data", name, op));
+                           "only plain data",
+                           name, op));
     }
     fail(at, fmt::format("unknown or unsupported opcode 0x{:02x}", op));
   }
@@ -424,8 +465,12 @@ class Encoder {
 
 }  // namespace
 
-Document decode(std::span<const std::uint8_t> data) { return Decoder(data).run(); }
+Document decode(std::span<const std::uint8_t> data) {
+  return Decoder(data).run();
+}
 
-std::string encode(const Value& root) { return Encoder().run(root); }
+std::string encode(const Value& root) {
+  return Encoder().run(root);
+}
 
 }  // namespace reservoir::pickle

@@ -98,9 +98,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   const auto start = std::chrono::steady_clock::now();
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
-      case ReplayOp::Kind::alloc:
-        try {
-          pointers[op.id] = allocator.allocate(op.size, op.stream);
+      case ReplayOp::Kind::alloc: try { pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
           if (result.first_oom.empty()) {
             result.first_oom = fmt::format("op {}: {}", op_index, e.what());

@@ -41,7 +41,8 @@ class Reader {
   }
 
   const Value& field(const Value& dict, std::string_view key, const std::string& path) const {
-    if (dict.kind != Kind::dict) fail(path, fmt::format("expected a dict, found {}", to_string(dict.kind)));
+    if (dict.kind != Kind::dict)
+      fail(path, fmt::format("expected a dict, found {}", to_string(dict.kind)));
     const Value* v = dict.find(key);
     if (v == nullptr) fail(path, fmt::format("'{}' is missing", key));
     return *v;
@@ -56,7 +57,8 @@ class Reader {
     return v.integer;
   }
 
-  std::uint64_t unsigned_int(const Value& dict, std::string_view key, const std::string& path) const {
+  std::uint64_t unsigned_int(const Value& dict, std::string_view key,
+                             const std::string& path) const {
     const std::int64_t i = integer(dict, key, path);
     if (field(dict, key, path).above_int64) return static_cast<std::uint64_t>(i);
     if (i < 0) fail(path, fmt::format("'{}' is negative ({})", key, i));
@@ -82,14 +84,16 @@ class Reader {
     const std::string path = "allocator_settings";
     if (settings.kind != Kind::dict) fail(path, "expected a dict");
     std::vector<std::string> parts;
-    if (const Value* v = settings.find("max_split_size"); v && v->kind == Kind::integer && v->integer > 0) {
+    if (const Value* v = settings.find("max_split_size");
+        v && v->kind == Kind::integer && v->integer > 0) {
       parts.push_back(fmt::format("max_split_size_mb:{}", v->integer >> 20));
     }
     if (const Value* v = settings.find("garbage_collection_threshold");
         v && v->kind == Kind::floating && v->floating > 0.0) {
       parts.push_back(fmt::format("garbage_collection_threshold:{}", v->floating));
     }
-    if (const Value* v = settings.find("expandable_segments"); v && v->kind == Kind::boolean && v->boolean) {
+    if (const Value* v = settings.find("expandable_segments");
+        v && v->kind == Kind::boolean && v->boolean) {
       parts.push_back("expandable_segments:True");
     }
     if (const Value* v = settings.find("roundup_power2_divisions")) {
@@ -103,7 +107,8 @@ class Reader {
           any |= d->integer != 0;
           entries.push_back(fmt::format("{}:{}", k->text, d->integer));
         }
-        if (any) parts.push_back(fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")));
+        if (any)
+          parts.push_back(fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")));
       } else if (v->kind == Kind::integer && v->integer > 1) {
         parts.push_back(fmt::format("roundup_power2_divisions:{}", v->integer));
       }
@@ -134,13 +139,15 @@ class Reader {
     trace.name = name_;
     trace.format = "pytorch-snapshot";
     trace.has_addresses = true;
-    if (root.kind != Kind::dict) fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
+    if (root.kind != Kind::dict)
+      fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
     if (const Value* settings = root.find("allocator_settings")) {
       trace.recorded_config = config_from_settings(*settings);
     }
     const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
     if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
-      fail("device_traces", fmt::format("no device {} (the snapshot has {})", device, traces.size()));
+      fail("device_traces",
+           fmt::format("no device {} (the snapshot has {})", device, traces.size()));
     }
     const std::string dpath = fmt::format("device_traces[{}]", device);
     const auto& events = list(*traces[static_cast<std::size_t>(device)], dpath);
@@ -162,7 +169,8 @@ class Reader {
     for (std::size_t i = 0; i < segments.size(); ++i) {
       const std::string path = fmt::format("segments[{}]", i);
       const Value& s = *segments[i];
-      if (const Value* d = s.find("device"); d && d->kind == Kind::integer && d->integer != device) {
+      if (const Value* d = s.find("device");
+          d && d->kind == Kind::integer && d->integer != device) {
         continue;
       }
       SegmentInfo seg;
@@ -171,9 +179,11 @@ class Reader {
       seg.total_size = unsigned_int(s, "total_size", path);
       seg.stream = unsigned_int(s, "stream", path);
       const std::string& type = text(s, "segment_type", path);
-      if (type != "large" && type != "small") fail(path, fmt::format("segment_type '{}' is neither large nor small", type));
+      if (type != "large" && type != "small")
+        fail(path, fmt::format("segment_type '{}' is neither large nor small", type));
       seg.is_large = type == "large";
-      if (const Value* x = s.find("is_expandable"); x && x->kind == Kind::boolean) seg.is_expandable = x->boolean;
+      if (const Value* x = s.find("is_expandable"); x && x->kind == Kind::boolean)
+        seg.is_expandable = x->boolean;
       const auto& blocks = list(field(s, "blocks", path), path + ".blocks");
       DevicePtr cursor = seg.address;
       for (std::size_t j = 0; j < blocks.size(); ++j) {
@@ -182,7 +192,8 @@ class Reader {
         BlockInfo block;
         block.address = b.find("address") ? unsigned_int(b, "address", bpath) : cursor;
         block.size = unsigned_int(b, "size", bpath);
-        block.requested_size = b.find("requested_size") ? unsigned_int(b, "requested_size", bpath) : 0;
+        block.requested_size =
+            b.find("requested_size") ? unsigned_int(b, "requested_size", bpath) : 0;
         const std::string& state = text(b, "state", bpath);
         if (state == "active_allocated") {
           block.state = BlockState::active_allocated;

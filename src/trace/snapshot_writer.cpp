@@ -108,9 +108,9 @@ std::string write_pytorch_snapshot(const Trace& trace) {
   b.set(settings, "expandable_segments", b.boolean(config.expandable_segments));
   Value* divisions = b.dict();
   for (std::size_t i = 0; i < kRoundupIntervals; ++i) {
-    divisions->entries.emplace_back(b.str(fmt::format("{}", std::size_t{1} << i)),
-                                    b.integer(static_cast<std::int64_t>(
-                                        config.roundup_power2_divisions[i])));
+    divisions->entries.emplace_back(
+        b.str(fmt::format("{}", std::size_t{1} << i)),
+        b.integer(static_cast<std::int64_t>(config.roundup_power2_divisions[i])));
   }
   b.set(settings, "roundup_power2_divisions", divisions);
   b.set(root, "allocator_settings", settings);

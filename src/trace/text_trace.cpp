@@ -71,8 +71,8 @@ Trace read_text_trace(const std::string& text, const std::string& name) {
     }
     if (cmd == "config") {
       const auto pos = line.find("config") + 6;
-      std::string value = line.substr(pos, line.find('#') == std::string::npos ? std::string::npos
-                                                                              : line.find('#') - pos);
+      std::string value = line.substr(
+          pos, line.find('#') == std::string::npos ? std::string::npos : line.find('#') - pos);
       value.erase(0, value.find_first_not_of(" \t"));
       value.erase(value.find_last_not_of(" \t\r") + 1);
       try {

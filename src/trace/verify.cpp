@@ -55,8 +55,10 @@ class Verifier {
 
   VerifyResult run() {
     if (!trace_.has_addresses) {
-      throw TraceError(fmt::format("verify {}: a {} trace has no recorded addresses; it can be "
-                                   "replayed, not verified", trace_.name, trace_.format));
+      throw TraceError(
+          fmt::format("verify {}: a {} trace has no recorded addresses; it can be "
+                      "replayed, not verified",
+                      trace_.name, trace_.format));
     }
     try {
       config_ = AllocatorConfig::parse(trace_.recorded_config);
@@ -64,8 +66,10 @@ class Verifier {
       throw TraceError(fmt::format("verify {}: recorded settings: {}", trace_.name, e.what()));
     }
     if (config_.expandable_segments) {
-      throw TraceError(fmt::format("verify {}: recorded with expandable_segments:True, which this "
-                                   "build cannot replay", trace_.name));
+      throw TraceError(
+          fmt::format("verify {}: recorded with expandable_segments:True, which this "
+                      "build cannot replay",
+                      trace_.name));
     }
     result_.events = trace_.events.size();
     const Snapshot start = starting_state();
@@ -73,9 +77,8 @@ class Verifier {
     SimDeviceOptions options;
     options.capacity = std::size_t{1} << 50;
     SimDevice device(options);
-    device.set_address_source([this](std::size_t bytes, DevicePtr* addr) {
-      return serve(bytes, addr);
-    });
+    device.set_address_source(
+        [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
     CachingAllocator allocator(device, config_);
     allocator.attach_trace_tracker([this](const TraceEntry& e) {
       if (e.action == TraceEntry::Action::segment_free) on_segment_free(e.addr, e.size);
@@ -171,16 +174,19 @@ class Verifier {
         inside.emplace_back(block_it->first, &block_it->second);
       }
       if (block_it != blocks.end() && block_it->first < base) {
-        throw TraceError(fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
-                                     "starting segment", trace_.name, block_it->first));
+        throw TraceError(
+            fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
+                        "starting segment",
+                        trace_.name, block_it->first));
       }
       for (std::size_t k = 0; k < inside.size(); ++k) {
         auto& [addr, b] = inside[k];
         const DevicePtr limit = k + 1 < inside.size() ? inside[k + 1].first : end;
         if (addr + b->size > limit) {
-          throw TraceError(fmt::format("verify {}: the block live at the start at {:#x} ({} bytes) "
-                                       "overlaps what follows at {:#x}", trace_.name, addr, b->size,
-                                       limit));
+          throw TraceError(
+              fmt::format("verify {}: the block live at the start at {:#x} ({} bytes) "
+                          "overlaps what follows at {:#x}",
+                          trace_.name, addr, b->size, limit));
         }
         if (!b->exact && seg.is_large) b->size += unsplit_tail(addr, *b, limit);
       }
@@ -200,8 +206,10 @@ class Verifier {
       result_.initial_live_blocks += inside.size();
     }
     if (block_it != blocks.end()) {
-      throw TraceError(fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
-                                   "starting segment", trace_.name, block_it->first));
+      throw TraceError(
+          fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
+                      "starting segment",
+                      trace_.name, block_it->first));
     }
     result_.initial_segments = layout.segments.size();
     return layout;
@@ -240,9 +248,10 @@ class Verifier {
     if (!expect_.segment_allocs.empty()) {
       auto [a, size] = expect_.segment_allocs.front();
       if (size != bytes) {
-        note(fmt::format("reservoir asked the device for a segment of {} bytes ({}); the "
-                         "recording's segment_alloc here is {} bytes ({}) at {:#x}",
-                         bytes, format_size(bytes), size, format_size(size), a));
+        note(
+            fmt::format("reservoir asked the device for a segment of {} bytes ({}); the "
+                        "recording's segment_alloc here is {} bytes ({}) at {:#x}",
+                        bytes, format_size(bytes), size, format_size(size), a));
         return Status::invalid_argument;
       }
       expect_.segment_allocs.pop_front();
@@ -251,20 +260,25 @@ class Verifier {
       return Status::ok;
     }
     if (expect_.oom_expected) return Status::out_of_memory;
-    note(fmt::format("reservoir asked the device for a new segment of {} bytes ({}); the "
-                     "recording made no segment_alloc here", bytes, format_size(bytes)));
+    note(
+        fmt::format("reservoir asked the device for a new segment of {} bytes ({}); the "
+                    "recording made no segment_alloc here",
+                    bytes, format_size(bytes)));
     return Status::invalid_argument;
   }
 
   void on_segment_free(DevicePtr addr, std::uint64_t size) {
     const std::size_t k = expect_.frees_made++;
     if (k >= expect_.segment_frees.size()) {
-      note(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees no "
-                       "segment here", addr, size));
+      note(
+          fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees no "
+                      "segment here",
+                      addr, size));
     } else if (expect_.segment_frees[k] != std::make_pair(addr, size)) {
-      note(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees the "
-                       "one at {:#x} ({} bytes)", addr, size, expect_.segment_frees[k].first,
-                       expect_.segment_frees[k].second));
+      note(
+          fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees the "
+                      "one at {:#x} ({} bytes)",
+                      addr, size, expect_.segment_frees[k].first, expect_.segment_frees[k].second));
     } else {
       ++result_.segment_frees_checked;
     }
@@ -289,13 +303,15 @@ class Verifier {
     if (expect_.frees_made < expect_.segment_frees.size()) {
       const auto& f = expect_.segment_frees[expect_.frees_made];
       diverge(index, fmt::format("the recording frees the segment at {:#x} ({} bytes) here; "
-                                 "reservoir did not", f.first, f.second));
+                                 "reservoir did not",
+                                 f.first, f.second));
       return false;
     }
     if (!expect_.segment_allocs.empty()) {
       const auto& a = expect_.segment_allocs.front();
       diverge(index, fmt::format("the recording allocates a segment of {} bytes at {:#x} here; "
-                                 "reservoir served the request from its cache", a.second, a.first));
+                                 "reservoir served the request from its cache",
+                                 a.second, a.first));
       return false;
     }
     expect_.segment_frees.clear();
@@ -322,7 +338,8 @@ class Verifier {
         } catch (const OutOfMemoryError&) {
           diverge(i, expect_.problem.empty()
                          ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
-                                       "recording returned {:#x}", e.size, e.addr)
+                                       "recording returned {:#x}",
+                                       e.size, e.addr)
                          : expect_.problem);
           return;
         } catch (const DeviceError& err) {
@@ -344,7 +361,8 @@ class Verifier {
           void* got = allocator.allocate(e.size, e.stream);
           expect_.oom_expected = false;
           diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
-                                 "returned {:#x}", e.size, reinterpret_cast<DevicePtr>(got)));
+                                 "returned {:#x}",
+                                 e.size, reinterpret_cast<DevicePtr>(got)));
           return;
         } catch (const OutOfMemoryError&) {
         } catch (const DeviceError&) {
@@ -396,9 +414,11 @@ class Verifier {
     for (const SegmentInfo& s : snap.segments) {
       for (const BlockInfo& b : s.blocks) {
         if (e.addr >= b.address && e.addr < b.address + b.size) {
-          out += fmt::format("\n  reservoir's block holding the expected address: {:#x}, {} bytes, "
-                             "{} (segment {:#x}, {} bytes, {})", b.address, b.size, to_string(b.state),
-                             s.address, s.total_size, s.is_large ? "large" : "small");
+          out += fmt::format(
+              "\n  reservoir's block holding the expected address: {:#x}, {} bytes, "
+              "{} (segment {:#x}, {} bytes, {})",
+              b.address, b.size, to_string(b.state), s.address, s.total_size,
+              s.is_large ? "large" : "small");
         }
         if (b.state == BlockState::inactive && s.is_large == !small && s.stream == e.stream &&
             b.size >= size) {
@@ -407,7 +427,8 @@ class Verifier {
       }
     }
     std::sort(fits.begin(), fits.end());
-    out += fmt::format("\n  free blocks of the pool that fit, best first ({} in all):", fits.size());
+    out +=
+        fmt::format("\n  free blocks of the pool that fit, best first ({} in all):", fits.size());
     for (std::size_t k = 0; k < fits.size() && k < 5; ++k) {
       out += fmt::format("\n    {:#x}: {} bytes", fits[k].second, fits[k].first);
     }
@@ -430,8 +451,8 @@ class Verifier {
       if (a.address != b.address || a.total_size != b.total_size) {
         diverge(trace_.events.size(),
                 fmt::format("final state: segment {} is {:#x} ({} bytes) in reservoir and {:#x} "
-                            "({} bytes) in the recording", k, a.address, a.total_size, b.address,
-                            b.total_size));
+                            "({} bytes) in the recording",
+                            k, a.address, a.total_size, b.address, b.total_size));
         return;
       }
       const std::size_t m = std::max(a.blocks.size(), b.blocks.size());
@@ -449,7 +470,8 @@ class Verifier {
           };
           diverge(trace_.events.size(),
                   fmt::format("final state: segment {:#x}, block {}: reservoir has {}, the "
-                              "recording {}", a.address, j, describe(a, j), describe(b, j)));
+                              "recording {}",
+                              a.address, j, describe(a, j), describe(b, j)));
           return;
         }
       }
@@ -469,6 +491,8 @@ class Verifier {
 
 }  // namespace
 
-VerifyResult verify(const Trace& trace) { return Verifier(trace).run(); }
+VerifyResult verify(const Trace& trace) {
+  return Verifier(trace).run();
+}
 
 }  // namespace reservoir

@@ -74,9 +74,9 @@ TYPED_TEST_P(DeviceConformance, VirtualMemoryProtocol) {
   PhysicalHandle h1 = 0, h2 = 0;
   ASSERT_EQ(d.create_physical(2 * g, &h1), Status::ok);
   ASSERT_EQ(d.create_physical(g, &h2), Status::ok);
-  EXPECT_EQ(d.map(va + g / 2, g, h1, 0), Status::invalid_argument);  // misaligned
+  EXPECT_EQ(d.map(va + g / 2, g, h1, 0), Status::invalid_argument);      // misaligned
   EXPECT_EQ(d.map(va + 7 * g, 2 * g, h1, 0), Status::invalid_argument);  // past the reservation
-  EXPECT_EQ(d.map(va, g, h1, 2 * g), Status::invalid_argument);  // past the handle
+  EXPECT_EQ(d.map(va, g, h1, 2 * g), Status::invalid_argument);          // past the handle
   ASSERT_EQ(d.map(va, 2 * g, h1, 0), Status::ok);
   EXPECT_EQ(d.map(va + g, g, h2, 0), Status::invalid_argument);  // overlaps a mapping
   ASSERT_EQ(d.map(va + 2 * g, g, h2, 0), Status::ok);
@@ -90,7 +90,7 @@ TYPED_TEST_P(DeviceConformance, VirtualMemoryProtocol) {
   EXPECT_EQ(d.release_physical(h2), Status::invalid_argument);
   ASSERT_EQ(d.memory_info(&info), Status::ok);
   EXPECT_EQ(info.free, 64 * kMiB - 3 * g);
-  EXPECT_EQ(d.unmap(va, g), Status::invalid_argument);  // part of a mapping
+  EXPECT_EQ(d.unmap(va, g), Status::invalid_argument);          // part of a mapping
   EXPECT_EQ(d.unreserve(va, 8 * g), Status::invalid_argument);  // still mapped
   ASSERT_EQ(d.unmap(va, 3 * g), Status::ok);
   ASSERT_EQ(d.memory_info(&info), Status::ok);

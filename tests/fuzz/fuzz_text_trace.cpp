@@ -18,7 +18,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (t.events.size() <= 2000) {
       reservoir::ReplayOptions options;
       options.capacity = std::size_t{1} << 34;
-      (void)reservoir::replay(reservoir::compile(t), reservoir::AllocatorConfig::parse(t.recorded_config),
+      (void)reservoir::replay(reservoir::compile(t),
+                              reservoir::AllocatorConfig::parse(t.recorded_config),
                               t.recorded_config, options);
     }
   } catch (const reservoir::TraceError&) {

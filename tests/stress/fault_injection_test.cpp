@@ -154,7 +154,8 @@ TEST(FaultInjection, MemoryInfoFailureStillReportsOutOfMemory) {
     FAIL();
   } catch (const OutOfMemoryError& e) {
     EXPECT_NE(std::string(e.what()).find("total capacity of 0 bytes of which 0 bytes is free"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
   device.fail_nth(CallKind::memory_info, 1, Status::device_error);
   EXPECT_THROW(allocator.set_memory_fraction(0.5), DeviceError);

@@ -77,11 +77,15 @@ void run_random(const std::string& config, std::uint64_t seed, int steps) {
   EXPECT_EQ(allocator.stats().reserved_bytes[0].current, 0);
 }
 
-TEST(RandomOps, NativeDefaults) { run_random("", 1, 200000); }
+TEST(RandomOps, NativeDefaults) {
+  run_random("", 1, 200000);
+}
 TEST(RandomOps, MaxSplitAndDivisions) {
   run_random("max_split_size_mb:64,roundup_power2_divisions:[1:4,64:2,>:1]", 2, 60000);
 }
-TEST(RandomOps, GarbageCollection) { run_random("garbage_collection_threshold:0.7", 3, 40000); }
+TEST(RandomOps, GarbageCollection) {
+  run_random("garbage_collection_threshold:0.7", 3, 40000);
+}
 
 TEST(RandomOps, HostDeviceContentsSurvive) {
   HostDeviceOptions options;

@@ -41,7 +41,8 @@ TEST(Threads, ConcurrentAllocateFreeWithHandoff) {
       const unsigned r = rng() % 100;
       if (r < 50 || mine.empty()) {
         const std::size_t size = rng() % 4 == 0 ? (1 << 20) + rng() % (4 << 20) : 1 + rng() % 65536;
-        auto* p = static_cast<unsigned char*>(allocator.allocate(size, static_cast<StreamId>(id % 2)));
+        auto* p =
+            static_cast<unsigned char*>(allocator.allocate(size, static_cast<StreamId>(id % 2)));
         std::memset(p, static_cast<unsigned char>(size * 31), size);
         mine.emplace_back(p, size);
       } else if (r < 85) {

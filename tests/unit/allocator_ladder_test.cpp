@@ -56,10 +56,10 @@ TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
   const DevicePtr b = alloc(512);
   (void)b;
   std::vector<std::size_t> observed;
-  allocator_->attach_oom_observer([&](int device, std::size_t size, std::size_t limit,
-                                      std::size_t free) {
-    observed = {static_cast<std::size_t>(device), size, limit, free};
-  });
+  allocator_->attach_oom_observer(
+      [&](int device, std::size_t size, std::size_t limit, std::size_t free) {
+        observed = {static_cast<std::size_t>(device), size, limit, free};
+      });
   try {
     (void)allocator_->allocate(20 * kMiB);
     FAIL() << "expected OutOfMemoryError";

@@ -100,7 +100,7 @@ TEST_F(Rules, BestFitBySizeThenAddress) {
   EXPECT_EQ(z, s3);
   // Free blocks now: 4 MiB at s1+8, 2 MiB at s2+10 and at s3+10.
   EXPECT_EQ(alloc(1536 * kKiB), s2 + 10 * kMiB);  // 2 MiB blocks first, lowest address first
-  EXPECT_EQ(alloc(3 * kMiB), s1 + 8 * kMiB);     // only the 4 MiB block fits
+  EXPECT_EQ(alloc(3 * kMiB), s1 + 8 * kMiB);      // only the 4 MiB block fits
 }
 
 TEST_F(Rules, FreeBlocksServeOnlyTheirStream) {
@@ -134,7 +134,7 @@ TEST_F(Rules, MaxSplitSizeKeepsOversizeBlocksWhole) {
   EXPECT_EQ(alloc(30 * kMiB), kBase + 70 * kMiB);
   // An oversize request takes one only if it is less than 20 MiB larger.
   EXPECT_EQ(alloc(45 * kMiB), kBase + 100 * kMiB);  // 70 >= 45 + 20: a new segment
-  const DevicePtr over = alloc(55 * kMiB);           // 70 < 55 + 20: taken whole, not split
+  const DevicePtr over = alloc(55 * kMiB);          // 70 < 55 + 20: taken whole, not split
   EXPECT_EQ(over, big);
   // The 45 MiB request got a 46 MiB segment, kept whole: oversize blocks never split.
   EXPECT_EQ(stat("allocated_bytes.all.current"), (30 + 46 + 70) * 1048576);

@@ -22,9 +22,9 @@ std::string read_data(const std::string& name) {
 TEST_F(Observability, StatsHaveExactlyPyTorchsKeys) {
   const auto stats = allocator_->stats_map();
   EXPECT_EQ(stats.size(), 9u * 3u * 4u + 2u * 4u + 6u);
-  for (const char* name : {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                           "reserved_bytes", "active_bytes", "inactive_split_bytes",
-                           "requested_bytes"}) {
+  for (const char* name :
+       {"allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+        "active_bytes", "inactive_split_bytes", "requested_bytes"}) {
     for (const char* type : {"all", "small_pool", "large_pool"}) {
       for (const char* field : {"current", "peak", "allocated", "freed"}) {
         EXPECT_EQ(stats.count(std::string(name) + "." + type + "." + field), 1u) << name;
@@ -57,9 +57,10 @@ TEST_F(Observability, PeakAndAccumulatedResets) {
 
 // Expected text produced by torch/cuda/memory.py's memory_summary on the same stats.
 TEST(MemorySummary, MatchesPyTorchsLayout) {
-  const char* names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                         "reserved_bytes", "active_bytes", "inactive_split_bytes",
-                         "requested_bytes"};
+  const char* names[] = {
+      "allocation",      "segment",        "active",       "inactive_split",
+      "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+      "requested_bytes"};
   const char* types[] = {"all", "small_pool", "large_pool"};
   const char* fields[] = {"current", "peak", "allocated", "freed"};
   std::map<std::string, std::int64_t> stats;
@@ -115,8 +116,8 @@ TEST_F(Observability, TraceEventsComeInPyTorchsOrder) {
   release(a);
   allocator_->empty_cache();
   EXPECT_EQ(seen, (std::vector<std::string>{"segment_alloc:12582912", "alloc:12582912",
-                                             "free_requested:12582912", "free_completed:12582912",
-                                             "segment_free:12582912"}));
+                                            "free_requested:12582912", "free_completed:12582912",
+                                            "segment_free:12582912"}));
 }
 
 TEST_F(Observability, BadPointersGetClearErrorsAndChangeNothing) {
@@ -129,12 +130,16 @@ TEST_F(Observability, BadPointersGetClearErrorsAndChangeNothing) {
     }
     return "no error";
   };
-  EXPECT_EQ(message(a + 16), fmt::format("deallocate: pointer {:#x} points 16 bytes into a block at "
-                                         "{:#x}; pass the pointer allocate() returned", a + 16, a));
-  EXPECT_EQ(message(0x1234), "deallocate: pointer 0x1234 was not allocated by this allocator (device 0)");
+  EXPECT_EQ(message(a + 16),
+            fmt::format("deallocate: pointer {:#x} points 16 bytes into a block at "
+                        "{:#x}; pass the pointer allocate() returned",
+                        a + 16, a));
+  EXPECT_EQ(message(0x1234),
+            "deallocate: pointer 0x1234 was not allocated by this allocator (device 0)");
   release(a);
   EXPECT_EQ(message(a), fmt::format("deallocate: pointer {:#x} is not allocated (already freed, or "
-                                    "never returned by allocate())", a));
+                                    "never returned by allocate())",
+                                    a));
   EXPECT_THROW(allocator_->record_stream(reinterpret_cast<void*>(a), 1), InvalidPointerError);
   allocator_->validate();
   EXPECT_EQ(stat("allocation.all.current"), 0);

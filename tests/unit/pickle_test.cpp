@@ -30,9 +30,9 @@ TEST(Pickle, RoundTripsEveryKind) {
   Value* n = doc.make(Kind::integer);
   n->integer = -5;
   add("neg", n);
-  for (std::int64_t i : {std::int64_t{0}, std::int64_t{255}, std::int64_t{65535},
-                         std::int64_t{1} << 31, std::int64_t{140587049156608},
-                         std::numeric_limits<std::int64_t>::min()}) {
+  for (std::int64_t i :
+       {std::int64_t{0}, std::int64_t{255}, std::int64_t{65535}, std::int64_t{1} << 31,
+        std::int64_t{140587049156608}, std::numeric_limits<std::int64_t>::min()}) {
     Value* v = doc.make(Kind::integer);
     v->integer = i;
     add(("int" + std::to_string(i)).c_str(), v);
@@ -80,8 +80,11 @@ TEST(Pickle, RoundTripsEveryKind) {
 // Bytes written by Python 3.11: pickle.dumps({'a': [1, 'x', 'x'], 'b': (True, None)}, protocol=4)
 TEST(Pickle, ReadsWhatPythonWrites) {
   const std::string data(
-      "\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x01""a\x94]\x94(K\x01\x8c\x01x\x94"
-      "h\x03""e\x8c\x01""b\x94\x88N\x86\x94u.",
+      "\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00}\x94(\x8c\x01"
+      "a\x94]\x94(K\x01\x8c\x01x\x94"
+      "h\x03"
+      "e\x8c\x01"
+      "b\x94\x88N\x86\x94u.",
       40);
   const Document doc = decode(bytes(data));
   const Value* a = doc.root().find("a");
@@ -98,15 +101,18 @@ TEST(Pickle, ReadsWhatPythonWrites) {
 
 TEST(Pickle, CorruptInputGetsExactErrors) {
   EXPECT_EQ(error_of(""), "pickle: byte 0: truncated: the pickle ends before its STOP opcode");
-  EXPECT_EQ(error_of("\x80\x04J\x01\x02"), "pickle: byte 2: truncated: BININT needs 4 bytes, 2 remain");
-  EXPECT_EQ(error_of("\x80\x04}\x8c\x05""ab"),
+  EXPECT_EQ(error_of("\x80\x04J\x01\x02"),
+            "pickle: byte 2: truncated: BININT needs 4 bytes, 2 remain");
+  EXPECT_EQ(error_of("\x80\x04}\x8c\x05"
+                     "ab"),
             "pickle: byte 3: truncated: SHORT_BINUNICODE needs 5 bytes, 2 remain");
   EXPECT_EQ(error_of("\x80\x04\x63os\nsystem\n."),
             "pickle: byte 2: opcode GLOBAL (0x63) builds objects and is refused: a snapshot holds "
             "only plain data");
   EXPECT_EQ(error_of("\x80\x04\xff."), "pickle: byte 2: unknown or unsupported opcode 0xff");
   EXPECT_EQ(error_of("\x80\x04h\x07."), "pickle: byte 2: memo index 7 was never stored");
-  EXPECT_EQ(error_of("\x80\x04K\x01K\x02."), "pickle: byte 6: STOP with 2 values on the stack (expected 1)");
+  EXPECT_EQ(error_of("\x80\x04K\x01K\x02."),
+            "pickle: byte 6: STOP with 2 values on the stack (expected 1)");
   EXPECT_EQ(error_of("\x80\x04N.junk"), "pickle: byte 4: 4 unexpected bytes after STOP");
   EXPECT_EQ(error_of("\x80\x04K\x01K\x02s."), "pickle: byte 6: SETITEM needs a dict on the stack");
   EXPECT_EQ(error_of("\x80\x04]K\x01u."), "pickle: byte 5: SETITEMS without a MARK");

@@ -39,16 +39,25 @@ TEST(TextTrace, ReadsAndWritesBack) {
 }
 
 TEST(TextTrace, ErrorsNameTheLine) {
-  EXPECT_EQ(text_error(""), "trace t.trace: line 1: empty trace: expected the header 'reservoir-trace 1'");
-  EXPECT_EQ(text_error("alloc 1 2\n"), "trace t.trace: line 1: expected the header 'reservoir-trace 1'");
-  EXPECT_EQ(text_error("reservoir-trace 2\n"), "trace t.trace: line 1: unsupported version '2' (supported: 1)");
-  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1\n"), "trace t.trace: line 2: expected 'alloc ID SIZE [stream S]'");
-  EXPECT_EQ(text_error("reservoir-trace 1\nalloc x 5\n"), "trace t.trace: line 2: ID 'x' is not an unsigned number");
-  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1 5\nalloc 1 6\n"), "trace t.trace: line 3: block 1 is allocated twice");
-  EXPECT_EQ(text_error("reservoir-trace 1\nfree 4\n"), "trace t.trace: line 2: block 4 is freed but not allocated");
-  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1 0\n"), "trace t.trace: line 2: SIZE must be positive");
+  EXPECT_EQ(text_error(""),
+            "trace t.trace: line 1: empty trace: expected the header 'reservoir-trace 1'");
+  EXPECT_EQ(text_error("alloc 1 2\n"),
+            "trace t.trace: line 1: expected the header 'reservoir-trace 1'");
+  EXPECT_EQ(text_error("reservoir-trace 2\n"),
+            "trace t.trace: line 1: unsupported version '2' (supported: 1)");
+  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1\n"),
+            "trace t.trace: line 2: expected 'alloc ID SIZE [stream S]'");
+  EXPECT_EQ(text_error("reservoir-trace 1\nalloc x 5\n"),
+            "trace t.trace: line 2: ID 'x' is not an unsigned number");
+  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1 5\nalloc 1 6\n"),
+            "trace t.trace: line 3: block 1 is allocated twice");
+  EXPECT_EQ(text_error("reservoir-trace 1\nfree 4\n"),
+            "trace t.trace: line 2: block 4 is freed but not allocated");
+  EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1 0\n"),
+            "trace t.trace: line 2: SIZE must be positive");
   EXPECT_EQ(text_error("reservoir-trace 1\nresize 1\n"),
-            "trace t.trace: line 2: unknown command 'resize' (accepted: config, alloc, free, empty_cache)");
+            "trace t.trace: line 2: unknown command 'resize' (accepted: config, alloc, free, "
+            "empty_cache)");
   EXPECT_EQ(text_error("reservoir-trace 1\nconfig foo:1\n"),
             "trace t.trace: line 2: allocator config \"foo:1\": unknown key 'foo'; accepted keys: "
             "max_split_size_mb, max_non_split_rounding_mb, garbage_collection_threshold, "
@@ -81,7 +90,8 @@ TEST(Compile, BlocksLiveAtTheStartComeFirstInAddressOrder) {
 TEST(Replay, ReportsPeaksAndDeviceCalls) {
   const Trace t = read_text_trace(
       "reservoir-trace 1\nalloc 1 12MiB\nalloc 2 1000\nfree 1\nalloc 3 30MiB\nfree 2\nfree 3\n"
-      "empty_cache\n", "r");
+      "empty_cache\n",
+      "r");
   const ReplayResult r = replay(compile(t), AllocatorConfig{}, "");
   EXPECT_EQ(r.peak_requested_bytes, 30 * kMiB + 1000);
   EXPECT_EQ(r.peak_allocated_bytes, 30 * kMiB + 1024);
@@ -99,7 +109,8 @@ TEST(Replay, ReportsPeaksAndDeviceCalls) {
   const ReplayResult o = replay(compile(t), AllocatorConfig{}, "", small);
   EXPECT_EQ(o.num_ooms, 1);
   EXPECT_EQ(o.first_oom.find("op 3: CUDA out of memory. Tried to allocate 30.00 MiB. GPU 0 has a "
-                             "total capacity of 20.00 MiB of which 18.00 MiB is free."), 0u)
+                             "total capacity of 20.00 MiB of which 18.00 MiB is free."),
+            0u)
       << o.first_oom;
 }
 
@@ -171,7 +182,7 @@ TEST(Verify, ReportsTheFirstDivergence) {
   for (std::size_t i = target + 1; i < t.events.size(); ++i) {
     if (t.events[i].addr != recorded) continue;
     if (t.events[i].action == TraceAction::alloc) break;  // a later block at that address
-    t.events[i].addr += 512;                            // this block's own free events
+    t.events[i].addr += 512;                              // this block's own free events
   }
   const VerifyResult r = verify(t);
   EXPECT_FALSE(r.agreed);
@@ -210,7 +221,8 @@ TEST(Snapshot, CorruptFieldsGetExactErrors) {
 }
 
 TEST(SharedTraces, EveryRealSnapshotVerifies) {
-  const std::filesystem::path dir = std::filesystem::path(RESERVOIR_SOURCE_DIR) / ".." / "shared" / "traces";
+  const std::filesystem::path dir =
+      std::filesystem::path(RESERVOIR_SOURCE_DIR) / ".." / "shared" / "traces";
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no real traces at " << dir;
   int seen = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -219,10 +231,10 @@ TEST(SharedTraces, EveryRealSnapshotVerifies) {
     const Trace t = read_trace_file(entry.path().string());
     const VerifyResult r = verify(t);
     EXPECT_TRUE(r.agreed) << entry.path() << ": " << r.divergence;
-    EXPECT_EQ(r.allocs_checked,
-              static_cast<std::uint64_t>(std::count_if(t.events.begin(), t.events.end(), [](const TraceEvent& e) {
-                return e.action == TraceAction::alloc;
-              })));
+    EXPECT_EQ(r.allocs_checked, static_cast<std::uint64_t>(std::count_if(
+                                    t.events.begin(), t.events.end(), [](const TraceEvent& e) {
+                                      return e.action == TraceAction::alloc;
+                                    })));
   }
   EXPECT_GT(seen, 0);
 }
