@@ -14,10 +14,10 @@
 // Thread safety: all members are safe to call concurrently (one internal mutex).
 #pragma once
 
-#include <map>
 #include <mutex>
 #include <unordered_map>
 
+#include "reservoir/detail/vmm_ledger.hpp"
 #include "reservoir/device.hpp"
 
 namespace reservoir {
@@ -63,25 +63,14 @@ class HostDevice final : public Device {
   std::size_t used_bytes() const;
 
  private:
-  struct Physical {
-    int fd = -1;  // -1 once released
-    std::size_t bytes = 0;
-    std::size_t mappings = 0;
-  };
-  struct Mapping {
-    std::size_t bytes;
-    PhysicalHandle handle;
-  };
-  void drop_physical_if_unused(PhysicalHandle handle);
+  std::size_t used() const noexcept { return segment_bytes_ + ledger_.physical_bytes(); }
 
   HostDeviceOptions options_;
   mutable std::mutex mutex_;
-  std::size_t used_ = 0;
+  std::size_t segment_bytes_ = 0;
   std::unordered_map<DevicePtr, std::size_t> segments_;
-  std::map<DevicePtr, std::size_t> reservations_;
-  std::map<DevicePtr, Mapping> mappings_;
-  std::unordered_map<PhysicalHandle, Physical> physical_;
-  PhysicalHandle next_handle_ = 1;
+  detail::VmmLedger ledger_;
+  std::unordered_map<PhysicalHandle, int> fds_;  // memfd of each unreleased handle
   std::unordered_map<EventId, bool> events_;
   EventId next_event_ = 1;
 };

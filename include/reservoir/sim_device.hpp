@@ -15,12 +15,12 @@
 #include <array>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <mutex>
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "reservoir/detail/vmm_ledger.hpp"
 #include "reservoir/device.hpp"
 
 namespace reservoir {
@@ -117,15 +117,6 @@ class SimDevice final : public Device {
     Status fraction_status = Status::ok;
     std::mt19937_64 rng;
   };
-  struct Mapping {
-    std::size_t bytes;
-    PhysicalHandle handle;
-  };
-  struct Physical {
-    std::size_t bytes;
-    std::size_t mappings = 0;
-    bool released = false;
-  };
   struct EventState {
     StreamId stream = 0;
     bool recorded = false;
@@ -135,18 +126,17 @@ class SimDevice final : public Device {
   // Counts the call and applies injected faults. Returns ok or the fault.
   Status enter(CallKind kind, double extra_ns = 0.0);
   DevicePtr next_address(std::size_t bytes, std::size_t alignment);
-  void free_physical_if_unused(PhysicalHandle handle);
+  // Marks complete the events recorded on *stream, or all when stream is null.
+  void complete_locked(const StreamId* stream);
+  std::size_t used() const noexcept { return segment_bytes_ + ledger_.physical_bytes(); }
 
   SimDeviceOptions options_;
   mutable std::mutex mutex_;
   AddressSource address_source_;
   DevicePtr next_address_;
-  std::size_t used_ = 0;
+  std::size_t segment_bytes_ = 0;
   std::unordered_map<DevicePtr, std::size_t> segments_;
-  std::map<DevicePtr, std::size_t> reservations_;
-  std::map<DevicePtr, Mapping> mappings_;
-  std::unordered_map<PhysicalHandle, Physical> physical_;
-  PhysicalHandle next_handle_ = 1;
+  detail::VmmLedger ledger_;
   std::unordered_map<EventId, EventState> events_;
   EventId next_event_ = 1;
   std::array<std::uint64_t, kCallKindCount> calls_{};

@@ -7,10 +7,6 @@ namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-bool is_multiple(std::size_t value, std::size_t unit) {
-  return unit != 0 && value % unit == 0;
-}
-
 std::size_t index(CallKind kind) {
   return static_cast<std::size_t>(kind);
 }
@@ -42,7 +38,7 @@ LatencyModel LatencyModel::defaults() {
 }
 
 SimDevice::SimDevice(SimDeviceOptions options)
-    : options_(options), next_address_(options.base_address) {
+    : options_(options), next_address_(options.base_address), ledger_(options.granularity) {
   for (std::size_t i = 0; i < kCallKindCount; ++i) faults_[i].rng.seed(i + 1);
 }
 
@@ -82,7 +78,7 @@ Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
     return s;
   }
   if (bytes == 0 || addr == nullptr) return Status::invalid_argument;
-  if (bytes > options_.capacity - std::min(used_, options_.capacity)) return Status::out_of_memory;
+  if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
   DevicePtr result = 0;
   if (address_source_) {
     if (Status s = address_source_(bytes, &result); s != Status::ok) return s;
@@ -91,7 +87,7 @@ Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
     result = next_address(bytes, options_.segment_alignment);
   }
   segments_.emplace(result, bytes);
-  used_ += bytes;
+  segment_bytes_ += bytes;
   *addr = result;
   return Status::ok;
 }
@@ -101,7 +97,7 @@ Status SimDevice::free_segment(DevicePtr addr) noexcept {
   if (Status s = enter(CallKind::free_segment); s != Status::ok) return s;
   auto it = segments_.find(addr);
   if (it == segments_.end()) return Status::invalid_argument;
-  used_ -= it->second;
+  segment_bytes_ -= it->second;
   segments_.erase(it);
   return Status::ok;
 }
@@ -109,24 +105,18 @@ Status SimDevice::free_segment(DevicePtr addr) noexcept {
 Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::reserve); s != Status::ok) return s;
-  if (bytes == 0 || va == nullptr || !is_multiple(bytes, options_.granularity) ||
-      (alignment & (alignment - 1)) != 0) {
-    return Status::invalid_argument;
-  }
-  DevicePtr addr = next_address(bytes, std::max(alignment, options_.granularity));
-  reservations_.emplace(addr, bytes);
-  *va = addr;
+  if (va == nullptr) return Status::invalid_argument;
+  if (Status s = ledger_.check_reserve(bytes, alignment); s != Status::ok) return s;
+  *va = next_address(bytes, std::max(alignment, options_.granularity));
+  ledger_.add_reservation(*va, bytes);
   return Status::ok;
 }
 
 Status SimDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::unreserve); s != Status::ok) return s;
-  auto it = reservations_.find(va);
-  if (it == reservations_.end() || it->second != bytes) return Status::invalid_argument;
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + bytes) return Status::invalid_argument;
-  reservations_.erase(it);
+  if (Status s = ledger_.check_unreserve(va, bytes); s != Status::ok) return s;
+  ledger_.remove_reservation(va);
   return Status::ok;
 }
 
@@ -137,32 +127,18 @@ Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noe
       s != Status::ok) {
     return s;
   }
-  if (bytes == 0 || handle == nullptr || !is_multiple(bytes, options_.granularity)) {
-    return Status::invalid_argument;
-  }
-  if (bytes > options_.capacity - std::min(used_, options_.capacity)) return Status::out_of_memory;
-  PhysicalHandle h = next_handle_++;
-  physical_.emplace(h, Physical{bytes});
-  used_ += bytes;
-  *handle = h;
+  if (handle == nullptr) return Status::invalid_argument;
+  if (Status s = ledger_.check_create(bytes); s != Status::ok) return s;
+  if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
+  *handle = ledger_.add_physical(bytes);
   return Status::ok;
-}
-
-void SimDevice::free_physical_if_unused(PhysicalHandle handle) {
-  auto it = physical_.find(handle);
-  if (it != physical_.end() && it->second.released && it->second.mappings == 0) {
-    used_ -= it->second.bytes;
-    physical_.erase(it);
-  }
 }
 
 Status SimDevice::release_physical(PhysicalHandle handle) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::release_physical); s != Status::ok) return s;
-  auto it = physical_.find(handle);
-  if (it == physical_.end() || it->second.released) return Status::invalid_argument;
-  it->second.released = true;
-  free_physical_if_unused(handle);
+  if (Status s = ledger_.check_release(handle); s != Status::ok) return s;
+  ledger_.release(handle);
   return Status::ok;
 }
 
@@ -170,68 +146,23 @@ Status SimDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                       std::size_t offset) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::map); s != Status::ok) return s;
-  const std::size_t g = options_.granularity;
-  if (bytes == 0 || !is_multiple(va, g) || !is_multiple(bytes, g) || !is_multiple(offset, g)) {
-    return Status::invalid_argument;
-  }
-  auto p = physical_.find(handle);
-  if (p == physical_.end() || p->second.released || offset > p->second.bytes ||
-      bytes > p->second.bytes - offset) {
-    return Status::invalid_argument;
-  }
-  auto r = reservations_.upper_bound(va);
-  if (r == reservations_.begin()) return Status::invalid_argument;
-  --r;
-  if (va + bytes > r->first + r->second) return Status::invalid_argument;
-  auto next = mappings_.lower_bound(va);
-  if (next != mappings_.end() && next->first < va + bytes) return Status::invalid_argument;
-  if (next != mappings_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second.bytes > va) return Status::invalid_argument;
-  }
-  mappings_.emplace(va, Mapping{bytes, handle});
-  ++p->second.mappings;
+  if (Status s = ledger_.check_map(va, bytes, handle, offset); s != Status::ok) return s;
+  ledger_.add_mapping(va, bytes, handle);
   return Status::ok;
 }
 
 Status SimDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::unmap); s != Status::ok) return s;
-  // The range must be exactly a run of whole, adjacent mappings.
-  auto it = mappings_.find(va);
-  DevicePtr cursor = va;
-  const DevicePtr end = va + bytes;
-  auto scan = it;
-  while (scan != mappings_.end() && cursor < end) {
-    if (scan->first != cursor) return Status::invalid_argument;
-    cursor += scan->second.bytes;
-    ++scan;
-  }
-  if (it == mappings_.end() || cursor != end) return Status::invalid_argument;
-  while (it != scan) {
-    PhysicalHandle h = it->second.handle;
-    --physical_.at(h).mappings;
-    it = mappings_.erase(it);
-    free_physical_if_unused(h);
-  }
+  if (Status s = ledger_.check_unmap(va, bytes); s != Status::ok) return s;
+  ledger_.remove_mappings(va, bytes);
   return Status::ok;
 }
 
 Status SimDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::set_access); s != Status::ok) return s;
-  DevicePtr cursor = va;
-  auto it = mappings_.upper_bound(va);
-  if (it == mappings_.begin()) return Status::invalid_argument;
-  --it;
-  while (cursor < va + bytes) {
-    if (it == mappings_.end() || it->first > cursor || it->first + it->second.bytes <= cursor) {
-      return Status::invalid_argument;
-    }
-    cursor = it->first + it->second.bytes;
-    ++it;
-  }
-  return Status::ok;
+  return ledger_.check_mapped(va, bytes);
 }
 
 Status SimDevice::memory_info(MemoryInfo* info) noexcept {
@@ -239,7 +170,7 @@ Status SimDevice::memory_info(MemoryInfo* info) noexcept {
   if (Status s = enter(CallKind::memory_info); s != Status::ok) return s;
   if (info == nullptr) return Status::invalid_argument;
   info->total = options_.capacity;
-  info->free = options_.capacity - std::min(used_, options_.capacity);
+  info->free = options_.capacity - std::min(used(), options_.capacity);
   return Status::ok;
 }
 
@@ -285,19 +216,23 @@ Status SimDevice::synchronize_event(EventId event) noexcept {
   return Status::ok;
 }
 
+void SimDevice::complete_locked(const StreamId* stream) {
+  for (auto& [id, e] : events_) {
+    if (stream == nullptr || e.stream == *stream) e.done = true;
+  }
+}
+
 Status SimDevice::synchronize_stream(StreamId stream) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::synchronize_stream); s != Status::ok) return s;
-  for (auto& [id, e] : events_) {
-    if (e.stream == stream) e.done = true;
-  }
+  complete_locked(&stream);
   return Status::ok;
 }
 
 Status SimDevice::synchronize_device() noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::synchronize_device); s != Status::ok) return s;
-  for (auto& [id, e] : events_) e.done = true;
+  complete_locked(nullptr);
   return Status::ok;
 }
 
@@ -358,14 +293,12 @@ void SimDevice::complete_event(EventId event) {
 
 void SimDevice::complete_stream(StreamId stream) {
   std::lock_guard lock(mutex_);
-  for (auto& [id, e] : events_) {
-    if (e.stream == stream) e.done = true;
-  }
+  complete_locked(&stream);
 }
 
 void SimDevice::complete_all_events() {
   std::lock_guard lock(mutex_);
-  for (auto& [id, e] : events_) e.done = true;
+  complete_locked(nullptr);
 }
 
 void SimDevice::set_auto_complete_events(bool on) {
@@ -385,7 +318,7 @@ std::uint64_t SimDevice::failures(CallKind kind) const {
 
 std::size_t SimDevice::used_bytes() const {
   std::lock_guard lock(mutex_);
-  return used_;
+  return used();
 }
 
 std::size_t SimDevice::live_segments() const {
@@ -395,12 +328,12 @@ std::size_t SimDevice::live_segments() const {
 
 std::size_t SimDevice::live_physical() const {
   std::lock_guard lock(mutex_);
-  return physical_.size();
+  return ledger_.physical_count();
 }
 
 std::size_t SimDevice::live_reservations() const {
   std::lock_guard lock(mutex_);
-  return reservations_.size();
+  return ledger_.reservation_count();
 }
 
 std::size_t SimDevice::live_events() const {
