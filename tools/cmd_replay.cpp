@@ -28,10 +28,18 @@ std::string gib(std::uint64_t bytes) {
   return fmt::format("{:.3f} GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
 }
 
+double reserved_over_allocated(const ReplayResult& r) {
+  return r.peak_allocated_bytes ? static_cast<double>(r.peak_reserved_bytes) /
+                                      static_cast<double>(r.peak_allocated_bytes)
+                                : 0.0;
+}
+
+std::string config_label(const ReplayResult& r) {
+  return r.config.empty() ? "native defaults" : r.config;
+}
+
 nlohmann::json to_json(const ReplayResult& r) {
-  const double ratio = r.peak_allocated_bytes ? static_cast<double>(r.peak_reserved_bytes) /
-                                                    static_cast<double>(r.peak_allocated_bytes)
-                                              : 0.0;
+  const double ratio = reserved_over_allocated(r);
   return nlohmann::json{
       {"trace", r.trace},
       {"config", r.config},
@@ -62,9 +70,7 @@ void print_table(const std::vector<ReplayResult>& results) {
     if (name.size() > 44) name = "..." + name.substr(name.size() - 41);
     std::string config = r.config.empty() ? "(native defaults)" : r.config;
     if (config.size() > 28) config = config.substr(0, 25) + "...";
-    const double ratio = r.peak_allocated_bytes ? static_cast<double>(r.peak_reserved_bytes) /
-                                                      static_cast<double>(r.peak_allocated_bytes)
-                                                : 0.0;
+    const double ratio = reserved_over_allocated(r);
     fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9.3f} {:>8} {:>8} {:>7} {:>5} {:>9.1f}ms\n",
                name, config, gib(r.peak_requested_bytes), gib(r.peak_allocated_bytes),
                gib(r.peak_reserved_bytes), ratio, r.device_allocs, r.device_frees,
@@ -72,16 +78,16 @@ void print_table(const std::vector<ReplayResult>& results) {
   }
   for (const ReplayResult& r : results) {
     if (!r.first_oom.empty()) {
-      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace,
-                 r.config.empty() ? "native defaults" : r.config, r.num_ooms, r.first_oom);
+      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace, config_label(r),
+                 r.num_ooms, r.first_oom);
     }
   }
   for (const ReplayResult& r : results) {
     fmt::print(
         "\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
         "call {}, ending at {}",
-        r.trace, r.config.empty() ? "native defaults" : r.config, r.events, r.ops, r.wall_seconds,
-        r.peak_reserved_op, gib(r.final_reserved_bytes));
+        r.trace, config_label(r), r.events, r.ops, r.wall_seconds, r.peak_reserved_op,
+        gib(r.final_reserved_bytes));
   }
   fmt::print("\n");
 }

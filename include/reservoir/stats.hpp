@@ -51,6 +51,17 @@ struct DeviceStats {
   Stat oversize_segments;
   std::int64_t max_split_size = 0;  // -1 when unlimited, as PyTorch reports it
 
+  // Visits every Stat (the nine arrays, then the two oversize stats).
+  template <typename F>
+  void for_each_stat(F&& f) {
+    for (StatArray* a : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
+                         &reserved_bytes, &active_bytes, &inactive_split_bytes, &requested_bytes}) {
+      for (Stat& s : *a) f(s);
+    }
+    f(oversize_allocations);
+    f(oversize_segments);
+  }
+
   bool operator==(const DeviceStats&) const = default;
 };
 

@@ -81,6 +81,8 @@ class CachingAllocator::Impl {
   void release_block(detail::Block* block);
   void insert_events(detail::Block* block);
   void insert_deferred_events();
+  // The front event of a queue completed: keep the event, free the block if it was the last.
+  void retire_front(std::deque<PendingEvent>& queue);
   void process_events();
   void synchronize_and_free_events();
   EventId take_event();

@@ -620,6 +620,13 @@ void CachingAllocator::Impl::insert_deferred_events() {
   }
 }
 
+void CachingAllocator::Impl::retire_front(std::deque<PendingEvent>& queue) {
+  Block* block = queue.front().block;
+  idle_events_.push_back(queue.front().event);
+  queue.pop_front();
+  if (--block->event_count == 0) free_block(block);
+}
+
 void CachingAllocator::Impl::process_events() {
   insert_deferred_events();
   for (auto it = pending_events_.begin(); it != pending_events_.end();) {
@@ -633,10 +640,7 @@ void CachingAllocator::Impl::process_events() {
             CallKind::query_event, status,
             fmt::format("querying the event of a deferred free at {:#x}", e.block->ptr));
       }
-      Block* block = e.block;
-      idle_events_.push_back(e.event);
-      queue.pop_front();
-      if (--block->event_count == 0) free_block(block);
+      retire_front(queue);
     }
     it = queue.empty() ? pending_events_.erase(it) : std::next(it);
   }
@@ -655,10 +659,7 @@ void CachingAllocator::Impl::synchronize_and_free_events() {
             CallKind::synchronize_event, status,
             fmt::format("synchronizing the event of a deferred free at {:#x}", e.block->ptr));
       }
-      Block* block = e.block;
-      idle_events_.push_back(e.event);
-      queue.pop_front();
-      if (--block->event_count == 0) free_block(block);
+      retire_front(queue);
     }
     it = pending_events_.erase(it);
   }
@@ -707,29 +708,17 @@ DeviceStats CachingAllocator::Impl::stats() const {
 
 void CachingAllocator::Impl::reset_peak_stats() {
   std::lock_guard lock(mutex_);
-  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
-                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
-    for (Stat& s : *a) s.reset_peak();
-  }
-  stats_.oversize_allocations.reset_peak();
-  stats_.oversize_segments.reset_peak();
+  stats_.for_each_stat([](Stat& s) { s.reset_peak(); });
 }
 
 void CachingAllocator::Impl::reset_accumulated_stats() {
   std::lock_guard lock(mutex_);
-  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
-                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
-    for (Stat& s : *a) s.reset_accumulated();
-  }
+  stats_.for_each_stat([](Stat& s) { s.reset_accumulated(); });
   stats_.num_alloc_retries = 0;
   stats_.num_ooms = 0;
   stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = 0;
   stats_.num_device_free = 0;
-  stats_.oversize_allocations.reset_accumulated();
-  stats_.oversize_segments.reset_accumulated();
 }
 
 std::size_t CachingAllocator::Impl::largest_cached_block() const {
