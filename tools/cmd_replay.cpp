@@ -1,9 +1,11 @@
-// reservoir replay TRACE... [--config STR]... [--capacity SIZE] [--json]
+// reservoir replay TRACE... [--config STR]... [--capacity SIZE] [--min-capacity] [--json]
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -22,7 +24,25 @@ struct ReplayArgs {
   std::optional<double> fraction;
   bool json = false;
   bool validate = false;
+  bool min_capacity = false;
 };
+
+struct Row {
+  ReplayResult r;
+  std::optional<std::uint64_t> min_capacity;
+};
+
+double calls_per_1000(const ReplayResult& r) {
+  return r.allocations ? 1000.0 * static_cast<double>(r.device_calls) /
+                             static_cast<double>(r.allocations)
+                       : 0.0;
+}
+
+double min_over_requested(const Row& row) {
+  return row.r.peak_requested_bytes ? static_cast<double>(*row.min_capacity) /
+                                          static_cast<double>(row.r.peak_requested_bytes)
+                                    : 1.0;
+}
 
 std::string gib(std::uint64_t bytes) {
   return fmt::format("{:.3f} GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
@@ -38,9 +58,10 @@ std::string config_label(const ReplayResult& r) {
   return r.config.empty() ? "native defaults" : r.config;
 }
 
-nlohmann::json to_json(const ReplayResult& r) {
+nlohmann::json to_json(const Row& row) {
+  const ReplayResult& r = row.r;
   const double ratio = reserved_over_allocated(r);
-  return nlohmann::json{
+  nlohmann::json j{
       {"trace", r.trace},
       {"config", r.config},
       {"events", r.events},
@@ -58,23 +79,68 @@ nlohmann::json to_json(const ReplayResult& r) {
       {"first_oom", r.first_oom},
       {"device_call_seconds", r.device_call_seconds},
       {"replay_seconds", r.wall_seconds},
+      {"allocations", r.allocations},
+      {"device_calls", r.device_calls},
+      {"device_calls_per_1000_allocs", calls_per_1000(r)},
   };
+  if (row.min_capacity) {
+    j["min_capacity_bytes"] = *row.min_capacity;
+    j["min_capacity_over_requested"] = min_over_requested(row);
+  }
+  return j;
 }
 
-void print_table(const std::vector<ReplayResult>& results) {
-  fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9} {:>8} {:>8} {:>7} {:>5} {:>11}\n", "trace",
-             "config", "peak request", "peak alloc", "peak reserve", "res/alloc", "dev.allc",
-             "dev.free", "retries", "OOMs", "device time");
-  for (const ReplayResult& r : results) {
+void print_table(const std::vector<Row>& rows) {
+  const bool with_min = !rows.empty() && rows.front().min_capacity.has_value();
+  fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9} {:>8} {:>8} {:>8} {:>7} {:>5} {:>11}",
+             "trace", "config", "peak request", "peak alloc", "peak reserve", "res/alloc",
+             "dev.allc", "dev.free", "calls/1k", "retries", "OOMs", "device time");
+  if (with_min) fmt::print(" {:>13} {:>7}", "min capacity", "min/req");
+  fmt::print("\n");
+  std::vector<ReplayResult> results;
+  for (const Row& row : rows) results.push_back(row.r);
+  for (const Row& row : rows) {
+    const ReplayResult& r = row.r;
     std::string name = r.trace.substr(r.trace.find_last_of('/') + 1);
     if (name.size() > 44) name = "..." + name.substr(name.size() - 41);
     std::string config = r.config.empty() ? "(native defaults)" : r.config;
     if (config.size() > 28) config = config.substr(0, 25) + "...";
     const double ratio = reserved_over_allocated(r);
-    fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9.3f} {:>8} {:>8} {:>7} {:>5} {:>9.1f}ms\n",
-               name, config, gib(r.peak_requested_bytes), gib(r.peak_allocated_bytes),
-               gib(r.peak_reserved_bytes), ratio, r.device_allocs, r.device_frees,
-               r.num_alloc_retries, r.num_ooms, r.device_call_seconds * 1e3);
+    fmt::print(
+        "{:<44} {:<28} {:>13} {:>13} {:>13} {:>9.3f} {:>8} {:>8} {:>8.1f} {:>7} {:>5} {:>9.1f}ms",
+        name, config, gib(r.peak_requested_bytes), gib(r.peak_allocated_bytes),
+        gib(r.peak_reserved_bytes), ratio, r.device_allocs, r.device_frees, calls_per_1000(r),
+        r.num_alloc_retries, r.num_ooms, r.device_call_seconds * 1e3);
+    if (with_min) fmt::print(" {:>13} {:>7.3f}", gib(*row.min_capacity), min_over_requested(row));
+    fmt::print("\n");
+  }
+  if (with_min) {
+    // Per config, over the traces: the figures the policies are judged by.
+    struct Summary {
+      double log_sum = 0.0;
+      double worst = 0.0;
+      double calls = 0.0;
+      int n = 0;
+    };
+    std::vector<std::string> order;
+    std::map<std::string, Summary> by_config;
+    for (const Row& row : rows) {
+      const std::string label = config_label(row.r);
+      if (by_config.find(label) == by_config.end()) order.push_back(label);
+      Summary& s = by_config[label];
+      const double ratio = min_over_requested(row);
+      s.log_sum += std::log(ratio);
+      s.worst = std::max(s.worst, ratio);
+      s.calls += calls_per_1000(row.r);
+      ++s.n;
+    }
+    fmt::print("\n{:<28} {:>8} {:>22} {:>18} {:>16}\n", "config", "traces",
+               "min/req geometric mean", "min/req worst", "mean calls/1k");
+    for (const std::string& label : order) {
+      const Summary& s = by_config[label];
+      fmt::print("{:<28} {:>8} {:>22.4f} {:>18.4f} {:>16.1f}\n", label, s.n,
+                 std::exp(s.log_sum / s.n), s.worst, s.calls / s.n);
+    }
   }
   for (const ReplayResult& r : results) {
     if (!r.first_oom.empty()) {
@@ -100,19 +166,21 @@ void run(const ReplayArgs& args) {
   std::vector<std::pair<std::string, AllocatorConfig>> configs;
   for (const std::string& c : args.configs) configs.emplace_back(c, AllocatorConfig::parse(c));
   if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
-  std::vector<ReplayResult> results;
+  std::vector<Row> rows;
   for (const std::string& path : args.traces) {
     const ReplayProgram program = compile(read_trace_file(path));
     for (const auto& [text, config] : configs) {
-      results.push_back(replay(program, config, text, options));
+      Row row{replay(program, config, text, options), std::nullopt};
+      if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;
+      rows.push_back(std::move(row));
     }
   }
   if (args.json) {
     nlohmann::json out = nlohmann::json::array();
-    for (const ReplayResult& r : results) out.push_back(to_json(r));
+    for (const Row& row : rows) out.push_back(to_json(row));
     fmt::print("{}\n", out.dump(2));
   } else {
-    print_table(results);
+    print_table(rows);
   }
 }
 
@@ -134,6 +202,8 @@ void add_replay(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
   cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
+  cmd->add_flag("--min-capacity", args->min_capacity,
+                "also find the smallest device capacity (2 MiB steps) with no out-of-memory error");
   cmd->callback([args] { run(*args); });
 }
 

@@ -102,10 +102,31 @@ struct ReplayResult {
   std::string first_oom;             // message of the first out-of-memory error
   double device_call_seconds = 0.0;  // latency-model estimate
   double wall_seconds = 0.0;
+  std::uint64_t allocations = 0;   // alloc calls made (including ones that ran out of memory)
+  std::uint64_t device_calls = 0;  // memory-management calls: kMemoryCallKinds
+};
+
+// Device calls that obtain or return memory or address space: what
+// "device calls" counts in replay results.
+inline constexpr CallKind kMemoryCallKinds[] = {
+    CallKind::allocate_segment, CallKind::free_segment,     CallKind::reserve,
+    CallKind::unreserve,        CallKind::create_physical,  CallKind::release_physical,
+    CallKind::map,              CallKind::unmap,            CallKind::set_access};
+
+struct MinCapacityResult {
+  std::uint64_t bytes = 0;    // smallest capacity (a multiple of 2 MiB) with no out-of-memory
+  std::uint64_t replays = 0;  // replays the search ran
 };
 
 ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
                     const std::string& config_text, const ReplayOptions& options = {});
+
+// The smallest device capacity, in 2 MiB steps, on which the program runs with
+// no out-of-memory error (the retry ladder included), found by bisection
+// between the peak of requested bytes and the peak reserved with no limit.
+// options.capacity is ignored; options.memory_fraction applies to each probe.
+MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
+                               const std::string& config_text, const ReplayOptions& options = {});
 
 // ---- verify -----------------------------------------------------------------
 

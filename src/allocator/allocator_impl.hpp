@@ -99,6 +99,52 @@ class CachingAllocator::Impl {
     f(stat_index(pool));
   }
   void check_supported(const AllocatorConfig& config) const;
+
+  // ---- virtual-memory segments (vm_policy.cpp) ----
+  enum class VmMode { none, expandable, paging };
+  static VmMode vm_mode(const AllocatorConfig& config) noexcept {
+    if (config.policy == Policy::paging) return VmMode::paging;
+    if (config.policy == Policy::expandable || config.expandable_segments) {
+      return VmMode::expandable;
+    }
+    return VmMode::none;
+  }
+  bool vm_on() const noexcept { return vm_mode_ != VmMode::none; }
+  // PyTorch's try_allocate_expandable_block: map pages until a free run of
+  // p.size bytes exists; leaves it out of the pool in p.block.
+  bool alloc_vm_block(AllocParams& p);
+  detail::Block* find_vm_candidate(const AllocParams& p);
+  detail::Block* new_vm_segment(const AllocParams& p);
+  // Maps the pages under the first `bytes` of an unmapped block; false on
+  // out of memory (nothing changed). Throws DeviceError on other failures,
+  // after undoing what it did.
+  bool map_block(detail::Block* to_map, std::size_t bytes);
+  // Unmaps the fully free pages (paging: the fully free handles) of a cached
+  // block, after synchronizing its stream.
+  void unmap_block(detail::Block* block);
+  // Unmaps pages [first, end) of a cached block (whole handles).
+  void unmap_pages(detail::Block* block, std::size_t first, std::size_t end);
+  bool try_alloc_vm_block(AllocParams& p);
+  // Paging's last resort: a new range mapped onto free pages of this
+  // stream's segments (plus fresh memory for the rest).
+  bool stitch_block(AllocParams& p);
+  void dissolve_stitched(detail::Block* block);
+  // Splits [start, start + bytes) out of a cached block, which leaves the pool;
+  // the pieces before and after stay cached. Returns the middle block.
+  detail::Block* carve(detail::Block* block, DevicePtr start, std::size_t bytes);
+  // Puts a block back in its pool, merged with cached neighbours.
+  void recache(detail::Block* block);
+  static detail::Block* block_at(detail::Segment& seg, DevicePtr addr);
+  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes);
+  // Paging: unmaps whole free handles, largest first, until `bytes` are
+  // released; leaves `keep` alone. True when anything was released.
+  bool release_free_handles(StreamId stream, std::size_t bytes, const detail::Block* keep);
+  void release_vm_segment(detail::Block* block);
+  // Merges neighbour src into dst when both are available and equally mapped.
+  void merge_unmapped(detail::Block* dst, detail::Block* src);
+  void unmap_handles(detail::Segment& seg, std::size_t first, std::size_t end);
+  void drop_vm_segment_locked(detail::Segment& seg) noexcept;
+  void validate_vm_segment(const detail::Segment& seg) const;
   void restore_locked(const Snapshot& layout);
   void drop_all_locked() noexcept;
 
@@ -119,6 +165,8 @@ class CachingAllocator::Impl {
   std::map<StreamId, std::deque<PendingEvent>> pending_events_;
   std::vector<EventId> idle_events_;
   std::size_t total_reserved_ = 0;
+  VmMode vm_mode_ = VmMode::none;
+  std::vector<PhysicalHandle> unreleased_;  // unmapped handles whose release failed
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   bool max_split_changed_ = false;  // oversize stats are not recountable after a change

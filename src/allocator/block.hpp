@@ -11,6 +11,11 @@
 //                         b.next.ptr == b.ptr + b.size, head.ptr == S.base
 //   a block is in pool.blocks  <=>  !allocated && event_count == 0 && stream_uses empty
 //   no two neighbours are both in a pool (free neighbours always merge)
+//   virtual-memory segments (expandable, paging): the segment is one address
+//   reservation; its blocks are mapped (allocated or cached) or unmapped
+//   (address space only, in pool.unmapped); mapped/unmapped boundaries fall
+//   on page boundaries; no two unmapped blocks are neighbours; a page has a
+//   physical handle exactly when a mapped block covers part of it
 //   stats.X.current == recount of X over all segments (allocated, active,
 //   reserved, requested, inactive split), total_reserved == sum(S.size)
 #pragma once
@@ -18,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <set>
 #include <vector>
 
@@ -50,13 +56,30 @@ struct Block {
   Block* prev = nullptr;
   Block* next = nullptr;
   bool allocated = false;
+  bool mapped = true;                 // false: address space of a VM segment only
+  bool lent = false;                  // pages lent to a stitched block (paging)
   int event_count = 0;                // outstanding stream events
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
   BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
-  bool is_free() const noexcept { return !allocated && event_count == 0 && stream_uses.empty(); }
+  // Cached: mapped, not allocated, no pending stream use (belongs in pool->blocks).
+  bool is_free() const noexcept {
+    return mapped && !lent && !allocated && event_count == 0 && stream_uses.empty();
+  }
+  // Usable address space for a VM allocation: cached or unmapped.
+  bool is_available() const noexcept {
+    return !lent && !allocated && event_count == 0 && stream_uses.empty();
+  }
+};
+
+// Unmapped blocks of VM segments: stream, then address.
+struct BlockByAddress {
+  bool operator()(const Block* a, const Block* b) const noexcept {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    return a->ptr < b->ptr;
+  }
 };
 
 inline bool BlockBySize::operator()(const Block* a, const Block* b) const noexcept {
@@ -69,6 +92,7 @@ struct BlockPool {
   BlockPool(bool small, PrivatePool* owner, NodeRecycler* nodes)
       : blocks(BlockBySize{}, RecyclingAllocator<Block*>(nodes)), is_small(small), owner(owner) {}
   BlockSet blocks;
+  std::set<Block*, BlockByAddress> unmapped;  // address space of VM segments
   const bool is_small;
   PrivatePool* const owner;  // null for the default pools
   std::int64_t get_free_blocks_call_count = 0;
@@ -99,12 +123,72 @@ struct BlockPool {
   }
 };
 
+// The physical side of a virtual-memory segment: which handle backs each page.
+// Expandable segments (PyTorch's) use one handle per page; the paging policy
+// creates one handle per run of pages mapped together.
+struct VmState {
+  static constexpr std::uint32_t kNone = 0xffffffffU;
+  struct Handle {
+    PhysicalHandle handle = 0;
+    std::size_t first_page = 0;
+    std::size_t pages = 0;
+    bool live = false;
+  };
+  bool paging = false;  // policy:paging; false: expandable_segments
+  // A stitched segment (paging under pressure) holds one block made of free
+  // pages of other segments, mapped here a second time, plus fresh memory
+  // for the rest. The lenders' pages sit in `lent` blocks until it dissolves.
+  struct Piece {
+    DevicePtr va = 0;
+    std::size_t bytes = 0;
+    PhysicalHandle handle = 0;
+    std::size_t offset = 0;
+    bool fresh = false;  // created for this segment (released with it)
+  };
+  bool stitched = false;
+  std::vector<Piece> pieces;
+  std::vector<Block*> lent;
+  std::size_t page = 0;
+  std::size_t pages = 0;                   // pages in the reservation
+  std::vector<std::uint32_t> page_handle;  // per page up to the highest mapped: handle or kNone
+  std::vector<Handle> handles;
+  std::vector<std::uint32_t> free_slots;  // reusable entries of handles
+
+  std::uint32_t add(PhysicalHandle h, std::size_t first, std::size_t pages) {
+    std::uint32_t slot;
+    if (free_slots.empty()) {
+      slot = static_cast<std::uint32_t>(handles.size());
+      handles.emplace_back();
+    } else {
+      slot = free_slots.back();
+      free_slots.pop_back();
+    }
+    handles[slot] = Handle{h, first, pages, true};
+    if (page_handle.size() < first + pages) page_handle.resize(first + pages, kNone);
+    for (std::size_t i = first; i < first + pages; ++i) page_handle[i] = slot;
+    return slot;
+  }
+  std::uint32_t at(std::size_t page_index) const noexcept {
+    return page_index < page_handle.size() ? page_handle[page_index] : kNone;
+  }
+  void remove(std::uint32_t slot) {
+    Handle& rec = handles[slot];
+    for (std::size_t i = rec.first_page; i < rec.first_page + rec.pages; ++i) {
+      page_handle[i] = kNone;
+    }
+    rec.live = false;
+    free_slots.push_back(slot);
+    while (!page_handle.empty() && page_handle.back() == kNone) page_handle.pop_back();
+  }
+};
+
 struct Segment {
   DevicePtr base = 0;
   std::size_t size = 0;
   StreamId stream = 0;
   BlockPool* pool = nullptr;
-  Block* head = nullptr;  // the block at base
+  Block* head = nullptr;           // the block at base
+  std::unique_ptr<VmState> vm;     // set for virtual-memory segments
 };
 
 struct PrivatePool {

@@ -66,7 +66,8 @@ std::size_t CachingAllocator::Impl::allocation_size(std::size_t size) {
 
 bool CachingAllocator::Impl::should_split(const Block* block, std::size_t size) const {
   const std::size_t remaining = block->size - size;
-  if (block->pool->is_small) return remaining >= kMinBlockSize;
+  if (block->segment->vm && block->segment->vm->stitched) return false;  // one block, kept whole
+  if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
   return size < config_.max_split_size && remaining > kSmallSize;
 }
 
@@ -80,6 +81,7 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
       large_(false, nullptr, &node_resource_),
       small_(true, nullptr, &node_resource_) {
   check_supported(config_);
+  vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
 }
 
@@ -89,15 +91,28 @@ CachingAllocator::Impl::~Impl() {
     for (PendingEvent& e : queue) (void)device_.destroy_event(e.event);
   }
   for (EventId e : idle_events_) (void)device_.destroy_event(e);
-  for (auto& [base, segment] : segments_) (void)device_.free_segment(base);
+  for (auto& [base, segment] : segments_) {
+    if (segment->vm) {
+      drop_vm_segment_locked(*segment);
+    } else {
+      (void)device_.free_segment(base);
+    }
+  }
+  for (PhysicalHandle h : unreleased_) (void)device_.release_physical(h);
 }
 
 void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) const {
-  if (config.expandable_segments || config.policy != Policy::native) {
-    throw UsageError(
-        fmt::format("allocator config \"{}\": only the native policy is available in this build; "
-                    "expandable_segments:True and policy:expandable|paging are not",
-                    config.to_string()));
+  if (config.policy == Policy::paging && config.expandable_segments) {
+    throw UsageError(fmt::format(
+        "allocator config \"{}\": policy:paging and expandable_segments:True exclude each other; "
+        "choose one",
+        config.to_string()));
+  }
+  if (vm_mode(config) != VmMode::none && !device_.supports_virtual_memory()) {
+    throw UsageError(fmt::format(
+        "allocator config \"{}\": the {} device has no virtual-memory support, which "
+        "expandable segments and policy:paging need",
+        config.to_string(), device_.name()));
   }
 }
 
@@ -124,6 +139,31 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   key.size = p.size;
   auto it = pool.blocks.lower_bound(&key);
   if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+  if ((*it)->segment->vm) {
+    if (vm_on()) {
+      // A cached block followed by unmapped space counts, for best fit, as
+      // the size it can grow to (PyTorch's rule).
+      auto growable = [](const Block* b) {
+        return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+      };
+      auto next = std::next(it);
+      while ((*it)->segment->vm && next != pool.blocks.end() && (*next)->stream == p.stream &&
+             growable(*next) < growable(*it)) {
+        it = next++;
+      }
+    } else {
+      // Virtual memory was switched off: only classic segments serve requests.
+      do {
+        ++it;
+      } while (it != pool.blocks.end() && (*it)->segment->vm && (*it)->stream == p.stream);
+      if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+    }
+    // A stitched block is never split: it serves only requests that use all its pages.
+    while ((*it)->segment->vm && (*it)->segment->vm->stitched &&
+           (*it)->size - p.size >= (*it)->segment->vm->page) {
+      if (++it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+    }
+  }
   const std::size_t max_split = config_.max_split_size;
   // Do not hand an oversize block to a request that could split.
   if (p.size < max_split && (*it)->size >= max_split) return false;
@@ -139,7 +179,14 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
 bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   const std::size_t size = p.alloc_size;
   if (is_retry) ++stats_.num_alloc_retries;
-  if (set_fraction_ && total_reserved_ + size > allowed_memory_maximum_) return false;
+  // Private pools keep classic segments (as PyTorch's CUDA-graph pools).
+  const bool vm = vm_on() && p.pool->owner == nullptr;
+  // The paging policy checks the fraction against the pages it really maps.
+  if (set_fraction_ && !(vm && vm_mode_ == VmMode::paging) &&
+      total_reserved_ + size > allowed_memory_maximum_) {
+    return false;
+  }
+  if (vm) return alloc_vm_block(p);
   DevicePtr ptr = 0;
   const Status status = device_.allocate_segment(size, &ptr);
   if (status == Status::out_of_memory) return false;
@@ -201,7 +248,9 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     } else {
       pool.insert(remaining);
     }
-    if (already_split) {
+    if (block->segment->vm) {
+      // Expandable segments stay out of the inactive_split stats (PyTorch).
+    } else if (already_split) {
       for_types(pool, [&](std::size_t t) { stats_.inactive_split_bytes[t].decrease(block->size); });
     } else {
       for_types(pool, [&](std::size_t t) {
@@ -211,7 +260,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
-    if (already_split) {
+    if (already_split && !block->segment->vm) {
       for_types(pool, [&](std::size_t t) {
         stats_.inactive_split_bytes[t].decrease(block->size);
         stats_.inactive_split[t].decrease(1);
@@ -429,6 +478,10 @@ void CachingAllocator::Impl::free_block(Block* block) {
     split_blocks_change += 1;
     split_bytes_change += static_cast<std::int64_t>(merged->size);
   }
+  if (merged->segment->vm) {
+    split_blocks_change = 0;  // expandable segments stay out of inactive_split (PyTorch)
+    split_bytes_change = 0;
+  }
   for_types(pool, [&](std::size_t t) {
     if (split_blocks_change > 0) {
       stats_.inactive_split[t].increase(static_cast<std::uint64_t>(split_blocks_change));
@@ -502,17 +555,14 @@ bool CachingAllocator::Impl::release_available_cached_blocks(const AllocParams& 
     if (it == pool.blocks.begin()) return false;
     std::size_t released = 0;
     --it;
+    std::vector<Block*> victims;  // released after the walk: unmapping edits the pool
     while (released < key.size && (*it)->size >= max_split && (*it)->stream == p.stream) {
-      auto current = it;
       released += (*it)->size;
-      if (it != pool.blocks.begin()) {
-        --it;
-        release_block(*current);
-      } else {
-        release_block(*current);
-        break;
-      }
+      victims.push_back(*it);
+      if (it == pool.blocks.begin()) break;
+      --it;
     }
+    for (Block* b : victims) release_block(b);
     return released >= key.size;
   }
   release_block(*it);
@@ -539,15 +589,34 @@ bool CachingAllocator::Impl::release_cached_blocks() {
 }
 
 void CachingAllocator::Impl::release_blocks(BlockPool& pool) {
+  std::vector<Block*> to_unmap;  // unmapping edits the pool: after the walk
   auto it = pool.blocks.begin();
   while (it != pool.blocks.end()) {
     Block* b = *it;
     ++it;
-    if (!b->is_split()) release_block(b);
+    if (b->segment->vm) {
+      to_unmap.push_back(b);
+    } else if (!b->is_split()) {
+      release_block(b);
+    }
+  }
+  for (Block* b : to_unmap) {
+    if (b->segment->vm->stitched) {
+      dissolve_stitched(b);
+      continue;
+    }
+    unmap_block(b);
+    if (!b->mapped && !b->is_split()) release_vm_segment(b);
   }
 }
 
 void CachingAllocator::Impl::release_block(Block* block) {
+  if (block->segment->vm) {
+    // PyTorch asserts here when max_split_size_mb or GC meets an expandable
+    // block; reservoir unmaps the block's free pages instead.
+    unmap_block(block);
+    return;
+  }
   const Status status = device_.free_segment(block->ptr);
   if (status != Status::ok) {
     throw DeviceError(
@@ -693,6 +762,7 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   std::lock_guard lock(mutex_);
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;
+  vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
 }
 

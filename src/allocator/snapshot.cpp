@@ -17,32 +17,43 @@ Snapshot CachingAllocator::Impl::snapshot() const {
   std::lock_guard lock(mutex_);
   Snapshot out;
   out.segments.reserve(segments_.size());
+  auto state_of = [](const detail::Block* b) {
+    if (b->allocated) return BlockState::active_allocated;
+    if (b->event_count > 0 || !b->stream_uses.empty()) return BlockState::active_pending_free;
+    return BlockState::inactive;
+  };
   for (const auto& [base, segment] : segments_) {
-    SegmentInfo info;
-    info.device = device_index_;
-    info.address = base;
-    info.stream = segment->stream;
-    info.is_large = !segment->pool->is_small;
-    info.is_expandable = false;
-    if (segment->pool->owner != nullptr) info.pool_id = segment->pool->owner->id;
-    for (const detail::Block* b = segment->head; b != nullptr; b = b->next) {
-      BlockInfo block;
-      block.address = b->ptr;
-      block.size = b->size;
-      block.requested_size = b->requested_size;
-      const bool active = b->allocated || b->event_count > 0 || !b->stream_uses.empty();
-      block.state = b->allocated ? BlockState::active_allocated
-                    : active     ? BlockState::active_pending_free
-                                 : BlockState::inactive;
-      info.total_size += b->size;
-      if (b->allocated) info.allocated_size += b->size;
-      if (active) {
-        info.active_size += b->size;
-        info.requested_size += b->requested_size;
+    // A classic segment is one entry; a virtual-memory segment gives one
+    // entry per contiguous mapped range, as PyTorch reports expandable ones.
+    const detail::Block* b = segment->head;
+    while (b != nullptr) {
+      if (!b->mapped) {
+        b = b->next;
+        continue;
       }
-      info.blocks.push_back(block);
+      SegmentInfo info;
+      info.device = device_index_;
+      info.address = b->ptr;
+      info.stream = segment->stream;
+      info.is_large = !segment->pool->is_small;
+      info.is_expandable = segment->vm != nullptr;
+      if (segment->pool->owner != nullptr) info.pool_id = segment->pool->owner->id;
+      for (; b != nullptr && b->mapped; b = b->next) {
+        BlockInfo block;
+        block.address = b->ptr;
+        block.size = b->size;
+        block.requested_size = b->requested_size;
+        block.state = state_of(b);
+        info.total_size += b->size;
+        if (b->allocated) info.allocated_size += b->size;
+        if (block.state != BlockState::inactive) {
+          info.active_size += b->size;
+          info.requested_size += b->requested_size;
+        }
+        info.blocks.push_back(block);
+      }
+      out.segments.push_back(std::move(info));
     }
-    out.segments.push_back(std::move(info));
   }
   return out;
 }

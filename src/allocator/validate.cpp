@@ -27,6 +27,60 @@ void expect_stat(const char* name, std::size_t type, std::int64_t have, std::int
 
 }  // namespace
 
+void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) const {
+  const detail::VmState& vm = *seg.vm;
+  const std::size_t page = vm.page;
+  if (page == 0 || seg.size != vm.pages * page || vm.page_handle.size() > vm.pages) {
+    breach(fmt::format("VM segment {:#x}: {} pages of {} bytes do not make its {} bytes", seg.base,
+                       vm.pages, page, seg.size));
+  }
+  // Handles: each live one covers its pages exactly.
+  for (std::size_t i = 0; i < vm.page_handle.size(); ++i) {
+    const std::uint32_t slot = vm.at(i);
+    if (slot == detail::VmState::kNone) continue;
+    if (slot >= vm.handles.size() || !vm.handles[slot].live ||
+        i < vm.handles[slot].first_page ||
+        i >= vm.handles[slot].first_page + vm.handles[slot].pages) {
+      breach(fmt::format("VM segment {:#x}: page {} names a handle that does not cover it",
+                         seg.base, i));
+    }
+    if (!vm.paging && vm.handles[slot].pages != 1) {
+      breach(fmt::format("expandable segment {:#x}: page {} has a multi-page handle", seg.base, i));
+    }
+  }
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+    const std::size_t first = (b->ptr - seg.base) / page;
+    const std::size_t end = (b->ptr - seg.base + b->size + page - 1) / page;
+    if (!b->mapped) {
+      if ((b->ptr - seg.base) % page != 0 || b->size % page != 0) {
+        breach(fmt::format("unmapped block at {:#x} ({} bytes) is not page-aligned", b->ptr,
+                           b->size));
+      }
+      if (b->allocated || b->event_count != 0 || !b->stream_uses.empty()) {
+        breach(fmt::format("unmapped block at {:#x} is in use", b->ptr));
+      }
+      if (b->next != nullptr && !b->next->mapped) {
+        breach(fmt::format("unmapped blocks at {:#x} and {:#x} are neighbours but not merged",
+                           b->ptr, b->next->ptr));
+      }
+      if (b->pool->unmapped.count(const_cast<Block*>(b)) != 1) {
+        breach(fmt::format("unmapped block at {:#x} is missing from its pool", b->ptr));
+      }
+    }
+    if (b->mapped && end > vm.page_handle.size()) {
+      breach(fmt::format("block at {:#x} reaches past the last mapped page", b->ptr));
+    }
+    for (std::size_t i = first; i < std::min(end, std::max(first, vm.page_handle.size())); ++i) {
+      if (b->mapped && vm.at(i) == detail::VmState::kNone) {
+        breach(fmt::format("block at {:#x} covers page {} which has no memory", b->ptr, i));
+      }
+      if (!b->mapped && vm.at(i) != detail::VmState::kNone) {
+        breach(fmt::format("unmapped block at {:#x} covers page {} which has memory", b->ptr, i));
+      }
+    }
+  }
+}
+
 void CachingAllocator::Impl::validate() const {
   std::lock_guard lock(mutex_);
   std::array<std::int64_t, kStatTypes> allocation{}, segment{}, active{}, inactive_split{},
@@ -37,6 +91,9 @@ void CachingAllocator::Impl::validate() const {
   std::size_t free_blocks = 0;
   std::size_t allocated_blocks = 0;
   std::size_t reserved = 0;
+  std::size_t unmapped_blocks = 0;
+  std::size_t lent_listed = 0;
+  std::size_t lent_found = 0;
   std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
   for (const auto& [id, pool] : private_pools_) {
     known_pools.insert(&pool->large);
@@ -57,13 +114,48 @@ void CachingAllocator::Impl::validate() const {
       breach(fmt::format("segment {:#x}: head block is missing or not at the base", base));
     }
     const std::size_t t = stat_index(*seg->pool);
-    segment[0] += 1;
-    segment[t] += 1;
-    reserved_bytes[0] += static_cast<std::int64_t>(seg->size);
-    reserved_bytes[t] += static_cast<std::int64_t>(seg->size);
-    reserved += seg->size;
-    if (seg->size >= config_.max_split_size) ++oversize_segments;
-    const bool split = head->next != nullptr;
+    const detail::VmState* vm = seg->vm.get();
+    if (vm == nullptr) {
+      segment[0] += 1;
+      segment[t] += 1;
+      reserved_bytes[0] += static_cast<std::int64_t>(seg->size);
+      reserved_bytes[t] += static_cast<std::int64_t>(seg->size);
+      reserved += seg->size;
+      if (seg->size >= config_.max_split_size) ++oversize_segments;
+    } else if (vm->stitched) {
+      std::size_t bytes = 0;
+      for (const auto& pc : vm->pieces) {
+        if (pc.va != seg->base + bytes) {
+          breach(fmt::format("stitched segment {:#x}: pieces do not tile it", seg->base));
+        }
+        bytes += pc.bytes;
+        if (pc.fresh) {
+          reserved_bytes[0] += static_cast<std::int64_t>(pc.bytes);
+          reserved_bytes[t] += static_cast<std::int64_t>(pc.bytes);
+          reserved += pc.bytes;
+        }
+      }
+      if (bytes != seg->size || head->next != nullptr || head->size != seg->size || !head->mapped) {
+        breach(fmt::format("stitched segment {:#x} is not one mapped block over its pieces",
+                           seg->base));
+      }
+      for (const Block* l : vm->lent) {
+        if (!l->lent || !l->mapped) {
+          breach(fmt::format("stitched segment {:#x} lists a block at {:#x} that is not lent",
+                             seg->base, l->ptr));
+        }
+        ++lent_listed;
+      }
+    } else {
+      validate_vm_segment(*seg);
+      for (std::uint32_t h : vm->page_handle) {
+        if (h == detail::VmState::kNone) continue;
+        reserved_bytes[0] += static_cast<std::int64_t>(vm->page);
+        reserved_bytes[t] += static_cast<std::int64_t>(vm->page);
+        reserved += vm->page;
+      }
+    }
+    const bool split = head->next != nullptr && vm == nullptr;
     std::size_t covered = 0;
     DevicePtr cursor = base;
     for (const Block* b = head; b != nullptr; b = b->next) {
@@ -89,6 +181,18 @@ void CachingAllocator::Impl::validate() const {
       if (b->is_free() != in_pool) {
         breach(fmt::format("block at {:#x} ({}) is {}in its pool", b->ptr,
                            b->is_free() ? "free" : "in use", in_pool ? "" : "not "));
+      }
+      if (b->lent) {
+        ++lent_found;
+        covered += b->size;
+        cursor += b->size;
+        continue;
+      }
+      if (!b->mapped) {
+        ++unmapped_blocks;
+        covered += b->size;
+        cursor += b->size;
+        continue;
       }
       if (b->is_free()) {
         ++free_blocks;
@@ -131,7 +235,19 @@ void CachingAllocator::Impl::validate() const {
   }
 
   std::size_t pooled = 0;
-  for (const BlockPool* pool : known_pools) pooled += pool->blocks.size();
+  std::size_t unmapped_pooled = 0;
+  for (const BlockPool* pool : known_pools) {
+    pooled += pool->blocks.size();
+    unmapped_pooled += pool->unmapped.size();
+  }
+  if (lent_listed != lent_found) {
+    breach(fmt::format("{} lent blocks found but stitched segments list {}", lent_found,
+                       lent_listed));
+  }
+  if (unmapped_pooled != unmapped_blocks) {
+    breach(fmt::format("pools list {} unmapped blocks but segments have {}", unmapped_pooled,
+                       unmapped_blocks));
+  }
   if (pooled != free_blocks) {
     breach(
         fmt::format("pools hold {} blocks but segments have {} free blocks", pooled, free_blocks));

@@ -2,11 +2,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 
@@ -83,13 +85,15 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   std::uint64_t op_index = 0;
   std::uint64_t reserved = 0;
   allocator.attach_trace_tracker([&](const TraceEntry& e) {
-    if (e.action == TraceEntry::Action::segment_alloc) {
+    if (e.action == TraceEntry::Action::segment_alloc ||
+        e.action == TraceEntry::Action::segment_map) {
       reserved += e.size;
       if (reserved > result.peak_reserved_bytes) {
         result.peak_reserved_bytes = reserved;
         result.peak_reserved_op = op_index;
       }
-    } else if (e.action == TraceEntry::Action::segment_free) {
+    } else if (e.action == TraceEntry::Action::segment_free ||
+               e.action == TraceEntry::Action::segment_unmap) {
       reserved -= e.size;
     }
   });
@@ -98,7 +102,8 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   const auto start = std::chrono::steady_clock::now();
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
-      case ReplayOp::Kind::alloc: try { pointers[op.id] = allocator.allocate(op.size, op.stream);
+      case ReplayOp::Kind::alloc: ++result.allocations; try {
+          pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
           if (result.first_oom.empty()) {
             result.first_oom = fmt::format("op {}: {}", op_index, e.what());
@@ -129,7 +134,63 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   result.num_alloc_retries = s.num_alloc_retries;
   result.num_ooms = s.num_ooms;
   result.device_call_seconds = device.estimated_ns() / 1e9;
+  for (CallKind kind : kMemoryCallKinds) result.device_calls += device.calls(kind);
   return result;
+}
+
+namespace {
+
+// The smallest multiple of `step` in (lo, hi] for which fits() holds, given
+// fits(hi); assumes fits is monotone, which bisection needs.
+std::uint64_t bisect(std::uint64_t lo, std::uint64_t hi, std::uint64_t step,
+                     const std::function<bool(std::uint64_t)>& fits) {
+  while (hi - lo > step) {
+    const std::uint64_t mid = lo + (hi - lo) / step / 2 * step;
+    if (fits(mid)) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return hi;
+}
+
+}  // namespace
+
+MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
+                               const std::string& config_text, const ReplayOptions& options) {
+  constexpr std::uint64_t kStep = std::uint64_t{2} << 20;  // the device granularity
+  MinCapacityResult out;
+  ReplayOptions probe = options;
+  probe.validate_each_step = false;
+  auto fits = [&](std::uint64_t capacity) {
+    probe.capacity = capacity;
+    ++out.replays;
+    return replay(program, config, config_text, probe).num_ooms == 0;
+  };
+  // An upper bound: the peak reserved with no limit, or twice it if the
+  // retry ladder somehow needs more, doubling until the trace fits.
+  ReplayOptions unlimited = options;
+  unlimited.capacity.reset();
+  unlimited.validate_each_step = false;
+  const ReplayResult free_run = replay(program, config, config_text, unlimited);
+  ++out.replays;
+  std::uint64_t hi = (free_run.peak_reserved_bytes + kStep - 1) / kStep * kStep;
+  hi = std::max(hi, kStep);
+  constexpr std::uint64_t kLimit = std::uint64_t{1} << 50;
+  while (!fits(hi)) {
+    if (hi >= kLimit) {
+      throw TraceError(fmt::format("{}: no capacity up to {} runs without running out of memory",
+                                   program.name, format_size(kLimit)));
+    }
+    hi *= 2;
+  }
+  if (free_run.peak_requested_bytes == 0) return out;  // nothing to hold
+  // Capacities below the peak of requested bytes cannot fit: start below it.
+  const std::uint64_t below = free_run.peak_requested_bytes / kStep * kStep;
+  const std::uint64_t lo = below >= kStep ? below - kStep : 0;
+  out.bytes = lo + kStep >= hi ? hi : bisect(lo, hi, kStep, fits);
+  return out;
 }
 
 }  // namespace reservoir

@@ -1,0 +1,729 @@
+// Virtual-memory segments: PyTorch's expandable segments, and reservoir's
+// paging policy built on the same structure.
+//
+// A VM segment is one address reservation per (stream, pool), sized from the
+// device's capacity (1 1/8 of it, as PyTorch). Its blocks tile the
+// reservation; address space without memory behind it is an unmapped block
+// kept in pool.unmapped. Memory is mapped in pages below a free run at the
+// lowest address that fits, and only whole free pages are unmapped, after
+// synchronizing the segment's stream.
+//
+// expandable (PyTorch's): pages of 2 MiB (small pool) or 20 MiB (large pool),
+//   one physical handle per page; the candidate is the lowest-address
+//   unmapped range (with the cached block before it) that has room.
+// paging (reservoir's): pages of the device granularity in both pools; the
+//   pages mapped together for one request share one physical handle (one
+//   create, one map, one set_access however many pages), and a handle is
+//   released only when all its pages are free; the candidate is the one that
+//   needs the fewest new pages. Cached pages stay mapped (no unmapping on
+//   free), so a loop that reuses its memory makes no device calls at all.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::Segment;
+using detail::VmState;
+
+Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
+  const bool paging = vm_mode_ == VmMode::paging;
+  const std::size_t granularity = std::max<std::size_t>(device_.granularity(), 1);
+  std::size_t page = paging ? granularity : (p.pool->is_small ? kSmallBuffer : kLargeBuffer);
+  page = (page + granularity - 1) / granularity * granularity;
+  MemoryInfo info;
+  const Status info_status = device_.memory_info(&info);
+  if (info_status != Status::ok) {
+    throw DeviceError(CallKind::memory_info, info_status, "sizing a virtual-memory segment");
+  }
+  // 1 1/8 of the device, as PyTorch: room to map pages beyond a hole.
+  const std::size_t space = info.total + info.total / 8;
+  const std::size_t pages = std::max<std::size_t>((space + page - 1) / page, 1);
+  DevicePtr va = 0;
+  const Status status = device_.reserve(pages * page, 0, &va);
+  if (status == Status::out_of_memory) return nullptr;
+  if (status != Status::ok) {
+    throw DeviceError(CallKind::reserve, status,
+                      fmt::format("reserving {} bytes of address space", pages * page));
+  }
+  auto seg = std::make_unique<Segment>();
+  seg->base = va;
+  seg->size = pages * page;
+  seg->stream = p.stream;
+  seg->pool = p.pool;
+  seg->vm = std::make_unique<VmState>();
+  seg->vm->paging = paging;
+  seg->vm->page = page;
+  seg->vm->pages = pages;
+  Block* b = arena_.make();
+  b->ptr = va;
+  b->size = seg->size;
+  b->stream = p.stream;
+  b->pool = p.pool;
+  b->segment = seg.get();
+  b->mapped = false;
+  seg->head = b;
+  p.pool->unmapped.insert(b);
+  segments_.emplace(va, std::move(seg));
+  return b;
+}
+
+Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
+  BlockPool& pool = *p.pool;
+  // Bytes of unmapped space among the first p.size available bytes from b,
+  // or max when the run is too short.
+  constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
+  auto new_bytes = [&](const Block* b) {
+    std::size_t bytes = 0;
+    std::size_t unmapped = 0;
+    while (bytes < p.size && b != nullptr && b->is_available()) {
+      if (!b->mapped) unmapped += std::min(b->size, p.size - bytes);
+      bytes += b->size;
+      b = b->next;
+    }
+    return bytes >= p.size ? unmapped : kNoRoom;
+  };
+  Block key;
+  key.stream = p.stream;
+  Block* best = nullptr;
+  std::size_t best_new = kNoRoom;
+  for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == p.stream;
+       ++it) {
+    Block* c = *it;
+    if (c->segment->vm->paging != (vm_mode_ == VmMode::paging)) continue;
+    // The cached block right before the unmapped range can be used too.
+    if (c->prev != nullptr && c->prev->is_available()) c = c->prev;
+    const std::size_t need = new_bytes(c);
+    if (need == kNoRoom) continue;
+    if (vm_mode_ == VmMode::expandable) return c;  // PyTorch: the lowest address that fits
+    if (need < best_new) {
+      best = c;
+      best_new = need;
+    }
+  }
+  if (best != nullptr) return best;
+  return new_vm_segment(p);
+}
+
+bool CachingAllocator::Impl::alloc_vm_block(AllocParams& p) {
+  if (try_alloc_vm_block(p)) return true;
+  if (vm_mode_ != VmMode::paging) return false;
+  // Paging under pressure: give back just enough whole free handles (largest
+  // first) elsewhere, then try once more; the retry ladder follows if not.
+  Block* candidate = find_vm_candidate(p);
+  if (candidate == nullptr) return false;
+  std::size_t need = 0;
+  for (const Block* b = candidate; b != nullptr && need < p.size; b = b->next) {
+    if (!b->mapped) need += b->size;
+    if (b->ptr + b->size >= candidate->ptr + p.size) break;
+  }
+  if (release_free_handles(p.stream, need, candidate) && try_alloc_vm_block(p)) return true;
+  // Still no contiguous run: stitch scattered free pages into a new range.
+  return stitch_block(p);
+}
+
+std::size_t CachingAllocator::Impl::map_ahead_bytes(const Block* to_map, std::size_t bytes) {
+  // Paging maps ahead of the request while memory is plentiful, so that a
+  // growing workload makes few, large mappings; near the limit it maps only
+  // what is asked. PyTorch's expandable segments never map ahead.
+  if (!to_map->segment->vm->paging) return bytes;
+  const std::size_t floor = to_map->pool->is_small ? kSmallBuffer : kLargeBuffer;
+  const std::size_t wanted =
+      std::clamp(total_reserved_ / 8, floor, std::size_t{1} << 30);
+  if (bytes >= wanted) return bytes;
+  MemoryInfo info;
+  if (device_.memory_info(&info) != Status::ok) return bytes;
+  std::size_t headroom = info.free;
+  if (set_fraction_) {
+    const std::size_t allowed = allowed_memory_maximum_ > total_reserved_
+                                    ? allowed_memory_maximum_ - total_reserved_
+                                    : 0;
+    headroom = std::min(headroom, allowed);
+  }
+  if (headroom <= bytes) return bytes;
+  const std::size_t extra = std::min(wanted - bytes, (headroom - bytes) / 8);
+  return std::min(to_map->size, bytes + extra);
+}
+
+bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p) {
+  Block* candidate = find_vm_candidate(p);
+  if (candidate == nullptr) return false;
+  // The candidate is one of: unmapped -> *, or cached -> unmapped -> *.
+  if (!candidate->mapped &&
+      !map_block(candidate, map_ahead_bytes(candidate, std::min(candidate->size, p.size)))) {
+    return false;
+  }
+  while (candidate->size < p.size) {
+    // cached -> unmapped -> *: map part of the unmapped block; it merges.
+    Block* next = candidate->next;
+    if (!map_block(next, map_ahead_bytes(next, std::min(p.size - candidate->size, next->size)))) {
+      return false;
+    }
+    candidate = next;
+  }
+  p.block = candidate;
+  p.block_in_pool = true;
+  return true;
+}
+
+bool CachingAllocator::Impl::release_free_handles(StreamId stream, std::size_t bytes,
+                                                  const Block* keep) {
+  // Whole handles inside cached blocks of paging segments, outside `keep`.
+  struct Victim {
+    Segment* seg;
+    std::size_t first;
+    std::size_t end;
+  };
+  // Cached stitched blocks give their pages back first.
+  std::vector<Block*> stitched;
+  for (auto& [base, seg] : segments_) {
+    if (seg->vm && seg->vm->stitched && seg->head->is_free()) stitched.push_back(seg->head);
+  }
+  for (Block* b : stitched) dissolve_stitched(b);
+  std::vector<Victim> victims;
+  for (auto& [base, seg] : segments_) {
+    if (!seg->vm || !seg->vm->paging || seg->vm->stitched) continue;
+    const VmState& vm = *seg->vm;
+    for (Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->is_free() || b == keep) continue;
+      const std::size_t off = b->ptr - seg->base;
+      std::size_t i = (off + vm.page - 1) / vm.page;
+      const std::size_t end = (off + b->size) / vm.page;
+      while (i < end) {
+        const auto& h = vm.handles[vm.at(i)];
+        if (h.first_page >= i && h.first_page + h.pages <= end) {
+          victims.push_back({seg.get(), h.first_page, h.first_page + h.pages});
+        }
+        i = h.first_page + h.pages;
+      }
+    }
+  }
+  (void)stream;
+  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+    return a.end - a.first > b.end - b.first;
+  });
+  // Unmapping one handle may split its block: find the block again by address.
+  std::size_t released = 0;
+  for (const Victim& v : victims) {
+    if (released >= bytes) break;
+    Segment& seg = *v.seg;
+    const DevicePtr at = seg.base + v.first * seg.vm->page;
+    Block* b = seg.head;
+    while (b != nullptr && b->ptr + b->size <= at) b = b->next;
+    if (b == nullptr || !b->is_free()) continue;
+    unmap_pages(b, v.first, v.end);
+    released += (v.end - v.first) * seg.vm->page;
+  }
+  return released > 0;
+}
+
+bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
+  Segment& seg = *to_map->segment;
+  VmState& vm = *seg.vm;
+  BlockPool& pool = *to_map->pool;
+  const std::size_t page = vm.page;
+  const std::size_t first = (to_map->ptr - seg.base) / page;
+  const std::size_t end = (to_map->ptr - seg.base + bytes + page - 1) / page;
+  const std::size_t mapped_bytes = (end - first) * page;
+  const DevicePtr va = seg.base + first * page;
+  if (vm.paging && set_fraction_ && total_reserved_ + mapped_bytes > allowed_memory_maximum_) {
+    return false;
+  }
+  const std::size_t pages_per_handle = vm.paging ? end - first : 1;
+  const std::size_t handle_bytes = pages_per_handle * page;
+  const std::size_t count = (end - first) / pages_per_handle;
+
+  // Undo: unmap what was mapped, release what was created. Failures here are
+  // kept for a later release attempt rather than hidden.
+  std::vector<PhysicalHandle> created;
+  created.reserve(count);
+  std::size_t mapped_count = 0;
+  auto undo = [&]() noexcept {
+    for (std::size_t k = 0; k < mapped_count; ++k) {
+      (void)device_.unmap(va + k * handle_bytes, handle_bytes);
+    }
+    for (PhysicalHandle h : created) {
+      if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    }
+  };
+  for (std::size_t k = 0; k < count; ++k) {
+    PhysicalHandle h = 0;
+    const Status st = device_.create_physical(handle_bytes, &h);
+    if (st != Status::ok) {
+      undo();
+      if (st == Status::out_of_memory) return false;
+      throw DeviceError(CallKind::create_physical, st,
+                        fmt::format("creating {} bytes of physical memory for {:#x}", handle_bytes,
+                                    va + k * handle_bytes));
+    }
+    created.push_back(h);
+  }
+  for (std::size_t k = 0; k < count; ++k) {
+    const Status st = device_.map(va + k * handle_bytes, handle_bytes, created[k], 0);
+    if (st != Status::ok) {
+      undo();
+      throw DeviceError(CallKind::map, st,
+                        fmt::format("mapping {} bytes at {:#x}", handle_bytes, va + k * handle_bytes));
+    }
+    ++mapped_count;
+  }
+  const Status access = device_.set_access(va, mapped_bytes);
+  if (access != Status::ok) {
+    undo();
+    throw DeviceError(CallKind::set_access, access,
+                      fmt::format("setting access to {} bytes at {:#x}", mapped_bytes, va));
+  }
+  for (std::size_t k = 0; k < count; ++k) {
+    vm.add(created[k], first + k * pages_per_handle, pages_per_handle);
+  }
+
+  pool.unmapped.erase(to_map);
+  to_map->mapped = true;
+  if (mapped_bytes < to_map->size) {
+    // to_map -> remaining (still unmapped) -> next
+    Block* remaining = arena_.make();
+    remaining->ptr = to_map->ptr + mapped_bytes;
+    remaining->size = to_map->size - mapped_bytes;
+    remaining->stream = to_map->stream;
+    remaining->pool = &pool;
+    remaining->segment = &seg;
+    remaining->mapped = false;
+    remaining->prev = to_map;
+    remaining->next = to_map->next;
+    if (to_map->next != nullptr) to_map->next->prev = remaining;
+    to_map->next = remaining;
+    to_map->size = mapped_bytes;
+    pool.unmapped.insert(remaining);
+  }
+  // Merge with cached neighbours (they leave the pool; to_map enters it).
+  if (Block* prev = to_map->prev; prev != nullptr && prev->is_free()) {
+    pool.erase(prev);
+    to_map->ptr = prev->ptr;
+    to_map->size += prev->size;
+    to_map->prev = prev->prev;
+    if (to_map->prev != nullptr) {
+      to_map->prev->next = to_map;
+    } else {
+      seg.head = to_map;
+    }
+    arena_.recycle(prev);
+  }
+  if (Block* next = to_map->next; next != nullptr && next->is_free()) {
+    pool.erase(next);
+    to_map->size += next->size;
+    to_map->next = next->next;
+    if (to_map->next != nullptr) to_map->next->prev = to_map;
+    arena_.recycle(next);
+  }
+  pool.insert(to_map);
+
+  total_reserved_ += mapped_bytes;
+  for_types(pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(mapped_bytes); });
+  ++stats_.num_device_alloc;
+  trace(TraceEntry::Action::segment_map, va, mapped_bytes, seg.stream);
+  return true;
+}
+
+void CachingAllocator::Impl::merge_unmapped(Block* dst, Block* src) {
+  if (src == nullptr || src->mapped) return;
+  BlockPool& pool = *dst->pool;
+  pool.unmapped.erase(src);
+  if (dst->prev == src) {
+    dst->ptr = src->ptr;
+    dst->prev = src->prev;
+    if (dst->prev != nullptr) {
+      dst->prev->next = dst;
+    } else {
+      dst->segment->head = dst;
+    }
+  } else {
+    dst->next = src->next;
+    if (dst->next != nullptr) dst->next->prev = dst;
+  }
+  dst->size += src->size;
+  arena_.recycle(src);
+}
+
+void CachingAllocator::Impl::unmap_block(Block* block) {
+  if (block->segment->vm->stitched) {
+    dissolve_stitched(block);
+    return;
+  }
+  Segment& seg = *block->segment;
+  VmState& vm = *seg.vm;
+  const std::size_t page = vm.page;
+  const std::size_t offset = block->ptr - seg.base;
+  std::size_t first = (offset + page - 1) / page;
+  std::size_t end = (offset + block->size) / page;
+  // Whole handles only: a handle shared with a neighbour stays.
+  while (first < end && vm.handles[vm.at(first)].first_page < first) {
+    const auto& h = vm.handles[vm.at(first)];
+    first = h.first_page + h.pages;
+  }
+  while (end > first) {
+    const auto& h = vm.handles[vm.at(end - 1)];
+    if (h.first_page + h.pages <= end) break;
+    end = h.first_page;
+  }
+  if (first >= end) return;
+  unmap_pages(block, first, end);
+}
+
+void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::size_t end) {
+  Segment& seg = *block->segment;
+  VmState& vm = *seg.vm;
+  const std::size_t page = vm.page;
+  const Status sync = device_.synchronize_stream(seg.stream);
+  if (sync != Status::ok) {
+    throw DeviceError(CallKind::synchronize_stream, sync,
+                      fmt::format("synchronizing stream {} before unmapping at {:#x}", seg.stream,
+                                  seg.base + first * page));
+  }
+  // Unmap handle by handle; a failure stops the walk, and the pages already
+  // unmapped are accounted before the error is raised.
+  Status failed = Status::ok;
+  CallKind failed_call = CallKind::unmap;
+  std::size_t done = first;
+  while (done < end) {
+    const std::uint32_t slot = vm.at(done);
+    const VmState::Handle h = vm.handles[slot];
+    const Status st = device_.unmap(seg.base + h.first_page * page, h.pages * page);
+    if (st != Status::ok) {
+      failed = st;
+      break;
+    }
+    vm.remove(slot);
+    done = h.first_page + h.pages;
+    const Status rel = device_.release_physical(h.handle);
+    if (rel != Status::ok) {
+      unreleased_.push_back(h.handle);
+      failed = rel;
+      failed_call = CallKind::release_physical;
+      break;
+    }
+  }
+  if (done > first) {
+    const DevicePtr uptr = seg.base + first * page;
+    const std::size_t usize = (done - first) * page;
+    BlockPool& pool = *block->pool;
+    block = carve(block, uptr, usize);
+    block->mapped = false;
+    merge_unmapped(block, block->prev);
+    merge_unmapped(block, block->next);
+    pool.unmapped.insert(block);
+    total_reserved_ -= usize;
+    for_types(pool, [&](std::size_t t) { stats_.reserved_bytes[t].decrease(usize); });
+    ++stats_.num_device_free;
+    trace(TraceEntry::Action::segment_unmap, uptr, usize, seg.stream);
+  }
+  if (failed != Status::ok) {
+    throw DeviceError(failed_call, failed,
+                      fmt::format("unmapping the free pages of the block at {:#x}", block->ptr));
+  }
+}
+
+Block* CachingAllocator::Impl::carve(Block* block, DevicePtr start, std::size_t bytes) {
+  BlockPool& pool = *block->pool;
+  Segment& seg = *block->segment;
+  pool.erase(block);
+  const std::size_t before = start - block->ptr;
+  const std::size_t after = block->size - before - bytes;
+  if (before > 0) {
+    Block* b = arena_.make();
+    b->ptr = block->ptr;
+    b->size = before;
+    b->stream = block->stream;
+    b->pool = &pool;
+    b->segment = &seg;
+    b->prev = block->prev;
+    b->next = block;
+    if (b->prev != nullptr) {
+      b->prev->next = b;
+    } else {
+      seg.head = b;
+    }
+    block->prev = b;
+    pool.insert(b);
+  }
+  if (after > 0) {
+    Block* b = arena_.make();
+    b->ptr = start + bytes;
+    b->size = after;
+    b->stream = block->stream;
+    b->pool = &pool;
+    b->segment = &seg;
+    b->prev = block;
+    b->next = block->next;
+    if (b->next != nullptr) b->next->prev = b;
+    block->next = b;
+    pool.insert(b);
+  }
+  block->ptr = start;
+  block->size = bytes;
+  return block;
+}
+
+void CachingAllocator::Impl::recache(Block* b) {
+  BlockPool& pool = *b->pool;
+  if (Block* prev = b->prev; prev != nullptr && prev->is_free()) {
+    pool.erase(prev);
+    b->ptr = prev->ptr;
+    b->size += prev->size;
+    b->prev = prev->prev;
+    if (b->prev != nullptr) {
+      b->prev->next = b;
+    } else {
+      b->segment->head = b;
+    }
+    arena_.recycle(prev);
+  }
+  if (Block* next = b->next; next != nullptr && next->is_free()) {
+    pool.erase(next);
+    b->size += next->size;
+    b->next = next->next;
+    if (b->next != nullptr) b->next->prev = b;
+    arena_.recycle(next);
+  }
+  pool.insert(b);
+}
+
+Block* CachingAllocator::Impl::block_at(Segment& seg, DevicePtr addr) {
+  Block* b = seg.head;
+  while (b != nullptr && b->ptr + b->size <= addr) b = b->next;
+  return b;
+}
+
+bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
+  const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
+  const std::size_t needed = (p.size + page - 1) / page;
+  // Whole free pages of this stream's paging segments, each span within one
+  // handle, in address order.
+  struct Span {
+    Segment* seg;
+    std::size_t first;
+    std::size_t end;
+  };
+  std::vector<Span> spans;
+  std::size_t have = 0;
+  std::vector<StreamId> other_streams;
+  // This stream's pages first; then other streams' pages, which are safe to
+  // reuse once their stream is synchronized.
+  for (int pass = 0; pass < 2 && have < needed; ++pass) {
+    for (auto& [base, segp] : segments_) {
+      Segment& seg = *segp;
+      if (have >= needed) break;
+      if (!seg.vm || !seg.vm->paging || seg.vm->stitched || seg.vm->page != page ||
+          (seg.stream == p.stream) != (pass == 0)) {
+        continue;
+      }
+      const VmState& vm = *seg.vm;
+      const std::size_t before = have;
+      for (Block* b = seg.head; b != nullptr && have < needed; b = b->next) {
+        if (!b->is_free()) continue;
+        const std::size_t off = b->ptr - seg.base;
+        std::size_t i = (off + page - 1) / page;
+        const std::size_t end = (off + b->size) / page;
+        while (i < end && have < needed) {
+          const auto& h = vm.handles[vm.at(i)];
+          const std::size_t e = std::min({end, h.first_page + h.pages, i + (needed - have)});
+          spans.push_back({&seg, i, e});
+          have += e - i;
+          i = e;
+        }
+      }
+      if (pass == 1 && have > before &&
+          std::find(other_streams.begin(), other_streams.end(), seg.stream) ==
+              other_streams.end()) {
+        other_streams.push_back(seg.stream);
+      }
+    }
+  }
+  if (spans.empty()) return false;
+  const std::size_t fresh_pages = needed - have;
+  if (set_fraction_ && total_reserved_ + fresh_pages * page > allowed_memory_maximum_) {
+    return false;
+  }
+  for (StreamId other : other_streams) {
+    const Status sync = device_.synchronize_stream(other);
+    if (sync != Status::ok) {
+      throw DeviceError(CallKind::synchronize_stream, sync,
+                        fmt::format("synchronizing stream {} to borrow its free pages", other));
+    }
+  }
+  const std::size_t bytes = needed * page;
+  DevicePtr va = 0;
+  const Status reserved = device_.reserve(bytes, 0, &va);
+  if (reserved == Status::out_of_memory) return false;
+  if (reserved != Status::ok) {
+    throw DeviceError(CallKind::reserve, reserved,
+                      fmt::format("reserving {} bytes to stitch free pages", bytes));
+  }
+  std::vector<VmState::Piece> pieces;
+  PhysicalHandle fresh = 0;
+  bool have_fresh = false;
+  auto undo = [&]() noexcept {
+    for (const VmState::Piece& pc : pieces) (void)device_.unmap(pc.va, pc.bytes);
+    if (have_fresh && device_.release_physical(fresh) != Status::ok) unreleased_.push_back(fresh);
+    (void)device_.unreserve(va, bytes);
+  };
+  std::size_t cursor = 0;
+  for (const Span& span : spans) {
+    const VmState& vm = *span.seg->vm;
+    const auto& h = vm.handles[vm.at(span.first)];
+    const VmState::Piece pc{va + cursor * page, (span.end - span.first) * page, h.handle,
+                            (span.first - h.first_page) * page, false};
+    const Status st = device_.map(pc.va, pc.bytes, pc.handle, pc.offset);
+    if (st != Status::ok) {
+      undo();
+      throw DeviceError(CallKind::map, st,
+                        fmt::format("stitching {} free bytes at {:#x}", pc.bytes, pc.va));
+    }
+    pieces.push_back(pc);
+    cursor += span.end - span.first;
+  }
+  if (fresh_pages > 0) {
+    const Status st = device_.create_physical(fresh_pages * page, &fresh);
+    if (st != Status::ok) {
+      undo();
+      if (st == Status::out_of_memory) return false;
+      throw DeviceError(CallKind::create_physical, st,
+                        fmt::format("creating {} bytes to complete a stitched range",
+                                    fresh_pages * page));
+    }
+    have_fresh = true;
+    const VmState::Piece pc{va + cursor * page, fresh_pages * page, fresh, 0, true};
+    const Status mapped = device_.map(pc.va, pc.bytes, fresh, 0);
+    if (mapped != Status::ok) {
+      undo();
+      throw DeviceError(CallKind::map, mapped,
+                        fmt::format("mapping {} fresh bytes at {:#x}", pc.bytes, pc.va));
+    }
+    pieces.push_back(pc);
+  }
+  const Status access = device_.set_access(va, bytes);
+  if (access != Status::ok) {
+    undo();
+    throw DeviceError(CallKind::set_access, access,
+                      fmt::format("setting access to a stitched range at {:#x}", va));
+  }
+
+  auto seg = std::make_unique<Segment>();
+  seg->base = va;
+  seg->size = bytes;
+  seg->stream = p.stream;
+  seg->pool = p.pool;
+  seg->vm = std::make_unique<VmState>();
+  seg->vm->paging = true;
+  seg->vm->stitched = true;
+  seg->vm->page = page;
+  seg->vm->pages = needed;
+  seg->vm->pieces = std::move(pieces);
+  for (const Span& span : spans) {
+    const DevicePtr start = span.seg->base + span.first * page;
+    Block* lender = carve(block_at(*span.seg, start), start, (span.end - span.first) * page);
+    lender->lent = true;
+    seg->vm->lent.push_back(lender);
+  }
+  Block* b = arena_.make();
+  b->ptr = va;
+  b->size = bytes;
+  b->stream = p.stream;
+  b->pool = p.pool;
+  b->segment = seg.get();
+  seg->head = b;
+  segments_.emplace(va, std::move(seg));
+  total_reserved_ += fresh_pages * page;
+  for_types(*p.pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(fresh_pages * page); });
+  ++stats_.num_device_alloc;
+  trace(TraceEntry::Action::segment_map, va, bytes, p.stream);
+  p.pool->insert(b);
+  p.block = b;
+  p.block_in_pool = true;
+  return true;
+}
+
+void CachingAllocator::Impl::dissolve_stitched(Block* block) {
+  Segment& seg = *block->segment;
+  VmState& vm = *seg.vm;
+  const Status sync = device_.synchronize_stream(seg.stream);
+  if (sync != Status::ok) {
+    throw DeviceError(CallKind::synchronize_stream, sync,
+                      fmt::format("synchronizing stream {} before unstitching {:#x}", seg.stream,
+                                  seg.base));
+  }
+  for (std::size_t k = 0; k < vm.pieces.size(); ++k) {
+    const VmState::Piece& pc = vm.pieces[k];
+    const Status st = device_.unmap(pc.va, pc.bytes);
+    if (st != Status::ok) {
+      // Put back what was unmapped so the stitched block stays whole.
+      for (std::size_t j = 0; j < k; ++j) {
+        const VmState::Piece& back = vm.pieces[j];
+        (void)device_.map(back.va, back.bytes, back.handle, back.offset);
+      }
+      if (k > 0) (void)device_.set_access(seg.base, seg.size);
+      throw DeviceError(CallKind::unmap, st,
+                        fmt::format("unmapping a stitched range at {:#x}", pc.va));
+    }
+  }
+  std::size_t fresh_bytes = 0;
+  for (const VmState::Piece& pc : vm.pieces) {
+    if (!pc.fresh) continue;
+    fresh_bytes += pc.bytes;
+    if (device_.release_physical(pc.handle) != Status::ok) unreleased_.push_back(pc.handle);
+  }
+  (void)device_.unreserve(seg.base, seg.size);
+  block->pool->erase(block);
+  for (Block* lender : vm.lent) {
+    lender->lent = false;
+    recache(lender);
+  }
+  total_reserved_ -= fresh_bytes;
+  for_types(*block->pool, [&](std::size_t t) { stats_.reserved_bytes[t].decrease(fresh_bytes); });
+  ++stats_.num_device_free;
+  trace(TraceEntry::Action::segment_unmap, seg.base, seg.size, seg.stream);
+  const DevicePtr base = seg.base;
+  arena_.recycle(block);
+  segments_.erase(base);
+}
+
+void CachingAllocator::Impl::release_vm_segment(Block* block) {
+  Segment& seg = *block->segment;
+  const Status st = device_.unreserve(seg.base, seg.size);
+  if (st != Status::ok) {
+    throw DeviceError(CallKind::unreserve, st,
+                      fmt::format("returning the address space at {:#x} ({} bytes)", seg.base,
+                                  seg.size));
+  }
+  block->pool->unmapped.erase(block);
+  const DevicePtr base = seg.base;
+  arena_.recycle(block);
+  segments_.erase(base);
+}
+
+void CachingAllocator::Impl::drop_vm_segment_locked(Segment& seg) noexcept {
+  VmState& vm = *seg.vm;
+  for (const VmState::Piece& pc : vm.pieces) {
+    (void)device_.unmap(pc.va, pc.bytes);
+    if (pc.fresh) (void)device_.release_physical(pc.handle);
+  }
+  for (std::size_t i = 0; i < vm.page_handle.size();) {
+    if (vm.at(i) == VmState::kNone) {
+      ++i;
+      continue;
+    }
+    const VmState::Handle h = vm.handles[vm.at(i)];
+    (void)device_.unmap(seg.base + h.first_page * vm.page, h.pages * vm.page);
+    (void)device_.release_physical(h.handle);
+    vm.remove(vm.at(i));
+    i = h.first_page + h.pages;
+  }
+  (void)device_.unreserve(seg.base, seg.size);
+}
+
+}  // namespace reservoir
