@@ -9,6 +9,7 @@ TRACES := $(wildcard examples/traces/*.trace)
 SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
+POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
 .PHONY: deps build run test asan tsan fuzz bench clean
 
@@ -26,6 +27,7 @@ build: deps
 
 run: build
 	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
+	$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
 	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
 
 test: build

@@ -129,6 +129,8 @@ class CachingAllocator::Impl {
   // stream's segments (plus fresh memory for the rest).
   bool stitch_block(AllocParams& p);
   void dissolve_stitched(detail::Block* block);
+  void dissolve_cached_stitched();
+  void retry_stuck() noexcept;
   // Splits [start, start + bytes) out of a cached block, which leaves the pool;
   // the pieces before and after stay cached. Returns the middle block.
   detail::Block* carve(detail::Block* block, DevicePtr start, std::size_t bytes);
@@ -166,7 +168,12 @@ class CachingAllocator::Impl {
   std::vector<EventId> idle_events_;
   std::size_t total_reserved_ = 0;
   VmMode vm_mode_ = VmMode::none;
-  std::vector<PhysicalHandle> unreleased_;  // unmapped handles whose release failed
+  // Undo steps that failed themselves, retried on each release pass and at
+  // destruction: handles whose release failed, mappings that would not go,
+  // and address space that could not be returned.
+  std::vector<PhysicalHandle> unreleased_;
+  std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_;
+  std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_;
   std::size_t allowed_memory_maximum_ = 0;
   bool set_fraction_ = false;
   bool max_split_changed_ = false;  // oversize stats are not recountable after a change

@@ -91,6 +91,7 @@ CachingAllocator::Impl::~Impl() {
     for (PendingEvent& e : queue) (void)device_.destroy_event(e.event);
   }
   for (EventId e : idle_events_) (void)device_.destroy_event(e);
+  retry_stuck();  // stuck mappings go before their address space
   for (auto& [base, segment] : segments_) {
     if (segment->vm) {
       drop_vm_segment_locked(*segment);
@@ -98,7 +99,7 @@ CachingAllocator::Impl::~Impl() {
       (void)device_.free_segment(base);
     }
   }
-  for (PhysicalHandle h : unreleased_) (void)device_.release_physical(h);
+  retry_stuck();
 }
 
 void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) const {
@@ -571,6 +572,8 @@ bool CachingAllocator::Impl::release_available_cached_blocks(const AllocParams& 
 
 bool CachingAllocator::Impl::release_cached_blocks() {
   synchronize_and_free_events();
+  dissolve_cached_stitched();  // lent pages return first, so whole handles can go
+  retry_stuck();
   release_blocks(large_);
   release_blocks(small_);
   for (auto it = freeable_pools_.begin(); it != freeable_pools_.end();) {

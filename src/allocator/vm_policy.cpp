@@ -180,12 +180,7 @@ bool CachingAllocator::Impl::release_free_handles(StreamId stream, std::size_t b
     std::size_t first;
     std::size_t end;
   };
-  // Cached stitched blocks give their pages back first.
-  std::vector<Block*> stitched;
-  for (auto& [base, seg] : segments_) {
-    if (seg->vm && seg->vm->stitched && seg->head->is_free()) stitched.push_back(seg->head);
-  }
-  for (Block* b : stitched) dissolve_stitched(b);
+  dissolve_cached_stitched();  // their pages go back to the lenders first
   std::vector<Victim> victims;
   for (auto& [base, seg] : segments_) {
     if (!seg->vm || !seg->vm->paging || seg->vm->stitched) continue;
@@ -246,7 +241,9 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   std::size_t mapped_count = 0;
   auto undo = [&]() noexcept {
     for (std::size_t k = 0; k < mapped_count; ++k) {
-      (void)device_.unmap(va + k * handle_bytes, handle_bytes);
+      if (device_.unmap(va + k * handle_bytes, handle_bytes) != Status::ok) {
+        stuck_mappings_.emplace_back(va + k * handle_bytes, handle_bytes);
+      }
     }
     for (PhysicalHandle h : created) {
       if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
@@ -568,10 +565,30 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   PhysicalHandle fresh = 0;
   bool have_fresh = false;
   auto undo = [&]() noexcept {
-    for (const VmState::Piece& pc : pieces) (void)device_.unmap(pc.va, pc.bytes);
+    bool clean = true;
+    for (const VmState::Piece& pc : pieces) {
+      if (device_.unmap(pc.va, pc.bytes) != Status::ok) {
+        stuck_mappings_.emplace_back(pc.va, pc.bytes);
+        clean = false;
+      }
+    }
     if (have_fresh && device_.release_physical(fresh) != Status::ok) unreleased_.push_back(fresh);
-    (void)device_.unreserve(va, bytes);
+    if (!clean || device_.unreserve(va, bytes) != Status::ok) {
+      stuck_reservations_.emplace_back(va, bytes);
+    }
   };
+  // Fresh memory first: running out of it must not need any unmapping.
+  if (fresh_pages > 0) {
+    const Status st = device_.create_physical(fresh_pages * page, &fresh);
+    if (st != Status::ok) {
+      undo();
+      if (st == Status::out_of_memory) return false;
+      throw DeviceError(CallKind::create_physical, st,
+                        fmt::format("creating {} bytes to complete a stitched range",
+                                    fresh_pages * page));
+    }
+    have_fresh = true;
+  }
   std::size_t cursor = 0;
   for (const Span& span : spans) {
     const VmState& vm = *span.seg->vm;
@@ -588,15 +605,6 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
     cursor += span.end - span.first;
   }
   if (fresh_pages > 0) {
-    const Status st = device_.create_physical(fresh_pages * page, &fresh);
-    if (st != Status::ok) {
-      undo();
-      if (st == Status::out_of_memory) return false;
-      throw DeviceError(CallKind::create_physical, st,
-                        fmt::format("creating {} bytes to complete a stitched range",
-                                    fresh_pages * page));
-    }
-    have_fresh = true;
     const VmState::Piece pc{va + cursor * page, fresh_pages * page, fresh, 0, true};
     const Status mapped = device_.map(pc.va, pc.bytes, fresh, 0);
     if (mapped != Status::ok) {
@@ -648,6 +656,29 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   return true;
 }
 
+void CachingAllocator::Impl::retry_stuck() noexcept {
+  // Unmappings, then address space, then handles: each needs the one before.
+  for (auto it = stuck_mappings_.begin(); it != stuck_mappings_.end();) {
+    it = device_.unmap(it->first, it->second) == Status::ok ? stuck_mappings_.erase(it)
+                                                             : std::next(it);
+  }
+  for (auto it = stuck_reservations_.begin(); it != stuck_reservations_.end();) {
+    it = device_.unreserve(it->first, it->second) == Status::ok ? stuck_reservations_.erase(it)
+                                                                 : std::next(it);
+  }
+  for (auto it = unreleased_.begin(); it != unreleased_.end();) {
+    it = device_.release_physical(*it) == Status::ok ? unreleased_.erase(it) : std::next(it);
+  }
+}
+
+void CachingAllocator::Impl::dissolve_cached_stitched() {
+  std::vector<Block*> stitched;
+  for (auto& [base, seg] : segments_) {
+    if (seg->vm && seg->vm->stitched && seg->head->is_free()) stitched.push_back(seg->head);
+  }
+  for (Block* b : stitched) dissolve_stitched(b);
+}
+
 void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   Segment& seg = *block->segment;
   VmState& vm = *seg.vm;
@@ -677,7 +708,9 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
     fresh_bytes += pc.bytes;
     if (device_.release_physical(pc.handle) != Status::ok) unreleased_.push_back(pc.handle);
   }
-  (void)device_.unreserve(seg.base, seg.size);
+  if (device_.unreserve(seg.base, seg.size) != Status::ok) {
+    stuck_reservations_.emplace_back(seg.base, seg.size);
+  }
   block->pool->erase(block);
   for (Block* lender : vm.lent) {
     lender->lent = false;

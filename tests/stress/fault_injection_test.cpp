@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <tuple>
 
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/errors.hpp"
@@ -106,6 +107,53 @@ INSTANTIATE_TEST_SUITE_P(DeviceCalls, FaultAt,
                                            CallKind::create_event, CallKind::record_event,
                                            CallKind::query_event, CallKind::synchronize_event),
                          [](const auto& info) { return std::string(to_string(info.param)); });
+
+// The virtual-memory policies: every call kind they use fails at positions
+// spread over the workload (tight capacity, so pages are released, handles
+// returned and, under paging, free pages stitched).
+class VmFaultAt : public ::testing::TestWithParam<std::tuple<const char*, CallKind>> {};
+
+TEST_P(VmFaultAt, EveryPositionLeavesTheAllocatorConsistent) {
+  const auto [config_text, kind] = GetParam();
+  const AllocatorConfig config = AllocatorConfig::parse(config_text);
+  auto run = [&](std::uint64_t fail_at) {
+    SimDeviceOptions o;
+    o.capacity = 300 * kMiB;
+    SimDevice device(o);
+    std::uint64_t calls = 0;
+    {
+      CachingAllocator allocator(device, config);
+      if (fail_at > 0) device.fail_nth(kind, fail_at, Status::device_error);
+      (void)workload(device, allocator);
+      calls = device.calls(kind);  // made by the workload itself
+      if (fail_at > 0) {
+        EXPECT_EQ(device.failures(kind), 1u) << "n=" << fail_at;
+      }
+      check_no_leak(device, allocator);
+      EXPECT_EQ(device.live_physical(), 0u);
+    }
+    // Destroying the allocator returns its address space too.
+    EXPECT_EQ(device.live_reservations(), 0u);
+    EXPECT_EQ(device.live_physical(), 0u);
+    return calls;
+  };
+  const std::uint64_t total = run(0);
+  ASSERT_GT(total, 0u) << "the workload never calls " << to_string(kind);
+  const std::uint64_t stride = std::max<std::uint64_t>(1, total / 40);
+  for (std::uint64_t n = 1; n <= total; n += stride) run(n);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DeviceCalls, VmFaultAt,
+    ::testing::Combine(::testing::Values("expandable_segments:True", "policy:paging"),
+                       ::testing::Values(CallKind::reserve, CallKind::create_physical,
+                                         CallKind::map, CallKind::set_access, CallKind::unmap,
+                                         CallKind::release_physical,
+                                         CallKind::synchronize_stream)),
+    [](const auto& info) {
+      std::string name = std::get<0>(info.param)[0] == 'e' ? "expandable_" : "paging_";
+      return name + std::string(to_string(std::get<1>(info.param)));
+    });
 
 TEST(FaultInjection, DeviceErrorsCarryContext) {
   SimDevice device;

@@ -87,6 +87,16 @@ TEST(RandomOps, GarbageCollection) {
   run_random("garbage_collection_threshold:0.7", 3, 40000);
 }
 
+TEST(RandomOps, ExpandableSegments) {
+  run_random("expandable_segments:True", 4, 60000);
+}
+TEST(RandomOps, Paging) {
+  run_random("policy:paging", 5, 200000);
+}
+TEST(RandomOps, PagingWithMaxSplit) {
+  run_random("policy:paging,max_split_size_mb:64", 6, 40000);
+}
+
 TEST(RandomOps, HostDeviceContentsSurvive) {
   HostDeviceOptions options;
   options.capacity = std::size_t{1} << 30;

@@ -175,10 +175,16 @@ TEST_F(Rules, RuntimeConfigChangeAppliesToLaterRequests) {
   EXPECT_EQ(allocator_->config().max_split_size, 40 * kMiB);
 }
 
-TEST_F(Rules, UnsupportedPoliciesAreRefusedClearly) {
+TEST_F(Rules, ConflictingPoliciesAreRefusedClearly) {
   SimDevice device;
-  EXPECT_THROW(CachingAllocator(device, AllocatorConfig::parse("expandable_segments:True")),
-               UsageError);
+  try {
+    CachingAllocator a(device, AllocatorConfig::parse("expandable_segments:True,policy:paging"));
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "allocator config \"policy:paging,expandable_segments:True\": policy:paging and "
+              "expandable_segments:True exclude each other; choose one");
+  }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
 #include "reservoir/host_device.hpp"
 
 namespace reservoir {
@@ -78,6 +79,99 @@ TEST(HostDevice, CachingAllocatorBlocksHoldRealData) {
   allocator.empty_cache();
   EXPECT_EQ(d.used_bytes(), 0u);
   EXPECT_LT(current_rss_bytes(), rss);
+}
+
+// The virtual-memory policies on real memory: live blocks keep every byte
+// through unmapping, handle release and stitching, and RSS follows.
+class HostVm : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HostVm, LiveBytesSurviveEveryRemapping) {
+  HostDeviceOptions options;
+  options.capacity = 192 * kMiB;  // tight: pages are unmapped, handles released, pages stitched
+  HostDevice d(options);
+  CachingAllocator allocator(d, AllocatorConfig::parse(GetParam()));
+  struct Filled {
+    unsigned char* p;
+    std::size_t size;
+    unsigned char tag;
+  };
+  std::vector<Filled> live;
+  std::uint64_t seed = 12345;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return seed >> 33;
+  };
+  auto check = [](const Filled& f) {
+    for (std::size_t i = 0; i < f.size; i += 4093) ASSERT_EQ(f.p[i], f.tag) << i;
+    ASSERT_EQ(f.p[f.size - 1], f.tag);
+  };
+  int ooms = 0;
+  for (int step = 0; step < 1500; ++step) {
+    if (next() % 100 < 55 || live.empty()) {
+      const std::size_t size = next() % 4 == 0 ? kMiB + next() % (40 * kMiB) : 1 + next() % kMiB;
+      const auto tag = static_cast<unsigned char>(next());
+      try {
+        auto* p = static_cast<unsigned char*>(allocator.allocate(size));
+        std::memset(p, tag, size);
+        live.push_back({p, size, tag});
+      } catch (const OutOfMemoryError&) {
+        ++ooms;
+      }
+    } else {
+      const std::size_t k = next() % live.size();
+      check(live[k]);
+      allocator.deallocate(live[k].p);
+      live[k] = live.back();
+      live.pop_back();
+    }
+    if (step % 100 == 0) allocator.validate();
+  }
+  for (const Filled& f : live) check(f);
+  EXPECT_GT(allocator.stats().num_device_free, 0);  // memory really went back mid-run
+  const std::size_t rss = current_rss_bytes();
+  for (const Filled& f : live) allocator.deallocate(f.p);
+  allocator.empty_cache();
+  allocator.validate();
+  EXPECT_EQ(d.used_bytes(), 0u);
+  EXPECT_LT(current_rss_bytes(), rss);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, HostVm,
+                         ::testing::Values("expandable_segments:True", "policy:paging"),
+                         [](const auto& info) {
+                           return std::string(info.param[0] == 'e' ? "expandable" : "paging");
+                         });
+
+TEST(HostVm, AStitchedBlockIsTheLendersMemoryAndReleasedPagesLeaveRss) {
+  HostDeviceOptions options;
+  options.capacity = 100 * kMiB;
+  HostDevice d(options);
+  CachingAllocator allocator(d, AllocatorConfig::parse("policy:paging"));
+  void* whole = allocator.allocate(100 * kMiB);
+  allocator.deallocate(whole);
+  std::vector<unsigned char*> part;
+  for (int i = 0; i < 5; ++i) {
+    part.push_back(static_cast<unsigned char*>(allocator.allocate(20 * kMiB)));
+    std::memset(part.back(), 0x10 + i, 20 * kMiB);
+  }
+  allocator.deallocate(part[1]);
+  allocator.deallocate(part[3]);
+  auto* s = static_cast<unsigned char*>(allocator.allocate(40 * kMiB));  // stitched
+  std::memset(s, 0xee, 40 * kMiB);
+  // The stitched range is the freed parts' memory, seen at a new address.
+  EXPECT_EQ(part[1][0], 0xee);
+  EXPECT_EQ(part[3][20 * kMiB - 1], 0xee);
+  for (int i : {0, 2, 4}) {
+    for (std::size_t k = 0; k < 20 * kMiB; k += 4096) ASSERT_EQ(part[i][k], 0x10 + i);
+  }
+  EXPECT_EQ(d.used_bytes(), 100 * kMiB);
+  allocator.validate();
+  allocator.deallocate(s);
+  for (int i : {0, 2, 4}) allocator.deallocate(part[i]);
+  const std::size_t rss = current_rss_bytes();
+  allocator.empty_cache();
+  EXPECT_EQ(d.used_bytes(), 0u);
+  EXPECT_LE(current_rss_bytes(), rss - 90 * kMiB);
 }
 
 }  // namespace

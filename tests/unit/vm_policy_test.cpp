@@ -1,0 +1,281 @@
+// Virtual-memory policies: expandable segments (PyTorch's behaviour, exact
+// numbers) and the paging policy's mechanisms (a handle returned while its
+// neighbours stay in use, a stitched range, hysteresis across iterations).
+#include <gtest/gtest.h>
+
+#include "allocator_fixture.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir::testing {
+namespace {
+
+class Expandable : public AllocatorTest {
+ protected:
+  void SetUp() override { make("expandable_segments:True"); }
+  std::uint64_t calls(CallKind k) const { return device_->calls(k); }
+};
+
+TEST_F(Expandable, SmallRequestMapsOneTwoMiBPageOfAReservationSizedFromTheDevice) {
+  const DevicePtr p = alloc(1000);
+  EXPECT_EQ(calls(CallKind::reserve), 1u);
+  EXPECT_EQ(calls(CallKind::create_physical), 1u);
+  EXPECT_EQ(calls(CallKind::map), 1u);
+  EXPECT_EQ(calls(CallKind::set_access), 1u);
+  EXPECT_EQ(calls(CallKind::allocate_segment), 0u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 2 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.small_pool.current"), 2 * kMiB);
+  EXPECT_EQ(stat("num_device_alloc"), 1);
+  EXPECT_EQ(stat("segment.all.current"), 0);  // PyTorch counts maps, not segments
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 1024);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_TRUE(snap.segments[0].is_expandable);
+  EXPECT_EQ(snap.segments[0].address, p);
+  EXPECT_EQ(snap.segments[0].total_size, 2 * kMiB);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 2u);
+  EXPECT_EQ(snap.segments[0].blocks[1].size, 2 * kMiB - 1024);
+  // The reservation is 1 1/8 of the 80 GiB device, in 2 MiB pages.
+  EXPECT_EQ(device_->live_reservations(), 1u);
+}
+
+TEST_F(Expandable, LargePagesAreTwentyMiBAndGrowAtTheLowestAddressThatFits) {
+  const DevicePtr a = alloc(30 * kMiB);  // maps pages 0 and 1 (40 MiB)
+  EXPECT_EQ(calls(CallKind::create_physical), 2u);
+  EXPECT_EQ(calls(CallKind::map), 2u);
+  EXPECT_EQ(calls(CallKind::set_access), 1u);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 40 * kMiB);
+  const DevicePtr b = alloc(5 * kMiB);  // from the cached 10 MiB after a
+  EXPECT_EQ(b, a + 30 * kMiB);
+  EXPECT_EQ(stat("num_device_alloc"), 1);
+  // 15 MiB: the cached 5 MiB before the unmapped space grows by one page.
+  const DevicePtr c = alloc(15 * kMiB);
+  EXPECT_EQ(c, a + 35 * kMiB);
+  EXPECT_EQ(stat("num_device_alloc"), 2);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 60 * kMiB);
+  EXPECT_EQ(calls(CallKind::create_physical), 3u);
+  // Only fully free pages go, and only on empty_cache.
+  release(a);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 60 * kMiB);
+  allocator_->empty_cache();
+  allocator_->validate();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 40 * kMiB);  // page 0 went; page 1 holds b
+  EXPECT_EQ(stat("num_device_free"), 1);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(calls(CallKind::release_physical), 1u);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].address, a + 20 * kMiB);  // the mapped range now starts at page 1
+  EXPECT_EQ(snap.segments[0].total_size, 40 * kMiB);
+}
+
+TEST_F(Expandable, SplitsDownTo512Bytes) {
+  // Native large-pool blocks keep a remainder of 1 MiB or less; expandable splits it.
+  const DevicePtr a = alloc(40 * kMiB - 512);
+  const DevicePtr b = alloc(512);  // small pool: a separate reservation
+  EXPECT_NE(b, a + 40 * kMiB - 512);
+  const Snapshot snap = allocator_->snapshot();
+  const SegmentInfo* large = nullptr;
+  for (const SegmentInfo& s : snap.segments) {
+    if (s.is_large) large = &s;
+  }
+  ASSERT_NE(large, nullptr);
+  ASSERT_EQ(large->blocks.size(), 2u);
+  EXPECT_EQ(large->blocks[0].size, 40 * kMiB - 512);
+  EXPECT_EQ(large->blocks[1].size, 512u);
+  EXPECT_EQ(large->blocks[1].state, BlockState::inactive);
+}
+
+TEST_F(Expandable, EachStreamHasItsOwnReservation) {
+  const DevicePtr a = alloc(4 * kMiB, 0);
+  const DevicePtr b = alloc(4 * kMiB, 1);
+  EXPECT_EQ(device_->live_reservations(), 2u);
+  EXPECT_NE(b, a + 4 * kMiB);
+  release(a);
+  EXPECT_NE(alloc(4 * kMiB, 1), a);  // never across streams
+}
+
+TEST_F(Expandable, HistoryRecordsMapsAndUnmaps) {
+  std::vector<TraceEntry> seen;
+  allocator_->attach_trace_tracker([&](const TraceEntry& e) { seen.push_back(e); });
+  const DevicePtr a = alloc(30 * kMiB);
+  release(a);
+  allocator_->empty_cache();
+  std::vector<TraceEntry::Action> actions;
+  for (const TraceEntry& e : seen) actions.push_back(e.action);
+  using A = TraceEntry::Action;
+  EXPECT_EQ(actions, (std::vector<A>{A::segment_map, A::alloc, A::free_requested,
+                                     A::free_completed, A::segment_unmap}));
+  EXPECT_EQ(seen[0].addr, a);
+  EXPECT_EQ(seen[0].size, 40 * kMiB);
+  EXPECT_EQ(seen[4].addr, a);
+  EXPECT_EQ(seen[4].size, 40 * kMiB);
+}
+
+// PyTorch asserts when the oversize release path meets an expandable block;
+// reservoir unmaps its free pages and carries on.
+TEST_F(Expandable, MaxSplitSizeReleasesOversizeBlocksByUnmapping) {
+  make("expandable_segments:True,max_split_size_mb:64", 160 * kMiB);
+  const DevicePtr big = alloc(100 * kMiB);  // pages 0-4
+  const DevicePtr pin = alloc(20 * kMiB);   // page 5
+  EXPECT_EQ(pin, big + 100 * kMiB);
+  release(big);
+  // 130 MiB needs 7 pages; 40 MiB are free on the device: the cached 100 MiB
+  // oversize block is unmapped, then the retry maps 140 MiB. The reservation
+  // is 1 1/8 of the 160 MiB device (180 MiB), too short past `pin`, and the
+  // hole before `pin` is too short too: a second reservation takes it.
+  const DevicePtr c = alloc(130 * kMiB);
+  EXPECT_EQ(c, big + 180 * kMiB);
+  EXPECT_EQ(device_->live_reservations(), 2u);
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  EXPECT_EQ(stat("num_device_free"), 1);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 160 * kMiB);
+}
+
+TEST_F(Expandable, APartialMapFailureUnwindsCleanly) {
+  // PyTorch is left with handles it cannot map; reservoir releases them.
+  device_->fail_nth(CallKind::map, 2, Status::device_error);
+  EXPECT_THROW(alloc(30 * kMiB), DeviceError);
+  allocator_->validate();
+  EXPECT_EQ(device_->live_physical(), 0u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  const DevicePtr a = alloc(30 * kMiB);  // and the next request works
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 40 * kMiB);
+  release(a);
+}
+
+TEST_F(Expandable, OutOfMemoryCreatingAPageReleasesThePagesCreatedSoFar) {
+  device_->fail_nth(CallKind::create_physical, 2, Status::out_of_memory);
+  const DevicePtr a = alloc(30 * kMiB);  // the retry ladder maps again
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  EXPECT_EQ(device_->live_physical(), 2u);
+  EXPECT_EQ(calls(CallKind::release_physical), 1u);
+  release(a);
+}
+
+TEST_F(Expandable, SwitchingBackToNativeKeepsServingFromClassicSegmentsOnly) {
+  const DevicePtr a = alloc(30 * kMiB);
+  release(a);
+  allocator_->set_config(AllocatorConfig{});
+  const DevicePtr b = alloc(5 * kMiB);
+  EXPECT_EQ(calls(CallKind::allocate_segment), 1u);  // the cached expandable block is skipped
+  EXPECT_NE(b, a);
+  release(b);
+}
+
+TEST_F(Expandable, ConflictingPoliciesAreRefused) {
+  SimDevice device;
+  EXPECT_THROW(
+      CachingAllocator(device, AllocatorConfig::parse("expandable_segments:True,policy:paging")),
+      UsageError);
+}
+
+class Paging : public AllocatorTest {
+ protected:
+  void SetUp() override { make("policy:paging"); }
+  std::uint64_t calls(CallKind k) const { return device_->calls(k); }
+};
+
+TEST_F(Paging, PagesMappedTogetherShareOneHandle) {
+  const DevicePtr a = alloc(100 * kMiB);
+  EXPECT_EQ(calls(CallKind::create_physical), 1u);
+  EXPECT_EQ(calls(CallKind::map), 1u);
+  EXPECT_EQ(calls(CallKind::set_access), 1u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * kMiB);
+  release(a);
+}
+
+TEST_F(Paging, MapsAheadWhileMemoryIsPlentiful) {
+  // 4 MiB asked, 20 MiB mapped (the large-pool floor): the next four fit.
+  const DevicePtr a = alloc(4 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
+  for (int i = 1; i < 5; ++i) EXPECT_EQ(alloc(4 * kMiB), a + i * 4 * kMiB);
+  EXPECT_EQ(calls(CallKind::map), 1u);
+}
+
+TEST_F(Paging, AFreeHandleIsReturnedWhileItsNeighboursStayInUse) {
+  make("policy:paging", 80 * kMiB);
+  const DevicePtr a = alloc(20 * kMiB);
+  const DevicePtr b = alloc(20 * kMiB);
+  const DevicePtr c = alloc(20 * kMiB);
+  EXPECT_EQ(b, a + 20 * kMiB);
+  EXPECT_EQ(c, a + 40 * kMiB);
+  EXPECT_EQ(calls(CallKind::create_physical), 3u);
+  release(b);
+  // 40 MiB more than the 80 MiB device holds: b's handle alone goes back.
+  // (The first reservation is 90 MiB, 1 1/8 of the device: d starts a second.)
+  const DevicePtr d = alloc(40 * kMiB);
+  EXPECT_EQ(d, a + 90 * kMiB);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(calls(CallKind::release_physical), 1u);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);  // no full flush was needed
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 80 * kMiB);
+  EXPECT_EQ(device_->used_bytes(), 80 * kMiB);
+}
+
+TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
+  make("policy:paging", 100 * kMiB);
+  const DevicePtr whole = alloc(100 * kMiB);  // one handle of 50 pages
+  release(whole);
+  std::vector<DevicePtr> part;
+  for (int i = 0; i < 5; ++i) part.push_back(alloc(20 * kMiB));
+  EXPECT_EQ(part[4], whole + 80 * kMiB);
+  release(part[1]);
+  release(part[3]);
+  // 40 MiB free in two holes of one pinned handle, and the device is full.
+  const DevicePtr s = alloc(40 * kMiB);
+  EXPECT_GE(s, whole + 100 * kMiB);            // a new range...
+  EXPECT_EQ(device_->live_physical(), 1u);     // ...over the one handle there is
+  EXPECT_EQ(device_->used_bytes(), 100 * kMiB);
+  EXPECT_EQ(calls(CallKind::map), 3u);  // the handle once, then two pieces of it
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * kMiB);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 100 * kMiB);
+  // Freed, it stays cached: the same request gets it back with no device call.
+  release(s);
+  const std::uint64_t maps = calls(CallKind::map);
+  EXPECT_EQ(alloc(40 * kMiB), s);
+  EXPECT_EQ(calls(CallKind::map), maps);
+  release(s);
+  // empty_cache unstitches; the handle stays while parts 0, 2 and 4 live.
+  allocator_->empty_cache();
+  allocator_->validate();
+  EXPECT_EQ(calls(CallKind::unmap), 2u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * kMiB);
+  for (int i : {0, 2, 4}) release(part[i]);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  EXPECT_EQ(device_->used_bytes(), 0u);
+}
+
+TEST_F(Paging, ATrainingLoopMakesNoDeviceCallsAfterItsFirstStep) {
+  make("policy:paging", 160 * kMiB);
+  auto step = [&] {
+    std::vector<DevicePtr> live;
+    for (std::size_t mib : {30, 50, 10, 40, 3}) live.push_back(alloc(mib * kMiB));
+    for (DevicePtr p : live) release(p);
+  };
+  step();
+  std::uint64_t after_first = 0;
+  for (CallKind k : kMemoryCallKinds) after_first += calls(k);
+  for (int i = 0; i < 20; ++i) step();
+  std::uint64_t after_all = 0;
+  for (CallKind k : kMemoryCallKinds) after_all += calls(k);
+  EXPECT_EQ(after_all, after_first);
+}
+
+TEST_F(Paging, StitchingBorrowsFromAnotherStreamAfterSynchronizingIt) {
+  make("policy:paging", 60 * kMiB);
+  const DevicePtr a = alloc(60 * kMiB, 1);  // one handle on stream 1
+  release(a);
+  const DevicePtr keep = alloc(20 * kMiB, 1);  // pins the handle
+  EXPECT_EQ(keep, a);
+  const std::uint64_t syncs = calls(CallKind::synchronize_stream);
+  const DevicePtr b = alloc(40 * kMiB, 0);  // stream 0: only stream 1's free pages remain
+  EXPECT_GT(calls(CallKind::synchronize_stream), syncs);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 60 * kMiB);
+  release(b);
+  release(keep);
+}
+
+}  // namespace
+}  // namespace reservoir::testing
