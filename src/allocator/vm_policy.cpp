@@ -298,27 +298,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
     to_map->size = mapped_bytes;
     pool.unmapped.insert(remaining);
   }
-  // Merge with cached neighbours (they leave the pool; to_map enters it).
-  if (Block* prev = to_map->prev; prev != nullptr && prev->is_free()) {
-    pool.erase(prev);
-    to_map->ptr = prev->ptr;
-    to_map->size += prev->size;
-    to_map->prev = prev->prev;
-    if (to_map->prev != nullptr) {
-      to_map->prev->next = to_map;
-    } else {
-      seg.head = to_map;
-    }
-    arena_.recycle(prev);
-  }
-  if (Block* next = to_map->next; next != nullptr && next->is_free()) {
-    pool.erase(next);
-    to_map->size += next->size;
-    to_map->next = next->next;
-    if (to_map->next != nullptr) to_map->next->prev = to_map;
-    arena_.recycle(next);
-  }
-  pool.insert(to_map);
+  recache(to_map);  // merged with cached neighbours, into the pool
 
   total_reserved_ += mapped_bytes;
   for_types(pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(mapped_bytes); });
@@ -431,36 +411,26 @@ Block* CachingAllocator::Impl::carve(Block* block, DevicePtr start, std::size_t 
   pool.erase(block);
   const std::size_t before = start - block->ptr;
   const std::size_t after = block->size - before - bytes;
-  if (before > 0) {
+  // A cached block for [ptr, ptr + size), linked between prev and next.
+  auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next) {
     Block* b = arena_.make();
-    b->ptr = block->ptr;
-    b->size = before;
+    b->ptr = ptr;
+    b->size = size;
     b->stream = block->stream;
     b->pool = &pool;
     b->segment = &seg;
-    b->prev = block->prev;
-    b->next = block;
-    if (b->prev != nullptr) {
-      b->prev->next = b;
+    b->prev = prev;
+    b->next = next;
+    if (prev != nullptr) {
+      prev->next = b;
     } else {
       seg.head = b;
     }
-    block->prev = b;
+    if (next != nullptr) next->prev = b;
     pool.insert(b);
-  }
-  if (after > 0) {
-    Block* b = arena_.make();
-    b->ptr = start + bytes;
-    b->size = after;
-    b->stream = block->stream;
-    b->pool = &pool;
-    b->segment = &seg;
-    b->prev = block;
-    b->next = block->next;
-    if (b->next != nullptr) b->next->prev = b;
-    block->next = b;
-    pool.insert(b);
-  }
+  };
+  if (before > 0) cached(block->ptr, before, block->prev, block);
+  if (after > 0) cached(start + bytes, after, block, block->next);
   block->ptr = start;
   block->size = bytes;
   return block;
