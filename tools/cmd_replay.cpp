@@ -97,8 +97,6 @@ void print_table(const std::vector<Row>& rows) {
              "dev.allc", "dev.free", "calls/1k", "retries", "OOMs", "device time");
   if (with_min) fmt::print(" {:>13} {:>7}", "min capacity", "min/req");
   fmt::print("\n");
-  std::vector<ReplayResult> results;
-  for (const Row& row : rows) results.push_back(row.r);
   for (const Row& row : rows) {
     const ReplayResult& r = row.r;
     std::string name = r.trace.substr(r.trace.find_last_of('/') + 1);
@@ -142,13 +140,15 @@ void print_table(const std::vector<Row>& rows) {
                  std::exp(s.log_sum / s.n), s.worst, s.calls / s.n);
     }
   }
-  for (const ReplayResult& r : results) {
+  for (const Row& row : rows) {
+    const ReplayResult& r = row.r;
     if (!r.first_oom.empty()) {
       fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace, config_label(r),
                  r.num_ooms, r.first_oom);
     }
   }
-  for (const ReplayResult& r : results) {
+  for (const Row& row : rows) {
+    const ReplayResult& r = row.r;
     fmt::print(
         "\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
         "call {}, ending at {}",

@@ -110,6 +110,23 @@ class CachingAllocator::Impl {
     return VmMode::none;
   }
   bool vm_on() const noexcept { return vm_mode_ != VmMode::none; }
+  // Whether a block lies in a VM segment. The count keeps the native policy's
+  // hot path from loading the block's segment.
+  bool in_vm(const detail::Block* b) const noexcept {
+    return vm_segments_ != 0 && b->segment->vm != nullptr;
+  }
+  bool in_stitched(const detail::Block* b) const noexcept {
+    return in_vm(b) && b->segment->vm->stitched;
+  }
+  // A fresh, unlinked, mapped and free block.
+  detail::Block* make_block(DevicePtr ptr, std::size_t size, StreamId stream,
+                            detail::BlockPool* pool, detail::Segment* segment);
+  // Pages of a VM segment lying wholly inside a block: [first, end).
+  static std::pair<std::size_t, std::size_t> inner_pages(const detail::Segment& seg,
+                                                         const detail::Block* b);
+  // Unmapped bytes among the first `size` available bytes from b, or
+  // SIZE_MAX when fewer than `size` available bytes follow.
+  static std::size_t unmapped_within(const detail::Block* b, std::size_t size);
   // PyTorch's try_allocate_expandable_block: map pages until a free run of
   // p.size bytes exists; leaves it out of the pool in p.block.
   bool alloc_vm_block(AllocParams& p);
@@ -140,7 +157,7 @@ class CachingAllocator::Impl {
   std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes);
   // Paging: unmaps whole free handles, largest first, until `bytes` are
   // released; leaves `keep` alone. True when anything was released.
-  bool release_free_handles(StreamId stream, std::size_t bytes, const detail::Block* keep);
+  bool release_free_handles(std::size_t bytes, const detail::Block* keep);
   void release_vm_segment(detail::Block* block);
   // Merges neighbour src into dst when both are available and equally mapped.
   void merge_unmapped(detail::Block* dst, detail::Block* src);
@@ -168,6 +185,7 @@ class CachingAllocator::Impl {
   std::vector<EventId> idle_events_;
   std::size_t total_reserved_ = 0;
   VmMode vm_mode_ = VmMode::none;
+  std::size_t vm_segments_ = 0;  // live VM segments (stitched ones included)
   // Undo steps that failed themselves, retried on each release pass and at
   // destruction: handles whose release failed, mappings that would not go,
   // and address space that could not be returned.

@@ -66,7 +66,7 @@ std::size_t CachingAllocator::Impl::allocation_size(std::size_t size) {
 
 bool CachingAllocator::Impl::should_split(const Block* block, std::size_t size) const {
   const std::size_t remaining = block->size - size;
-  if (block->segment->vm && block->segment->vm->stitched) return false;  // one block, kept whole
+  if (in_stitched(block)) return false;  // one block, kept whole
   if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
   return size < config_.max_split_size && remaining > kSmallSize;
 }
@@ -120,6 +120,17 @@ void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) cons
 // ---------------------------------------------------------------------------
 // Allocation
 
+Block* CachingAllocator::Impl::make_block(DevicePtr ptr, std::size_t size, StreamId stream,
+                                          BlockPool* pool, Segment* segment) {
+  Block* b = arena_.make();
+  b->ptr = ptr;
+  b->size = size;
+  b->stream = stream;
+  b->pool = pool;
+  b->segment = segment;
+  return b;
+}
+
 BlockPool& CachingAllocator::Impl::pool_for(std::size_t size, StreamId stream) {
   for (auto& [id, filter] : routes_) {
     if (filter(stream)) {
@@ -140,7 +151,7 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   key.size = p.size;
   auto it = pool.blocks.lower_bound(&key);
   if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
-  if ((*it)->segment->vm) {
+  if (in_vm(*it)) {
     if (vm_on()) {
       // A cached block followed by unmapped space counts, for best fit, as
       // the size it can grow to (PyTorch's rule).
@@ -160,8 +171,7 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
       if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
     }
     // A stitched block is never split: it serves only requests that use all its pages.
-    while ((*it)->segment->vm && (*it)->segment->vm->stitched &&
-           (*it)->size - p.size >= (*it)->segment->vm->page) {
+    while (in_stitched(*it) && (*it)->size - p.size >= (*it)->segment->vm->page) {
       if (++it == pool.blocks.end() || (*it)->stream != p.stream) return false;
     }
   }
@@ -196,12 +206,7 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
                       fmt::format("allocating a segment of {} bytes", size));
   }
   auto segment = std::make_unique<Segment>();
-  Block* block = arena_.make();
-  block->ptr = ptr;
-  block->size = size;
-  block->stream = p.stream;
-  block->pool = p.pool;
-  block->segment = segment.get();
+  Block* block = make_block(ptr, size, p.stream, p.pool, segment.get());
   segment->base = ptr;
   segment->size = size;
   segment->stream = p.stream;
@@ -228,12 +233,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
   if (should_split(block, p.size)) {
     // The front of the block is handed out; the rest stays cached.
     Block* remaining = block;
-    block = arena_.make();
-    block->ptr = remaining->ptr;
-    block->size = p.size;
-    block->stream = p.stream;
-    block->pool = &pool;
-    block->segment = remaining->segment;
+    block = make_block(remaining->ptr, p.size, p.stream, &pool, remaining->segment);
     block->prev = remaining->prev;
     if (block->prev != nullptr) {
       block->prev->next = block;
@@ -249,7 +249,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     } else {
       pool.insert(remaining);
     }
-    if (block->segment->vm) {
+    if (in_vm(block)) {
       // Expandable segments stay out of the inactive_split stats (PyTorch).
     } else if (already_split) {
       for_types(pool, [&](std::size_t t) { stats_.inactive_split_bytes[t].decrease(block->size); });
@@ -261,7 +261,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
-    if (already_split && !block->segment->vm) {
+    if (already_split && !in_vm(block)) {
       for_types(pool, [&](std::size_t t) {
         stats_.inactive_split_bytes[t].decrease(block->size);
         stats_.inactive_split[t].decrease(1);
@@ -479,7 +479,7 @@ void CachingAllocator::Impl::free_block(Block* block) {
     split_blocks_change += 1;
     split_bytes_change += static_cast<std::int64_t>(merged->size);
   }
-  if (merged->segment->vm) {
+  if (in_vm(merged)) {
     split_blocks_change = 0;  // expandable segments stay out of inactive_split (PyTorch)
     split_bytes_change = 0;
   }

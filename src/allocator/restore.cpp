@@ -92,12 +92,7 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
                         "allocated or inactive blocks",
                         where, bi.address));
       }
-      Block* b = arena_.make();
-      b->ptr = bi.address;
-      b->size = bi.size;
-      b->stream = info.stream;
-      b->pool = &pool;
-      b->segment = seg;
+      Block* b = make_block(bi.address, bi.size, info.stream, &pool, seg);
       b->prev = prev;
       if (prev != nullptr) {
         prev->next = b;

@@ -70,7 +70,7 @@ void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) con
     if (b->mapped && end > vm.page_handle.size()) {
       breach(fmt::format("block at {:#x} reaches past the last mapped page", b->ptr));
     }
-    for (std::size_t i = first; i < std::min(end, std::max(first, vm.page_handle.size())); ++i) {
+    for (std::size_t i = first; i < std::min(end, vm.page_handle.size()); ++i) {
       if (b->mapped && vm.at(i) == detail::VmState::kNone) {
         breach(fmt::format("block at {:#x} covers page {} which has no memory", b->ptr, i));
       }
@@ -93,6 +93,7 @@ void CachingAllocator::Impl::validate() const {
   std::size_t reserved = 0;
   std::size_t unmapped_blocks = 0;
   std::size_t lent_listed = 0;
+  std::size_t vm_segments = 0;
   std::size_t lent_found = 0;
   std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
   for (const auto& [id, pool] : private_pools_) {
@@ -115,6 +116,7 @@ void CachingAllocator::Impl::validate() const {
     }
     const std::size_t t = stat_index(*seg->pool);
     const detail::VmState* vm = seg->vm.get();
+    if (vm != nullptr) ++vm_segments;
     if (vm == nullptr) {
       segment[0] += 1;
       segment[t] += 1;
@@ -239,6 +241,9 @@ void CachingAllocator::Impl::validate() const {
   for (const BlockPool* pool : known_pools) {
     pooled += pool->blocks.size();
     unmapped_pooled += pool->unmapped.size();
+  }
+  if (vm_segments != vm_segments_) {
+    breach(fmt::format("{} VM segments counted but {} found", vm_segments_, vm_segments));
   }
   if (lent_listed != lent_found) {
     breach(fmt::format("{} lent blocks found but stitched segments list {}", lent_found,

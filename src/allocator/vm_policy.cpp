@@ -61,34 +61,36 @@ Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
   seg->vm->paging = paging;
   seg->vm->page = page;
   seg->vm->pages = pages;
-  Block* b = arena_.make();
-  b->ptr = va;
-  b->size = seg->size;
-  b->stream = p.stream;
-  b->pool = p.pool;
-  b->segment = seg.get();
+  Block* b = make_block(va, seg->size, p.stream, p.pool, seg.get());
   b->mapped = false;
   seg->head = b;
   p.pool->unmapped.insert(b);
   segments_.emplace(va, std::move(seg));
+  ++vm_segments_;
   return b;
+}
+
+std::pair<std::size_t, std::size_t> CachingAllocator::Impl::inner_pages(const Segment& seg,
+                                                                        const Block* b) {
+  const std::size_t page = seg.vm->page;
+  const std::size_t offset = b->ptr - seg.base;
+  return {(offset + page - 1) / page, (offset + b->size) / page};
+}
+
+std::size_t CachingAllocator::Impl::unmapped_within(const Block* b, std::size_t size) {
+  std::size_t bytes = 0;
+  std::size_t unmapped = 0;
+  while (bytes < size && b != nullptr && b->is_available()) {
+    if (!b->mapped) unmapped += std::min(b->size, size - bytes);
+    bytes += b->size;
+    b = b->next;
+  }
+  return bytes >= size ? unmapped : std::numeric_limits<std::size_t>::max();
 }
 
 Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   BlockPool& pool = *p.pool;
-  // Bytes of unmapped space among the first p.size available bytes from b,
-  // or max when the run is too short.
   constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
-  auto new_bytes = [&](const Block* b) {
-    std::size_t bytes = 0;
-    std::size_t unmapped = 0;
-    while (bytes < p.size && b != nullptr && b->is_available()) {
-      if (!b->mapped) unmapped += std::min(b->size, p.size - bytes);
-      bytes += b->size;
-      b = b->next;
-    }
-    return bytes >= p.size ? unmapped : kNoRoom;
-  };
   Block key;
   key.stream = p.stream;
   Block* best = nullptr;
@@ -99,7 +101,7 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
     if (c->segment->vm->paging != (vm_mode_ == VmMode::paging)) continue;
     // The cached block right before the unmapped range can be used too.
     if (c->prev != nullptr && c->prev->is_available()) c = c->prev;
-    const std::size_t need = new_bytes(c);
+    const std::size_t need = unmapped_within(c, p.size);
     if (need == kNoRoom) continue;
     if (vm_mode_ == VmMode::expandable) return c;  // PyTorch: the lowest address that fits
     if (need < best_new) {
@@ -118,12 +120,13 @@ bool CachingAllocator::Impl::alloc_vm_block(AllocParams& p) {
   // first) elsewhere, then try once more; the retry ladder follows if not.
   Block* candidate = find_vm_candidate(p);
   if (candidate == nullptr) return false;
+  // Ask for the whole unmapped blocks the request reaches into.
   std::size_t need = 0;
   for (const Block* b = candidate; b != nullptr && need < p.size; b = b->next) {
     if (!b->mapped) need += b->size;
     if (b->ptr + b->size >= candidate->ptr + p.size) break;
   }
-  if (release_free_handles(p.stream, need, candidate) && try_alloc_vm_block(p)) return true;
+  if (release_free_handles(need, candidate) && try_alloc_vm_block(p)) return true;
   // Still no contiguous run: stitch scattered free pages into a new range.
   return stitch_block(p);
 }
@@ -172,8 +175,7 @@ bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p) {
   return true;
 }
 
-bool CachingAllocator::Impl::release_free_handles(StreamId stream, std::size_t bytes,
-                                                  const Block* keep) {
+bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
   // Whole handles inside cached blocks of paging segments, outside `keep`.
   struct Victim {
     Segment* seg;
@@ -187,9 +189,7 @@ bool CachingAllocator::Impl::release_free_handles(StreamId stream, std::size_t b
     const VmState& vm = *seg->vm;
     for (Block* b = seg->head; b != nullptr; b = b->next) {
       if (!b->is_free() || b == keep) continue;
-      const std::size_t off = b->ptr - seg->base;
-      std::size_t i = (off + vm.page - 1) / vm.page;
-      const std::size_t end = (off + b->size) / vm.page;
+      auto [i, end] = inner_pages(*seg, b);
       while (i < end) {
         const auto& h = vm.handles[vm.at(i)];
         if (h.first_page >= i && h.first_page + h.pages <= end) {
@@ -199,7 +199,6 @@ bool CachingAllocator::Impl::release_free_handles(StreamId stream, std::size_t b
       }
     }
   }
-  (void)stream;
   std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
     return a.end - a.first > b.end - b.first;
   });
@@ -284,12 +283,8 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   to_map->mapped = true;
   if (mapped_bytes < to_map->size) {
     // to_map -> remaining (still unmapped) -> next
-    Block* remaining = arena_.make();
-    remaining->ptr = to_map->ptr + mapped_bytes;
-    remaining->size = to_map->size - mapped_bytes;
-    remaining->stream = to_map->stream;
-    remaining->pool = &pool;
-    remaining->segment = &seg;
+    Block* remaining = make_block(to_map->ptr + mapped_bytes, to_map->size - mapped_bytes,
+                                  to_map->stream, &pool, &seg);
     remaining->mapped = false;
     remaining->prev = to_map;
     remaining->next = to_map->next;
@@ -334,10 +329,7 @@ void CachingAllocator::Impl::unmap_block(Block* block) {
   }
   Segment& seg = *block->segment;
   VmState& vm = *seg.vm;
-  const std::size_t page = vm.page;
-  const std::size_t offset = block->ptr - seg.base;
-  std::size_t first = (offset + page - 1) / page;
-  std::size_t end = (offset + block->size) / page;
+  auto [first, end] = inner_pages(seg, block);
   // Whole handles only: a handle shared with a neighbour stays.
   while (first < end && vm.handles[vm.at(first)].first_page < first) {
     const auto& h = vm.handles[vm.at(first)];
@@ -413,12 +405,7 @@ Block* CachingAllocator::Impl::carve(Block* block, DevicePtr start, std::size_t 
   const std::size_t after = block->size - before - bytes;
   // A cached block for [ptr, ptr + size), linked between prev and next.
   auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next) {
-    Block* b = arena_.make();
-    b->ptr = ptr;
-    b->size = size;
-    b->stream = block->stream;
-    b->pool = &pool;
-    b->segment = &seg;
+    Block* b = make_block(ptr, size, block->stream, &pool, &seg);
     b->prev = prev;
     b->next = next;
     if (prev != nullptr) {
@@ -493,9 +480,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
       const std::size_t before = have;
       for (Block* b = seg.head; b != nullptr && have < needed; b = b->next) {
         if (!b->is_free()) continue;
-        const std::size_t off = b->ptr - seg.base;
-        std::size_t i = (off + page - 1) / page;
-        const std::size_t end = (off + b->size) / page;
+        auto [i, end] = inner_pages(seg, b);
         while (i < end && have < needed) {
           const auto& h = vm.handles[vm.at(i)];
           const std::size_t e = std::min({end, h.first_page + h.pages, i + (needed - have)});
@@ -608,14 +593,10 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
     lender->lent = true;
     seg->vm->lent.push_back(lender);
   }
-  Block* b = arena_.make();
-  b->ptr = va;
-  b->size = bytes;
-  b->stream = p.stream;
-  b->pool = p.pool;
-  b->segment = seg.get();
+  Block* b = make_block(va, bytes, p.stream, p.pool, seg.get());
   seg->head = b;
   segments_.emplace(va, std::move(seg));
+  ++vm_segments_;
   total_reserved_ += fresh_pages * page;
   for_types(*p.pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(fresh_pages * page); });
   ++stats_.num_device_alloc;
@@ -693,6 +674,7 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   const DevicePtr base = seg.base;
   arena_.recycle(block);
   segments_.erase(base);
+  --vm_segments_;
 }
 
 void CachingAllocator::Impl::release_vm_segment(Block* block) {
@@ -707,6 +689,7 @@ void CachingAllocator::Impl::release_vm_segment(Block* block) {
   const DevicePtr base = seg.base;
   arena_.recycle(block);
   segments_.erase(base);
+  --vm_segments_;
 }
 
 void CachingAllocator::Impl::drop_vm_segment_locked(Segment& seg) noexcept {
