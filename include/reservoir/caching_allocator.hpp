@@ -25,6 +25,7 @@
 
 #include "reservoir/config.hpp"
 #include "reservoir/device.hpp"
+#include "reservoir/history.hpp"
 #include "reservoir/snapshot.hpp"
 #include "reservoir/stats.hpp"
 
@@ -38,25 +39,9 @@ inline constexpr std::size_t kLargeBuffer = 20971520;    // 1..10 MiB requests s
 inline constexpr std::size_t kMinLargeAlloc = 10485760;  // from 10 MiB, a segment of its own
 inline constexpr std::size_t kRoundLarge = 2097152;      // large segments round to 2 MiB
 
-// One allocator event, as PyTorch's TraceEntry.
-struct TraceEntry {
-  enum class Action : std::uint8_t {
-    alloc,
-    free_requested,
-    free_completed,
-    segment_alloc,
-    segment_free,
-    segment_map,
-    segment_unmap,
-    snapshot,
-    oom,
-  };
-  Action action;
-  DevicePtr addr;    // for oom: the device's free bytes
-  std::size_t size;  // requested size for alloc/free_*, segment size, or tried size for oom
-  StreamId stream;
-};
-std::string_view to_string(TraceEntry::Action action) noexcept;
+// One allocator event, as PyTorch's TraceEntry (context and time are set
+// only in recorded history).
+using TraceEntry = TraceEvent;
 
 // Called when an allocation is about to fail: (device, bytes tried, bytes
 // allowed or device total, device free bytes).
@@ -103,6 +88,8 @@ class CachingAllocator {
   void reset_peak_stats();
   void reset_accumulated_stats();
   std::string memory_summary(bool abbreviated = false) const;
+  // Segments and blocks; with history on, also the recorded events and the
+  // contexts of events and live blocks (and a snapshot event is recorded).
   Snapshot snapshot() const;
   // Size of the largest cached free block.
   std::size_t largest_cached_block() const;
@@ -110,6 +97,11 @@ class CachingAllocator {
   void attach_oom_observer(OomObserver observer);
   void add_free_memory_callback(FreeMemoryCallback callback);
   void attach_trace_tracker(TraceTracker tracker);
+  // Records events in a ring buffer of the latest options.max_entries, with
+  // their context (reservoir/history.hpp); snapshot() returns them. Takes
+  // effect at once; enabled = false stops recording and drops the events.
+  // Throws UsageError for max_entries 0 or max_frames above 64.
+  void record_history(const HistoryOptions& options);
 
   // Private pools (PyTorch's MemPool / graph pools). While a route is active,
   // allocations whose stream passes `filter` are served from pool `id`.

@@ -1,9 +1,11 @@
 // Snapshots of the allocator's segments and blocks, in the structure of
-// PyTorch's torch.cuda.memory._snapshot()["segments"].
+// PyTorch's torch.cuda.memory._snapshot(): "segments", and the history of
+// events ("device_traces") with the context each was recorded in.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -22,11 +24,56 @@ enum class BlockState : std::uint8_t {
 };
 std::string_view to_string(BlockState state) noexcept;
 
+// One frame of a call stack, as PyTorch's snapshot frames.
+struct Frame {
+  std::string filename;  // source file, or the module when no line information exists
+  int line = 0;          // 0 when unknown
+  std::string name;      // function
+  bool operator==(const Frame&) const = default;
+};
+
+// Where an event happened: the annotation stack of the thread (outermost
+// first) and, when stacks are recorded, the call stack (innermost first).
+struct Context {
+  std::vector<std::string> annotations;
+  std::vector<Frame> frames;
+  bool empty() const noexcept { return annotations.empty() && frames.empty(); }
+  bool operator==(const Context&) const = default;
+};
+
+// What happened, as PyTorch's TraceEntry actions.
+enum class TraceAction : std::uint8_t {
+  alloc,           // addr, size = requested bytes
+  free_requested,  // the caller freed addr
+  free_completed,  // the block returned to the cache (after stream events)
+  segment_alloc,   // the allocator got a segment of size bytes at addr
+  segment_free,
+  segment_map,  // virtual-memory segments: pages mapped at addr
+  segment_unmap,
+  snapshot,
+  oom,          // an allocation of size bytes failed; addr = device free bytes
+  empty_cache,  // text traces: the program called empty_cache()
+};
+std::string_view to_string(TraceAction action) noexcept;
+
+struct TraceEvent {
+  using Action = TraceAction;
+  TraceAction action = TraceAction::alloc;
+  DevicePtr addr = 0;
+  std::uint64_t size = 0;
+  StreamId stream = 0;
+  std::int64_t time_us = 0;   // microseconds since the epoch; 0 when not recorded
+  std::uint32_t context = 0;  // index into the owner's contexts; 0: none
+  bool operator==(const TraceEvent&) const = default;
+};
+
 struct BlockInfo {
   DevicePtr address = 0;
   std::size_t size = 0;
   std::size_t requested_size = 0;
   BlockState state = BlockState::inactive;
+  std::uint32_t context = 0;  // where it was allocated (index into contexts)
+  bool operator==(const BlockInfo&) const = default;
 };
 
 struct SegmentInfo {
@@ -41,10 +88,15 @@ struct SegmentInfo {
   bool is_expandable = false;
   PoolId pool_id{0, 0};
   std::vector<BlockInfo> blocks;  // in address order, tiling the segment
+  bool operator==(const SegmentInfo&) const = default;
 };
 
 struct Snapshot {
   std::vector<SegmentInfo> segments;  // in address order
+  // Recorded events, oldest first (empty unless history is on), and the
+  // contexts that events and blocks refer to; contexts[0] is the empty one.
+  std::vector<TraceEvent> history;
+  std::vector<Context> contexts{Context{}};
 };
 
 }  // namespace reservoir

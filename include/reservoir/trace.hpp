@@ -14,34 +14,16 @@
 
 namespace reservoir {
 
-enum class TraceAction : std::uint8_t {
-  alloc,           // addr, size = requested bytes
-  free_requested,  // the caller freed addr
-  free_completed,  // the block returned to the cache (after stream events)
-  segment_alloc,   // the allocator got a segment of size bytes at addr
-  segment_free,
-  segment_map,  // expandable segments: pages mapped at addr
-  segment_unmap,
-  snapshot,
-  oom,          // an allocation of size bytes failed; addr = device free bytes
-  empty_cache,  // text traces: the program called empty_cache()
-};
-std::string_view to_string(TraceAction action) noexcept;
-
-struct TraceEvent {
-  TraceAction action = TraceAction::alloc;
-  DevicePtr addr = 0;
-  std::uint64_t size = 0;
-  StreamId stream = 0;
-};
-
 struct Trace {
   std::string name;             // file name, for messages
   std::string format;           // "pytorch-snapshot" or "reservoir-text"
   std::string recorded_config;  // allocator settings the trace was recorded with
   bool has_addresses = false;   // events carry real device addresses (snapshots)
   std::vector<TraceEvent> events;
-  Snapshot final_state;  // segments at the end of recording (snapshots)
+  // Segments at the end of recording (snapshots), and the contexts that
+  // events and blocks refer to (final_state.contexts; [0] is the empty one).
+  Snapshot final_state;
+  const Context& context(std::uint32_t id) const { return final_state.contexts.at(id); }
 };
 
 // Reads a trace, choosing the reader by content (pickle, or text with the

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "block.hpp"
+#include "history.hpp"
 #include "reservoir/caching_allocator.hpp"
 
 namespace reservoir {
@@ -41,6 +42,7 @@ class CachingAllocator::Impl {
   void attach_oom_observer(OomObserver observer);
   void add_free_memory_callback(FreeMemoryCallback callback);
   void attach_trace_tracker(TraceTracker tracker);
+  void record_history(const HistoryOptions& options);
   void begin_allocate_to_pool(PoolId id, PoolFilter filter);
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);
@@ -88,10 +90,13 @@ class CachingAllocator::Impl {
   EventId take_event();
   [[noreturn]] void throw_oom(std::unique_lock<detail::SpinMutex>& lock, const AllocParams& p);
   [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
-  void trace(TraceEntry::Action action, DevicePtr addr, std::size_t size, StreamId stream) {
-    if (!trackers_.empty()) emit(TraceEntry{action, addr, size, stream});
+  // Reports an event to the trackers and the history; returns the context
+  // the history recorded it in (0 when none).
+  std::uint32_t trace(TraceEntry::Action action, DevicePtr addr, std::size_t size,
+                      StreamId stream) {
+    return observed_ ? emit(TraceEntry{action, addr, size, stream}) : 0;
   }
-  void emit(const TraceEntry& entry);
+  std::uint32_t emit(const TraceEntry& entry);
   static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
   template <typename F>
   static void for_types(const detail::BlockPool& pool, F&& f) {
@@ -198,6 +203,8 @@ class CachingAllocator::Impl {
   std::vector<OomObserver> oom_observers_;
   std::vector<FreeMemoryCallback> free_memory_callbacks_;
   std::vector<TraceTracker> trackers_;
+  std::unique_ptr<detail::History> history_;  // created when first turned on
+  bool observed_ = false;                     // trackers attached or history on
 };
 
 }  // namespace reservoir

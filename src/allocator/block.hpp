@@ -59,6 +59,7 @@ struct Block {
   bool mapped = true;                 // false: address space of a VM segment only
   bool lent = false;                  // pages lent to a stitched block (paging)
   int event_count = 0;                // outstanding stream events
+  std::uint32_t context = 0;          // history context of its allocation
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
   BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free

@@ -19,21 +19,6 @@ using detail::BlockPool;
 using detail::PrivatePool;
 using detail::Segment;
 
-std::string_view to_string(TraceEntry::Action action) noexcept {
-  switch (action) {
-    case TraceEntry::Action::alloc: return "alloc";
-    case TraceEntry::Action::free_requested: return "free_requested";
-    case TraceEntry::Action::free_completed: return "free_completed";
-    case TraceEntry::Action::segment_alloc: return "segment_alloc";
-    case TraceEntry::Action::segment_free: return "segment_free";
-    case TraceEntry::Action::segment_map: return "segment_map";
-    case TraceEntry::Action::segment_unmap: return "segment_unmap";
-    case TraceEntry::Action::snapshot: return "snapshot";
-    case TraceEntry::Action::oom: return "oom";
-  }
-  return "unknown";
-}
-
 DeviceError::DeviceError(CallKind call, Status status, const std::string& context)
     : Error(fmt::format("{}: device call {} failed with {}", context, to_string(call),
                         to_string(status))),
@@ -279,7 +264,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     stats_.requested_bytes[t].increase(requested);
   });
   if (block->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
-  trace(TraceEntry::Action::alloc, block->ptr, requested, block->stream);
+  block->context = trace(TraceEntry::Action::alloc, block->ptr, requested, block->stream);
   return block;
 }
 
@@ -822,10 +807,25 @@ void CachingAllocator::Impl::add_free_memory_callback(FreeMemoryCallback callbac
 void CachingAllocator::Impl::attach_trace_tracker(TraceTracker tracker) {
   std::lock_guard lock(mutex_);
   trackers_.push_back(std::move(tracker));
+  observed_ = true;
 }
 
-void CachingAllocator::Impl::emit(const TraceEntry& entry) {
+void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
+  std::lock_guard lock(mutex_);
+  if (!history_) {
+    if (!options.enabled) return;
+    history_ = std::make_unique<detail::History>();
+  }
+  history_->configure(options);
+  observed_ = !trackers_.empty() || history_->on();
+}
+
+std::uint32_t CachingAllocator::Impl::emit(const TraceEntry& entry) {
   for (const auto& tracker : trackers_) tracker(entry);
+  if (history_ && history_->on()) {
+    return history_->record(entry.action, entry.addr, entry.size, entry.stream);
+  }
+  return 0;
 }
 
 void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
@@ -930,6 +930,10 @@ void CachingAllocator::add_free_memory_callback(FreeMemoryCallback callback) {
 }
 void CachingAllocator::attach_trace_tracker(TraceTracker tracker) {
   impl_->attach_trace_tracker(std::move(tracker));
+}
+
+void CachingAllocator::record_history(const HistoryOptions& options) {
+  impl_->record_history(options);
 }
 void CachingAllocator::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
   impl_->begin_allocate_to_pool(id, std::move(filter));

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <optional>
 
 #include "allocator_impl.hpp"
 
@@ -13,9 +14,30 @@ std::string_view to_string(BlockState state) noexcept {
   return "unknown";
 }
 
+std::string_view to_string(TraceAction action) noexcept {
+  switch (action) {
+    case TraceAction::alloc: return "alloc";
+    case TraceAction::free_requested: return "free_requested";
+    case TraceAction::free_completed: return "free_completed";
+    case TraceAction::segment_alloc: return "segment_alloc";
+    case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
+    case TraceAction::snapshot: return "snapshot";
+    case TraceAction::oom: return "oom";
+    case TraceAction::empty_cache: return "empty_cache";
+  }
+  return "unknown";
+}
+
 Snapshot CachingAllocator::Impl::snapshot() const {
   std::lock_guard lock(mutex_);
   Snapshot out;
+  const bool with_history = history_ && history_->on();
+  // Contexts are exported even with history off: live blocks may carry one.
+  std::optional<detail::History::Exporter> contexts;
+  if (history_) contexts.emplace(*history_, out.contexts);
+  if (with_history) history_->record(TraceAction::snapshot, 0, 0, 0);
   out.segments.reserve(segments_.size());
   auto state_of = [](const detail::Block* b) {
     if (b->allocated) return BlockState::active_allocated;
@@ -44,6 +66,7 @@ Snapshot CachingAllocator::Impl::snapshot() const {
         block.size = b->size;
         block.requested_size = b->requested_size;
         block.state = state_of(b);
+        if (contexts && block.state != BlockState::inactive) block.context = (*contexts)(b->context);
         info.total_size += b->size;
         if (b->allocated) info.allocated_size += b->size;
         if (block.state != BlockState::inactive) {
@@ -55,6 +78,7 @@ Snapshot CachingAllocator::Impl::snapshot() const {
       out.segments.push_back(std::move(info));
     }
   }
+  if (with_history) history_->append_events(out.history, *contexts);
   return out;
 }
 

@@ -14,22 +14,6 @@ namespace reservoir {
 using pickle::Kind;
 using pickle::Value;
 
-std::string_view to_string(TraceAction action) noexcept {
-  switch (action) {
-    case TraceAction::alloc: return "alloc";
-    case TraceAction::free_requested: return "free_requested";
-    case TraceAction::free_completed: return "free_completed";
-    case TraceAction::segment_alloc: return "segment_alloc";
-    case TraceAction::segment_free: return "segment_free";
-    case TraceAction::segment_map: return "segment_map";
-    case TraceAction::segment_unmap: return "segment_unmap";
-    case TraceAction::snapshot: return "snapshot";
-    case TraceAction::oom: return "oom";
-    case TraceAction::empty_cache: return "empty_cache";
-  }
-  return "unknown";
-}
-
 namespace {
 
 class Reader {
