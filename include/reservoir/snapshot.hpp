@@ -27,7 +27,7 @@ std::string_view to_string(BlockState state) noexcept;
 // One frame of a call stack, as PyTorch's snapshot frames.
 struct Frame {
   std::string filename;  // source file, or the module when no line information exists
-  int line = 0;          // 0 when unknown
+  int line = 0;          // 0 (or -1, as PyTorch writes) when unknown
   std::string name;      // function
   bool operator==(const Frame&) const = default;
 };
@@ -40,6 +40,8 @@ struct Context {
   bool empty() const noexcept { return annotations.empty() && frames.empty(); }
   bool operator==(const Context&) const = default;
 };
+// A string equal for equal contexts and different otherwise (for interning).
+std::string context_key(const Context& context);
 
 // What happened, as PyTorch's TraceEntry actions.
 enum class TraceAction : std::uint8_t {

@@ -26,9 +26,10 @@ struct Trace {
   const Context& context(std::uint32_t id) const { return final_state.contexts.at(id); }
 };
 
-// Reads a trace, choosing the reader by content (pickle, or text with the
-// "reservoir-trace" header). Throws TraceError naming the file and the byte
-// offset or line of the problem.
+// Reads a trace, choosing the reader by content: a pickle (PyTorch snapshot),
+// JSON (our snapshot export), RMM's CSV log (its header line), or our text
+// format ("reservoir-trace" header). Throws TraceError naming the file and
+// the byte offset, line or field of the problem.
 Trace read_trace_file(const std::string& path);
 // PyTorch snapshot pickle, already in memory.
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
@@ -40,6 +41,17 @@ std::string write_text_trace(const Trace& trace);
 // device_traces from events, allocator_settings from recorded_config), which
 // read_pytorch_snapshot reads back to the same trace.
 std::string write_pytorch_snapshot(const Trace& trace);
+// The same dict as JSON (keys and nesting as the pickle's; integers exact).
+std::string write_snapshot_json(const Trace& trace);
+// A snapshot of the allocator in JSON, read back to the same trace.
+Trace read_snapshot_json(const std::string& text, const std::string& name, int device = 0);
+// RMM's logging_resource_adaptor CSV (Thread,Time,Action,Pointer,Size,Stream).
+Trace read_rmm_csv(const std::string& text, const std::string& name);
+// An allocator snapshot (with its history) as a trace, for writing or replay.
+Trace to_trace(Snapshot snapshot, std::string name, std::string recorded_config);
+
+// Frames of this file name carry annotations in written snapshots.
+inline constexpr std::string_view kAnnotationFile = "<annotation>";
 
 // ---- replay ---------------------------------------------------------------
 

@@ -106,8 +106,14 @@ std::uint32_t History::Exporter::operator()(std::uint32_t internal) {
     c.frames.assign(std::make_move_iterator(first), std::make_move_iterator(frames.end()));
     if (c.frames.size() > history_.max_frames_) c.frames.resize(history_.max_frames_);
   }
-  it->second = static_cast<std::uint32_t>(out_.size());
-  out_.push_back(std::move(c));
+  // Different stacks can symbolize alike (different call sites of one line,
+  // cut to max_frames): export each distinct context once.
+  auto [same, added] = by_content_.try_emplace(context_key(c), 0);
+  if (added) {
+    same->second = static_cast<std::uint32_t>(out_.size());
+    out_.push_back(std::move(c));
+  }
+  it->second = same->second;
   return it->second;
 }
 

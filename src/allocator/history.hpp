@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -28,13 +29,16 @@ class History {
   // stacks. Ids are exported once each; the empty context is 0.
   class Exporter {
    public:
-    Exporter(const History& history, std::vector<Context>& out) : history_(history), out_(out) {}
+    Exporter(const History& history, std::vector<Context>& out) : history_(history), out_(out) {
+      by_content_.emplace(context_key(Context{}), 0);
+    }
     std::uint32_t operator()(std::uint32_t internal);
 
    private:
     const History& history_;
     std::vector<Context>& out_;
     std::unordered_map<std::uint32_t, std::uint32_t> exported_;
+    std::unordered_map<std::string, std::uint32_t> by_content_;
   };
   // The recorded events, oldest first, their contexts exported through `ctx`.
   void append_events(std::vector<TraceEvent>& out, Exporter& ctx) const;

@@ -30,6 +30,24 @@ std::string_view to_string(TraceAction action) noexcept {
   return "unknown";
 }
 
+std::string context_key(const Context& c) {
+  std::string key;
+  for (const Frame& f : c.frames) {
+    key += f.filename;
+    key += '\x1f';
+    key += std::to_string(f.line);
+    key += '\x1f';
+    key += f.name;
+    key += '\x1e';
+  }
+  key += '\x1d';
+  for (const std::string& a : c.annotations) {
+    key += a;
+    key += '\x1e';
+  }
+  return key;
+}
+
 Snapshot CachingAllocator::Impl::snapshot() const {
   std::lock_guard lock(mutex_);
   Snapshot out;

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 
 #include "reservoir/errors.hpp"
 
@@ -355,6 +356,7 @@ class Decoder {
 class Encoder {
  public:
   std::string run(const Value& root) {
+    count_references(root, 0);
     out_.push_back(static_cast<char>(PROTO));
     out_.push_back(4);
     write(root, 0);
@@ -368,8 +370,43 @@ class Encoder {
     for (int i = 0; i < n; ++i) byte(static_cast<std::uint8_t>(v >> (8 * i)));
   }
 
+  // Values reached more than once are written once and then fetched from
+  // the memo, as Python's pickler does for shared objects.
+  void count_references(const Value& v, int depth) {
+    if (depth > 10000) throw TraceError("pickle encode: value nests too deeply (cycle?)");
+    if (++references_[&v] > 1) return;
+    for (const Value* item : v.items) count_references(*item, depth + 1);
+    for (const auto& [k, item] : v.entries) {
+      count_references(*k, depth + 1);
+      count_references(*item, depth + 1);
+    }
+  }
+
+  // Fetches a value written before; false when it must be written now.
+  bool fetch(const Value& v) {
+    const auto it = memo_.find(&v);
+    if (it == memo_.end()) return false;
+    if (it->second < 256) {
+      byte(BINGET);
+      little(it->second, 1);
+    } else {
+      byte(LONG_BINGET);
+      little(it->second, 4);
+    }
+    return true;
+  }
+  // Stores the value just pushed in the memo when it is shared.
+  void remember(const Value& v) {
+    if (references_[&v] < 2) return;
+    byte(MEMOIZE);
+    memo_.emplace(&v, memo_.size());
+  }
+
   void write(const Value& v, int depth) {
     if (depth > 10000) throw TraceError("pickle encode: value nests too deeply (cycle?)");
+    const bool shareable = v.kind == Kind::string || v.kind == Kind::bytes ||
+                           v.kind == Kind::list || v.kind == Kind::dict;
+    if (shareable && fetch(v)) return;
     switch (v.kind) {
       case Kind::none: byte(NONE); return;
       case Kind::boolean: byte(v.boolean ? NEWTRUE : NEWFALSE); return;
@@ -421,10 +458,12 @@ class Encoder {
           little(v.text.size(), 4);
         }
         out_ += v.text;
+        remember(v);
         return;
       }
       case Kind::list: {
         byte(EMPTY_LIST);
+        remember(v);
         for (std::size_t i = 0; i < v.items.size(); i += 1000) {
           byte(MARK);
           for (std::size_t j = i; j < std::min(v.items.size(), i + 1000); ++j) {
@@ -447,6 +486,7 @@ class Encoder {
       }
       case Kind::dict: {
         byte(EMPTY_DICT);
+        remember(v);
         for (std::size_t i = 0; i < v.entries.size(); i += 1000) {
           byte(MARK);
           for (std::size_t j = i; j < std::min(v.entries.size(), i + 1000); ++j) {
@@ -461,6 +501,8 @@ class Encoder {
   }
 
   std::string out_;
+  std::unordered_map<const Value*, std::size_t> references_;
+  std::unordered_map<const Value*, std::size_t> memo_;
 };
 
 }  // namespace

@@ -1,7 +1,11 @@
 // Reading PyTorch memory snapshots (torch.cuda.memory._dump_snapshot pickles).
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <fstream>
+#include <unordered_map>
 #include <iterator>
 #include <limits>
 
@@ -118,6 +122,75 @@ class Reader {
     fail(path, fmt::format("unknown action '{}'", a));
   }
 
+  // The context of an event or block from its "frames" (absent or empty: 0).
+  std::uint32_t context(const Value& owner, const std::string& path, Trace& trace) {
+    if (owner.find("context") != nullptr) {  // our JSON: an index into "contexts"
+      const std::uint64_t id = unsigned_int(owner, "context", path);
+      if (id >= trace.final_state.contexts.size()) {
+        fail(path, fmt::format("'context' {} is not in 'contexts' (which has {})", id,
+                               trace.final_state.contexts.size()));
+      }
+      return static_cast<std::uint32_t>(id);
+    }
+    const Value* frames = owner.find("frames");
+    if (frames == nullptr) return 0;
+    const auto& items = list(*frames, path + ".frames");
+    if (items.empty()) return 0;
+    Context c;
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const std::string fpath = fmt::format("{}.frames[{}]", path, i);
+      Frame frame = this->frame(*items[i], fpath);
+      if (frame.filename == kAnnotationFile) {
+        c.annotations.push_back(std::move(frame.name));
+      } else if (!c.annotations.empty()) {
+        fail(fpath, "a stack frame follows an annotation frame (annotations come last)");
+      } else {
+        c.frames.push_back(std::move(frame));
+      }
+    }
+    std::reverse(c.annotations.begin(), c.annotations.end());  // outermost first
+    std::string key = context_key(c);
+    auto [it, inserted] = context_ids_.try_emplace(std::move(key), 0);
+    if (inserted) {
+      it->second = static_cast<std::uint32_t>(trace.final_state.contexts.size());
+      trace.final_state.contexts.push_back(std::move(c));
+    }
+    return it->second;
+  }
+
+  // Our JSON's table of contexts; [0] must be the empty one.
+  void read_contexts(const Value& table, Trace& trace) {
+    const auto& items = list(table, "contexts");
+    if (items.empty()) fail("contexts", "the table is empty (entry 0 is the empty context)");
+    trace.final_state.contexts.clear();
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const std::string path = fmt::format("contexts[{}]", i);
+      Context c;
+      for (const Value* a : list(field(*items[i], "annotations", path), path + ".annotations")) {
+        if (a->kind != Kind::string) fail(path + ".annotations", "expected strings");
+        c.annotations.push_back(a->text);
+      }
+      const auto& frames = list(field(*items[i], "frames", path), path + ".frames");
+      for (std::size_t k = 0; k < frames.size(); ++k) {
+        c.frames.push_back(frame(*frames[k], fmt::format("{}.frames[{}]", path, k)));
+      }
+      if (i == 0 && !c.empty()) fail(path, "entry 0 must be the empty context");
+      trace.final_state.contexts.push_back(std::move(c));
+    }
+  }
+
+  Frame frame(const Value& f, const std::string& fpath) const {
+    Frame frame;
+    frame.filename = text(f, "filename", fpath);
+    frame.name = text(f, "name", fpath);
+    const std::int64_t line = integer(f, "line", fpath);
+    if (line < std::numeric_limits<int>::min() || line > std::numeric_limits<int>::max()) {
+      fail(fpath, fmt::format("'line' is out of range ({})", line));
+    }
+    frame.line = static_cast<int>(line);
+    return frame;
+  }
+
   Trace read(const Value& root, int device) {
     Trace trace;
     trace.name = name_;
@@ -128,6 +201,7 @@ class Reader {
     if (const Value* settings = root.find("allocator_settings")) {
       trace.recorded_config = config_from_settings(*settings);
     }
+    if (const Value* contexts = root.find("contexts")) read_contexts(*contexts, trace);
     const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
     if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
       fail("device_traces",
@@ -147,6 +221,8 @@ class Reader {
       ev.addr = unsigned_int(e, "addr", path);
       ev.size = unsigned_int(e, "size", path);
       ev.stream = unsigned_int(e, "stream", path);
+      if (e.find("time_us") != nullptr) ev.time_us = integer(e, "time_us", path);
+      ev.context = context(e, path, trace);
       trace.events.push_back(ev);
     }
     const auto& segments = list(field(root, "segments", "top level"), "segments");
@@ -188,8 +264,26 @@ class Reader {
         } else {
           fail(bpath, fmt::format("unknown block state '{}'", state));
         }
+        block.context = context(b, bpath, trace);
         cursor = block.address + block.size;
         seg.blocks.push_back(block);
+        if (block.state == BlockState::active_allocated) seg.allocated_size += block.size;
+        if (block.state != BlockState::inactive) {
+          seg.active_size += block.size;
+          seg.requested_size += block.requested_size;
+        }
+      }
+      // Recorded totals, where present, win over the recount.
+      if (s.find("allocated_size")) seg.allocated_size = unsigned_int(s, "allocated_size", path);
+      if (s.find("active_size")) seg.active_size = unsigned_int(s, "active_size", path);
+      if (s.find("requested_size")) seg.requested_size = unsigned_int(s, "requested_size", path);
+      if (const Value* pool = s.find("segment_pool_id")) {
+        const auto& ids = list(*pool, path + ".segment_pool_id");
+        if (ids.size() != 2 || ids[0]->kind != Kind::integer || ids[1]->kind != Kind::integer) {
+          fail(path + ".segment_pool_id", "expected two ints");
+        }
+        seg.pool_id = {static_cast<std::uint64_t>(ids[0]->integer),
+                       static_cast<std::uint64_t>(ids[1]->integer)};
       }
       trace.final_state.segments.push_back(std::move(seg));
     }
@@ -200,7 +294,56 @@ class Reader {
 
  private:
   std::string name_;
+  std::unordered_map<std::string, std::uint32_t> context_ids_;
 };
+
+// JSON values as pickle values, so one reader checks both.
+const Value* from_json(const nlohmann::json& j, pickle::Document& doc, const std::string& name,
+                       int depth = 0) {
+  using nlohmann::json;
+  if (depth > 64) throw TraceError(fmt::format("snapshot {}: JSON nested deeper than 64", name));
+  Value* v = nullptr;
+  switch (j.type()) {
+    case json::value_t::null: v = doc.make(Kind::none); break;
+    case json::value_t::boolean:
+      v = doc.make(Kind::boolean);
+      v->boolean = j.get<bool>();
+      break;
+    case json::value_t::number_integer:
+      v = doc.make(Kind::integer);
+      v->integer = j.get<std::int64_t>();
+      break;
+    case json::value_t::number_unsigned: {
+      v = doc.make(Kind::integer);
+      const auto u = j.get<std::uint64_t>();
+      v->integer = static_cast<std::int64_t>(u);
+      v->above_int64 = u >= (std::uint64_t{1} << 63);
+      break;
+    }
+    case json::value_t::number_float:
+      v = doc.make(Kind::floating);
+      v->floating = j.get<double>();
+      break;
+    case json::value_t::string:
+      v = doc.make(Kind::string);
+      v->text = j.get<std::string>();
+      break;
+    case json::value_t::array:
+      v = doc.make(Kind::list);
+      for (const auto& item : j) v->items.push_back(from_json(item, doc, name, depth + 1));
+      break;
+    case json::value_t::object:
+      v = doc.make(Kind::dict);
+      for (const auto& [key, item] : j.items()) {
+        Value* k = doc.make(Kind::string);
+        k->text = key;
+        v->entries.emplace_back(k, from_json(item, doc, name, depth + 1));
+      }
+      break;
+    default: v = doc.make(Kind::none); break;  // binary and discarded: not produced by parse
+  }
+  return v;
+}
 
 }  // namespace
 
@@ -216,6 +359,23 @@ Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::strin
   return Reader(name).read(doc.root(), device);
 }
 
+Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {
+  nlohmann::json j;
+  try {
+    // Depth is bounded by the parser's recursion; snapshots nest 6 levels.
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    // e.byte is the 1-based offset of the problem.
+    throw TraceError(fmt::format("snapshot {}: byte {}: invalid JSON: {}", name,
+                                 e.byte == 0 ? 0 : e.byte - 1, e.what()));
+  }
+  pickle::Document doc;
+  doc.set_root(from_json(j, doc, name));
+  Trace trace = Reader(name).read(doc.root(), device);
+  trace.format = "snapshot-json";
+  return trace;
+}
+
 Trace read_trace_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
@@ -225,6 +385,9 @@ Trace read_trace_file(const std::string& path) {
     return read_pytorch_snapshot(
         std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path);
   }
+  const std::size_t first = bytes.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && bytes[first] == '{') return read_snapshot_json(bytes, path);
+  if (bytes.starts_with("Thread,")) return read_rmm_csv(bytes, path);
   return read_text_trace(bytes, path);
 }
 
