@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 #include "reservoir/trace.hpp"
@@ -167,14 +168,23 @@ void run(const ReplayArgs& args) {
   for (const std::string& c : args.configs) configs.emplace_back(c, AllocatorConfig::parse(c));
   if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
   std::vector<Row> rows;
+  Progress progress;
+  options.observer = &progress;
+  const std::size_t tasks = args.traces.size() * configs.size();
   for (const std::string& path : args.traces) {
+    progress.task(fmt::format("reading {}", path));
     const ReplayProgram program = compile(read_trace_file(path));
     for (const auto& [text, config] : configs) {
+      progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,
+                                path.substr(path.find_last_of('/') + 1),
+                                text.empty() ? "native defaults" : text,
+                                args.min_capacity ? ", finding the minimum capacity" : ""));
       Row row{replay(program, config, text, options), std::nullopt};
       if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;
       rows.push_back(std::move(row));
     }
   }
+  progress.clear();
   if (args.json) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& row : rows) out.push_back(to_json(row));

@@ -7,5 +7,9 @@ namespace reservoir::tools {
 
 void add_replay(CLI::App& app);
 void add_verify(CLI::App& app);
+void add_export(CLI::App& app);
+void add_summary(CLI::App& app);
+void add_compare(CLI::App& app);
+void add_report(CLI::App& app);
 
 }  // namespace reservoir::tools

@@ -6,10 +6,14 @@
 #include "reservoir/errors.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"reservoir: replay, verify and compare GPU allocation traces"};
+  CLI::App app{"reservoir: replay, verify, export, summarize, compare and report GPU allocation traces"};
   app.require_subcommand(1);
   reservoir::tools::add_replay(app);
   reservoir::tools::add_verify(app);
+  reservoir::tools::add_export(app);
+  reservoir::tools::add_summary(app);
+  reservoir::tools::add_compare(app);
+  reservoir::tools::add_report(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

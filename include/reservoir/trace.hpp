@@ -68,15 +68,30 @@ struct ReplayProgram {
   std::vector<ReplayOp> ops;      // then the recorded requests, in order
   std::uint32_t id_count = 0;
   std::uint64_t recorded_events = 0;
+  // Per id: the context of its recorded alloc event (the trace's contexts;
+  // 0 when none or when the block was live before recording began).
+  std::vector<std::uint32_t> contexts;
 };
 // Blocks live at the start are those freed before any alloc at their address,
 // plus those still allocated at the end that no event touches.
 ReplayProgram compile(const Trace& trace);
 
+// Sees a replay as it runs: reports, summaries and progress build on it.
+class ReplayObserver {
+ public:
+  virtual ~ReplayObserver() = default;
+  virtual void on_start(CachingAllocator& /*allocator*/, const ReplayProgram& /*program*/) {}
+  // After each op (the initial ones first, then program.ops); `ptr` is what
+  // an alloc returned (null when it ran out of memory), else null.
+  virtual void on_op(std::uint64_t /*index*/, const ReplayOp& /*op*/, const void* /*ptr*/) {}
+  virtual void on_finish(CachingAllocator& /*allocator*/) {}
+};
+
 struct ReplayOptions {
   std::optional<std::uint64_t> capacity;  // device capacity; unlimited when empty
   std::optional<double> memory_fraction;  // set_memory_fraction before the replay
   bool validate_each_step = false;        // run the invariant validator after every op
+  ReplayObserver* observer = nullptr;     // not owned; also sees min_capacity's probes
 };
 
 struct ReplayResult {

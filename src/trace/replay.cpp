@@ -27,6 +27,8 @@ ReplayProgram compile(const Trace& trace) {
     switch (e.action) {
       case TraceAction::alloc: {
         const std::uint32_t id = next_id++;
+        if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
+        program.contexts[id] = e.context;
         live[e.addr] = id;
         touched.insert(e.addr);
         program.ops.push_back({ReplayOp::Kind::alloc, id, e.size, e.stream});
@@ -58,13 +60,17 @@ ReplayProgram compile(const Trace& trace) {
     for (const BlockInfo& b : s.blocks) {
       if (b.state == BlockState::inactive || touched.count(b.address) != 0) continue;
       const std::uint64_t size = b.requested_size != 0 ? b.requested_size : b.size;
-      initial.emplace_back(b.address, ReplayOp{ReplayOp::Kind::alloc, next_id++, size, s.stream});
+      const std::uint32_t id = next_id++;
+      if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
+      program.contexts[id] = b.context;
+      initial.emplace_back(b.address, ReplayOp{ReplayOp::Kind::alloc, id, size, s.stream});
     }
   }
   std::sort(initial.begin(), initial.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (auto& [addr, op] : initial) program.initial.push_back(op);
   program.id_count = next_id;
+  program.contexts.resize(next_id, 0);
   return program;
 }
 
@@ -99,6 +105,8 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   });
 
   std::vector<void*> pointers(program.id_count, nullptr);
+  ReplayObserver* const observer = options.observer;
+  if (observer != nullptr) observer->on_start(allocator, program);
   const auto start = std::chrono::steady_clock::now();
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
@@ -117,6 +125,9 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
       case ReplayOp::Kind::empty_cache: allocator.empty_cache(); break;
     }
     if (options.validate_each_step) allocator.validate();
+    if (observer != nullptr) {
+      observer->on_op(op_index, op, op.kind == ReplayOp::Kind::alloc ? pointers[op.id] : nullptr);
+    }
     ++op_index;
   };
   for (const ReplayOp& op : program.initial) run(op);
@@ -135,6 +146,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   result.num_ooms = s.num_ooms;
   result.device_call_seconds = device.estimated_ns() / 1e9;
   for (CallKind kind : kMemoryCallKinds) result.device_calls += device.calls(kind);
+  if (observer != nullptr) observer->on_finish(allocator);
   return result;
 }
 

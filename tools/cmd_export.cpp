@@ -1,0 +1,87 @@
+// reservoir export TRACE -o OUT [--format pickle|json|text] [-c CONFIG] [--capacity SIZE]
+#include <fmt/format.h>
+
+#include <fstream>
+#include <memory>
+
+#include "commands.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "support.hpp"
+
+namespace reservoir::tools {
+namespace {
+
+struct ExportArgs {
+  std::string trace;
+  std::string output;
+  std::string format = "auto";
+  std::optional<std::string> config;
+  std::string capacity;
+};
+
+std::string format_for(const ExportArgs& a) {
+  if (a.format != "auto") return a.format;
+  const std::string& o = a.output;
+  auto ends = [&](std::string_view s) { return o.size() >= s.size() && o.ends_with(s); };
+  if (ends(".pickle") || ends(".pkl")) return "pickle";
+  if (ends(".json")) return "json";
+  if (ends(".trace") || ends(".txt")) return "text";
+  throw UsageError(fmt::format(
+      "export: cannot tell the format of '{}' from its extension (.pickle, .json, .trace); "
+      "give --format",
+      o));
+}
+
+void run(const ExportArgs& args) {
+  const std::string format = format_for(args);
+  Trace trace = read_trace_file(args.trace);
+  if (args.config) {
+    // The trace as this config would have served it.
+    Recorder recorder(trace);
+    ReplayOptions options;
+    options.observer = &recorder;
+    if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+    const ReplayResult r =
+        replay(compile(trace), AllocatorConfig::parse(*args.config), *args.config, options);
+    trace = recorder.trace(trace.name, *args.config);
+    if (r.num_ooms > 0) {
+      fmt::print(stderr, "reservoir export: {} out-of-memory errors in the replay; the first, at {}\n",
+                 r.num_ooms, r.first_oom);
+    }
+  }
+  std::string out;
+  if (format == "pickle") {
+    out = write_pytorch_snapshot(trace);
+  } else if (format == "json") {
+    out = write_snapshot_json(trace);
+  } else {
+    out = write_text_trace(trace);
+  }
+  std::ofstream file(args.output, std::ios::binary);
+  if (!file) throw UsageError(fmt::format("export: cannot write '{}'", args.output));
+  file << out;
+  file.close();
+  if (!file) throw UsageError(fmt::format("export: writing '{}' failed", args.output));
+  fmt::print("{}: {} events, {} segments, written as {} ({})\n", args.output, trace.events.size(),
+             trace.final_state.segments.size(), format, format_size(out.size()));
+}
+
+}  // namespace
+
+void add_export(CLI::App& app) {
+  auto args = std::make_shared<ExportArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "export",
+      "Convert a trace (pickle, JSON, RMM CSV, text) to a PyTorch snapshot pickle for memory_viz, "
+      "JSON or text; with --config, the snapshot of its replay under that config");
+  cmd->add_option("trace", args->trace, "trace to read")->required()->check(CLI::ExistingFile);
+  cmd->add_option("-o,--output", args->output, "file to write")->required();
+  cmd->add_option("--format", args->format, "pickle, json or text (default: by extension)")
+      ->check(CLI::IsMember({"auto", "pickle", "json", "text"}));
+  cmd->add_option("--config,-c", args->config, "replay under this allocator config first");
+  cmd->add_option("--capacity", args->capacity, "device capacity for the replay, e.g. 24GiB");
+  cmd->callback([args] { run(*args); });
+}
+
+}  // namespace reservoir::tools

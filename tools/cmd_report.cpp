@@ -1,0 +1,1 @@
+namespace CLI { class App; } namespace reservoir::tools { void add_report(CLI::App&) {} }

@@ -1,0 +1,105 @@
+#include "support.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <limits>
+
+namespace reservoir::tools {
+
+std::string base_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
+
+const Frame* telling_frame(const Context& c) {
+  auto first = [&](auto&& pred) -> const Frame* {
+    for (const Frame& f : c.frames) {
+      if (pred(f)) return &f;
+    }
+    return nullptr;
+  };
+  auto python = [](const Frame& f) { return f.filename.ends_with(".py"); };
+  // User code first: Python outside the framework, then any Python, then
+  // any frame with a line, then the innermost.
+  if (const Frame* f = first([&](const Frame& f) {
+        return python(f) && f.filename.find("/site-packages/") == std::string::npos &&
+               f.filename.find("/dist-packages/") == std::string::npos;
+      })) {
+    return f;
+  }
+  if (const Frame* f = first(python)) return f;
+  if (const Frame* f = first([](const Frame& f) { return f.line > 0; })) return f;
+  return c.frames.empty() ? nullptr : &c.frames.front();
+}
+
+std::string context_label(const Trace& trace, std::uint32_t context) {
+  if (context == 0 || context >= trace.final_state.contexts.size()) return "(no context)";
+  const Context& c = trace.context(context);
+  std::string out = fmt::format("{}", fmt::join(c.annotations, "/"));
+  if (const Frame* telling = telling_frame(c)) {
+    const Frame& f = *telling;
+    if (!out.empty()) out += "  ";
+    out += f.line > 0 ? fmt::format("{}:{} {}", base_name(f.filename), f.line, f.name)
+                      : fmt::format("{} {}", base_name(f.filename), f.name);
+  }
+  return out.empty() ? "(no context)" : out;
+}
+
+void Recorder::on_start(CachingAllocator& allocator, const ReplayProgram& program) {
+  program_ = &program;
+  alloc_contexts_.clear();
+  allocator.record_history({.max_entries = std::numeric_limits<std::uint32_t>::max()});
+}
+
+void Recorder::on_op(std::uint64_t, const ReplayOp& op, const void* ptr) {
+  if (op.kind == ReplayOp::Kind::alloc && ptr != nullptr) {
+    alloc_contexts_.push_back(op.id < program_->contexts.size() ? program_->contexts[op.id] : 0);
+  }
+}
+
+void Recorder::on_finish(CachingAllocator& allocator) {
+  snapshot_ = allocator.snapshot();
+  summary_ = allocator.memory_summary(abbreviated_);
+}
+
+Trace Recorder::trace(const std::string& name, const std::string& config) const {
+  Trace out = to_trace(snapshot_, name, config);
+  out.final_state.contexts = source_.final_state.contexts;
+  std::unordered_map<DevicePtr, std::uint32_t> live;
+  std::size_t next = 0;
+  for (TraceEvent& e : out.events) {
+    e.context = 0;
+    if (e.action == TraceAction::alloc) {
+      e.context = next < alloc_contexts_.size() ? alloc_contexts_[next] : 0;
+      ++next;
+      live[e.addr] = e.context;
+    } else if (e.action == TraceAction::free_requested || e.action == TraceAction::free_completed) {
+      auto it = live.find(e.addr);
+      if (it != live.end()) {
+        e.context = it->second;
+        if (e.action == TraceAction::free_completed) live.erase(it);
+      }
+    }
+  }
+  for (SegmentInfo& s : out.final_state.segments) {
+    for (BlockInfo& b : s.blocks) {
+      auto it = live.find(b.address);
+      b.context = b.state != BlockState::inactive && it != live.end() ? it->second : 0;
+    }
+  }
+  return out;
+}
+
+Trace state_of(const std::string& path) {
+  Trace trace = read_trace_file(path);
+  if (!trace.final_state.segments.empty() || trace.events.empty()) return trace;
+  Recorder recorder(trace);
+  ReplayOptions options;
+  options.observer = &recorder;
+  const ReplayProgram program = compile(trace);
+  (void)replay(program, AllocatorConfig::parse(trace.recorded_config), trace.recorded_config,
+               options);
+  Trace replayed = recorder.trace(trace.name, trace.recorded_config);
+  replayed.format = trace.format + " (replayed)";
+  return replayed;
+}
+
+}  // namespace reservoir::tools

@@ -1,0 +1,53 @@
+// Helpers shared by the subcommands.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "reservoir/trace.hpp"
+
+namespace reservoir::tools {
+
+// The frame that best says where an allocation came from: user Python code
+// before framework Python, before native frames with a line, before the
+// innermost frame. Null when the context has no frames.
+const Frame* telling_frame(const Context& context);
+
+// A context in one line: annotations joined by '/', then the innermost
+// stack frame (file:line function), or "(no context)".
+std::string context_label(const Trace& trace, std::uint32_t context);
+
+// The file name of a path, for tables.
+std::string base_name(const std::string& path);
+
+// Replays with history on and gives the result as a trace whose events and
+// live blocks carry the contexts of the source trace's requests (the k-th
+// alloc the allocator records is the k-th request that succeeded).
+class Recorder : public ReplayObserver {
+ public:
+  explicit Recorder(const Trace& source, bool summary_abbreviated = false)
+      : source_(source), abbreviated_(summary_abbreviated) {}
+  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override;
+  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override;
+  void on_finish(CachingAllocator& allocator) override;
+
+  // The replayed trace: events, final segments, the source's contexts.
+  Trace trace(const std::string& name, const std::string& config) const;
+  const std::string& summary() const { return summary_; }
+
+ private:
+  const Trace& source_;
+  const bool abbreviated_;
+  const ReplayProgram* program_ = nullptr;
+  std::vector<std::uint32_t> alloc_contexts_;  // per successful alloc, in order
+  Snapshot snapshot_;
+  std::string summary_;
+};
+
+// A trace's final state: the recorded segments when it has them, else
+// those of a replay with its recorded settings (text and RMM traces).
+Trace state_of(const std::string& path);
+
+}  // namespace reservoir::tools
