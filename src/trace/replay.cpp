@@ -39,8 +39,11 @@ ReplayProgram compile(const Trace& trace) {
         std::uint32_t id = 0;
         auto it = live.find(e.addr);
         if (it == live.end()) {
-          // Live before recording began: allocate it first.
+          // Live before recording began: allocate it first. Its context is
+          // the free's (PyTorch gives a free the allocation's when it has none).
           id = next_id++;
+          if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
+          program.contexts[id] = e.context;
           initial.emplace_back(e.addr, ReplayOp{ReplayOp::Kind::alloc, id, e.size, e.stream});
         } else {
           id = it->second;
