@@ -1,0 +1,110 @@
+"""The HTML report in a real browser (Debian's chromium, driven by selenium).
+
+Usage: report_test.py RESERVOIR_BINARY OUTPUT_DIR TRACE...
+
+Writes a report for the traces under two configs, opens it in headless
+chromium and checks that it loads without console errors and without
+fetching anything, that every plot is drawn (series with their points,
+non-empty boxes), that the segment maps and tables are there, and that the
+screenshot shows the plot colours. The screenshot is kept in OUTPUT_DIR.
+"""
+import os
+import subprocess
+import sys
+
+from PIL import Image
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+
+binary, out_dir, traces = sys.argv[1], sys.argv[2], sys.argv[3:]
+os.makedirs(out_dir, exist_ok=True)
+report = os.path.join(out_dir, "report.html")
+shot = os.path.join(out_dir, "report_screenshot.png")
+configs = ["", "expandable_segments:True"]
+cmd = [binary, "report", *traces, "-o", report]
+for c in configs:
+    cmd += ["-c", c]
+subprocess.run(cmd, check=True, env={**os.environ, "RESERVOIR_PROGRESS": "0"})
+
+opts = webdriver.ChromeOptions()
+opts.binary_location = "/usr/bin/chromium"
+for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--window-size=1100,1600", "--force-device-scale-factor=1"):
+    opts.add_argument(arg)
+opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+failures = []
+try:
+    driver.get("file://" + os.path.abspath(report))
+    state = driver.execute_script("return document.readyState")
+    if state != "complete":
+        failures.append(f"document.readyState is {state}")
+    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    if errors:
+        failures.append(f"console errors: {errors}")
+    fetched = driver.execute_script("return performance.getEntriesByType('resource').length")
+    if fetched != 0:
+        failures.append(f"the report fetched {fetched} resources; it must be self-contained")
+
+    plots = driver.execute_script("""
+      return Array.from(document.querySelectorAll('svg.plot')).map(svg => {
+        const box = svg.getBoundingClientRect();
+        return {id: svg.id, width: box.width, height: box.height,
+                series: Array.from(svg.querySelectorAll('polyline.series')).map(p => ({
+                  name: p.dataset.series, points: p.points.numberOfItems,
+                  width: p.getBBox().width, height: p.getBBox().height}))};
+      });""")
+    # Per trace: one overlay of both configs, then one plot per config.
+    want_plots = len(traces) * (1 + len(configs))
+    if len(plots) != want_plots:
+        failures.append(f"{len(plots)} plots drawn, expected {want_plots}")
+    for p in plots:
+        if p["width"] < 800 or p["height"] < 200:
+            failures.append(f"plot {p['id']} is {p['width']}x{p['height']}")
+        if not p["series"]:
+            failures.append(f"plot {p['id']} has no series")
+        for s in p["series"]:
+            if s["points"] < 1000 or s["width"] < 700 or s["height"] <= 0:
+                failures.append(f"plot {p['id']} series {s['name']} drawn as {s}")
+
+    maps = driver.execute_script("""
+      return Array.from(document.querySelectorAll('svg.segmap')).map(svg => ({
+        blocks: svg.querySelectorAll('rect.block').length,
+        allocated: svg.querySelectorAll('rect.active_allocated').length,
+        drawn: Array.from(svg.querySelectorAll('rect.block')).filter(
+                 r => r.getBBox().width > 0).length}));""")
+    if len(maps) != len(traces) * len(configs):
+        failures.append(f"{len(maps)} segment maps, expected {len(traces) * len(configs)}")
+    for m in maps:
+        if m["allocated"] == 0 or m["drawn"] != m["blocks"]:
+            failures.append(f"segment map {m}")
+    rows = driver.execute_script(
+        "return document.querySelectorAll('table.summary tr').length - 1")
+    if rows != len(traces) * len(configs):
+        failures.append(f"summary table has {rows} rows, expected {len(traces) * len(configs)}")
+    largest = driver.execute_script("return document.querySelectorAll('table.largest').length")
+    if largest != len(traces) * len(configs):
+        failures.append(f"{largest} tables of largest allocations")
+
+    # The screenshot of the first screen: the overlay plot's two config colours and,
+    # below it, the first config's reserved area and requested line.
+    driver.execute_script("document.getElementById('plot0').scrollIntoView()")
+    driver.save_screenshot(shot)
+    img = Image.open(shot).convert("RGB")
+    counts = {}
+    for name, rgb in {"blue": (0x4e, 0x79, 0xa7), "orange": (0xf2, 0x8e, 0x2b),
+                      "red": (0xe1, 0x57, 0x59)}.items():
+        counts[name] = sum(1 for px in img.getdata()
+                           if all(abs(a - b) <= 12 for a, b in zip(px, rgb)))
+    for name, n in counts.items():
+        if n < 300:
+            failures.append(f"screenshot shows {n} pixels of the {name} series (< 300)")
+    print(f"plots {len(plots)}, segment maps {len(maps)}, summary rows {rows}, "
+          f"screenshot pixels {counts}, screenshot at {shot}")
+finally:
+    driver.quit()
+
+if failures:
+    print("FAILED:\n  " + "\n  ".join(failures))
+    sys.exit(1)
+print("report renders in chromium")
