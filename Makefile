@@ -6,7 +6,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
         libcli11-dev nlohmann-json3-dev clang libclang-rt-14-dev python3 \
         python3-torch python3-selenium python3-pil chromium chromium-driver
-TRACES := $(wildcard examples/traces/*.trace)
+TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
 SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
@@ -30,6 +30,7 @@ run: build
 	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
 	$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
 	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
+	$(BUILD)/bin/reservoir report $(TRACES) $(POLICIES) --min-capacity -o $(BUILD)/report.html
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS)

@@ -82,6 +82,13 @@ try:
         "return document.querySelectorAll('table.summary tr').length - 1")
     if rows != len(traces) * len(configs):
         failures.append(f"summary table has {rows} rows, expected {len(traces) * len(configs)}")
+    # Traces recorded with context name where their largest allocations came from.
+    annotated = driver.execute_script(
+        "return document.querySelectorAll('table.largest .ann').length")
+    with_frames = driver.execute_script(
+        "return document.querySelectorAll('table.largest details summary').length")
+    if any(t.endswith(".pickle") for t in traces) and (annotated == 0 or with_frames == 0):
+        failures.append(f"no annotations ({annotated}) or frames ({with_frames}) in the tables")
     largest = driver.execute_script("return document.querySelectorAll('table.largest').length")
     if largest != len(traces) * len(configs):
         failures.append(f"{largest} tables of largest allocations")
