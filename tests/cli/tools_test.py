@@ -112,10 +112,10 @@ rmm = os.path.join(src, "tests", "data", "rmm_log.csv")
 rows = json.loads(run("replay", rmm, "--json").stdout)
 check(rows[0]["peak_requested_bytes"] == 1048576 + 4194304 + 33554432, rows[0])
 check(rows[0]["allocations"] == 4, rows[0])
-bad = subprocess.run([binary, "replay", os.path.join(src, "tests", "data", "rmm_bad.csv")],
+bad = subprocess.run([binary, "replay", os.path.join(src, "tests", "data", "corrupt.csv")],
                      capture_output=True, text=True)
 check(bad.returncode == 2 and bad.stderr.strip() == (
-    "reservoir: RMM log " + os.path.join(src, "tests", "data", "rmm_bad.csv") +
+    "reservoir: RMM log " + os.path.join(src, "tests", "data", "corrupt.csv") +
     ": line 4: Pointer 0x7f8a40000000 is freed with Size 4096 but was allocated with 1048576 "
     "(line 2)"), bad.stderr)
 

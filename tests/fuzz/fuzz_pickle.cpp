@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <span>
+#include <string>
 
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
@@ -24,10 +25,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (reservoir::pickle::encode(again.root()) != once) std::abort();
   } catch (const reservoir::TraceError&) {
   }
+  reservoir::Trace t;
   try {
-    const reservoir::Trace t = reservoir::read_pytorch_snapshot(input, "fuzz");
+    t = reservoir::read_pytorch_snapshot(input, "fuzz");
     (void)reservoir::compile(t);
   } catch (const reservoir::TraceError&) {
+    return 0;
+  }
+  // What the reader accepts writes back and reads again to the same trace.
+  std::string written;
+  try {
+    written = reservoir::write_pytorch_snapshot(t);
+  } catch (const reservoir::ConfigError&) {
+    return 0;  // settings the reader passed through but no config accepts
+  }
+  const reservoir::Trace back = reservoir::read_pytorch_snapshot(
+      std::span(reinterpret_cast<const std::uint8_t*>(written.data()), written.size()), "fuzz");
+  if (back.events != t.events || back.final_state.contexts != t.final_state.contexts ||
+      back.final_state.segments != t.final_state.segments) {
+    std::abort();
   }
   return 0;
 }

@@ -307,5 +307,27 @@ TEST(RmmCsv, ErrorsNameTheLine) {
             "RMM log log.csv: line 2: contains a NUL byte");
 }
 
+// One corrupt file of each format the tools read, with the exact error.
+TEST(CorruptFiles, EachFormatNamesTheProblem) {
+  const std::string dir = std::string(RESERVOIR_SOURCE_DIR) + "/tests/data/";
+  auto error = [&](const std::string& name) {
+    return error_of([&] { (void)read_trace_file(dir + name); });
+  };
+  EXPECT_EQ(error("corrupt.pickle"), "snapshot " + dir +
+                                         "corrupt.pickle: pickle: byte 94: truncated: the pickle "
+                                         "ends before its STOP opcode");
+  EXPECT_EQ(error("corrupt.json"),
+            "snapshot " + dir +
+                "corrupt.json: byte 92: invalid JSON: [json.exception.parse_error.101] parse error "
+                "at line 1, column 93: syntax error while parsing object - unexpected end of "
+                "input; expected '}'");
+  EXPECT_EQ(error("corrupt.csv"), "RMM log " + dir +
+                                      "corrupt.csv: line 4: Pointer 0x7f8a40000000 is freed with "
+                                      "Size 4096 but was allocated with 1048576 (line 2)");
+  EXPECT_EQ(error("corrupt.trace"),
+            "trace " + dir + "corrupt.trace: line 3: block 2 is freed but not allocated");
+  EXPECT_EQ(error("no_such_file"), "trace " + dir + "no_such_file: cannot open the file");
+}
+
 }  // namespace
 }  // namespace reservoir

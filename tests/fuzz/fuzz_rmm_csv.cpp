@@ -1,0 +1,19 @@
+// libFuzzer target: RMM's CSV log reader, and compiling what it accepts.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/trace.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  try {
+    const reservoir::Trace t = reservoir::read_rmm_csv(text, "fuzz");
+    const reservoir::ReplayProgram p = reservoir::compile(t);
+    if (p.contexts.size() != p.id_count) std::abort();
+  } catch (const reservoir::TraceError&) {
+  }
+  return 0;
+}
