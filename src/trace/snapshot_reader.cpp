@@ -368,6 +368,9 @@ Trace read_snapshot_json(const std::string& text, const std::string& name, int d
     // e.byte is the 1-based offset of the problem.
     throw TraceError(fmt::format("snapshot {}: byte {}: invalid JSON: {}", name,
                                  e.byte == 0 ? 0 : e.byte - 1, e.what()));
+  } catch (const nlohmann::json::exception& e) {
+    // Valid syntax the parser still refuses (a number beyond a double).
+    throw TraceError(fmt::format("snapshot {}: invalid JSON: {}", name, e.what()));
   }
   pickle::Document doc;
   doc.set_root(from_json(j, doc, name));

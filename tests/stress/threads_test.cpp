@@ -2,6 +2,8 @@
 // checked when freed; blocks are handed between threads.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -9,6 +11,7 @@
 #include <thread>
 
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/history.hpp"
 #include "reservoir/host_device.hpp"
 #include "reservoir/sim_device.hpp"
 
@@ -108,6 +111,58 @@ TEST(Threads, StatsSnapshotsAndEmptyCacheWhileAllocating) {
   reader.join();
   allocator.validate();
   EXPECT_EQ(allocator.stats().allocation[0].current, 0);
+}
+
+// History under contention: threads annotate and allocate while another
+// switches history on and off, resizes it and takes snapshots.
+TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
+  SimDevice device;
+  CachingAllocator allocator(device, AllocatorConfig{});
+  allocator.record_history({.max_entries = 500, .stacks = true, .max_frames = 8});
+  std::atomic<bool> done{false};
+  constexpr int kThreads = 3;
+  std::vector<std::thread> workers;
+  for (int id = 0; id < kThreads; ++id) {
+    workers.emplace_back([&, id] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(id) + 7);
+      std::vector<void*> live;
+      for (int step = 0; step < 1500; ++step) {
+        ScopedAnnotation outer(fmt::format("worker{}", id));
+        ScopedAnnotation inner(step % 2 == 0 ? "even" : "odd");
+        if (!live.empty() && rng() % 2 == 0) {
+          allocator.deallocate(live.back());
+          live.pop_back();
+        } else {
+          live.push_back(allocator.allocate(1 + rng() % (4 << 20), rng() % 2));
+        }
+      }
+      for (void* p : live) allocator.deallocate(p);
+    });
+  }
+  std::size_t snapshots = 0;
+  std::size_t annotated = 0;
+  std::thread observer([&] {
+    for (int i = 0; !done; ++i) {
+      if (i % 7 == 3) allocator.record_history({.enabled = false});
+      if (i % 7 == 4) allocator.record_history({.max_entries = 100u + i % 300u, .stacks = i % 2 == 0});
+      const Snapshot s = allocator.snapshot();
+      ++snapshots;
+      for (const TraceEvent& e : s.history) {
+        const Context& c = s.contexts.at(e.context);
+        if (e.action != TraceAction::snapshot && !c.annotations.empty()) {
+          ++annotated;
+          ASSERT_EQ(c.annotations.size(), 2u);
+          ASSERT_EQ(c.annotations[0].rfind("worker", 0), 0u);
+        }
+      }
+    }
+  });
+  for (auto& t : workers) t.join();
+  done = true;
+  observer.join();
+  allocator.validate();
+  EXPECT_GT(snapshots, 0u);
+  EXPECT_GT(annotated, 0u);
 }
 
 }  // namespace

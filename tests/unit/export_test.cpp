@@ -226,6 +226,9 @@ TEST(Export, CorruptJsonGetsExactErrors) {
                  "\"size\": 1, \"stream\": 0, \"frames\": [{\"filename\": \"f\", \"line\": 1.5, "
                  "\"name\": \"g\"}]}]]}"),
             "snapshot s.json: device_traces[0][0].frames[0]: 'line' should be an int, found float");
+  EXPECT_EQ(read("{\"segments\": [1e999]}"),
+            "snapshot s.json: invalid JSON: [json.exception.out_of_range.406] number overflow "
+            "parsing '1e999'");
   EXPECT_EQ(read(std::string(100, '[') + std::string(100, ']')),
             "snapshot s.json: JSON nested deeper than 64");
   EXPECT_EQ(read("{\"segments\": [], \"device_traces\": [[{\"action\": \"alloc\", \"addr\": 1, "
