@@ -55,37 +55,28 @@ std::string esc(std::string_view s) {
   return out;
 }
 
-// Requested and reserved bytes after every op, kept as per-bucket maxima.
+// Allocated and reserved bytes after every op (the allocator's own
+// counters), kept as per-bucket maxima.
 class Timeline : public ReplayObserver {
  public:
   void on_start(CachingAllocator& allocator, const ReplayProgram& program) override {
+    allocator_ = &allocator;
     total_ = std::max<std::uint64_t>(1, program.initial.size() + program.ops.size());
-    requested_.assign(kBuckets, 0);
+    allocated_.assign(kBuckets, 0);
     reserved_.assign(kBuckets, 0);
-    allocator.attach_trace_tracker([this](const TraceEntry& e) {
-      switch (e.action) {
-        case TraceAction::alloc: now_requested_ += e.size; break;
-        case TraceAction::free_requested: now_requested_ -= e.size; break;
-        case TraceAction::segment_alloc:
-        case TraceAction::segment_map: now_reserved_ += e.size; break;
-        case TraceAction::segment_free:
-        case TraceAction::segment_unmap: now_reserved_ -= e.size; break;
-        default: break;
-      }
-    });
   }
   void on_op(std::uint64_t index, const ReplayOp&, const void*) override {
+    const DeviceStats s = allocator_->stats();
     const std::size_t b = static_cast<std::size_t>(index * kBuckets / total_);
-    requested_[b] = std::max(requested_[b], now_requested_);
-    reserved_[b] = std::max(reserved_[b], now_reserved_);
+    allocated_[b] = std::max(allocated_[b], static_cast<std::uint64_t>(s.allocated_bytes[0].current));
+    reserved_[b] = std::max(reserved_[b], static_cast<std::uint64_t>(s.reserved_bytes[0].current));
   }
   std::uint64_t total_ = 1;
-  std::vector<std::uint64_t> requested_;
+  std::vector<std::uint64_t> allocated_;
   std::vector<std::uint64_t> reserved_;
 
  private:
-  std::uint64_t now_requested_ = 0;
-  std::uint64_t now_reserved_ = 0;
+  const CachingAllocator* allocator_ = nullptr;
 };
 
 // The allocator's segments at one op, with each live block's request id.
@@ -434,7 +425,7 @@ void run(const ReportArgs& args) {
         body += fmt::format("<p class=\"oom\">{} out-of-memory errors; the first, at {}</p>\n",
                             x.num_ooms, esc(x.first_oom));
       }
-      body += plot({{"reserved", &r->timeline.reserved_}, {"requested (live)", &r->timeline.requested_}},
+      body += plot({{"reserved", &r->timeline.reserved_}, {"allocated", &r->timeline.allocated_}},
                    {"#4e79a7", "#e15759"}, x.ops, true, fmt::format("plot{}", plot_id++));
       body += fmt::format(
           "<h4>Segments when reserved memory peaked ({} at call {})</h4>\n<p class=\"note\">One row "
