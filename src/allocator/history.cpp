@@ -85,10 +85,11 @@ std::uint32_t History::intern_context(std::uint32_t annotation, std::uint32_t st
 
 namespace {
 
-// Frames of the allocator itself, at the inner end of a captured stack.
+// Frames of the allocator itself (and of the capture, when not inlined), at
+// the inner end of a captured stack.
 bool internal_frame(const Frame& f) {
   return f.name.starts_with("reservoir::CachingAllocator") ||
-         f.name.starts_with("reservoir::detail::History");
+         f.name.starts_with("reservoir::detail::");
 }
 
 }  // namespace
