@@ -65,6 +65,13 @@ class UsageError : public Error {
   using Error::Error;
 };
 
+// A backend that cannot run here (no GPU, no driver, no virtual memory
+// management); the message says what is missing.
+class DeviceUnavailableError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A broken internal invariant found by the validator.
 class InvariantError : public Error {
  public:

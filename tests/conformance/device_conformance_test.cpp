@@ -1,10 +1,15 @@
-// One typed suite every Device backend passes (the CUDA backends join it later).
+// One typed suite every Device backend passes. The CUDA backends run it here
+// on a fake CUDA (tests/unit/fake_cuda.hpp), and on a GPU in the gpu suite.
 #include <gtest/gtest.h>
 
 #include <memory>
 
 #include "reservoir/host_device.hpp"
 #include "reservoir/sim_device.hpp"
+#if RESERVOIR_WITH_CUDA
+#include "../unit/fake_cuda.hpp"
+#include "reservoir/cuda_device.hpp"
+#endif
 
 namespace reservoir {
 namespace {
@@ -26,6 +31,23 @@ std::unique_ptr<Device> make_device<HostDevice>(std::size_t capacity) {
   o.capacity = capacity;
   return std::make_unique<HostDevice>(o);
 }
+
+#if RESERVOIR_WITH_CUDA
+struct FakeCudaRuntime {};
+struct FakeCudaVmm {};
+template <>
+std::unique_ptr<Device> make_device<FakeCudaRuntime>(std::size_t capacity) {
+  testing::FakeCuda::get().reset(capacity);
+  static const CudaRuntimeApi api = testing::FakeCuda::runtime();
+  return std::make_unique<CudaRuntimeDevice>(api, 0);
+}
+template <>
+std::unique_ptr<Device> make_device<FakeCudaVmm>(std::size_t capacity) {
+  testing::FakeCuda::get().reset(capacity);
+  static const CudaDriverApi api = testing::FakeCuda::driver();
+  return std::make_unique<CudaVmmDevice>(api, CudaVmmOptions{});
+}
+#endif
 
 template <typename D>
 class DeviceConformance : public ::testing::Test {
@@ -60,13 +82,30 @@ TYPED_TEST_P(DeviceConformance, OutOfMemoryAndBadArguments) {
   EXPECT_EQ(d.allocate_segment(0, &a), Status::invalid_argument);
   EXPECT_EQ(d.free_segment(0x1234), Status::invalid_argument);
   PhysicalHandle h = 0;
+  if (!d.supports_virtual_memory()) {
+    EXPECT_EQ(d.create_physical(2 * kMiB, &h), Status::not_supported);
+    return;
+  }
   EXPECT_EQ(d.create_physical(d.granularity() + 1, &h), Status::invalid_argument);
   EXPECT_EQ(d.create_physical(66 * kMiB, &h), Status::out_of_memory);
 }
 
 TYPED_TEST_P(DeviceConformance, VirtualMemoryProtocol) {
   Device& d = *this->device_;
-  ASSERT_TRUE(d.supports_virtual_memory());
+  if (!d.supports_virtual_memory()) {
+    // A backend without virtual memory says so for every operation.
+    DevicePtr va = 0;
+    PhysicalHandle h = 0;
+    EXPECT_EQ(d.granularity(), 0u);
+    EXPECT_EQ(d.reserve(2 * kMiB, 0, &va), Status::not_supported);
+    EXPECT_EQ(d.unreserve(0x200000, 2 * kMiB), Status::not_supported);
+    EXPECT_EQ(d.create_physical(2 * kMiB, &h), Status::not_supported);
+    EXPECT_EQ(d.release_physical(1), Status::not_supported);
+    EXPECT_EQ(d.map(0x200000, 2 * kMiB, 1, 0), Status::not_supported);
+    EXPECT_EQ(d.unmap(0x200000, 2 * kMiB), Status::not_supported);
+    EXPECT_EQ(d.set_access(0x200000, 2 * kMiB), Status::not_supported);
+    return;
+  }
   const std::size_t g = d.granularity();
   DevicePtr va = 0;
   ASSERT_EQ(d.reserve(8 * g, 0, &va), Status::ok);
@@ -131,7 +170,11 @@ TYPED_TEST_P(DeviceConformance, CopiesValidateArguments) {
 REGISTER_TYPED_TEST_SUITE_P(DeviceConformance, SegmentsAreAlignedDisjointAndCounted,
                             OutOfMemoryAndBadArguments, VirtualMemoryProtocol,
                             EventsCompleteAndSynchronize, CopiesValidateArguments);
+#if RESERVOIR_WITH_CUDA
+using Backends = ::testing::Types<SimDevice, HostDevice, FakeCudaRuntime, FakeCudaVmm>;
+#else
 using Backends = ::testing::Types<SimDevice, HostDevice>;
+#endif
 INSTANTIATE_TYPED_TEST_SUITE_P(All, DeviceConformance, Backends);
 
 // SimDevice-only controls.

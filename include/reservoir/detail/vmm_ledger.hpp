@@ -45,6 +45,13 @@ class VmmLedger {
   Status check_unmap(DevicePtr va, std::size_t bytes) const noexcept;
   // Removes the mappings; returns the bytes of released handles this dropped.
   std::size_t remove_mappings(DevicePtr va, std::size_t bytes);
+  // The mappings lying in [va, va + bytes), in address order: f(va, bytes).
+  template <typename F>
+  void for_each_mapping_in(DevicePtr va, std::size_t bytes, F&& f) const {
+    for (auto it = mappings_.lower_bound(va); it != mappings_.end() && it->first < va + bytes; ++it) {
+      f(it->first, it->second.bytes);
+    }
+  }
   // set_access: every byte of the range is mapped.
   Status check_mapped(DevicePtr va, std::size_t bytes) const noexcept;
 

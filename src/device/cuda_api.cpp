@@ -1,0 +1,144 @@
+#include "cuda_api.hpp"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+#include <mutex>
+
+#include "reservoir/device.hpp"
+
+namespace reservoir {
+namespace {
+
+template <typename Table>
+struct Loaded {
+  std::once_flag once;
+  Table table{};
+  const Table* ok = nullptr;
+  std::string why;
+};
+
+// Opens the first library of `names` that loads; resolves every entry of
+// the table with `bind`, which returns false (with *why) on a missing symbol.
+template <typename Table, typename Bind>
+void load(Loaded<Table>& l, std::initializer_list<const char*> names, Bind&& bind) {
+  void* lib = nullptr;
+  std::string tried;
+  for (const char* name : names) {
+    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (lib != nullptr) break;
+    const char* err = dlerror();
+    tried += fmt::format("{}{}", tried.empty() ? "" : "; ", err != nullptr ? err : name);
+  }
+  if (lib == nullptr) {
+    l.why = tried;
+    return;
+  }
+  if (bind(lib, l.table, &l.why)) l.ok = &l.table;  // the library stays open for the process
+}
+
+template <typename F>
+bool sym(void* lib, F*& out, const char* name, std::string* why) {
+  out = reinterpret_cast<F*>(dlsym(lib, name));
+  if (out == nullptr) *why = fmt::format("symbol {} not found", name);
+  return out != nullptr;
+}
+
+}  // namespace
+
+const CudaDriverApi* load_cuda_driver(std::string* why) {
+  static Loaded<CudaDriverApi> l;
+  std::call_once(l.once, [] {
+    load(l, {"libcuda.so.1", "libcuda.so"}, [](void* lib, CudaDriverApi& t, std::string* w) {
+      return sym(lib, t.cuInit, "cuInit", w) && sym(lib, t.cuDeviceGet, "cuDeviceGet", w) &&
+             sym(lib, t.cuDeviceGetAttribute, "cuDeviceGetAttribute", w) &&
+             sym(lib, t.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", w) &&
+             sym(lib, t.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", w) &&
+             sym(lib, t.cuCtxGetCurrent, "cuCtxGetCurrent", w) &&
+             sym(lib, t.cuCtxSetCurrent, "cuCtxSetCurrent", w) &&
+             sym(lib, t.cuCtxSynchronize, "cuCtxSynchronize", w) &&
+             sym(lib, t.cuGetErrorName, "cuGetErrorName", w) &&
+             sym(lib, t.cuMemGetInfo, "cuMemGetInfo_v2", w) &&
+             sym(lib, t.cuMemAlloc, "cuMemAlloc_v2", w) && sym(lib, t.cuMemFree, "cuMemFree_v2", w) &&
+             sym(lib, t.cuMemAddressReserve, "cuMemAddressReserve", w) &&
+             sym(lib, t.cuMemAddressFree, "cuMemAddressFree", w) &&
+             sym(lib, t.cuMemCreate, "cuMemCreate", w) && sym(lib, t.cuMemRelease, "cuMemRelease", w) &&
+             sym(lib, t.cuMemMap, "cuMemMap", w) && sym(lib, t.cuMemUnmap, "cuMemUnmap", w) &&
+             sym(lib, t.cuMemSetAccess, "cuMemSetAccess", w) &&
+             sym(lib, t.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", w) &&
+             sym(lib, t.cuEventCreate, "cuEventCreate", w) &&
+             sym(lib, t.cuEventDestroy, "cuEventDestroy_v2", w) &&
+             sym(lib, t.cuEventRecord, "cuEventRecord", w) &&
+             sym(lib, t.cuEventQuery, "cuEventQuery", w) &&
+             sym(lib, t.cuEventSynchronize, "cuEventSynchronize", w) &&
+             sym(lib, t.cuStreamSynchronize, "cuStreamSynchronize", w) &&
+             sym(lib, t.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", w) &&
+             sym(lib, t.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", w);
+    });
+    if (l.ok != nullptr) {
+      // cuInit fails where the library exists but no driver or device does.
+      if (const CUresult r = l.ok->cuInit(0); r != CUDA_SUCCESS) {
+        const char* name = nullptr;
+        l.ok->cuGetErrorName(r, &name);
+        l.why = fmt::format("cuInit failed with {}", name != nullptr ? name : "an unknown error");
+        l.ok = nullptr;
+      }
+    }
+  });
+  if (l.ok == nullptr && why != nullptr) *why = "CUDA driver unavailable: " + l.why;
+  return l.ok;
+}
+
+const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
+  static Loaded<CudaRuntimeApi> l;
+  std::call_once(l.once, [] {
+    load(l, {"libcudart.so.13", "libcudart.so.12", "libcudart.so"},
+         [](void* lib, CudaRuntimeApi& t, std::string* w) {
+           return sym(lib, t.cudaSetDevice, "cudaSetDevice", w) &&
+                  sym(lib, t.cudaGetDevice, "cudaGetDevice", w) &&
+                  sym(lib, t.cudaGetLastError, "cudaGetLastError", w) &&
+                  sym(lib, t.cudaGetErrorName, "cudaGetErrorName", w) &&
+                  sym(lib, t.cudaMalloc, "cudaMalloc", w) && sym(lib, t.cudaFree, "cudaFree", w) &&
+                  sym(lib, t.cudaMemGetInfo, "cudaMemGetInfo", w) &&
+                  sym(lib, t.cudaEventCreateWithFlags, "cudaEventCreateWithFlags", w) &&
+                  sym(lib, t.cudaEventDestroy, "cudaEventDestroy", w) &&
+                  sym(lib, t.cudaEventRecord, "cudaEventRecord", w) &&
+                  sym(lib, t.cudaEventQuery, "cudaEventQuery", w) &&
+                  sym(lib, t.cudaEventSynchronize, "cudaEventSynchronize", w) &&
+                  sym(lib, t.cudaStreamSynchronize, "cudaStreamSynchronize", w) &&
+                  sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
+                  sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w);
+         });
+  });
+  if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;
+  return l.ok;
+}
+
+Status status_of(CUresult r) noexcept {
+  switch (r) {
+    case CUDA_SUCCESS: return Status::ok;
+    case CUDA_ERROR_OUT_OF_MEMORY: return Status::out_of_memory;
+    case CUDA_ERROR_INVALID_VALUE:
+    case CUDA_ERROR_INVALID_HANDLE:
+    case CUDA_ERROR_NOT_MAPPED:
+    case CUDA_ERROR_ALREADY_MAPPED: return Status::invalid_argument;
+    case CUDA_ERROR_NOT_SUPPORTED: return Status::not_supported;
+    case CUDA_ERROR_NOT_READY: return Status::not_ready;
+    default: return Status::device_error;
+  }
+}
+
+Status status_of(cudaError_t r) noexcept {
+  switch (r) {
+    case cudaSuccess: return Status::ok;
+    case cudaErrorMemoryAllocation: return Status::out_of_memory;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle: return Status::invalid_argument;
+    case cudaErrorNotSupported: return Status::not_supported;
+    case cudaErrorNotReady: return Status::not_ready;
+    default: return Status::device_error;
+  }
+}
+
+}  // namespace reservoir

@@ -1,0 +1,81 @@
+// The CUDA entry points the CUDA backends use, as tables of function
+// pointers. The real tables are loaded at run time (dlopen of the CUDA
+// runtime, and of the driver, libcuda.so.1), so nothing links against CUDA
+// and the library loads on a machine without a driver; tests pass fake tables
+// that implement the same functions on the CPU.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "reservoir/device.hpp"
+
+namespace reservoir {
+
+// The driver API (CudaVmmDevice). Names are the versioned symbols cuda.h maps
+// its macros to (cuMemGetInfo is cuMemGetInfo_v2, and so on).
+struct CudaDriverApi {
+  CUresult (*cuInit)(unsigned int);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuCtxSynchronize)();
+  CUresult (*cuGetErrorName)(CUresult, const char**);
+  CUresult (*cuMemGetInfo)(size_t*, size_t*);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                          unsigned long long);
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long);
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
+                                            CUmemAllocationGranularity_flags);
+  CUresult (*cuEventCreate)(CUevent*, unsigned int);
+  CUresult (*cuEventDestroy)(CUevent);
+  CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventQuery)(CUevent);
+  CUresult (*cuEventSynchronize)(CUevent);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
+};
+
+// The runtime API (CudaRuntimeDevice: what PyTorch's allocator calls).
+struct CudaRuntimeApi {
+  cudaError_t (*cudaSetDevice)(int);
+  cudaError_t (*cudaGetDevice)(int*);
+  cudaError_t (*cudaGetLastError)();
+  const char* (*cudaGetErrorName)(cudaError_t);
+  cudaError_t (*cudaMalloc)(void**, size_t);
+  cudaError_t (*cudaFree)(void*);
+  cudaError_t (*cudaMemGetInfo)(size_t*, size_t*);
+  cudaError_t (*cudaEventCreateWithFlags)(cudaEvent_t*, unsigned int);
+  cudaError_t (*cudaEventDestroy)(cudaEvent_t);
+  cudaError_t (*cudaEventRecord)(cudaEvent_t, cudaStream_t);
+  cudaError_t (*cudaEventQuery)(cudaEvent_t);
+  cudaError_t (*cudaEventSynchronize)(cudaEvent_t);
+  cudaError_t (*cudaStreamSynchronize)(cudaStream_t);
+  cudaError_t (*cudaDeviceSynchronize)();
+  cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
+};
+
+// The process's tables, loaded once; null with *why set when CUDA cannot be
+// loaded here (no driver, no runtime library, a symbol missing).
+const CudaDriverApi* load_cuda_driver(std::string* why);
+const CudaRuntimeApi* load_cuda_runtime(std::string* why);
+
+// Status for a driver or runtime result.
+Status status_of(CUresult r) noexcept;
+Status status_of(cudaError_t r) noexcept;
+
+}  // namespace reservoir
