@@ -1,0 +1,232 @@
+// libreservoir_torch.so: reservoir as PyTorch's CUDA allocator, through
+// torch.cuda.memory.CUDAPluggableAllocator(path, "reservoir_torch_malloc",
+// "reservoir_torch_free") (python/reservoir_torch.py installs it).
+//
+// One CachingAllocator per GPU, created on first use, on the backend
+// RESERVOIR_TORCH_DEVICE names (cuda-runtime by default; cuda-vmm for the
+// expandable and paging policies; sim or host to exercise the library
+// without a GPU), configured by RESERVOIR_ALLOC_CONF (else
+// PYTORCH_CUDA_ALLOC_CONF). Beside malloc and free it exports the optional
+// hooks PyTorch's CUDAPluggableAllocator accepts (init, reset, memory
+// fraction, record_stream, begin/end allocate to pool, release pool), with
+// its signatures, and C functions for stats, summary and snapshots.
+#include <fmt/format.h>
+#include <sys/types.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/cuda_device.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/host_device.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+
+struct CUstream_st;  // cudaStream_t, without CUDA's headers
+
+namespace {
+
+using reservoir::AllocatorConfig;
+using reservoir::CachingAllocator;
+
+constexpr int kMaxDevices = 64;
+
+struct PerDevice {
+  std::unique_ptr<reservoir::Device> device;
+  std::unique_ptr<CachingAllocator> allocator;
+};
+
+std::mutex mutex;
+std::array<PerDevice, kMaxDevices> devices;
+thread_local std::string last_error;
+
+std::string backend_kind(const AllocatorConfig& config) {
+  if (const char* kind = std::getenv("RESERVOIR_TORCH_DEVICE"); kind != nullptr && *kind != '\0') {
+    return kind;
+  }
+  const bool vm = config.expandable_segments || config.policy != reservoir::Policy::native;
+  return vm ? "cuda-vmm" : "cuda-runtime";
+}
+
+// The allocator of a device, created on first use. Throws on failure.
+CachingAllocator& allocator_for(int device) {
+  if (device < 0 || device >= kMaxDevices) {
+    throw reservoir::UsageError(fmt::format("reservoir_torch: device {} out of range", device));
+  }
+  std::lock_guard lock(mutex);
+  PerDevice& d = devices[static_cast<std::size_t>(device)];
+  if (!d.allocator) {
+    const AllocatorConfig config = AllocatorConfig::from_env();
+    const std::string kind = backend_kind(config);
+    if (kind == "cuda-runtime") {
+      d.device = reservoir::CudaRuntimeDevice::open(device);
+    } else if (kind == "cuda-vmm") {
+      d.device = reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
+    } else if (kind == "sim") {
+      reservoir::SimDeviceOptions o;
+      o.auto_complete_events = true;
+      d.device = std::make_unique<reservoir::SimDevice>(o);
+    } else if (kind == "host") {
+      d.device = std::make_unique<reservoir::HostDevice>();
+    } else {
+      throw reservoir::UsageError(fmt::format(
+          "RESERVOIR_TORCH_DEVICE='{}' is not cuda-runtime, cuda-vmm, sim or host", kind));
+    }
+    d.allocator = std::make_unique<CachingAllocator>(*d.device, config, device);
+  }
+  return *d.allocator;
+}
+
+template <typename F>
+bool guarded(F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+    return false;
+  }
+}
+
+char* copy_string(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) std::memcpy(out, s.data(), s.size() + 1);
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size, int device,
+                                                                     CUstream_st* stream) {
+  void* p = nullptr;
+  if (!guarded([&] {
+        p = allocator_for(device).allocate(static_cast<std::size_t>(size),
+                                           reinterpret_cast<reservoir::StreamId>(stream));
+      })) {
+    // PyTorch turns a null result into its out-of-memory error; say why here.
+    std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
+  }
+  return p;
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_free(void* ptr, ssize_t, int device,
+                                                                 CUstream_st*) {
+  if (!guarded([&] { allocator_for(device).deallocate(ptr); })) {
+    std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
+  }
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_init(int device_count) {
+  (void)device_count;  // allocators are created per device on first use
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_reset() {
+  std::lock_guard lock(mutex);
+  for (PerDevice& d : devices) {
+    if (d.allocator) d.allocator->empty_cache();
+  }
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_set_memory_fraction(double fraction,
+                                                                                int device) {
+  (void)guarded([&] { allocator_for(device).set_memory_fraction(fraction); });
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_record_stream(void* ptr,
+                                                                          CUstream_st* stream) {
+  (void)guarded([&] {
+    std::lock_guard lock(mutex);
+    for (PerDevice& d : devices) {
+      if (!d.allocator) continue;
+      try {
+        d.allocator->record_stream(ptr, reinterpret_cast<reservoir::StreamId>(stream));
+        return;
+      } catch (const reservoir::InvalidPointerError&) {
+        // not this device's
+      }
+    }
+    throw reservoir::InvalidPointerError(
+        fmt::format("record_stream: {} is not a live allocation of any device", ptr));
+  });
+}
+
+__attribute__((visibility("default"))) const char* reservoir_torch_last_error() {
+  return last_error.c_str();
+}
+
+// JSON of torch.cuda.memory_stats() keys; free with free(). Null on error.
+__attribute__((visibility("default"))) char* reservoir_torch_stats_json(int device) {
+  char* out = nullptr;
+  (void)guarded([&] { out = copy_string(nlohmann::json(allocator_for(device).stats_map()).dump()); });
+  return out;
+}
+
+__attribute__((visibility("default"))) char* reservoir_torch_memory_summary(int device,
+                                                                            int abbreviated) {
+  char* out = nullptr;
+  (void)guarded([&] { out = copy_string(allocator_for(device).memory_summary(abbreviated != 0)); });
+  return out;
+}
+
+__attribute__((visibility("default"))) int reservoir_torch_record_history(int device, int enabled,
+                                                                          size_t max_entries,
+                                                                          int stacks) {
+  return guarded([&] {
+    allocator_for(device).record_history({.enabled = enabled != 0,
+                                          .max_entries = max_entries,
+                                          .stacks = stacks != 0,
+                                          .max_frames = 32});
+  }) ? 0 : -1;
+}
+
+// The snapshot as a PyTorch pickle, written to path (for memory_viz).
+__attribute__((visibility("default"))) int reservoir_torch_dump_snapshot(int device,
+                                                                         const char* path) {
+  return guarded([&] {
+    CachingAllocator& a = allocator_for(device);
+    const std::string bytes = reservoir::write_pytorch_snapshot(
+        reservoir::to_trace(a.snapshot(), path, a.config().to_string()));
+    std::FILE* f = std::fopen(path, "wb");
+    if (f == nullptr) throw reservoir::UsageError(fmt::format("cannot write '{}'", path));
+    const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+    if (std::fclose(f) != 0 || !ok) throw reservoir::UsageError(fmt::format("writing '{}' failed", path));
+  }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_empty_cache() { reservoir_torch_reset(); }
+
+}  // extern "C"
+
+// The pool hooks, with the C++ signatures CUDAPluggableAllocator's setters
+// take (MempoolId_t is a pair of unsigned long long).
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
+
+__attribute__((visibility("default"))) void reservoir_torch_begin_allocate_to_pool(
+    int device, MempoolId pool, std::function<bool(CUstream_st*)> filter) {
+  (void)guarded([&] {
+    allocator_for(device).begin_allocate_to_pool(
+        {pool.first, pool.second}, [filter = std::move(filter)](reservoir::StreamId s) {
+          return filter(reinterpret_cast<CUstream_st*>(s));
+        });
+  });
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_end_allocate_to_pool(int device,
+                                                                                 MempoolId pool) {
+  (void)guarded([&] { allocator_for(device).end_allocate_to_pool({pool.first, pool.second}); });
+}
+
+__attribute__((visibility("default"))) void reservoir_torch_release_pool(int device, MempoolId pool) {
+  (void)guarded([&] { allocator_for(device).release_pool({pool.first, pool.second}); });
+}
