@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
 echo "== $(date -u +%Y-%m-%d) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi: not found')"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" -j "$(nproc)" --target gpu_test gpu_bench
+cmake --build "$build" -j "$(nproc)" --target gpu_test gpu_bench reservoir_torch
 echo "== GPU tests"
 (cd "$build" && ctest -L gpu --output-on-failure)
 echo "== GPU benchmarks"
