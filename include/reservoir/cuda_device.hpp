@@ -127,6 +127,7 @@ class CudaVmmDevice final : public Device {
 
  private:
   class Current;
+  bool live_event(EventId event) const;
   const CudaDriverApi& api_;
   CudaVmmOptions options_;
   int cu_device_ = 0;

@@ -236,6 +236,11 @@ Status CudaVmmDevice::create_event(EventId* event) noexcept {
   return Status::ok;
 }
 
+bool CudaVmmDevice::live_event(EventId event) const {
+  std::lock_guard lock(mutex_);
+  return events_.count(event) != 0;
+}
+
 Status CudaVmmDevice::destroy_event(EventId event) noexcept {
   std::lock_guard lock(mutex_);
   if (events_.count(event) == 0) return Status::invalid_argument;
@@ -246,28 +251,19 @@ Status CudaVmmDevice::destroy_event(EventId event) noexcept {
 }
 
 Status CudaVmmDevice::record_event(EventId event, StreamId stream) noexcept {
-  {
-    std::lock_guard lock(mutex_);
-    if (events_.count(event) == 0) return Status::invalid_argument;
-  }
+  if (!live_event(event)) return Status::invalid_argument;
   RESERVOIR_CURRENT();
   return status_of(api_.cuEventRecord(event_of(event), stream_of(stream)));
 }
 
 Status CudaVmmDevice::query_event(EventId event) noexcept {
-  {
-    std::lock_guard lock(mutex_);
-    if (events_.count(event) == 0) return Status::invalid_argument;
-  }
+  if (!live_event(event)) return Status::invalid_argument;
   RESERVOIR_CURRENT();
   return status_of(api_.cuEventQuery(event_of(event)));
 }
 
 Status CudaVmmDevice::synchronize_event(EventId event) noexcept {
-  {
-    std::lock_guard lock(mutex_);
-    if (events_.count(event) == 0) return Status::invalid_argument;
-  }
+  if (!live_event(event)) return Status::invalid_argument;
   RESERVOIR_CURRENT();
   return status_of(api_.cuEventSynchronize(event_of(event)));
 }
