@@ -27,6 +27,7 @@
 #include "reservoir/detail/vmm_ledger.hpp"
 #include "reservoir/device.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/host_caching_allocator.hpp"
 
 namespace reservoir {
 
@@ -78,6 +79,21 @@ class CudaRuntimeDevice final : public Device {
   mutable std::mutex mutex_;  // guards the sets below
   std::unordered_map<DevicePtr, std::size_t> segments_;
   std::unordered_map<EventId, bool> events_;
+};
+
+// Pinned host memory from cudaHostAlloc, for HostCachingAllocator.
+class CudaPinnedMemory final : public PinnedMemorySource {
+ public:
+  // Throws DeviceUnavailableError when the CUDA runtime or driver is missing.
+  static std::unique_ptr<CudaPinnedMemory> open();
+  explicit CudaPinnedMemory(const CudaRuntimeApi& api) : api_(api) {}
+  Status allocate(std::size_t bytes, void** ptr) noexcept override;
+  Status free(void* ptr) noexcept override;
+
+ private:
+  const CudaRuntimeApi& api_;
+  std::mutex mutex_;
+  std::unordered_map<void*, std::size_t> live_;
 };
 
 struct CudaVmmOptions {

@@ -107,7 +107,9 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaEventSynchronize, "cudaEventSynchronize", w) &&
                   sym(lib, t.cudaStreamSynchronize, "cudaStreamSynchronize", w) &&
                   sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
-                  sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w);
+                  sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
+                  sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&
+                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w);
          });
   });
   if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;

@@ -67,6 +67,8 @@ struct CudaRuntimeApi {
   cudaError_t (*cudaStreamSynchronize)(cudaStream_t);
   cudaError_t (*cudaDeviceSynchronize)();
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
+  cudaError_t (*cudaHostAlloc)(void**, size_t, unsigned int);
+  cudaError_t (*cudaFreeHost)(void*);
 };
 
 // The process's tables, loaded once; null with *why set when CUDA cannot be

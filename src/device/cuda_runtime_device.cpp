@@ -168,4 +168,39 @@ Status CudaRuntimeDevice::copy_to_device(DevicePtr dst, const void* src, std::si
                                         cudaMemcpyHostToDevice, stream_of(stream)));
 }
 
+std::unique_ptr<CudaPinnedMemory> CudaPinnedMemory::open() {
+  std::string why;
+  const CudaRuntimeApi* api = load_cuda_runtime(&why);
+  if (api == nullptr) throw DeviceUnavailableError(why);
+  if (load_cuda_driver(&why) == nullptr) throw DeviceUnavailableError(why);
+  return std::make_unique<CudaPinnedMemory>(*api);
+}
+
+Status CudaPinnedMemory::allocate(std::size_t bytes, void** ptr) noexcept {
+  if (bytes == 0 || ptr == nullptr) return Status::invalid_argument;
+  void* p = nullptr;
+  const cudaError_t r = api_.cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (r != cudaSuccess) {
+    (void)api_.cudaGetLastError();
+    return status_of(r);
+  }
+  std::lock_guard lock(mutex_);
+  live_.emplace(p, bytes);
+  *ptr = p;
+  return Status::ok;
+}
+
+Status CudaPinnedMemory::free(void* ptr) noexcept {
+  {
+    std::lock_guard lock(mutex_);
+    if (live_.count(ptr) == 0) return Status::invalid_argument;
+  }
+  const Status s = status_of(api_.cudaFreeHost(ptr));
+  if (s == Status::ok) {
+    std::lock_guard lock(mutex_);
+    live_.erase(ptr);
+  }
+  return s;
+}
+
 }  // namespace reservoir

@@ -10,6 +10,7 @@ constexpr const char* kWhy = "reservoir was built without CUDA (cuda.h was not f
 
 std::string cuda_unavailable_reason() { return kWhy; }
 std::unique_ptr<CudaRuntimeDevice> CudaRuntimeDevice::open(int) { throw DeviceUnavailableError(kWhy); }
+std::unique_ptr<CudaPinnedMemory> CudaPinnedMemory::open() { throw DeviceUnavailableError(kWhy); }
 std::unique_ptr<CudaVmmDevice> CudaVmmDevice::open(const CudaVmmOptions&) {
   throw DeviceUnavailableError(kWhy);
 }

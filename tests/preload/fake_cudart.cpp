@@ -81,4 +81,13 @@ cudaError_t cudaMemcpyAsync(void*, const void*, size_t, cudaMemcpyKind, cudaStre
   return cudaSuccess;
 }
 
+cudaError_t cudaHostAlloc(void** p, size_t size, unsigned int) {
+  *p = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
+  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+
 }  // extern "C"

@@ -8,6 +8,8 @@
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/cuda_device.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/host_caching_allocator.hpp"
+#include "reservoir/sim_device.hpp"
 
 namespace reservoir::testing {
 namespace {
@@ -155,6 +157,26 @@ TEST(CudaRuntime, CallsRunOnItsDeviceAndRestoreTheCallers) {
   EXPECT_EQ(fake().runtime_device, 0);
   EXPECT_THROW(CudaRuntimeDevice(runtime(), 5), DeviceUnavailableError);
   ASSERT_EQ(d.free_segment(p), Status::ok);
+}
+
+TEST(CudaPinned, HostCacheOnCudaHostAlloc) {
+  fake().reset(64 * kMiB);
+  CudaPinnedMemory pinned(runtime());
+  SimDevice events;
+  {
+    HostCachingAllocator cache(pinned, events);
+    void* p = cache.allocate(3000);
+    EXPECT_EQ(fake().allocations.at(reinterpret_cast<std::uintptr_t>(p)), 4096u);
+    EXPECT_EQ(std::count(fake().calls.begin(), fake().calls.end(), "cudaHostAlloc(default)"), 1);
+    cache.deallocate(p);
+    EXPECT_EQ(cache.allocate(4096), p);
+    cache.deallocate(p);
+    EXPECT_THROW((void)cache.allocate(65 * kMiB), OutOfMemoryError);
+    EXPECT_EQ(fake().sticky_error, 0);
+  }
+  EXPECT_TRUE(fake().allocations.empty());  // the cache gave everything back
+  int local = 0;
+  EXPECT_EQ(pinned.free(&local), Status::invalid_argument);
 }
 
 // A driver call failing in the middle of a multi-page allocation: the

@@ -234,6 +234,24 @@ cudaError_t cudaMemcpyAsync(void*, const void*, size_t, cudaMemcpyKind, cudaStre
   return cudaSuccess;
 }
 
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int flags) {
+  f().calls.push_back(flags == cudaHostAllocDefault ? "cudaHostAlloc(default)" : "cudaHostAlloc(flags)");
+  FAIL_IF_INJECTED("cudaHostAlloc", cudaError_t);
+  if (bytes > f().capacity - f().used) return cudaErrorMemoryAllocation;
+  f().used += bytes;
+  *p = reinterpret_cast<void*>(f().next_address);
+  f().allocations.emplace(f().next_address, bytes);
+  f().next_address = align_up(f().next_address + bytes, 2 << 20);
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  auto it = f().allocations.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == f().allocations.end()) return cudaErrorInvalidValue;
+  f().used -= it->second;
+  f().allocations.erase(it);
+  return cudaSuccess;
+}
+
 }  // namespace
 
 FakeCuda& FakeCuda::get() {
@@ -280,7 +298,8 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaGetErrorName, cudaMalloc,             cudaFree,
                         cudaMemGetInfo,  cudaEventCreateWithFlags, cudaEventDestroy,
                         cudaEventRecord, cudaEventQuery,          cudaEventSynchronize,
-                        cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpyAsync};
+                        cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpyAsync,
+                        cudaHostAlloc,   cudaFreeHost};
 }
 
 }  // namespace reservoir::testing
