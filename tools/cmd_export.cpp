@@ -40,10 +40,8 @@ void run(const ExportArgs& args) {
     // The trace as this config would have served it.
     Recorder recorder(trace);
     ReplayOptions options;
-    options.observer = &recorder;
     if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
-    const ReplayResult r =
-        replay(compile(trace), AllocatorConfig::parse(*args.config), *args.config, options);
+    const ReplayResult r = recorder.run(*args.config, options);
     trace = recorder.trace(trace.name, *args.config);
     if (r.num_ooms > 0) {
       fmt::print(stderr, "reservoir export: {} out-of-memory errors in the replay; the first, at {}\n",

@@ -11,6 +11,7 @@
 
 #include "commands.hpp"
 #include "progress.hpp"
+#include "support.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 #include "reservoir/trace.hpp"
@@ -55,9 +56,6 @@ double reserved_over_allocated(const ReplayResult& r) {
                                 : 0.0;
 }
 
-std::string config_label(const ReplayResult& r) {
-  return r.config.empty() ? "native defaults" : r.config;
-}
 
 nlohmann::json to_json(const Row& row) {
   const ReplayResult& r = row.r;
@@ -100,7 +98,7 @@ void print_table(const std::vector<Row>& rows) {
   fmt::print("\n");
   for (const Row& row : rows) {
     const ReplayResult& r = row.r;
-    std::string name = r.trace.substr(r.trace.find_last_of('/') + 1);
+    std::string name = base_name(r.trace);
     if (name.size() > 44) name = "..." + name.substr(name.size() - 41);
     std::string config = r.config.empty() ? "(native defaults)" : r.config;
     if (config.size() > 28) config = config.substr(0, 25) + "...";
@@ -124,7 +122,7 @@ void print_table(const std::vector<Row>& rows) {
     std::vector<std::string> order;
     std::map<std::string, Summary> by_config;
     for (const Row& row : rows) {
-      const std::string label = config_label(row.r);
+      const std::string label = config_label(row.r.config);
       if (by_config.find(label) == by_config.end()) order.push_back(label);
       Summary& s = by_config[label];
       const double ratio = min_over_requested(row);
@@ -144,7 +142,7 @@ void print_table(const std::vector<Row>& rows) {
   for (const Row& row : rows) {
     const ReplayResult& r = row.r;
     if (!r.first_oom.empty()) {
-      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace, config_label(r),
+      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace, config_label(r.config),
                  r.num_ooms, r.first_oom);
     }
   }
@@ -153,7 +151,7 @@ void print_table(const std::vector<Row>& rows) {
     fmt::print(
         "\n{} [{}]: {} recorded events, {} allocator calls in {:.3f} s; reserved peaked at "
         "call {}, ending at {}",
-        r.trace, config_label(r), r.events, r.ops, r.wall_seconds, r.peak_reserved_op,
+        r.trace, config_label(r.config), r.events, r.ops, r.wall_seconds, r.peak_reserved_op,
         gib(r.final_reserved_bytes));
   }
   fmt::print("\n");
@@ -176,8 +174,7 @@ void run(const ReplayArgs& args) {
     const ReplayProgram program = compile(read_trace_file(path));
     for (const auto& [text, config] : configs) {
       progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,
-                                path.substr(path.find_last_of('/') + 1),
-                                text.empty() ? "native defaults" : text,
+                                base_name(path), config_label(text),
                                 args.min_capacity ? ", finding the minimum capacity" : ""));
       Row row{replay(program, config, text, options), std::nullopt};
       if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;

@@ -336,10 +336,6 @@ std::string largest_table(const Trace& trace, const ReplayProgram& program, cons
   return out;
 }
 
-std::string label_of(const std::string& config) {
-  return config.empty() ? "native defaults" : config;
-}
-
 constexpr const char* kStyle = R"(
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1000px;padding:0 12px;color:#222}
 h1{font-size:22px}h2{font-size:18px;margin-top:36px;border-bottom:1px solid #ccc}h3{font-size:15px;margin-top:24px}
@@ -372,7 +368,7 @@ void run(const ReportArgs& args) {
     for (const std::string& config_text : configs) {
       const AllocatorConfig config = AllocatorConfig::parse(config_text);
       progress.task(fmt::format("[{}/{}] {} [{}]", ++task, tasks, base_name(path),
-                                label_of(config_text)));
+                                config_label(config_text)));
       auto r = std::make_unique<Run>();
       r->config = config_text;
       ReplayOptions o = options;
@@ -395,7 +391,7 @@ void run(const ReportArgs& args) {
       summary += fmt::format(
           "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3f}</td>{}<td>{}</td>"
           "<td>{:.1f}</td><td>{}</td><td{}>{}</td></tr>\n",
-          esc(base_name(path)), esc(label_of(r->config)), esc(format_size(x.peak_requested_bytes)),
+          esc(base_name(path)), esc(config_label(r->config)), esc(format_size(x.peak_requested_bytes)),
           esc(format_size(x.peak_allocated_bytes)), esc(format_size(x.peak_reserved_bytes)),
           x.peak_allocated_bytes ? static_cast<double>(x.peak_reserved_bytes) / x.peak_allocated_bytes
                                  : 0.0,
@@ -413,14 +409,14 @@ void run(const ReportArgs& args) {
                             : fmt::format("; recorded with <code>{}</code>", esc(trace.recorded_config)));
     if (runs.size() > 1) {
       std::vector<std::pair<std::string, const std::vector<std::uint64_t>*>> series;
-      for (const auto& r : runs) series.emplace_back(label_of(r->config), &r->timeline.reserved_);
+      for (const auto& r : runs) series.emplace_back(config_label(r->config), &r->timeline.reserved_);
       body += "<h3>Reserved memory, every config</h3>\n";
       body += plot(series, {std::begin(kPalette), std::end(kPalette)}, runs.front()->result.ops,
                    false, fmt::format("plot{}", plot_id++));
     }
     for (const auto& r : runs) {
       const ReplayResult& x = r->result;
-      body += fmt::format("<h3>{}</h3>\n", esc(label_of(r->config)));
+      body += fmt::format("<h3>{}</h3>\n", esc(config_label(r->config)));
       if (x.num_ooms > 0) {
         body += fmt::format("<p class=\"oom\">{} out-of-memory errors; the first, at {}</p>\n",
                             x.num_ooms, esc(x.first_oom));

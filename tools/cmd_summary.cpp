@@ -19,9 +19,7 @@ void run(const SummaryArgs& args) {
   const Trace trace = read_trace_file(args.trace);
   const std::string config = args.config.value_or(trace.recorded_config);
   Recorder recorder(trace, args.abbreviated);
-  ReplayOptions options;
-  options.observer = &recorder;
-  const ReplayResult r = replay(compile(trace), AllocatorConfig::parse(config), config, options);
+  const ReplayResult r = recorder.run(config);
   fmt::print("{}: {} recorded events replayed with {}\n", args.trace, trace.events.size(),
              config.empty() ? "the native defaults" : "'" + config + "'");
   if (r.num_ooms > 0) fmt::print("{} out-of-memory errors; the first, at {}\n", r.num_ooms, r.first_oom);

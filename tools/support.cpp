@@ -9,6 +9,15 @@ namespace reservoir::tools {
 
 std::string base_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
 
+std::string config_label(const std::string& config) {
+  return config.empty() ? "native defaults" : config;
+}
+
+ReplayResult Recorder::run(const std::string& config, ReplayOptions options) {
+  options.observer = this;
+  return replay(compile(source_), AllocatorConfig::parse(config), config, options);
+}
+
 const Frame* telling_frame(const Context& c) {
   auto first = [&](auto&& pred) -> const Frame* {
     for (const Frame& f : c.frames) {
@@ -92,11 +101,7 @@ Trace state_of(const std::string& path) {
   Trace trace = read_trace_file(path);
   if (!trace.final_state.segments.empty() || trace.events.empty()) return trace;
   Recorder recorder(trace);
-  ReplayOptions options;
-  options.observer = &recorder;
-  const ReplayProgram program = compile(trace);
-  (void)replay(program, AllocatorConfig::parse(trace.recorded_config), trace.recorded_config,
-               options);
+  (void)recorder.run(trace.recorded_config);
   Trace replayed = recorder.trace(trace.name, trace.recorded_config);
   replayed.format = trace.format + " (replayed)";
   return replayed;

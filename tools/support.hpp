@@ -22,6 +22,9 @@ std::string context_label(const Trace& trace, std::uint32_t context);
 // The file name of a path, for tables.
 std::string base_name(const std::string& path);
 
+// A config string for people: "native defaults" for the empty one.
+std::string config_label(const std::string& config);
+
 // Replays with history on and gives the result as a trace whose events and
 // live blocks carry the contexts of the source trace's requests (the k-th
 // alloc the allocator records is the k-th request that succeeded).
@@ -32,6 +35,10 @@ class Recorder : public ReplayObserver {
   void on_start(CachingAllocator& allocator, const ReplayProgram& program) override;
   void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override;
   void on_finish(CachingAllocator& allocator) override;
+
+  // Replays the source trace under `config`, watching it (options.observer
+  // is replaced by this recorder).
+  ReplayResult run(const std::string& config, ReplayOptions options = {});
 
   // The replayed trace: events, final segments, the source's contexts.
   Trace trace(const std::string& name, const std::string& config) const;

@@ -21,14 +21,16 @@ ReplayProgram compile(const Trace& trace) {
   std::unordered_map<DevicePtr, std::uint32_t> live;
   std::unordered_set<DevicePtr> touched;
   std::vector<std::pair<DevicePtr, ReplayOp>> initial;
-  std::uint32_t next_id = 0;
+  // Ids are dense: the next one is the number of contexts recorded so far.
+  auto new_id = [&program](std::uint32_t context) {
+    program.contexts.push_back(context);
+    return static_cast<std::uint32_t>(program.contexts.size() - 1);
+  };
   program.ops.reserve(trace.events.size() / 2);
   for (const TraceEvent& e : trace.events) {
     switch (e.action) {
       case TraceAction::alloc: {
-        const std::uint32_t id = next_id++;
-        if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
-        program.contexts[id] = e.context;
+        const std::uint32_t id = new_id(e.context);
         live[e.addr] = id;
         touched.insert(e.addr);
         program.ops.push_back({ReplayOp::Kind::alloc, id, e.size, e.stream});
@@ -41,9 +43,7 @@ ReplayProgram compile(const Trace& trace) {
         if (it == live.end()) {
           // Live before recording began: allocate it first. Its context is
           // the free's (PyTorch gives a free the allocation's when it has none).
-          id = next_id++;
-          if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
-          program.contexts[id] = e.context;
+          id = new_id(e.context);
           initial.emplace_back(e.addr, ReplayOp{ReplayOp::Kind::alloc, id, e.size, e.stream});
         } else {
           id = it->second;
@@ -63,17 +63,14 @@ ReplayProgram compile(const Trace& trace) {
     for (const BlockInfo& b : s.blocks) {
       if (b.state == BlockState::inactive || touched.count(b.address) != 0) continue;
       const std::uint64_t size = b.requested_size != 0 ? b.requested_size : b.size;
-      const std::uint32_t id = next_id++;
-      if (program.contexts.size() <= id) program.contexts.resize(id + 1, 0);
-      program.contexts[id] = b.context;
-      initial.emplace_back(b.address, ReplayOp{ReplayOp::Kind::alloc, id, size, s.stream});
+      initial.emplace_back(b.address,
+                           ReplayOp{ReplayOp::Kind::alloc, new_id(b.context), size, s.stream});
     }
   }
   std::sort(initial.begin(), initial.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (auto& [addr, op] : initial) program.initial.push_back(op);
-  program.id_count = next_id;
-  program.contexts.resize(next_id, 0);
+  program.id_count = static_cast<std::uint32_t>(program.contexts.size());
   return program;
 }
 

@@ -12,6 +12,7 @@
 #include "reservoir/history.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
+#include "shared_traces.hpp"
 
 namespace reservoir {
 namespace {
@@ -179,22 +180,20 @@ TEST(Export, TextRoundTripReplaysTheSame) {
 }
 
 TEST(Export, SharedTracesRoundTrip) {
-  const std::filesystem::path dir =
-      std::filesystem::path(RESERVOIR_SOURCE_DIR) / ".." / "shared" / "traces";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no real traces at " << dir;
-  int seen = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (entry.path().extension() != ".pickle") continue;
-    ++seen;
-    const Trace t = read_trace_file(entry.path().string());
+  if (!std::filesystem::exists(testing::shared_trace_dir())) {
+    GTEST_SKIP() << "no real traces at " << testing::shared_trace_dir();
+  }
+  const auto paths = testing::shared_traces();
+  EXPECT_FALSE(paths.empty()) << "no .pickle in " << testing::shared_trace_dir();
+  for (const auto& path : paths) {
+    const Trace t = read_trace_file(path.string());
     const Trace p = read_pytorch_snapshot(bytes(write_pytorch_snapshot(t)), "p");
     const Trace j = read_snapshot_json(write_snapshot_json(t), "j");
     expect_same_trace(t, p);
     expect_same_trace(t, j);
     expect_same_replay(t, p);
-    EXPECT_TRUE(verify(j).agreed) << entry.path();
+    EXPECT_TRUE(verify(j).agreed) << path;
   }
-  EXPECT_GT(seen, 0);
 }
 
 // ---- errors ----------------------------------------------------------------

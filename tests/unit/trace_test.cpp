@@ -9,6 +9,7 @@
 #include "reservoir/errors.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
+#include "shared_traces.hpp"
 
 namespace reservoir {
 namespace {
@@ -221,22 +222,20 @@ TEST(Snapshot, CorruptFieldsGetExactErrors) {
 }
 
 TEST(SharedTraces, EveryRealSnapshotVerifies) {
-  const std::filesystem::path dir =
-      std::filesystem::path(RESERVOIR_SOURCE_DIR) / ".." / "shared" / "traces";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no real traces at " << dir;
-  int seen = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (entry.path().extension() != ".pickle") continue;
-    ++seen;
-    const Trace t = read_trace_file(entry.path().string());
+  if (!std::filesystem::exists(testing::shared_trace_dir())) {
+    GTEST_SKIP() << "no real traces at " << testing::shared_trace_dir();
+  }
+  const auto paths = testing::shared_traces();
+  EXPECT_FALSE(paths.empty()) << "no .pickle in " << testing::shared_trace_dir();
+  for (const auto& path : paths) {
+    const Trace t = read_trace_file(path.string());
     const VerifyResult r = verify(t);
-    EXPECT_TRUE(r.agreed) << entry.path() << ": " << r.divergence;
+    EXPECT_TRUE(r.agreed) << path << ": " << r.divergence;
     EXPECT_EQ(r.allocs_checked, static_cast<std::uint64_t>(std::count_if(
                                     t.events.begin(), t.events.end(), [](const TraceEvent& e) {
                                       return e.action == TraceAction::alloc;
                                     })));
   }
-  EXPECT_GT(seen, 0);
 }
 
 }  // namespace
