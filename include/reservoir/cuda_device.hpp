@@ -67,6 +67,8 @@ class CudaRuntimeDevice final : public Device {
   Status synchronize_event(EventId event) noexcept override;
   Status synchronize_stream(StreamId stream) noexcept override;
   Status synchronize_device() noexcept override;
+  Status create_stream(StreamId* stream) noexcept override;
+  Status destroy_stream(StreamId stream) noexcept override;
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes, StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
                         StreamId stream) noexcept override;
@@ -137,6 +139,8 @@ class CudaVmmDevice final : public Device {
   Status synchronize_event(EventId event) noexcept override;
   Status synchronize_stream(StreamId stream) noexcept override;
   Status synchronize_device() noexcept override;
+  Status create_stream(StreamId* stream) noexcept override;
+  Status destroy_stream(StreamId stream) noexcept override;
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes, StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
                         StreamId stream) noexcept override;

@@ -122,6 +122,12 @@ class Device {
   virtual Status synchronize_event(EventId event) noexcept = 0;
   virtual Status synchronize_stream(StreamId stream) noexcept = 0;
   virtual Status synchronize_device() noexcept = 0;
+  // Optional: a new stream that does not synchronize with stream 0 (for
+  // overlapped copies). Backends without streams of their own keep the
+  // default, not_supported, and callers use stream 0.
+  virtual Status create_stream(StreamId* /*stream*/) noexcept { return Status::not_supported; }
+  // destroy_stream: stream came from create_stream; work queued on it completes first.
+  virtual Status destroy_stream(StreamId /*stream*/) noexcept { return Status::not_supported; }
 
   // ---- copies (for backup) ------------------------------------------------
   // Ranges lie inside live, accessible device memory; ordered on stream.

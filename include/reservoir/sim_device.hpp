@@ -77,6 +77,9 @@ class SimDevice final : public Device {
   Status synchronize_event(EventId event) noexcept override;
   Status synchronize_stream(StreamId stream) noexcept override;
   Status synchronize_device() noexcept override;
+  // Streams are numbers from 1 << 40 on (events recorded there complete as on any stream).
+  Status create_stream(StreamId* stream) noexcept override;
+  Status destroy_stream(StreamId stream) noexcept override;
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
                       StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
@@ -141,6 +144,7 @@ class SimDevice final : public Device {
   EventId next_event_ = 1;
   std::array<std::uint64_t, kCallKindCount> calls_{};
   std::array<std::uint64_t, kCallKindCount> failures_{};
+  StreamId next_stream_ = StreamId{1} << 40;
   std::array<Fault, kCallKindCount> faults_{};
   double estimated_ns_ = 0.0;
 };

@@ -72,6 +72,8 @@ const CudaDriverApi* load_cuda_driver(std::string* why) {
              sym(lib, t.cuEventQuery, "cuEventQuery", w) &&
              sym(lib, t.cuEventSynchronize, "cuEventSynchronize", w) &&
              sym(lib, t.cuStreamSynchronize, "cuStreamSynchronize", w) &&
+             sym(lib, t.cuStreamCreate, "cuStreamCreate", w) &&
+             sym(lib, t.cuStreamDestroy, "cuStreamDestroy_v2", w) &&
              sym(lib, t.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", w) &&
              sym(lib, t.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", w);
     });
@@ -106,6 +108,8 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaEventQuery, "cudaEventQuery", w) &&
                   sym(lib, t.cudaEventSynchronize, "cudaEventSynchronize", w) &&
                   sym(lib, t.cudaStreamSynchronize, "cudaStreamSynchronize", w) &&
+                  sym(lib, t.cudaStreamCreateWithFlags, "cudaStreamCreateWithFlags", w) &&
+                  sym(lib, t.cudaStreamDestroy, "cudaStreamDestroy", w) &&
                   sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
                   sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
                   sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&

@@ -46,6 +46,8 @@ struct CudaDriverApi {
   CUresult (*cuEventQuery)(CUevent);
   CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuStreamCreate)(CUstream*, unsigned int);
+  CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 };
@@ -65,6 +67,8 @@ struct CudaRuntimeApi {
   cudaError_t (*cudaEventQuery)(cudaEvent_t);
   cudaError_t (*cudaEventSynchronize)(cudaEvent_t);
   cudaError_t (*cudaStreamSynchronize)(cudaStream_t);
+  cudaError_t (*cudaStreamCreateWithFlags)(cudaStream_t*, unsigned int);
+  cudaError_t (*cudaStreamDestroy)(cudaStream_t);
   cudaError_t (*cudaDeviceSynchronize)();
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
   cudaError_t (*cudaHostAlloc)(void**, size_t, unsigned int);

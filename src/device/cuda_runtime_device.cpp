@@ -152,6 +152,21 @@ Status CudaRuntimeDevice::synchronize_device() noexcept {
   return status_of(api_.cudaDeviceSynchronize());
 }
 
+Status CudaRuntimeDevice::create_stream(StreamId* stream) noexcept {
+  if (stream == nullptr) return Status::invalid_argument;
+  Current current(*this);
+  cudaStream_t s = nullptr;
+  const Status st = status_of(api_.cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (st == Status::ok) *stream = reinterpret_cast<StreamId>(s);
+  return st;
+}
+
+Status CudaRuntimeDevice::destroy_stream(StreamId stream) noexcept {
+  if (stream == 0) return Status::invalid_argument;
+  Current current(*this);
+  return status_of(api_.cudaStreamDestroy(stream_of(stream)));
+}
+
 Status CudaRuntimeDevice::copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
                                        StreamId stream) noexcept {
   if (dst == nullptr || src == 0) return Status::invalid_argument;

@@ -273,6 +273,21 @@ Status CudaVmmDevice::synchronize_stream(StreamId stream) noexcept {
   return status_of(api_.cuStreamSynchronize(stream_of(stream)));
 }
 
+Status CudaVmmDevice::create_stream(StreamId* stream) noexcept {
+  if (stream == nullptr) return Status::invalid_argument;
+  RESERVOIR_CURRENT();
+  CUstream s = nullptr;
+  const Status st = status_of(api_.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  if (st == Status::ok) *stream = reinterpret_cast<StreamId>(s);
+  return st;
+}
+
+Status CudaVmmDevice::destroy_stream(StreamId stream) noexcept {
+  if (stream == 0) return Status::invalid_argument;
+  RESERVOIR_CURRENT();
+  return status_of(api_.cuStreamDestroy(stream_of(stream)));
+}
+
 Status CudaVmmDevice::synchronize_device() noexcept {
   RESERVOIR_CURRENT();
   return status_of(api_.cuCtxSynchronize());

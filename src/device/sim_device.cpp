@@ -229,6 +229,17 @@ Status SimDevice::synchronize_stream(StreamId stream) noexcept {
   return Status::ok;
 }
 
+Status SimDevice::create_stream(StreamId* stream) noexcept {
+  if (stream == nullptr) return Status::invalid_argument;
+  std::lock_guard lock(mutex_);
+  *stream = next_stream_++;
+  return Status::ok;
+}
+
+Status SimDevice::destroy_stream(StreamId stream) noexcept {
+  return stream >= (StreamId{1} << 40) ? Status::ok : Status::invalid_argument;
+}
+
 Status SimDevice::synchronize_device() noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::synchronize_device); s != Status::ok) return s;

@@ -171,6 +171,12 @@ CUresult cuStreamSynchronize(CUstream) {
   FAIL_IF_INJECTED("cuStreamSynchronize", CUresult);
   return CUDA_SUCCESS;
 }
+CUresult cuStreamCreate(CUstream* s, unsigned int) {
+  FAIL_IF_INJECTED("cuStreamCreate", CUresult);
+  *s = reinterpret_cast<CUstream>(++f().next_stream);
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
 CUresult cuMemcpyDtoHAsync(void*, CUdeviceptr, size_t, CUstream) { return CUDA_SUCCESS; }
 CUresult cuMemcpyHtoDAsync(CUdeviceptr, const void*, size_t, CUstream) { return CUDA_SUCCESS; }
 
@@ -229,6 +235,12 @@ cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) {
+  FAIL_IF_INJECTED("cudaStreamCreateWithFlags", cudaError_t);
+  *s = reinterpret_cast<cudaStream_t>(++f().next_stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 cudaError_t cudaMemcpyAsync(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t) {
   return cudaSuccess;
@@ -290,7 +302,7 @@ CudaDriverApi FakeCuda::driver() {
                        cuMemAddressFree, cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap,
                        cuMemSetAccess, cuMemGetAllocationGranularity, cuEventCreate, cuEventDestroy,
                        cuEventRecord, cuEventQuery, cuEventSynchronize, cuStreamSynchronize,
-                       cuMemcpyDtoHAsync, cuMemcpyHtoDAsync};
+                       cuStreamCreate, cuStreamDestroy, cuMemcpyDtoHAsync, cuMemcpyHtoDAsync};
 }
 
 CudaRuntimeApi FakeCuda::runtime() {
@@ -298,7 +310,8 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaGetErrorName, cudaMalloc,             cudaFree,
                         cudaMemGetInfo,  cudaEventCreateWithFlags, cudaEventDestroy,
                         cudaEventRecord, cudaEventQuery,          cudaEventSynchronize,
-                        cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpyAsync,
+                        cudaStreamSynchronize, cudaStreamCreateWithFlags, cudaStreamDestroy,
+                        cudaDeviceSynchronize, cudaMemcpyAsync,
                         cudaHostAlloc,   cudaFreeHost};
 }
 

@@ -55,6 +55,7 @@ struct FakeCuda {
   std::uintptr_t next_reservation = 0x500000000000;
   CUmemGenericAllocationHandle next_handle = 1;
   std::uintptr_t next_event = 0x1000;
+  std::uintptr_t next_stream = 0x9000;
   std::map<std::uintptr_t, std::size_t> allocations;   // cuMemAlloc and cudaMalloc
   std::map<std::uintptr_t, std::size_t> reservations;
   std::map<CUmemGenericAllocationHandle, Handle> handles;

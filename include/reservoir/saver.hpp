@@ -1,0 +1,195 @@
+// Saver: tagged regions of device memory whose physical memory can be
+// released and restored at the same virtual addresses (pause and resume),
+// with an optional backup of the contents in host memory.
+//
+//   reservoir::Saver saver(device);
+//   {
+//     auto weights = saver.region("weights", {.cpu_backup = true});
+//     w = saver.allocate(bytes);          // served by the "weights" tag
+//   }
+//   saver.pause("weights");               // contents copied to host, memory released
+//   saver.resume("weights");              // same addresses, same bytes
+//
+// Every tag has its own caching allocator (the saver's config, any policy:
+// native, expandable, paging) on a view of the device that keeps every
+// segment in reserved virtual address space, so tags never share segments or
+// cached blocks, and pausing a tag releases all of its physical memory, its
+// cached free blocks included. Allocations outside every region go to the
+// untagged allocator on the device itself, exactly as a plain
+// CachingAllocator would serve them.
+//
+// Regions are per thread and nest; untagged() opens a region that allocates
+// outside every tag. A tag entered with cpu_backup and without it names two
+// pools that pause and resume together.
+//
+// Thread safety: every member may be called from any thread. A tag's
+// allocations and frees run concurrently with each other; pause and resume
+// of that tag wait for them and they wait for pause and resume.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reservoir/config.hpp"
+#include "reservoir/device.hpp"
+#include "reservoir/snapshot.hpp"
+#include "reservoir/stats.hpp"
+
+namespace reservoir {
+
+class CachingAllocator;
+class PinnedMemorySource;
+
+struct RegionOptions {
+  // Copy the contents of the tag's live allocations to host memory on pause
+  // and back on resume. Without it, pause discards them (a resumed block
+  // holds whatever the new physical memory holds).
+  bool cpu_backup = false;
+};
+
+enum class BackupStorage : std::uint8_t {
+  // Pinned host buffers from a caching allocator, kept for the next pause
+  // (fastest; the host memory stays with the process until trim_backup()).
+  pinned,
+  // A file mapping (in mmap_directory, or anonymous shared memory when it is
+  // empty), staged through pinned buffers. After the copy the pages leave the
+  // process (madvise DONTNEED: they live on in the page cache or the file),
+  // and after resume the mapping is unmapped and the file deleted.
+  mmap,
+};
+
+struct SaverOptions {
+  AllocatorConfig config = AllocatorConfig::from_env();
+  BackupStorage storage = BackupStorage::pinned;
+  std::string mmap_directory;
+  // Copies are cut into pieces of at most chunk_bytes (a power of two of at
+  // least 64 KiB), spread round robin over copy_streams streams (1..64;
+  // stream 0 alone when the device cannot create streams).
+  std::size_t chunk_bytes = std::size_t{32} << 20;
+  int copy_streams = 4;
+  // Where pinned buffers come from (not owned; default: page-aligned host
+  // memory; give CudaPinnedMemory on a GPU).
+  PinnedMemorySource* pinned_source = nullptr;
+  // Device for tagged memory when the main device has no virtual memory
+  // (not owned; default: the main device). Both must be the same GPU.
+  Device* tag_device = nullptr;
+  int device_index = 0;
+};
+
+// What one tag holds now and what its pauses cost.
+struct TagInfo {
+  std::string tag;
+  bool cpu_backup = false;
+  bool paused = false;
+  std::size_t allocated_bytes = 0;  // live allocations (freed-while-paused ones included)
+  std::size_t reserved_bytes = 0;   // segments, mapped or not
+  std::size_t physical_bytes = 0;   // physical memory held now (0 while paused)
+  std::size_t backup_bytes = 0;     // bytes held in host memory for this tag now
+  std::size_t pending_frees = 0;    // blocks freed while paused, applied on resume
+  std::uint64_t pauses = 0;
+  std::uint64_t resumes = 0;
+  // The last pause and resume: seconds, and bytes copied to or from the host.
+  double last_pause_seconds = 0;
+  double last_resume_seconds = 0;
+  std::size_t last_pause_copied = 0;
+  std::size_t last_resume_copied = 0;
+  std::size_t last_released_bytes = 0;  // physical bytes released by the last pause
+};
+
+class Saver {
+ public:
+  // Throws UsageError for bad options (the message names the option).
+  explicit Saver(Device& device, SaverOptions options = {});
+  // Returns all memory to the device, paused tags included. Regions opened
+  // with this saver must be closed before.
+  ~Saver();
+  Saver(const Saver&) = delete;
+  Saver& operator=(const Saver&) = delete;
+
+  // RAII scope of a region on the calling thread.
+  class Region {
+   public:
+    Region(Region&& other) noexcept;
+    Region& operator=(Region&&) = delete;
+    Region(const Region&) = delete;
+    ~Region();  // closes the region (regions close innermost first)
+
+   private:
+    friend class Saver;
+    Region(Saver* saver, std::uint64_t token) : saver_(saver), token_(token) {}
+    Saver* saver_;
+    std::uint64_t token_;
+  };
+  // Throws UsageError for an empty tag, or when the tag's device has no
+  // virtual memory.
+  [[nodiscard]] Region region(std::string_view tag, RegionOptions options = {});
+  [[nodiscard]] Region untagged();
+  // The same as explicit calls (for bindings): push returns a token that
+  // pop_region must get back, innermost first, else UsageError.
+  std::uint64_t push_region(std::string_view tag, RegionOptions options = {});
+  std::uint64_t push_untagged();
+  void pop_region(std::uint64_t token);
+  // The calling thread's current tag ("" outside every tag).
+  std::string current_tag() const;
+
+  // Served by the calling thread's current region. Throws UsageError when
+  // that tag is paused, OutOfMemoryError or DeviceError as CachingAllocator.
+  void* allocate(std::size_t size, StreamId stream = 0);
+  // Frees into whichever allocator owns ptr. A block of a paused tag is
+  // freed on resume. InvalidPointerError for unknown or already freed ptr.
+  void deallocate(void* ptr);
+  void record_stream(void* ptr, StreamId stream);
+  // Empties the cache of the untagged allocator and of every tag (of a paused
+  // tag: its cached segments are given up and not restored on resume).
+  void empty_cache();
+
+  // Pauses one tag: synchronizes the device, copies live allocations to host
+  // memory when the tag has cpu_backup, unmaps and releases all of its
+  // physical memory. UsageError for an unknown or paused tag. DeviceError
+  // when a copy or an unmap fails: the tag is left running, untouched.
+  void pause(std::string_view tag);
+  // Pauses every running tag (none running: nothing to do).
+  void pause();
+  // Recreates and maps the tag's physical memory at the same addresses,
+  // restores the backup, then applies the frees made while paused.
+  // UsageError for an unknown or running tag. OutOfMemoryError or
+  // DeviceError when it cannot: the tag stays paused with its backup.
+  void resume(std::string_view tag);
+  // Resumes every paused tag; on a failure the tags resumed before stay
+  // resumed and the error names the tag that failed.
+  void resume();
+  bool is_paused(std::string_view tag) const;
+  // Returns cached pinned backup buffers to the host.
+  void trim_backup();
+
+  std::vector<TagInfo> tags() const;
+  TagInfo tag_info(std::string_view tag) const;  // UsageError when unknown
+  // Statistics of the untagged allocator, of one tag, or of everything
+  // (current values, counts and totals add up exactly; peaks are the sum
+  // of each allocator's peak, an upper bound).
+  DeviceStats stats() const;
+  DeviceStats stats(std::string_view tag) const;
+  std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
+  // The untagged allocator's summary, then each tag's with its state.
+  std::string memory_summary(bool abbreviated = false) const;
+  // Segments of every allocator in address order (and the untagged
+  // allocator's history); a tag's segments carry the tag as an annotation
+  // of their blocks' context.
+  Snapshot snapshot() const;
+
+  CachingAllocator& untagged_allocator();
+  // Checks every allocator's invariants and the saver's own bookkeeping.
+  void validate() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace reservoir

@@ -1,0 +1,312 @@
+#include "tag_device.hpp"
+
+#include <fmt/format.h>
+
+#include "reservoir/errors.hpp"
+
+namespace reservoir::detail {
+
+// ---- RangeIndex --------------------------------------------------------------
+
+void RangeIndex::insert(DevicePtr begin, std::size_t bytes, void* owner) {
+  std::unique_lock lock(mutex_);
+  ranges_[begin] = {begin + bytes, owner};
+  count_.store(ranges_.size(), std::memory_order_relaxed);
+}
+
+void RangeIndex::erase(DevicePtr begin) {
+  std::unique_lock lock(mutex_);
+  ranges_.erase(begin);
+  count_.store(ranges_.size(), std::memory_order_relaxed);
+}
+
+void* RangeIndex::find(DevicePtr addr) const {
+  std::shared_lock lock(mutex_);
+  auto it = ranges_.upper_bound(addr);
+  if (it == ranges_.begin()) return nullptr;
+  --it;
+  return addr < it->second.first ? it->second.second : nullptr;
+}
+
+// ---- TagDevice ---------------------------------------------------------------
+
+TagDevice::TagDevice(Device& base, RangeIndex& index, void* owner)
+    : base_(base), index_(index), owner_(owner) {}
+
+TagDevice::~TagDevice() { (void)retry_releases(); }
+
+Status TagDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept {
+  if (bytes == 0 || addr == nullptr) return Status::invalid_argument;
+  const std::size_t g = base_.granularity();
+  const std::size_t size = (bytes + g - 1) / g * g;
+  std::lock_guard lock(mutex_);
+  if (paused_) return Status::invalid_argument;
+  DevicePtr va = 0;
+  if (Status s = base_.reserve(size, 0, &va); s != Status::ok) return s;
+  PhysicalHandle device = 0;
+  Status s = base_.create_physical(size, &device);
+  if (s == Status::ok) {
+    s = base_.map(va, size, device, 0);
+    if (s == Status::ok) {
+      s = base_.set_access(va, size);
+      if (s == Status::ok) {
+        const PhysicalHandle h = next_handle_++;
+        handles_[h] = {device, size};
+        mappings_[va] = {size, h, 0};
+        reservations_[va] = size;
+        segments_[va] = {size, h};
+        index_.insert(va, size, owner_);
+        *addr = va;
+        return Status::ok;
+      }
+      (void)base_.unmap(va, size);
+    }
+    if (base_.release_physical(device) != Status::ok) unreleased_.push_back(device);
+  }
+  (void)base_.unreserve(va, size);
+  return s;
+}
+
+Status TagDevice::free_segment(DevicePtr addr) noexcept {
+  std::lock_guard lock(mutex_);
+  auto it = segments_.find(addr);
+  if (it == segments_.end()) return Status::invalid_argument;
+  const Segment seg = it->second;
+  if (Status s = unmap_locked(addr, seg.bytes); s != Status::ok) return s;
+  if (Status s = release_locked(seg.handle); s != Status::ok) return s;
+  if (Status s = base_.unreserve(addr, seg.bytes); s != Status::ok) return s;
+  reservations_.erase(addr);
+  segments_.erase(it);
+  index_.erase(addr);
+  return Status::ok;
+}
+
+Status TagDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
+  std::lock_guard lock(mutex_);
+  const Status s = base_.reserve(bytes, alignment, va);
+  if (s == Status::ok) {
+    reservations_[*va] = bytes;
+    index_.insert(*va, bytes, owner_);
+  }
+  return s;
+}
+
+Status TagDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  auto it = reservations_.find(va);
+  if (it == reservations_.end() || it->second != bytes || segments_.count(va) != 0) {
+    return Status::invalid_argument;
+  }
+  const Status s = base_.unreserve(va, bytes);
+  if (s == Status::ok) {
+    reservations_.erase(it);
+    index_.erase(va);
+  }
+  return s;
+}
+
+Status TagDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
+  if (handle == nullptr) return Status::invalid_argument;
+  std::lock_guard lock(mutex_);
+  if (paused_) return Status::invalid_argument;
+  PhysicalHandle device = 0;
+  const Status s = base_.create_physical(bytes, &device);
+  if (s == Status::ok) {
+    *handle = next_handle_++;
+    handles_[*handle] = {device, bytes};
+  }
+  return s;
+}
+
+Status TagDevice::release_locked(PhysicalHandle handle) noexcept {
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return Status::invalid_argument;
+  if (it->second.device != 0) {
+    if (Status s = base_.release_physical(it->second.device); s != Status::ok) return s;
+  }
+  handles_.erase(it);
+  return Status::ok;
+}
+
+Status TagDevice::release_physical(PhysicalHandle handle) noexcept {
+  std::lock_guard lock(mutex_);
+  return release_locked(handle);
+}
+
+Status TagDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                      std::size_t offset) noexcept {
+  std::lock_guard lock(mutex_);
+  auto it = handles_.find(handle);
+  if (paused_ || it == handles_.end()) return Status::invalid_argument;
+  const Status s = base_.map(va, bytes, it->second.device, offset);
+  if (s == Status::ok) mappings_[va] = {bytes, handle, offset};
+  return s;
+}
+
+Status TagDevice::unmap_locked(DevicePtr va, std::size_t bytes) noexcept {
+  if (!paused_) {
+    if (Status s = base_.unmap(va, bytes); s != Status::ok) return s;
+  }
+  mappings_.erase(mappings_.lower_bound(va), mappings_.lower_bound(va + bytes));
+  return Status::ok;
+}
+
+Status TagDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  return unmap_locked(va, bytes);
+}
+
+Status TagDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  if (paused_) return Status::invalid_argument;
+  return base_.set_access(va, bytes);
+}
+
+Status TagDevice::copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
+                               StreamId stream) noexcept {
+  if (paused()) return Status::invalid_argument;
+  return base_.copy_to_host(dst, src, bytes, stream);
+}
+
+Status TagDevice::copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
+                                 StreamId stream) noexcept {
+  if (paused()) return Status::invalid_argument;
+  return base_.copy_to_device(dst, src, bytes, stream);
+}
+
+// ---- pause and resume --------------------------------------------------------
+
+Status TagDevice::map_one(DevicePtr va, const Mapping& m, CallKind* failed) noexcept {
+  const PhysicalHandle device = handles_.at(m.handle).device;
+  if (Status s = base_.map(va, m.bytes, device, m.offset); s != Status::ok) {
+    *failed = CallKind::map;
+    return s;
+  }
+  if (Status s = base_.set_access(va, m.bytes); s != Status::ok) {
+    *failed = CallKind::set_access;
+    (void)base_.unmap(va, m.bytes);
+    return s;
+  }
+  return Status::ok;
+}
+
+StepFailure TagDevice::release_all(std::size_t* released_bytes) {
+  std::lock_guard lock(mutex_);
+  if (paused_) return {CallKind::unmap, Status::invalid_argument};
+  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
+    if (Status s = base_.unmap(it->first, it->second.bytes); s != Status::ok) {
+      // Map back what was unmapped: the tag stays as it was.
+      for (auto back = mappings_.begin(); back != it; ++back) {
+        CallKind ignored{};
+        if (map_one(back->first, back->second, &ignored) != Status::ok) {
+          // The handle is live, so this only fails with the device itself;
+          // nothing better remains than reporting the first failure.
+        }
+      }
+      return {CallKind::unmap, s};
+    }
+  }
+  std::size_t released = 0;
+  for (auto& [id, h] : handles_) {
+    if (base_.release_physical(h.device) != Status::ok) unreleased_.push_back(h.device);
+    released += h.bytes;
+    h.device = 0;
+  }
+  paused_ = true;
+  if (released_bytes != nullptr) *released_bytes = released;
+  return {};
+}
+
+StepFailure TagDevice::restore_all() {
+  std::lock_guard lock(mutex_);
+  if (!paused_) return {CallKind::map, Status::invalid_argument};
+  auto undo_handles = [&] {
+    for (auto& [id, h] : handles_) {
+      if (h.device != 0 && base_.release_physical(h.device) != Status::ok) {
+        unreleased_.push_back(h.device);
+      }
+      h.device = 0;
+    }
+  };
+  for (auto& [id, h] : handles_) {
+    if (Status s = base_.create_physical(h.bytes, &h.device); s != Status::ok) {
+      h.device = 0;
+      undo_handles();
+      return {CallKind::create_physical, s};
+    }
+  }
+  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
+    CallKind failed{};
+    if (Status s = map_one(it->first, it->second, &failed); s != Status::ok) {
+      for (auto back = mappings_.begin(); back != it; ++back) {
+        (void)base_.unmap(back->first, back->second.bytes);
+      }
+      undo_handles();
+      return {failed, s};
+    }
+  }
+  paused_ = false;
+  return {};
+}
+
+bool TagDevice::paused() const {
+  std::lock_guard lock(mutex_);
+  return paused_;
+}
+
+std::size_t TagDevice::physical_bytes() const {
+  std::lock_guard lock(mutex_);
+  std::size_t total = 0;
+  for (const auto& [id, h] : handles_) {
+    if (h.device != 0) total += h.bytes;
+  }
+  return total;
+}
+
+std::vector<std::pair<DevicePtr, std::size_t>> TagDevice::mapped_ranges() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<DevicePtr, std::size_t>> out;
+  out.reserve(mappings_.size());
+  for (const auto& [va, m] : mappings_) out.emplace_back(va, m.bytes);
+  return out;
+}
+
+bool TagDevice::retry_releases() noexcept {
+  std::lock_guard lock(mutex_);
+  std::vector<PhysicalHandle> still;
+  for (PhysicalHandle h : unreleased_) {
+    if (base_.release_physical(h) != Status::ok) still.push_back(h);
+  }
+  unreleased_.swap(still);
+  return unreleased_.empty();
+}
+
+void TagDevice::validate() const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [va, m] : mappings_) {
+    auto h = handles_.find(m.handle);
+    if (h == handles_.end()) {
+      throw InvariantError(fmt::format("tag device: mapping at {:#x} names released handle {}", va,
+                                       m.handle));
+    }
+    if (m.offset + m.bytes > h->second.bytes) {
+      throw InvariantError(fmt::format("tag device: mapping at {:#x} runs past its handle", va));
+    }
+    if ((h->second.device == 0) != paused_) {
+      throw InvariantError(fmt::format("tag device: handle {} is {} while the tag is {}", m.handle,
+                                       h->second.device == 0 ? "released" : "live",
+                                       paused_ ? "paused" : "running"));
+    }
+    auto r = reservations_.upper_bound(va);
+    if (r == reservations_.begin() || va + m.bytes > std::prev(r)->first + std::prev(r)->second) {
+      throw InvariantError(fmt::format("tag device: mapping at {:#x} lies outside its reservation", va));
+    }
+  }
+  for (const auto& [va, s] : segments_) {
+    if (reservations_.count(va) == 0 || handles_.count(s.handle) == 0) {
+      throw InvariantError(fmt::format("tag device: segment at {:#x} lost its reservation or handle", va));
+    }
+  }
+}
+
+}  // namespace reservoir::detail

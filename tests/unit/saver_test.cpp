@@ -1,0 +1,804 @@
+// Saver: regions and tags, pause and resume with and without backup, on real
+// host memory (HostDevice) under every policy, with fault injection on every
+// device call pause and resume make.
+#include "reservoir/saver.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <set>
+#include <thread>
+
+#include "faulty_device.hpp"
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/host_caching_allocator.hpp"
+#include "reservoir/host_device.hpp"
+#include "reservoir/sim_device.hpp"
+
+namespace reservoir {
+namespace {
+
+using testing::FaultyDevice;
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+void fill(void* p, std::size_t n, unsigned seed) {
+  auto* b = static_cast<unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<unsigned char>((i * 131 + seed) >> 3);
+}
+// The index of the first byte that differs from fill(), or -1.
+long mismatch(const void* p, std::size_t n, unsigned seed) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (b[i] != static_cast<unsigned char>((i * 131 + seed) >> 3)) return static_cast<long>(i);
+  }
+  return -1;
+}
+
+SaverOptions options(const std::string& config = "", BackupStorage storage = BackupStorage::pinned) {
+  SaverOptions o;
+  o.config = AllocatorConfig::parse(config);
+  o.storage = storage;
+  o.chunk_bytes = std::size_t{1} << 20;
+  o.copy_streams = 3;
+  return o;
+}
+
+std::string policy_name(const std::string& c) {
+  if (c.empty()) return "native";
+  if (c.find("expandable") != std::string::npos) return "expandable";
+  if (c.find("paging") != std::string::npos) return "paging";
+  return "native_tuned";
+}
+
+// ---- every policy: contents, addresses, memory ------------------------------------
+
+class SaverPolicies : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(SaverPolicies, ContentsSurviveByteForByteAtTheSameAddresses) {
+  HostDevice host;
+  Saver saver(host, options(GetParam()));
+  const std::vector<std::size_t> sizes = {4096, 700 * 1024, 3 * kMiB + 512, 25 * kMiB, 100};
+  std::vector<void*> kept;
+  std::vector<void*> dropped;
+  {
+    auto region = saver.region("weights", {.cpu_backup = true});
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      kept.push_back(saver.allocate(sizes[i]));
+      fill(kept.back(), sizes[i], static_cast<unsigned>(i));
+      dropped.push_back(saver.allocate(sizes[i]));  // freed before pause: a cached block
+    }
+  }
+  for (void* p : dropped) saver.deallocate(p);
+  const TagInfo before = saver.tag_info("weights");
+  ASSERT_GT(before.physical_bytes, 0u);
+  const std::size_t used = host.used_bytes();
+
+  saver.pause("weights");
+  const TagInfo paused = saver.tag_info("weights");
+  EXPECT_TRUE(paused.paused);
+  EXPECT_EQ(paused.physical_bytes, 0u);
+  EXPECT_EQ(paused.last_released_bytes, before.physical_bytes);  // cached blocks included
+  std::size_t requested = 0;
+  for (std::size_t s : sizes) requested += s;
+  EXPECT_EQ(paused.last_pause_copied, requested);
+  EXPECT_EQ(paused.backup_bytes, requested);
+  EXPECT_EQ(host.used_bytes(), used - before.physical_bytes);
+  EXPECT_EQ(paused.reserved_bytes, before.reserved_bytes);  // address space kept
+  saver.validate();
+
+  saver.resume("weights");
+  const TagInfo resumed = saver.tag_info("weights");
+  EXPECT_FALSE(resumed.paused);
+  EXPECT_EQ(resumed.physical_bytes, before.physical_bytes);
+  EXPECT_EQ(resumed.backup_bytes, 0u);
+  EXPECT_EQ(resumed.last_resume_copied, requested);
+  EXPECT_EQ(host.used_bytes(), used);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(mismatch(kept[i], sizes[i], static_cast<unsigned>(i)), -1) << "block " << i;
+  }
+  saver.validate();
+  // A second cycle, and the blocks are still usable and freeable.
+  saver.pause("weights");
+  saver.resume("weights");
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(mismatch(kept[i], sizes[i], static_cast<unsigned>(i)), -1) << "block " << i;
+    saver.deallocate(kept[i]);
+  }
+  EXPECT_EQ(saver.tag_info("weights").allocated_bytes, 0u);
+  saver.validate();
+}
+
+TEST_P(SaverPolicies, WithoutBackupMemoryIsReleasedAndComesBackAtTheSameAddress) {
+  HostDevice host;
+  Saver saver(host, options(GetParam()));
+  void* p = nullptr;
+  {
+    auto region = saver.region("kv_cache");
+    p = saver.allocate(40 * kMiB);
+  }
+  std::memset(p, 0x5a, 40 * kMiB);
+  const std::size_t used = host.used_bytes();
+  saver.pause("kv_cache");
+  EXPECT_EQ(saver.tag_info("kv_cache").last_pause_copied, 0u);
+  EXPECT_LT(host.used_bytes(), used - 39 * kMiB);
+  saver.resume("kv_cache");
+  EXPECT_EQ(host.used_bytes(), used);
+  // The memory is usable again, at the same address.
+  std::memset(p, 0x11, 40 * kMiB);
+  EXPECT_EQ(static_cast<unsigned char*>(p)[40 * kMiB - 1], 0x11);
+  saver.deallocate(p);
+  saver.validate();
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPolicies, SaverPolicies,
+                         ::testing::Values("", "expandable_segments:True", "policy:paging",
+                                           "max_split_size_mb:20,roundup_power2_divisions:4"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return policy_name(info.param);
+                         });
+
+// ---- resident memory ------------------------------------------------------------
+
+TEST(Saver, ResidentMemoryFallsAfterPauseAndRisesAfterResume) {
+  HostDevice host;
+  SaverOptions o = options("", BackupStorage::mmap);
+  Saver saver(host, o);
+  constexpr std::size_t kBytes = 96 * kMiB;
+  void* p = nullptr;
+  {
+    auto region = saver.region("weights", {.cpu_backup = true});
+    p = saver.allocate(kBytes);
+  }
+  fill(p, kBytes, 9);
+  const std::size_t rss_running = current_rss_bytes();
+  saver.pause("weights");
+  const std::size_t rss_paused = current_rss_bytes();
+  EXPECT_LT(rss_paused + 80 * kMiB, rss_running) << rss_running << " -> " << rss_paused;
+  saver.resume("weights");
+  const std::size_t rss_resumed = current_rss_bytes();
+  EXPECT_GT(rss_resumed, rss_paused + 80 * kMiB) << rss_paused << " -> " << rss_resumed;
+  EXPECT_EQ(mismatch(p, kBytes, 9), -1);
+  saver.deallocate(p);
+}
+
+TEST(Saver, PinnedBackupBuffersAreReusedAcrossCyclesAndTrimmed) {
+  HostDevice host;
+  HostPinnedMemory pinned;
+  SaverOptions o = options();
+  o.pinned_source = &pinned;
+  Saver saver(host, o);
+  void* p = nullptr;
+  {
+    auto region = saver.region("w", {.cpu_backup = true});
+    p = saver.allocate(5 * kMiB);
+  }
+  fill(p, 5 * kMiB, 3);
+  saver.pause("w");
+  saver.resume("w");
+  const std::size_t rss_after_first = current_rss_bytes();
+  for (int i = 0; i < 3; ++i) {
+    saver.pause("w");
+    saver.resume("w");
+  }
+  // No new host memory after the first cycle (5 chunks of 1 MiB, cached).
+  EXPECT_LT(current_rss_bytes(), rss_after_first + kMiB);
+  EXPECT_EQ(mismatch(p, 5 * kMiB, 3), -1);
+  saver.trim_backup();
+  saver.deallocate(p);
+}
+
+// ---- tags and regions ---------------------------------------------------------------
+
+TEST(Saver, TagsNeverShareSegmentsOrCachedBlocks) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* kv = nullptr;
+  {
+    auto region = saver.region("kv_cache");
+    kv = saver.allocate(8 * kMiB);
+  }
+  const DevicePtr kv_addr = reinterpret_cast<DevicePtr>(kv);
+  saver.deallocate(kv);  // a cached block of kv_cache now
+  void* w = nullptr;
+  {
+    auto region = saver.region("weights");
+    w = saver.allocate(8 * kMiB);  // must not get kv_cache's cached block
+  }
+  void* plain = saver.allocate(8 * kMiB);
+  EXPECT_NE(reinterpret_cast<DevicePtr>(w), kv_addr);
+  EXPECT_NE(reinterpret_cast<DevicePtr>(plain), kv_addr);
+  // Every segment belongs to one allocator: no two segments overlap.
+  const Snapshot snap = saver.snapshot();
+  ASSERT_EQ(snap.segments.size(), 3u);
+  for (std::size_t i = 1; i < snap.segments.size(); ++i) {
+    EXPECT_LE(snap.segments[i - 1].address + snap.segments[i - 1].total_size,
+              snap.segments[i].address);
+  }
+  // Pausing kv_cache (torch_memory_saver issue 85's crash) leaves weights alone.
+  std::memset(w, 0x77, 8 * kMiB);
+  saver.pause("kv_cache");
+  EXPECT_EQ(static_cast<unsigned char*>(w)[8 * kMiB - 1], 0x77);
+  std::memset(w, 0x78, 8 * kMiB);  // still mapped: writes do not fault
+  saver.resume("kv_cache");
+  saver.deallocate(w);
+  saver.deallocate(plain);
+  saver.validate();
+}
+
+TEST(Saver, RegionsNestAndUntaggedAllocatesOutsideEveryTag) {
+  HostDevice host;
+  Saver saver(host, options());
+  EXPECT_EQ(saver.current_tag(), "");
+  void* outer = nullptr;
+  void* inner = nullptr;
+  void* outside = nullptr;
+  void* back = nullptr;
+  {
+    auto a = saver.region("outer");
+    EXPECT_EQ(saver.current_tag(), "outer");
+    outer = saver.allocate(1024);
+    {
+      auto b = saver.region("inner");
+      EXPECT_EQ(saver.current_tag(), "inner");
+      inner = saver.allocate(1024);
+      {
+        auto c = saver.untagged();
+        EXPECT_EQ(saver.current_tag(), "");
+        outside = saver.allocate(1024);
+      }
+    }
+    EXPECT_EQ(saver.current_tag(), "outer");
+    back = saver.allocate(1024);
+  }
+  EXPECT_EQ(saver.current_tag(), "");
+  EXPECT_EQ(saver.tag_info("outer").allocated_bytes, 2048u);
+  EXPECT_EQ(saver.tag_info("inner").allocated_bytes, 1024u);
+  EXPECT_EQ(saver.untagged_allocator().stats().allocated_bytes[0].current, 1024);
+  // Another thread is outside every region.
+  {
+    auto a = saver.region("outer");
+    std::string seen = "?";
+    std::thread t([&] { seen = saver.current_tag(); });
+    t.join();
+    EXPECT_EQ(seen, "");
+  }
+  for (void* p : {outer, inner, outside, back}) saver.deallocate(p);
+  saver.validate();
+}
+
+TEST(Saver, RegionsCloseInnermostFirst) {
+  HostDevice host;
+  Saver saver(host, options());
+  const std::uint64_t a = saver.push_region("a");
+  const std::uint64_t b = saver.push_region("b");
+  try {
+    saver.pop_region(a);
+    FAIL() << "closed out of order";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              fmt::format("region: closing region {} while region {} ('b') opened inside it is "
+                          "still open (regions close innermost first, on the thread that opened "
+                          "them)",
+                          a, b));
+  }
+  saver.pop_region(b);
+  saver.pop_region(a);
+  EXPECT_THROW(saver.pop_region(a), UsageError);
+  EXPECT_EQ(saver.current_tag(), "");
+}
+
+TEST(Saver, BackupAndNoBackupUnderOneTagPauseTogether) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    auto r = saver.region("model", {.cpu_backup = true});
+    a = saver.allocate(kMiB);
+  }
+  {
+    auto r = saver.region("model");
+    b = saver.allocate(kMiB);
+  }
+  fill(a, kMiB, 1);
+  saver.pause("model");
+  EXPECT_TRUE(saver.is_paused("model"));
+  EXPECT_EQ(saver.tag_info("model").physical_bytes, 0u);
+  EXPECT_EQ(saver.tag_info("model").backup_bytes, kMiB);  // only the backed-up half
+  saver.resume("model");
+  EXPECT_EQ(mismatch(a, kMiB, 1), -1);
+  ASSERT_EQ(saver.tags().size(), 2u);
+  saver.deallocate(a);
+  saver.deallocate(b);
+}
+
+TEST(Saver, PauseAndResumeEveryTag) {
+  HostDevice host;
+  Saver saver(host, options());
+  saver.pause();  // no tags: nothing to do
+  std::vector<void*> ps;
+  for (const char* tag : {"a", "b", "c"}) {
+    auto r = saver.region(tag, {.cpu_backup = true});
+    ps.push_back(saver.allocate(2 * kMiB));
+    fill(ps.back(), 2 * kMiB, static_cast<unsigned>(tag[0]));
+  }
+  void* plain = saver.allocate(kMiB);
+  saver.pause("b");
+  saver.pause();  // pauses a and c, skips b
+  for (const TagInfo& t : saver.tags()) EXPECT_TRUE(t.paused) << t.tag;
+  std::memset(plain, 1, kMiB);  // untagged memory is never paused
+  saver.resume();
+  for (const TagInfo& t : saver.tags()) EXPECT_FALSE(t.paused) << t.tag;
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(mismatch(ps[i], 2 * kMiB, static_cast<unsigned>("abc"[i])), -1);
+  }
+  saver.resume();  // all running: nothing to do
+  for (void* p : ps) saver.deallocate(p);
+  saver.deallocate(plain);
+}
+
+// ---- errors -----------------------------------------------------------------------
+
+template <typename E, typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Saver, MisuseGetsClearErrorsAndChangesNothing) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* p = nullptr;
+  {
+    auto r = saver.region("kv");
+    p = saver.allocate(3 * kMiB);
+  }
+  EXPECT_EQ(error_of<UsageError>([&] { saver.pause("nope"); }),
+            "pause: unknown tag 'nope' (known tags: 'kv')");
+  EXPECT_EQ(error_of<UsageError>([&] { saver.resume("kv"); }), "resume: tag 'kv' is not paused");
+  saver.pause("kv");
+  EXPECT_EQ(error_of<UsageError>([&] { saver.pause("kv"); }), "pause: tag 'kv' is paused already");
+  EXPECT_EQ(error_of<UsageError>([&] {
+              auto r = saver.region("kv");
+              (void)saver.allocate(100);
+            }),
+            "allocation of 100 bytes into tag 'kv', which is paused (resume it first, or "
+            "allocate outside it)");
+  EXPECT_EQ(saver.current_tag(), "");  // the region closed on the way out
+  EXPECT_EQ(error_of<UsageError>([&] { (void)saver.region(""); }), "region: the tag is empty");
+  // A free while paused is applied on resume; a second free of it is refused.
+  saver.deallocate(p);
+  EXPECT_EQ(saver.tag_info("kv").pending_frees, 1u);
+  EXPECT_EQ(saver.tag_info("kv").allocated_bytes, 3 * kMiB);
+  EXPECT_EQ(error_of<InvalidPointerError>([&] { saver.deallocate(p); }),
+            fmt::format("free of {}: not a live allocation of tag 'kv' (paused): freed already, "
+                        "or not the start of a block",
+                        p));
+  EXPECT_THROW(saver.deallocate(static_cast<char*>(p) + 512), InvalidPointerError);
+  saver.validate();
+  saver.resume("kv");
+  EXPECT_EQ(saver.tag_info("kv").pending_frees, 0u);
+  EXPECT_EQ(saver.tag_info("kv").allocated_bytes, 0u);
+  EXPECT_THROW(saver.deallocate(p), InvalidPointerError);  // running: the allocator says so
+  int local = 0;
+  EXPECT_THROW(saver.deallocate(&local), InvalidPointerError);
+  saver.validate();
+}
+
+TEST(Saver, BadOptionsAndDevicesWithoutVirtualMemory) {
+  HostDevice host;
+  SaverOptions o = options();
+  o.chunk_bytes = 3 << 20;
+  EXPECT_EQ(error_of<UsageError>([&] { Saver s(host, o); }),
+            "SaverOptions::chunk_bytes = 3145728: must be a power of two of at least 65536");
+  o = options();
+  o.copy_streams = 0;
+  EXPECT_EQ(error_of<UsageError>([&] { Saver s(host, o); }),
+            "SaverOptions::copy_streams = 0: must be 1 to 64");
+  FaultyDevice no_vm(host, /*virtual_memory=*/false);
+  Saver saver(no_vm, options());
+  EXPECT_EQ(error_of<UsageError>([&] { (void)saver.region("w"); }),
+            "region 'w': tagged memory needs a device with virtual memory, and 'host' has none "
+            "(use cuda-vmm, or give SaverOptions::tag_device)");
+  // A separate device for tags serves them.
+  SaverOptions with_tag_device = options();
+  with_tag_device.tag_device = &host;
+  Saver split(no_vm, with_tag_device);
+  {
+    auto r = split.region("w");
+    void* p = split.allocate(kMiB);
+    split.pause("w");
+    split.resume("w");
+    split.deallocate(p);
+  }
+}
+
+TEST(Saver, MmapStorageInADirectoryAndABadDirectory) {
+  HostDevice host;
+  SaverOptions o = options("", BackupStorage::mmap);
+  o.mmap_directory = ::testing::TempDir();
+  Saver saver(host, o);
+  void* p = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    p = saver.allocate(6 * kMiB + 4096);
+  }
+  fill(p, 6 * kMiB + 4096, 4);
+  saver.pause("w");
+  saver.resume("w");
+  EXPECT_EQ(mismatch(p, 6 * kMiB + 4096, 4), -1);
+  saver.deallocate(p);
+
+  SaverOptions bad = options("", BackupStorage::mmap);
+  bad.mmap_directory = "/nonexistent/reservoir";
+  Saver other(host, bad);
+  {
+    auto r = other.region("w", {.cpu_backup = true});
+    p = other.allocate(kMiB);
+  }
+  fill(p, kMiB, 5);
+  const std::string message = error_of<UsageError>([&] { other.pause("w"); });
+  EXPECT_EQ(message.rfind("backup: cannot create a file in mmap directory '/nonexistent/reservoir': ", 0), 0u)
+      << message;
+  EXPECT_FALSE(other.is_paused("w"));
+  EXPECT_EQ(mismatch(p, kMiB, 5), -1);
+  other.validate();
+  other.deallocate(p);
+}
+
+// ---- copies: chunks and streams ------------------------------------------------------
+
+TEST(Saver, CopiesAreChunkedAndSpreadOverStreams) {
+  HostDevice host;
+  FaultyDevice dev(host);
+  SaverOptions o = options();
+  o.chunk_bytes = std::size_t{1} << 20;
+  o.copy_streams = 3;
+  Saver saver(dev, o);
+  void* p = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    p = saver.allocate(5 * kMiB + 1000);
+  }
+  fill(p, 5 * kMiB + 1000, 6);
+  dev.reset_log();
+  saver.pause("w");
+  EXPECT_EQ(dev.copy_sizes(), (std::vector<std::size_t>{kMiB, kMiB, kMiB, kMiB, kMiB, 1000}));
+  EXPECT_EQ(dev.copy_streams(), (std::vector<StreamId>{100, 101, 102, 100, 101, 102}));
+  EXPECT_EQ(dev.calls(CallKind::synchronize_stream), 3);
+  dev.reset_log();
+  saver.resume("w");
+  EXPECT_EQ(dev.copy_sizes(), (std::vector<std::size_t>{kMiB, kMiB, kMiB, kMiB, kMiB, 1000}));
+  EXPECT_EQ(mismatch(p, 5 * kMiB + 1000, 6), -1);
+  saver.deallocate(p);
+}
+
+TEST(Saver, StagedCopiesThroughPinnedChunksKeepEveryByte) {
+  HostDevice host;
+  FaultyDevice dev(host);
+  SaverOptions o = options("", BackupStorage::mmap);
+  o.copy_streams = 2;
+  Saver saver(dev, o);
+  std::vector<void*> ps;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    for (std::size_t i = 0; i < 4; ++i) {
+      ps.push_back(saver.allocate((i + 1) * 700 * 1024));
+      fill(ps.back(), (i + 1) * 700 * 1024, static_cast<unsigned>(i + 20));
+    }
+  }
+  dev.reset_log();
+  saver.pause("w");
+  // Staging waits for a stream before reusing its buffer.
+  EXPECT_GE(dev.calls(CallKind::synchronize_stream), static_cast<int>(dev.copy_sizes().size()));
+  saver.resume("w");
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(mismatch(ps[i], (i + 1) * 700 * 1024, static_cast<unsigned>(i + 20)), -1) << i;
+    saver.deallocate(ps[i]);
+  }
+}
+
+TEST(Saver, BlocksFreedWhilePausedAreNotCopiedBack) {
+  HostDevice host;
+  FaultyDevice dev(host);
+  Saver saver(dev, options());
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    a = saver.allocate(25 * kMiB);
+    b = saver.allocate(25 * kMiB);
+  }
+  fill(b, 25 * kMiB, 8);
+  saver.pause("w");
+  saver.deallocate(a);
+  dev.reset_log();
+  saver.resume("w");
+  EXPECT_EQ(saver.tag_info("w").last_resume_copied, 25 * kMiB);
+  EXPECT_EQ(mismatch(b, 25 * kMiB, 8), -1);
+  saver.deallocate(b);
+}
+
+// ---- fault injection: every device call of pause and resume -------------------------
+
+struct Fixture {
+  HostDevice host;
+  FaultyDevice dev{host};
+  std::unique_ptr<Saver> saver;
+  std::vector<void*> ps;
+  std::vector<std::size_t> sizes = {3 * kMiB, 30 * kMiB, 5000};
+
+  explicit Fixture(const std::string& config) {
+    SaverOptions o = options(config);
+    saver = std::make_unique<Saver>(dev, o);
+    auto r = saver->region("w", {.cpu_backup = true});
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      ps.push_back(saver->allocate(sizes[i]));
+      fill(ps.back(), sizes[i], static_cast<unsigned>(i + 40));
+    }
+  }
+  void expect_contents() {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      EXPECT_EQ(mismatch(ps[i], sizes[i], static_cast<unsigned>(i + 40)), -1) << "block " << i;
+    }
+  }
+  // Frees everything and destroys the saver: nothing may be left on the device.
+  void finish() {
+    for (void* p : ps) saver->deallocate(p);
+    saver->validate();
+    saver.reset();
+    EXPECT_EQ(host.used_bytes(), 0u);
+  }
+};
+
+struct FaultCase {
+  CallKind call;
+  int nth;
+  Status status;
+};
+
+template <typename Param>
+std::string fault_name(const ::testing::TestParamInfo<Param>& info) {
+  const FaultCase& f = std::get<1>(info.param);
+  return fmt::format("{}_{}_{}_{}", policy_name(std::get<0>(info.param)), to_string(f.call), f.nth,
+                     to_string(f.status));
+}
+
+class PauseFaults : public ::testing::TestWithParam<std::tuple<const char*, FaultCase>> {};
+
+TEST_P(PauseFaults, AFailedPauseLeavesTheTagRunningAndUntouched) {
+  const auto& [config, fault] = GetParam();
+  Fixture f(config);
+  const std::size_t physical = f.saver->tag_info("w").physical_bytes;
+  f.dev.fail_nth(fault.call, fault.nth, fault.status);
+  try {
+    f.saver->pause("w");
+    FAIL() << "pause succeeded";
+  } catch (const DeviceError& e) {
+    EXPECT_EQ(e.call(), fault.call);
+    EXPECT_EQ(std::string(e.what()).rfind("pause of tag 'w': ", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the tag is left running, untouched"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(f.saver->is_paused("w"));
+  EXPECT_EQ(f.saver->tag_info("w").physical_bytes, physical);
+  EXPECT_EQ(f.saver->tag_info("w").backup_bytes, 0u);
+  f.saver->validate();
+  f.expect_contents();
+  // And it can be paused and resumed afterwards.
+  f.saver->pause("w");
+  f.saver->resume("w");
+  f.expect_contents();
+  f.finish();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryCall, PauseFaults,
+    ::testing::Combine(::testing::Values("", "expandable_segments:True", "policy:paging"),
+                       ::testing::Values(FaultCase{CallKind::synchronize_device, 1, Status::device_error},
+                                         FaultCase{CallKind::copy_to_host, 1, Status::device_error},
+                                         FaultCase{CallKind::copy_to_host, 7, Status::device_error},
+                                         FaultCase{CallKind::synchronize_stream, 2, Status::device_error},
+                                         FaultCase{CallKind::unmap, 1, Status::device_error},
+                                         FaultCase{CallKind::unmap, 2, Status::device_error})),
+    fault_name<PauseFaults::ParamType>);
+
+TEST(SaverFaults, AFailedReleaseStillPausesAndIsRetriedSoNothingLeaks) {
+  for (const char* config : {"", "expandable_segments:True", "policy:paging"}) {
+    SCOPED_TRACE(config);
+    Fixture f(config);
+    f.dev.fail_nth(CallKind::release_physical, 1, Status::device_error);
+    f.saver->pause("w");  // unmapped: the memory is out of reach either way
+    EXPECT_TRUE(f.saver->is_paused("w"));
+    EXPECT_EQ(f.saver->tag_info("w").physical_bytes, 0u);
+    f.saver->resume("w");  // retries the release first
+    f.expect_contents();
+    f.finish();
+  }
+}
+
+class ResumeFaults : public ::testing::TestWithParam<std::tuple<const char*, FaultCase>> {};
+
+TEST_P(ResumeFaults, AFailedResumeStaysPausedWithItsBackup) {
+  const auto& [config, fault] = GetParam();
+  Fixture f(config);
+  f.saver->pause("w");
+  f.saver->deallocate(f.ps[2]);  // a pending free survives the failed resume too
+  const TagInfo paused = f.saver->tag_info("w");
+  const std::size_t used = f.host.used_bytes();
+  f.dev.fail_nth(fault.call, fault.nth, fault.status);
+  if (fault.status == Status::out_of_memory) {
+    try {
+      f.saver->resume("w");
+      FAIL() << "resume succeeded";
+    } catch (const OutOfMemoryError& e) {
+      EXPECT_NE(std::string(e.what()).find("the tag stays paused with its backup"), std::string::npos)
+          << e.what();
+    }
+  } else {
+    try {
+      f.saver->resume("w");
+      FAIL() << "resume succeeded";
+    } catch (const DeviceError& e) {
+      EXPECT_EQ(e.call(), fault.call);
+      EXPECT_NE(std::string(e.what()).find("the tag stays paused with its backup"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(f.saver->is_paused("w"));
+  const TagInfo after = f.saver->tag_info("w");
+  EXPECT_EQ(after.physical_bytes, 0u);
+  EXPECT_EQ(after.backup_bytes, paused.backup_bytes);
+  EXPECT_EQ(after.pending_frees, 1u);
+  EXPECT_EQ(f.host.used_bytes(), used);  // what was created was given back
+  f.saver->validate();
+  f.saver->resume("w");
+  f.sizes.pop_back();
+  f.ps.pop_back();
+  f.expect_contents();
+  EXPECT_EQ(f.saver->tag_info("w").pending_frees, 0u);
+  f.finish();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryCall, ResumeFaults,
+    ::testing::Combine(::testing::Values("", "expandable_segments:True", "policy:paging"),
+                       ::testing::Values(FaultCase{CallKind::create_physical, 1, Status::out_of_memory},
+                                         FaultCase{CallKind::create_physical, 2, Status::out_of_memory},
+                                         FaultCase{CallKind::create_physical, 2, Status::device_error},
+                                         FaultCase{CallKind::map, 2, Status::device_error},
+                                         FaultCase{CallKind::set_access, 2, Status::device_error},
+                                         FaultCase{CallKind::copy_to_device, 1, Status::device_error},
+                                         FaultCase{CallKind::copy_to_device, 9, Status::device_error},
+                                         FaultCase{CallKind::synchronize_stream, 1, Status::device_error})),
+    fault_name<ResumeFaults::ParamType>);
+
+TEST(SaverFaults, ResumeRunsOutOfMemoryHalfwayOnARealCapacityAndRollsBack) {
+  SimDeviceOptions so;
+  so.capacity = 64 * kMiB;
+  so.auto_complete_events = true;
+  SimDevice sim(so);
+  Saver saver(sim, options());
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    a = saver.allocate(20 * kMiB);
+    b = saver.allocate(20 * kMiB);
+  }
+  saver.pause("w");
+  EXPECT_EQ(sim.used_bytes(), 0u);
+  void* other = saver.allocate(30 * kMiB);  // untagged memory takes the room meanwhile
+  // The first 20 MiB segment fits, the second does not: both are given back.
+  const std::uint64_t creates = sim.calls(CallKind::create_physical);
+  EXPECT_THROW(saver.resume("w"), OutOfMemoryError);
+  EXPECT_EQ(sim.calls(CallKind::create_physical), creates + 2);
+  EXPECT_TRUE(saver.is_paused("w"));
+  EXPECT_EQ(sim.used_bytes(), 30 * kMiB);
+  saver.deallocate(other);
+  saver.empty_cache();
+  saver.resume("w");
+  EXPECT_FALSE(saver.is_paused("w"));
+  EXPECT_EQ(sim.used_bytes(), 40 * kMiB);
+  saver.deallocate(a);
+  saver.deallocate(b);
+  saver.validate();
+}
+
+// ---- threads ------------------------------------------------------------------------
+
+TEST(SaverThreads, AllocationsRaceWithPauseAndResumeOfOtherTags) {
+  HostDevice host;
+  Saver saver(host, options("expandable_segments:True"));
+  std::atomic<bool> stop{false};
+  std::atomic<int> refused{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 3; ++t) {
+    workers.emplace_back([&, t] {
+      const std::string tag = t == 2 ? "paused_often" : "steady" + std::to_string(t);
+      auto r = saver.region(tag, {.cpu_backup = true});
+      std::vector<std::pair<void*, unsigned>> live;
+      unsigned seed = static_cast<unsigned>(t) * 1000;
+      for (int i = 0; i < 400 && !stop; ++i) {
+        try {
+          const std::size_t size = 4096 + (seed % 7) * 300'000;
+          void* p = saver.allocate(size);
+          // The paused tag's memory may go at any moment: only the others write.
+          if (t != 2) fill(p, 64, seed);
+          live.emplace_back(p, seed++);
+        } catch (const UsageError&) {
+          refused++;  // its tag is paused right now
+        }
+        if (live.size() > 8) {
+          if (t != 2) {
+            EXPECT_EQ(mismatch(live.front().first, 64, live.front().second), -1);
+          }
+          saver.deallocate(live.front().first);
+          live.erase(live.begin());
+        }
+      }
+      for (auto& [p, s] : live) saver.deallocate(p);
+    });
+  }
+  std::thread pauser([&] {
+    for (int i = 0; i < 30; ++i) {
+      try {
+        saver.pause("paused_often");
+        saver.resume("paused_often");
+      } catch (const UsageError&) {
+        // not created yet
+      }
+    }
+  });
+  for (auto& w : workers) w.join();
+  stop = true;
+  pauser.join();
+  saver.validate();
+  EXPECT_EQ(saver.stats().allocated_bytes[0].current, 0);
+}
+
+// ---- observation -----------------------------------------------------------------------
+
+TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* a = nullptr;
+  {
+    auto r = saver.region("weights");
+    a = saver.allocate(kMiB);
+  }
+  void* b = saver.allocate(2 * kMiB);
+  const Snapshot snap = saver.snapshot();
+  ASSERT_EQ(snap.segments.size(), 2u);
+  int tagged = 0;
+  for (const SegmentInfo& seg : snap.segments) {
+    for (const BlockInfo& blk : seg.blocks) {
+      const Context& c = snap.contexts.at(blk.context);
+      if (!c.annotations.empty() && c.annotations.front() == "reservoir.tag=weights") ++tagged;
+    }
+  }
+  EXPECT_GE(tagged, 1);
+  const DeviceStats s = saver.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(3 * kMiB));
+  EXPECT_EQ(saver.stats("weights").allocated_bytes[0].current, static_cast<std::int64_t>(kMiB));
+  EXPECT_EQ(saver.stats_map().at("allocated_bytes.all.current"), static_cast<std::int64_t>(3 * kMiB));
+  saver.pause("weights");
+  const std::string summary = saver.memory_summary();
+  EXPECT_NE(summary.find("Untagged memory"), std::string::npos);
+  EXPECT_NE(summary.find("Tag 'weights': paused, 0 bytes of physical memory, 0 bytes backed up"),
+            std::string::npos)
+      << summary;
+  saver.resume("weights");
+  saver.deallocate(a);
+  saver.deallocate(b);
+}
+
+}  // namespace
+}  // namespace reservoir
