@@ -2,14 +2,22 @@
 // torch.cuda.memory.CUDAPluggableAllocator(path, "reservoir_torch_malloc",
 // "reservoir_torch_free") (python/reservoir_torch.py installs it).
 //
-// One CachingAllocator per GPU, created on first use, on the backend
-// RESERVOIR_TORCH_DEVICE names (cuda-runtime by default; cuda-vmm for the
-// expandable and paging policies; sim or host to exercise the library
+// One Saver per GPU (reservoir/saver.hpp), created on first use, on the
+// backend RESERVOIR_TORCH_DEVICE names (cuda-runtime by default; cuda-vmm for
+// the expandable and paging policies; sim or host to exercise the library
 // without a GPU), configured by RESERVOIR_ALLOC_CONF (else
-// PYTORCH_CUDA_ALLOC_CONF). Beside malloc and free it exports the optional
-// hooks PyTorch's CUDAPluggableAllocator accepts (init, reset, memory
-// fraction, record_stream, begin/end allocate to pool, release pool), with
-// its signatures, and C functions for stats, summary and snapshots.
+// PYTORCH_CUDA_ALLOC_CONF). Allocations outside every region are served by
+// its untagged allocator exactly as a plain CachingAllocator would; tagged
+// ones (regions opened through the Python module) live on CUDA's virtual
+// memory API (a cuda-vmm view of the same GPU when the main backend is
+// cuda-runtime) so they can be paused. Beside malloc and free it exports the
+// optional hooks PyTorch's CUDAPluggableAllocator accepts (init, reset,
+// memory fraction, record_stream, begin/end allocate to pool, release pool),
+// with its signatures, and C functions for stats, summary and snapshots.
+//
+// The same source is compiled into the Python module (reservoir._core), which
+// hands its own file to CUDAPluggableAllocator, so the module's region,
+// pause and resume act on the saver PyTorch allocates from.
 #include <fmt/format.h>
 #include <sys/types.h>
 
@@ -26,6 +34,9 @@
 
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/cuda_device.hpp"
+#include "reservoir/host_caching_allocator.hpp"
+#include "reservoir/saver.hpp"
+#include "torch_saver.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/host_device.hpp"
 #include "reservoir/sim_device.hpp"
@@ -42,7 +53,9 @@ constexpr int kMaxDevices = 64;
 
 struct PerDevice {
   std::unique_ptr<reservoir::Device> device;
-  std::unique_ptr<CachingAllocator> allocator;
+  std::unique_ptr<reservoir::Device> tag_device;  // cuda-vmm beside cuda-runtime
+  std::unique_ptr<reservoir::PinnedMemorySource> pinned;
+  std::unique_ptr<reservoir::Saver> saver;
 };
 
 std::mutex mutex;
@@ -57,20 +70,33 @@ std::string backend_kind(const AllocatorConfig& config) {
   return vm ? "cuda-vmm" : "cuda-runtime";
 }
 
-// The allocator of a device, created on first use. Throws on failure.
-CachingAllocator& allocator_for(int device) {
+// The saver of a device, created on first use. Throws on failure.
+reservoir::Saver& saver_for(int device) {
   if (device < 0 || device >= kMaxDevices) {
     throw reservoir::UsageError(fmt::format("reservoir_torch: device {} out of range", device));
   }
   std::lock_guard lock(mutex);
   PerDevice& d = devices[static_cast<std::size_t>(device)];
-  if (!d.allocator) {
-    const AllocatorConfig config = AllocatorConfig::from_env();
-    const std::string kind = backend_kind(config);
-    if (kind == "cuda-runtime") {
-      d.device = reservoir::CudaRuntimeDevice::open(device);
-    } else if (kind == "cuda-vmm") {
-      d.device = reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
+  if (!d.saver) {
+    reservoir::SaverOptions options;
+    options.config = AllocatorConfig::from_env();
+    options.device_index = device;
+    const std::string kind = backend_kind(options.config);
+    if (kind == "cuda-runtime" || kind == "cuda-vmm") {
+      if (kind == "cuda-vmm") {
+        d.device = reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
+      } else {
+        d.device = reservoir::CudaRuntimeDevice::open(device);
+        try {
+          d.tag_device =
+              reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
+          options.tag_device = d.tag_device.get();
+        } catch (const reservoir::DeviceUnavailableError&) {
+          // No virtual memory management here: regions will say so when opened.
+        }
+      }
+      d.pinned = reservoir::CudaPinnedMemory::open();
+      options.pinned_source = d.pinned.get();
     } else if (kind == "sim") {
       reservoir::SimDeviceOptions o;
       o.auto_complete_events = true;
@@ -81,10 +107,32 @@ CachingAllocator& allocator_for(int device) {
       throw reservoir::UsageError(fmt::format(
           "RESERVOIR_TORCH_DEVICE='{}' is not cuda-runtime, cuda-vmm, sim or host", kind));
     }
-    d.allocator = std::make_unique<CachingAllocator>(*d.device, config, device);
+    if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr) {
+      const std::string st = storage;
+      if (st == "mmap") {
+        options.storage = reservoir::BackupStorage::mmap;
+      } else if (st != "pinned" && !st.empty()) {
+        throw reservoir::UsageError(
+            fmt::format("RESERVOIR_BACKUP_STORAGE='{}' is not pinned or mmap", st));
+      }
+    }
+    if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR"); dir != nullptr) {
+      options.mmap_directory = dir;
+    }
+    d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
   }
-  return *d.allocator;
+  return *d.saver;
 }
+
+CachingAllocator& allocator_for(int device) { return saver_for(device).untagged_allocator(); }
+
+}  // namespace
+
+namespace reservoir {
+Saver& torch_saver(int device) { return saver_for(device); }
+}  // namespace reservoir
+
+namespace {
 
 template <typename F>
 bool guarded(F&& f) {
@@ -111,8 +159,8 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
                                                                      CUstream_st* stream) {
   void* p = nullptr;
   if (!guarded([&] {
-        p = allocator_for(device).allocate(static_cast<std::size_t>(size),
-                                           reinterpret_cast<reservoir::StreamId>(stream));
+        p = saver_for(device).allocate(static_cast<std::size_t>(size),
+                                       reinterpret_cast<reservoir::StreamId>(stream));
       })) {
     // PyTorch turns a null result into its out-of-memory error; say why here.
     std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
@@ -122,7 +170,7 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
 
 __attribute__((visibility("default"))) void reservoir_torch_free(void* ptr, ssize_t, int device,
                                                                  CUstream_st*) {
-  if (!guarded([&] { allocator_for(device).deallocate(ptr); })) {
+  if (!guarded([&] { saver_for(device).deallocate(ptr); })) {
     std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
   }
 }
@@ -134,7 +182,7 @@ __attribute__((visibility("default"))) void reservoir_torch_init(int device_coun
 __attribute__((visibility("default"))) void reservoir_torch_reset() {
   std::lock_guard lock(mutex);
   for (PerDevice& d : devices) {
-    if (d.allocator) d.allocator->empty_cache();
+    if (d.saver) d.saver->empty_cache();
   }
 }
 
@@ -148,9 +196,9 @@ __attribute__((visibility("default"))) void reservoir_torch_record_stream(void* 
   (void)guarded([&] {
     std::lock_guard lock(mutex);
     for (PerDevice& d : devices) {
-      if (!d.allocator) continue;
+      if (!d.saver) continue;
       try {
-        d.allocator->record_stream(ptr, reinterpret_cast<reservoir::StreamId>(stream));
+        d.saver->record_stream(ptr, reinterpret_cast<reservoir::StreamId>(stream));
         return;
       } catch (const reservoir::InvalidPointerError&) {
         // not this device's
@@ -168,14 +216,14 @@ __attribute__((visibility("default"))) const char* reservoir_torch_last_error() 
 // JSON of torch.cuda.memory_stats() keys; free with free(). Null on error.
 __attribute__((visibility("default"))) char* reservoir_torch_stats_json(int device) {
   char* out = nullptr;
-  (void)guarded([&] { out = copy_string(nlohmann::json(allocator_for(device).stats_map()).dump()); });
+  (void)guarded([&] { out = copy_string(nlohmann::json(saver_for(device).stats_map()).dump()); });
   return out;
 }
 
 __attribute__((visibility("default"))) char* reservoir_torch_memory_summary(int device,
                                                                             int abbreviated) {
   char* out = nullptr;
-  (void)guarded([&] { out = copy_string(allocator_for(device).memory_summary(abbreviated != 0)); });
+  (void)guarded([&] { out = copy_string(saver_for(device).memory_summary(abbreviated != 0)); });
   return out;
 }
 
@@ -194,9 +242,9 @@ __attribute__((visibility("default"))) int reservoir_torch_record_history(int de
 __attribute__((visibility("default"))) int reservoir_torch_dump_snapshot(int device,
                                                                          const char* path) {
   return guarded([&] {
-    CachingAllocator& a = allocator_for(device);
-    const std::string bytes = reservoir::write_pytorch_snapshot(
-        reservoir::to_trace(a.snapshot(), path, a.config().to_string()));
+    reservoir::Saver& saver = saver_for(device);
+    const std::string bytes = reservoir::write_pytorch_snapshot(reservoir::to_trace(
+        saver.snapshot(), path, saver.untagged_allocator().config().to_string()));
     std::FILE* f = std::fopen(path, "wb");
     if (f == nullptr) throw reservoir::UsageError(fmt::format("cannot write '{}'", path));
     const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();

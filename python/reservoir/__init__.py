@@ -1,0 +1,117 @@
+"""reservoir: GPU memory management for deep-learning programs.
+
+Standalone use, on any device (HostDevice: real host memory, so contents and
+resident memory can be checked without a GPU)::
+
+    import reservoir
+    dev = reservoir.HostDevice()
+    saver = reservoir.Saver(dev, config="expandable_segments:True")
+    with saver.region("weights", cpu_backup=True):
+        ptr = saver.allocate(1 << 20)
+    saver.pause("weights")     # physical memory released, contents on the host
+    saver.resume("weights")    # same address, same bytes
+
+With PyTorch (CUDA)::
+
+    reservoir.install_torch("expandable_segments:True")   # before the first CUDA tensor
+    with reservoir.region("kv_cache"):
+        kv = torch.empty(..., device="cuda")
+    reservoir.pause("kv_cache"); ...; reservoir.resume("kv_cache")
+
+The module-level functions act on default_saver(device), the saver PyTorch
+allocates from. reservoir.memory_saver is a drop-in for torch_memory_saver.
+"""
+import os
+
+from ._core import (  # noqa: F401
+    ConfigError,
+    CudaRuntimeDevice,
+    CudaVmmDevice,
+    Device,
+    DeviceError,
+    DeviceUnavailableError,
+    Error,
+    HostDevice,
+    InvalidPointerError,
+    InvariantError,
+    OutOfMemoryError,
+    Saver,
+    SimDevice,
+    TraceError,
+    UsageError,
+    default_saver,
+    rss_bytes,
+)
+from . import _core
+
+
+def library_path():
+    """The file PyTorch's CUDAPluggableAllocator loads (this module's own)."""
+    return os.path.abspath(_core.__file__)
+
+
+def install_torch(config=None, device_kind=None):
+    """Make reservoir PyTorch's CUDA allocator (call before any CUDA allocation).
+
+    config uses PYTORCH_CUDA_ALLOC_CONF's syntax (and reservoir's policies);
+    device_kind is cuda-runtime (default), cuda-vmm, host or sim.
+    """
+    import torch
+
+    if config is not None:
+        os.environ["RESERVOIR_ALLOC_CONF"] = config
+    if device_kind is not None:
+        os.environ["RESERVOIR_TORCH_DEVICE"] = device_kind
+    pluggable = getattr(torch.cuda.memory, "CUDAPluggableAllocator", None)
+    if pluggable is None:
+        raise RuntimeError(
+            f"PyTorch {torch.__version__} has no CUDAPluggableAllocator (PyTorch 2.0 or later needed)")
+    allocator = pluggable(library_path(), "reservoir_torch_malloc", "reservoir_torch_free")
+    torch.cuda.memory.change_current_allocator(allocator)
+    return allocator
+
+
+def region(tag, cpu_backup=False, device=0):
+    """Context manager: allocations of this thread go to `tag` inside it."""
+    return default_saver(device).region(tag, cpu_backup)
+
+
+def untagged(device=0):
+    """Context manager: allocations of this thread go outside every tag."""
+    return default_saver(device).untagged()
+
+
+def pause(tag=None, device=0):
+    """Releases the physical memory of `tag` (every tag when None)."""
+    default_saver(device).pause(tag)
+
+
+def resume(tag=None, device=0):
+    """Maps `tag`'s memory again at the same addresses (every tag when None)."""
+    default_saver(device).resume(tag)
+
+
+def tags(device=0):
+    return default_saver(device).tags()
+
+
+def stats(device=0, tag=None):
+    """torch.cuda.memory_stats()'s keys, for everything or one tag."""
+    return default_saver(device).stats(tag)
+
+
+def memory_summary(device=0, abbreviated=False):
+    return default_saver(device).memory_summary(abbreviated)
+
+
+def snapshot(device=0):
+    """PyTorch's snapshot dict (torch.cuda.memory._snapshot()'s layout)."""
+    return default_saver(device).snapshot()
+
+
+def dump_snapshot(path, device=0):
+    """Writes the snapshot as a pickle that pytorch.org/memory_viz opens."""
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(device), f)

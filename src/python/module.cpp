@@ -1,0 +1,214 @@
+// reservoir._core: the Python module (pybind11).
+//
+// Devices (HostDevice, SimDevice, and the CUDA backends), Saver with regions,
+// pause and resume, stats, summaries and snapshots; default_saver(device) is
+// the saver PyTorch allocates from once reservoir.install_torch() ran (this
+// module's file also carries the pluggable allocator's entry points, see
+// src/torch/reservoir_torch.cpp). Long calls release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/cuda_device.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/host_device.hpp"
+#include "reservoir/saver.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+#include "../torch/torch_saver.hpp"
+
+namespace py = pybind11;
+using namespace reservoir;
+
+namespace {
+
+py::dict tag_dict(const TagInfo& t) {
+  py::dict d;
+  d["tag"] = t.tag;
+  d["cpu_backup"] = t.cpu_backup;
+  d["paused"] = t.paused;
+  d["allocated_bytes"] = t.allocated_bytes;
+  d["reserved_bytes"] = t.reserved_bytes;
+  d["physical_bytes"] = t.physical_bytes;
+  d["backup_bytes"] = t.backup_bytes;
+  d["pending_frees"] = t.pending_frees;
+  d["pauses"] = t.pauses;
+  d["resumes"] = t.resumes;
+  d["last_pause_seconds"] = t.last_pause_seconds;
+  d["last_resume_seconds"] = t.last_resume_seconds;
+  d["last_pause_copied"] = t.last_pause_copied;
+  d["last_resume_copied"] = t.last_resume_copied;
+  d["last_released_bytes"] = t.last_released_bytes;
+  return d;
+}
+
+// A region as a Python context manager: opened by __enter__ on the calling
+// thread, closed by __exit__.
+class RegionScope {
+ public:
+  RegionScope(Saver& saver, std::optional<std::string> tag, bool cpu_backup)
+      : saver_(saver), tag_(std::move(tag)), cpu_backup_(cpu_backup) {}
+  RegionScope& enter() {
+    if (token_ != 0) throw UsageError("region: this region is open already");
+    token_ = tag_ ? saver_.push_region(*tag_, {.cpu_backup = cpu_backup_}) : saver_.push_untagged();
+    return *this;
+  }
+  void exit() {
+    const std::uint64_t token = token_;
+    token_ = 0;
+    saver_.pop_region(token);
+  }
+
+ private:
+  Saver& saver_;
+  std::optional<std::string> tag_;
+  bool cpu_backup_;
+  std::uint64_t token_ = 0;
+};
+
+// A Saver created from Python owns its options' strings; the device is kept
+// alive by the binding (keep_alive).
+std::unique_ptr<Saver> make_saver(Device& device, const std::string& config,
+                                  const std::string& storage, const std::string& mmap_directory,
+                                  std::size_t chunk_bytes, int copy_streams, Device* tag_device) {
+  SaverOptions o;
+  o.config = AllocatorConfig::parse(config);
+  if (storage == "mmap") {
+    o.storage = BackupStorage::mmap;
+  } else if (storage != "pinned") {
+    throw UsageError("Saver: storage='" + storage + "' is not 'pinned' or 'mmap'");
+  }
+  o.mmap_directory = mmap_directory;
+  o.chunk_bytes = chunk_bytes;
+  o.copy_streams = copy_streams;
+  o.tag_device = tag_device;
+  return std::make_unique<Saver>(device, o);
+}
+
+py::object snapshot_dict(const Saver& saver) {
+  const std::string bytes = write_pytorch_snapshot(
+      to_trace(saver.snapshot(), "reservoir", const_cast<Saver&>(saver).untagged_allocator().config().to_string()));
+  return py::module_::import("pickle").attr("loads")(py::bytes(bytes));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "reservoir: GPU memory management (caching allocator, pause/resume of tagged memory)";
+
+  auto error = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<ConfigError>(m, "ConfigError", error.ptr());
+  py::register_exception<UsageError>(m, "UsageError", error.ptr());
+  py::register_exception<DeviceError>(m, "DeviceError", error.ptr());
+  py::register_exception<InvalidPointerError>(m, "InvalidPointerError", error.ptr());
+  py::register_exception<DeviceUnavailableError>(m, "DeviceUnavailableError", error.ptr());
+  py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", error.ptr());
+  py::register_exception<TraceError>(m, "TraceError", error.ptr());
+  py::register_exception<InvariantError>(m, "InvariantError", error.ptr());
+
+  py::class_<Device>(m, "Device")
+      .def_property_readonly("name", [](const Device& d) { return std::string(d.name()); })
+      .def_property_readonly("granularity", &Device::granularity);
+  py::class_<HostDevice, Device>(m, "HostDevice",
+                                 "Real host memory driven through CUDA's virtual-memory protocol")
+      .def(py::init([](std::size_t capacity, std::size_t granularity) {
+             return std::make_unique<HostDevice>(HostDeviceOptions{capacity, granularity});
+           }),
+           py::arg("capacity") = std::size_t{8} << 30, py::arg("granularity") = std::size_t{2} << 20)
+      .def_property_readonly("used_bytes", &HostDevice::used_bytes);
+  py::class_<SimDevice, Device>(m, "SimDevice", "Simulated device: accounting only, no contents")
+      .def(py::init([](std::size_t capacity, std::size_t granularity) {
+             SimDeviceOptions o;
+             o.capacity = capacity;
+             o.granularity = granularity;
+             o.auto_complete_events = true;
+             return std::make_unique<SimDevice>(o);
+           }),
+           py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = std::size_t{2} << 20)
+      .def_property_readonly("used_bytes", &SimDevice::used_bytes);
+  py::class_<CudaVmmDevice, Device>(m, "CudaVmmDevice", "A GPU through CUDA's driver API")
+      .def(py::init([](int device) {
+             return CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
+           }),
+           py::arg("device") = 0);
+  py::class_<CudaRuntimeDevice, Device>(m, "CudaRuntimeDevice", "A GPU through cudaMalloc")
+      .def(py::init([](int device) { return CudaRuntimeDevice::open(device); }), py::arg("device") = 0);
+
+  py::class_<RegionScope>(m, "Region")
+      .def("__enter__", &RegionScope::enter, py::return_value_policy::reference)
+      .def("__exit__", [](RegionScope& r, py::args) {
+        r.exit();
+        return false;
+      });
+
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  py::class_<Saver>(m, "Saver", "Tagged regions of device memory that can be paused and resumed")
+      .def(py::init(&make_saver), py::arg("device"), py::arg("config") = "",
+           py::arg("storage") = "pinned", py::arg("mmap_directory") = "",
+           py::arg("chunk_bytes") = std::size_t{32} << 20, py::arg("copy_streams") = 4,
+           py::arg("tag_device") = nullptr, py::keep_alive<1, 2>(), py::keep_alive<1, 8>())
+      .def(
+          "region",
+          [](Saver& s, const std::string& tag, bool cpu_backup) {
+            return RegionScope(s, tag, cpu_backup);
+          },
+          py::arg("tag"), py::arg("cpu_backup") = false, py::keep_alive<0, 1>(),
+          "with saver.region('kv_cache', cpu_backup=True): ... allocations go to that tag")
+      .def(
+          "untagged", [](Saver& s) { return RegionScope(s, std::nullopt, false); },
+          py::keep_alive<0, 1>(), "with saver.untagged(): ... allocations outside every tag")
+      .def("current_tag", &Saver::current_tag)
+      .def(
+          "allocate",
+          [](Saver& s, std::size_t size, std::uint64_t stream) {
+            return reinterpret_cast<std::uintptr_t>(s.allocate(size, stream));
+          },
+          py::arg("size"), py::arg("stream") = 0, release)
+      .def(
+          "free", [](Saver& s, std::uintptr_t ptr) { s.deallocate(reinterpret_cast<void*>(ptr)); },
+          py::arg("ptr"), release)
+      .def(
+          "record_stream",
+          [](Saver& s, std::uintptr_t ptr, std::uint64_t stream) {
+            s.record_stream(reinterpret_cast<void*>(ptr), stream);
+          },
+          py::arg("ptr"), py::arg("stream"))
+      .def(
+          "pause",
+          [](Saver& s, std::optional<std::string> tag) { tag ? s.pause(*tag) : s.pause(); },
+          py::arg("tag") = py::none(), release)
+      .def(
+          "resume",
+          [](Saver& s, std::optional<std::string> tag) { tag ? s.resume(*tag) : s.resume(); },
+          py::arg("tag") = py::none(), release)
+      .def("is_paused", &Saver::is_paused, py::arg("tag"))
+      .def("empty_cache", &Saver::empty_cache, release)
+      .def("trim_backup", &Saver::trim_backup, release)
+      .def("tags",
+           [](const Saver& s) {
+             py::list out;
+             for (const TagInfo& t : s.tags()) out.append(tag_dict(t));
+             return out;
+           })
+      .def("tag_info", [](const Saver& s, const std::string& tag) { return tag_dict(s.tag_info(tag)); },
+           py::arg("tag"))
+      .def(
+          "stats",
+          [](const Saver& s, std::optional<std::string> tag) {
+            return tag ? to_map(s.stats(*tag)) : s.stats_map();
+          },
+          py::arg("tag") = py::none(), "torch.cuda.memory_stats()'s keys")
+      .def("memory_summary", &Saver::memory_summary, py::arg("abbreviated") = false)
+      .def("snapshot", &snapshot_dict, "PyTorch's snapshot dict (what memory_viz reads)")
+      .def("validate", &Saver::validate);
+
+  m.def("default_saver", &torch_saver, py::arg("device") = 0, py::return_value_policy::reference,
+        "The saver PyTorch's allocator uses for this GPU (created on first use from "
+        "RESERVOIR_ALLOC_CONF and RESERVOIR_TORCH_DEVICE)");
+  m.def("rss_bytes", &current_rss_bytes, "Resident memory of this process, in bytes");
+}

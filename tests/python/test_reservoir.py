@@ -1,0 +1,224 @@
+"""The Python module on HostDevice (real memory): regions, pause/resume,
+contents, addresses, resident memory, errors, stats, snapshots, the process
+saver PyTorch allocates from, and the torch_memory_saver drop-in."""
+import ctypes
+import os
+import threading
+
+import pytest
+
+os.environ["RESERVOIR_TORCH_DEVICE"] = "host"  # the process saver on real host memory
+import reservoir  # noqa: E402
+from reservoir.memory_saver import torch_memory_saver  # noqa: E402
+
+MiB = 1 << 20
+POLICIES = ["", "expandable_segments:True", "policy:paging"]
+
+
+def write(ptr, data):
+    ctypes.memmove(ptr, data, len(data))
+
+
+def read(ptr, n):
+    return ctypes.string_at(ptr, n)
+
+
+def segment_addresses(saver):
+    return sorted(s["address"] for s in saver.snapshot()["segments"])
+
+
+@pytest.mark.parametrize("config", POLICIES)
+def test_contents_survive_byte_for_byte_at_the_same_addresses(config):
+    dev = reservoir.HostDevice()
+    saver = reservoir.Saver(dev, config=config, chunk_bytes=1 * MiB, copy_streams=2)
+    sizes = [4096, 3 * MiB + 512, 24 * MiB]
+    blocks = []
+    with saver.region("weights", cpu_backup=True):
+        for n in sizes:
+            ptr = saver.allocate(n)
+            data = os.urandom(n)
+            write(ptr, data)
+            blocks.append((ptr, data))
+    addresses = segment_addresses(saver)
+    physical = saver.tag_info("weights")["physical_bytes"]
+    used = dev.used_bytes
+
+    saver.pause("weights")
+    info = saver.tag_info("weights")
+    assert info["paused"] and info["physical_bytes"] == 0
+    assert info["backup_bytes"] == sum(sizes)
+    assert dev.used_bytes == used - physical
+    assert segment_addresses(saver) == addresses
+
+    saver.resume("weights")
+    assert dev.used_bytes == used
+    assert segment_addresses(saver) == addresses
+    for ptr, data in blocks:
+        assert read(ptr, len(data)) == data
+    for ptr, _ in blocks:
+        saver.free(ptr)
+    saver.validate()
+
+
+def test_resident_memory_falls_after_pause_and_rises_after_resume():
+    saver = reservoir.Saver(reservoir.HostDevice(), storage="mmap")
+    n = 96 * MiB
+    with saver.region("weights", cpu_backup=True):
+        ptr = saver.allocate(n)
+    data = os.urandom(n)
+    write(ptr, data)
+    running = reservoir.rss_bytes()
+    saver.pause("weights")
+    paused = reservoir.rss_bytes()
+    assert paused < running - 80 * MiB, (running, paused)
+    saver.resume("weights")
+    resumed = reservoir.rss_bytes()
+    assert resumed > paused + 80 * MiB, (paused, resumed)
+    assert read(ptr, n) == data
+    saver.free(ptr)
+
+
+def test_without_backup_memory_is_released_and_usable_again():
+    saver = reservoir.Saver(reservoir.HostDevice())
+    n = 64 * MiB
+    with saver.region("kv_cache"):
+        ptr = saver.allocate(n)
+    write(ptr, b"\x01" * n)
+    running = reservoir.rss_bytes()
+    saver.pause("kv_cache")
+    assert reservoir.rss_bytes() < running - 56 * MiB
+    assert saver.tag_info("kv_cache")["last_pause_copied"] == 0
+    saver.resume("kv_cache")
+    write(ptr, b"\x02" * n)  # mapped again at the same address
+    assert reservoir.rss_bytes() > running - 8 * MiB
+    saver.free(ptr)
+
+
+def test_errors_are_exceptions_that_say_what_was_wrong():
+    saver = reservoir.Saver(reservoir.HostDevice())
+    with saver.region("kv"):
+        ptr = saver.allocate(MiB)
+    with pytest.raises(reservoir.UsageError, match=r"^pause: unknown tag 'nope' \(known tags: 'kv'\)$"):
+        saver.pause("nope")
+    with pytest.raises(reservoir.UsageError, match=r"^resume: tag 'kv' is not paused$"):
+        saver.resume("kv")
+    saver.pause("kv")
+    with pytest.raises(reservoir.UsageError, match=r"^pause: tag 'kv' is paused already$"):
+        saver.pause("kv")
+    with pytest.raises(reservoir.UsageError, match=r"into tag 'kv', which is paused"):
+        with saver.region("kv"):
+            saver.allocate(100)
+    assert saver.current_tag() == ""
+    saver.free(ptr)  # applied on resume
+    assert saver.tag_info("kv")["pending_frees"] == 1
+    with pytest.raises(reservoir.InvalidPointerError, match="freed already"):
+        saver.free(ptr)
+    saver.resume("kv")
+    assert saver.tag_info("kv")["allocated_bytes"] == 0
+    with pytest.raises(reservoir.InvalidPointerError):
+        saver.free(ptr)
+    assert issubclass(reservoir.UsageError, reservoir.Error)
+    assert issubclass(reservoir.Error, RuntimeError)
+    with pytest.raises(reservoir.UsageError, match="storage='disk' is not 'pinned' or 'mmap'"):
+        reservoir.Saver(reservoir.HostDevice(), storage="disk")
+    with pytest.raises(reservoir.ConfigError):
+        reservoir.Saver(reservoir.HostDevice(), config="expandable_segments:maybe")
+    saver.validate()
+
+
+def test_regions_nest_per_thread_and_untagged_allocates_outside():
+    saver = reservoir.Saver(reservoir.HostDevice())
+    with saver.region("outer"):
+        a = saver.allocate(1024)
+        with saver.region("inner"):
+            assert saver.current_tag() == "inner"
+            b = saver.allocate(1024)
+            with saver.untagged():
+                assert saver.current_tag() == ""
+                c = saver.allocate(1024)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(saver.current_tag()))
+        t.start()
+        t.join()
+        assert seen == [""]
+        assert saver.current_tag() == "outer"
+    assert saver.tag_info("outer")["allocated_bytes"] == 1024
+    assert saver.tag_info("inner")["allocated_bytes"] == 1024
+    assert saver.stats()["allocated_bytes.all.current"] == 3072
+    for p in (a, b, c):
+        saver.free(p)
+
+
+def test_stats_summary_and_snapshot_cover_tags():
+    saver = reservoir.Saver(reservoir.HostDevice())
+    with saver.region("weights"):
+        a = saver.allocate(MiB)
+    b = saver.allocate(2 * MiB)
+    assert saver.stats("weights")["allocated_bytes.all.current"] == MiB
+    assert saver.stats()["allocated_bytes.all.current"] == 3 * MiB
+    snap = saver.snapshot()
+    assert len(snap["segments"]) == 2
+    tagged = [blk for seg in snap["segments"] for blk in seg["blocks"]
+              if any(f.get("filename") == "<annotation>" and f.get("name") == "reservoir.tag=weights"
+                     for f in blk.get("frames", []))]
+    assert tagged, snap["segments"]
+    saver.pause("weights")
+    assert "Tag 'weights': paused, 0 bytes of physical memory" in saver.memory_summary()
+    saver.resume("weights")
+    saver.free(a)
+    saver.free(b)
+
+
+def test_the_process_saver_is_the_one_pytorchs_allocator_entry_points_use():
+    lib = ctypes.CDLL(reservoir.library_path())
+    lib.reservoir_torch_malloc.restype = ctypes.c_void_p
+    lib.reservoir_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.reservoir_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    with reservoir.region("torch_tag", cpu_backup=True):
+        ptr = lib.reservoir_torch_malloc(5 * MiB, 0, None)  # what PyTorch calls
+    assert ptr
+    data = os.urandom(5 * MiB)
+    write(ptr, data)
+    assert reservoir.default_saver().tag_info("torch_tag")["allocated_bytes"] == 5 * MiB
+    reservoir.pause("torch_tag")
+    assert reservoir.default_saver().tag_info("torch_tag")["physical_bytes"] == 0
+    reservoir.resume("torch_tag")
+    assert read(ptr, 5 * MiB) == data
+    lib.reservoir_torch_free(ptr, 5 * MiB, 0, None)
+    assert reservoir.default_saver().tag_info("torch_tag")["allocated_bytes"] == 0
+    assert "allocated_bytes.all.current" in reservoir.stats()
+    assert "Untagged memory" in reservoir.memory_summary()
+
+
+def test_torch_memory_saver_drop_in():
+    saver = reservoir.default_saver()
+    with torch_memory_saver.region(tag="tms_weights", enable_cpu_backup=True):
+        w = saver.allocate(2 * MiB)
+        with torch_memory_saver.disable():
+            plain = saver.allocate(MiB)
+    with torch_memory_saver.region():  # tag "default", no backup
+        kv = saver.allocate(MiB)
+    data = os.urandom(2 * MiB)
+    write(w, data)
+    torch_memory_saver.pause("never_used")  # as torch_memory_saver: nothing to do
+    torch_memory_saver.pause("tms_weights")
+    assert saver.is_paused("tms_weights") and not saver.is_paused("default")
+    with pytest.raises(reservoir.UsageError):
+        torch_memory_saver.pause("tms_weights")  # torch_memory_saver exits here
+    torch_memory_saver.pause()  # every running tag
+    assert saver.is_paused("default")
+    write(plain, b"x" * MiB)  # outside every tag: never paused
+    torch_memory_saver.resume()
+    assert read(w, 2 * MiB) == data
+    for p in (w, plain, kv):
+        saver.free(p)
+    with pytest.raises(NotImplementedError):
+        torch_memory_saver.cuda_graph()
+
+
+def test_install_torch_says_what_it_needs():
+    torch = pytest.importorskip("torch")
+    if hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+        pytest.skip("this PyTorch has a pluggable allocator; the GPU suite covers it")
+    with pytest.raises(RuntimeError, match=r"has no CUDAPluggableAllocator \(PyTorch 2.0 or later needed\)"):
+        reservoir.install_torch()
