@@ -1,7 +1,9 @@
 // GPU benchmarks (scripts/gpu_check.sh runs them): allocate+free on a cache
 // hit and on a miss, reservoir vs raw cudaMalloc/cudaFree vs
 // cudaMallocAsync/cudaFreeAsync; and the cost of the driver's virtual-memory
-// calls per 2 MiB page and per large handle. PyTorch's native allocator is
+// calls per 2 MiB page and per large handle; pause and resume of a tag with
+// and without backup beside a plain pinned copy (saver_cases.hpp). PyTorch's
+// native allocator is
 // measured beside these by the script (through torch.cuda.caching_allocator_alloc
 // and caching_allocator_delete). Without a GPU it says so and exits 0.
 #include <benchmark/benchmark.h>
@@ -12,6 +14,7 @@
 
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/cuda_device.hpp"
+#include "saver_cases.hpp"
 
 namespace {
 
@@ -134,6 +137,18 @@ int main(int argc, char** argv) {
     std::printf("gpu_bench: no usable GPU here: %s\n", why.c_str());
     return 0;
   }
+  static std::unique_ptr<CudaVmmDevice> vmm;
+  static std::unique_ptr<reservoir::CudaPinnedMemory> pinned;
+  reservoir::bench::register_saver_benchmarks(
+      {[]() -> reservoir::Device& {
+         if (!vmm) vmm = CudaVmmDevice::open();
+         return *vmm;
+       },
+       []() -> reservoir::PinnedMemorySource& {
+         if (!pinned) pinned = reservoir::CudaPinnedMemory::open();
+         return *pinned;
+       }},
+      {1024, 4096});
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
