@@ -81,6 +81,28 @@ reservoir_status reservoir_pop_annotation(void);
 reservoir_status reservoir_snapshot_pickle(reservoir_allocator* a, char** out, size_t* size);
 reservoir_status reservoir_snapshot_json(reservoir_allocator* a, char** out);
 
+/* ---- tagged memory: pause and resume (docs/pause_resume.md) ---- */
+typedef struct reservoir_saver reservoir_saver;
+
+/* config as for reservoir_allocator_create; storage "pinned" (NULL) or "mmap". */
+reservoir_status reservoir_saver_create(reservoir_device* device, const char* config,
+                                        const char* storage, reservoir_saver** out);
+void reservoir_saver_destroy(reservoir_saver* saver);
+/* Regions of the calling thread, closed innermost first. tag NULL opens a
+ * region outside every tag. */
+reservoir_status reservoir_saver_region_push(reservoir_saver* saver, const char* tag, int cpu_backup,
+                                             uint64_t* token);
+reservoir_status reservoir_saver_region_pop(reservoir_saver* saver, uint64_t token);
+reservoir_status reservoir_saver_malloc(reservoir_saver* saver, size_t size, uint64_t stream,
+                                        void** out);
+reservoir_status reservoir_saver_free(reservoir_saver* saver, void* ptr);
+/* tag NULL: every tag. */
+reservoir_status reservoir_saver_pause(reservoir_saver* saver, const char* tag);
+reservoir_status reservoir_saver_resume(reservoir_saver* saver, const char* tag);
+reservoir_status reservoir_saver_is_paused(reservoir_saver* saver, const char* tag, int* paused);
+/* Every tag's state as a JSON array (free with reservoir_string_free). */
+reservoir_status reservoir_saver_tags_json(reservoir_saver* saver, char** out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -81,8 +81,19 @@ struct SaverOptions {
   int device_index = 0;
 };
 
-// What one tag holds now and what its pauses cost.
-struct TagInfo {
+// What a tag's pauses and resumes did: counts, and the last of each.
+struct PauseRecord {
+  std::uint64_t pauses = 0;
+  std::uint64_t resumes = 0;
+  double last_pause_seconds = 0;
+  double last_resume_seconds = 0;
+  std::size_t last_pause_copied = 0;    // bytes copied to the host
+  std::size_t last_resume_copied = 0;   // bytes copied back
+  std::size_t last_released_bytes = 0;  // physical bytes released by the last pause
+};
+
+// What one tag holds now, and its pause record.
+struct TagInfo : PauseRecord {
   std::string tag;
   bool cpu_backup = false;
   bool paused = false;
@@ -91,14 +102,6 @@ struct TagInfo {
   std::size_t physical_bytes = 0;   // physical memory held now (0 while paused)
   std::size_t backup_bytes = 0;     // bytes held in host memory for this tag now
   std::size_t pending_frees = 0;    // blocks freed while paused, applied on resume
-  std::uint64_t pauses = 0;
-  std::uint64_t resumes = 0;
-  // The last pause and resume: seconds, and bytes copied to or from the host.
-  double last_pause_seconds = 0;
-  double last_resume_seconds = 0;
-  std::size_t last_pause_copied = 0;
-  std::size_t last_resume_copied = 0;
-  std::size_t last_released_bytes = 0;  // physical bytes released by the last pause
 };
 
 class Saver {

@@ -109,6 +109,20 @@ def snapshot(device=0):
     return default_saver(device).snapshot()
 
 
+def empty_cache(device=0):
+    """Returns every allocator's unused cached memory to the device."""
+    default_saver(device).empty_cache()
+
+
+def set_memory_fraction(fraction, device=0):
+    default_saver(device).set_memory_fraction(fraction)
+
+
+def record_memory_history(enabled=True, max_entries=1_000_000, stacks=False, device=0):
+    """Records allocator events (with stacks when asked) for snapshot()."""
+    default_saver(device).record_memory_history(enabled, max_entries, stacks)
+
+
 def dump_snapshot(path, device=0):
     """Writes the snapshot as a pickle that pytorch.org/memory_viz opens."""
     import pickle

@@ -14,6 +14,7 @@
 #include "reservoir/history.hpp"
 #include "reservoir/host_device.hpp"
 #include "reservoir/reservoir.h"
+#include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 
@@ -22,6 +23,9 @@ struct reservoir_device {
 };
 struct reservoir_allocator {
   std::unique_ptr<reservoir::CachingAllocator> allocator;
+};
+struct reservoir_saver {
+  std::unique_ptr<reservoir::Saver> saver;
 };
 
 namespace {
@@ -248,6 +252,89 @@ reservoir_status reservoir_snapshot_pickle(reservoir_allocator* a, char** out, s
 reservoir_status reservoir_snapshot_json(reservoir_allocator* a, char** out) {
   RESERVOIR_REQUIRE(a != nullptr && out != nullptr, "allocator and out must not be NULL");
   return guarded(__func__, [&] { *out = copy_string(reservoir::write_snapshot_json(snapshot_trace(a))); });
+}
+
+
+reservoir_status reservoir_saver_create(reservoir_device* device, const char* config,
+                                        const char* storage, reservoir_saver** out) {
+  RESERVOIR_REQUIRE(device != nullptr && out != nullptr, "device and out must not be NULL");
+  *out = nullptr;
+  const std::string st = storage == nullptr ? "pinned" : storage;
+  RESERVOIR_REQUIRE(st == "pinned" || st == "mmap",
+                    fmt::format("storage '{}' is not pinned or mmap", st));
+  return guarded(__func__, [&] {
+    reservoir::SaverOptions o;
+    o.config = config == nullptr ? reservoir::AllocatorConfig::from_env()
+                                 : reservoir::AllocatorConfig::parse(config);
+    o.storage = st == "mmap" ? reservoir::BackupStorage::mmap : reservoir::BackupStorage::pinned;
+    auto s = std::make_unique<reservoir_saver>();
+    s->saver = std::make_unique<reservoir::Saver>(*device->device, o);
+    *out = s.release();
+  });
+}
+
+void reservoir_saver_destroy(reservoir_saver* saver) { delete saver; }
+
+reservoir_status reservoir_saver_region_push(reservoir_saver* saver, const char* tag, int cpu_backup,
+                                             uint64_t* token) {
+  RESERVOIR_REQUIRE(saver != nullptr && token != nullptr, "saver and token must not be NULL");
+  return guarded(__func__, [&] {
+    *token = tag == nullptr ? saver->saver->push_untagged()
+                            : saver->saver->push_region(tag, {.cpu_backup = cpu_backup != 0});
+  });
+}
+
+reservoir_status reservoir_saver_region_pop(reservoir_saver* saver, uint64_t token) {
+  RESERVOIR_REQUIRE(saver != nullptr, "saver must not be NULL");
+  return guarded(__func__, [&] { saver->saver->pop_region(token); });
+}
+
+reservoir_status reservoir_saver_malloc(reservoir_saver* saver, size_t size, uint64_t stream,
+                                        void** out) {
+  RESERVOIR_REQUIRE(saver != nullptr && out != nullptr, "saver and out must not be NULL");
+  *out = nullptr;
+  return guarded(__func__, [&] { *out = saver->saver->allocate(size, stream); });
+}
+
+reservoir_status reservoir_saver_free(reservoir_saver* saver, void* ptr) {
+  RESERVOIR_REQUIRE(saver != nullptr, "saver must not be NULL");
+  return guarded(__func__, [&] { saver->saver->deallocate(ptr); });
+}
+
+reservoir_status reservoir_saver_pause(reservoir_saver* saver, const char* tag) {
+  RESERVOIR_REQUIRE(saver != nullptr, "saver must not be NULL");
+  return guarded(__func__, [&] { tag == nullptr ? saver->saver->pause() : saver->saver->pause(tag); });
+}
+
+reservoir_status reservoir_saver_resume(reservoir_saver* saver, const char* tag) {
+  RESERVOIR_REQUIRE(saver != nullptr, "saver must not be NULL");
+  return guarded(__func__, [&] { tag == nullptr ? saver->saver->resume() : saver->saver->resume(tag); });
+}
+
+reservoir_status reservoir_saver_is_paused(reservoir_saver* saver, const char* tag, int* paused) {
+  RESERVOIR_REQUIRE(saver != nullptr && tag != nullptr && paused != nullptr,
+                    "saver, tag and paused must not be NULL");
+  return guarded(__func__, [&] { *paused = saver->saver->is_paused(tag) ? 1 : 0; });
+}
+
+reservoir_status reservoir_saver_tags_json(reservoir_saver* saver, char** out) {
+  RESERVOIR_REQUIRE(saver != nullptr && out != nullptr, "saver and out must not be NULL");
+  return guarded(__func__, [&] {
+    nlohmann::json tags = nlohmann::json::array();
+    for (const reservoir::TagInfo& t : saver->saver->tags()) {
+      tags.push_back({{"tag", t.tag},
+                      {"cpu_backup", t.cpu_backup},
+                      {"paused", t.paused},
+                      {"allocated_bytes", t.allocated_bytes},
+                      {"reserved_bytes", t.reserved_bytes},
+                      {"physical_bytes", t.physical_bytes},
+                      {"backup_bytes", t.backup_bytes},
+                      {"pending_frees", t.pending_frees},
+                      {"pauses", t.pauses},
+                      {"resumes", t.resumes}});
+    }
+    *out = copy_string(tags.dump());
+  });
 }
 
 }  // extern "C"

@@ -205,7 +205,19 @@ PYBIND11_MODULE(_core, m) {
           py::arg("tag") = py::none(), "torch.cuda.memory_stats()'s keys")
       .def("memory_summary", &Saver::memory_summary, py::arg("abbreviated") = false)
       .def("snapshot", &snapshot_dict, "PyTorch's snapshot dict (what memory_viz reads)")
-      .def("validate", &Saver::validate);
+      .def("validate", &Saver::validate)
+      .def(
+          "record_memory_history",
+          [](Saver& s, bool enabled, std::size_t max_entries, bool stacks) {
+            s.untagged_allocator().record_history(
+                {.enabled = enabled, .max_entries = max_entries, .stacks = stacks, .max_frames = 32});
+          },
+          py::arg("enabled") = true, py::arg("max_entries") = 1000000, py::arg("stacks") = false,
+          "History of the untagged allocator, returned by snapshot()")
+      .def(
+          "set_memory_fraction",
+          [](Saver& s, double fraction) { s.untagged_allocator().set_memory_fraction(fraction); },
+          py::arg("fraction"));
 
   m.def("default_saver", &torch_saver, py::arg("device") = 0, py::return_value_policy::reference,
         "The saver PyTorch's allocator uses for this GPU (created on first use from "

@@ -51,14 +51,7 @@ struct TagPool {
   // The backup taken at pause (cpu_backup only).
   std::unique_ptr<HostStore> backup;
   std::vector<BackupPiece> pieces;
-  // Counters (guarded by mutex).
-  std::uint64_t pauses = 0;
-  std::uint64_t resumes = 0;
-  double last_pause_seconds = 0;
-  double last_resume_seconds = 0;
-  std::size_t last_pause_copied = 0;
-  std::size_t last_resume_copied = 0;
-  std::size_t last_released_bytes = 0;
+  PauseRecord record;  // guarded by mutex
 };
 
 }  // namespace detail
@@ -324,10 +317,10 @@ class Saver::Impl {
     pool.backup = std::move(store);
     pool.pieces = std::move(pieces);
     pool.paused = true;
-    pool.pauses += 1;
-    pool.last_pause_copied = total;
-    pool.last_released_bytes = released;
-    pool.last_pause_seconds = seconds_since(t0);
+    pool.record.pauses += 1;
+    pool.record.last_pause_copied = total;
+    pool.record.last_released_bytes = released;
+    pool.record.last_pause_seconds = seconds_since(t0);
   }
 
   void resume_pool(TagPool& pool) {
@@ -387,9 +380,9 @@ class Saver::Impl {
       pool.live_at_pause.clear();
     }
     for (void* p : frees) pool.allocator.deallocate(p);  // checked live when queued
-    pool.resumes += 1;
-    pool.last_resume_copied = copied;
-    pool.last_resume_seconds = seconds_since(t0);
+    pool.record.resumes += 1;
+    pool.record.last_resume_copied = copied;
+    pool.record.last_resume_seconds = seconds_since(t0);
   }
 
   void pause(std::string_view tag) {
@@ -419,6 +412,7 @@ class Saver::Impl {
   TagInfo info(TagPool& pool) const {
     std::shared_lock lock(pool.mutex);
     TagInfo t;
+    static_cast<PauseRecord&>(t) = pool.record;
     t.tag = pool.tag;
     t.cpu_backup = pool.cpu_backup;
     t.paused = pool.paused;
@@ -431,13 +425,6 @@ class Saver::Impl {
       std::lock_guard pending(pool.pending_mutex);
       t.pending_frees = pool.pending_frees.size();
     }
-    t.pauses = pool.pauses;
-    t.resumes = pool.resumes;
-    t.last_pause_seconds = pool.last_pause_seconds;
-    t.last_resume_seconds = pool.last_resume_seconds;
-    t.last_pause_copied = pool.last_pause_copied;
-    t.last_resume_copied = pool.last_resume_copied;
-    t.last_released_bytes = pool.last_released_bytes;
     return t;
   }
 

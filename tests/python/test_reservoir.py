@@ -188,6 +188,17 @@ def test_the_process_saver_is_the_one_pytorchs_allocator_entry_points_use():
     assert reservoir.default_saver().tag_info("torch_tag")["allocated_bytes"] == 0
     assert "allocated_bytes.all.current" in reservoir.stats()
     assert "Untagged memory" in reservoir.memory_summary()
+    reservoir.record_memory_history(True)
+    p = lib.reservoir_torch_malloc(4096, 0, None)
+    lib.reservoir_torch_free(p, 4096, 0, None)
+    history = reservoir.snapshot()["device_traces"][0]
+    # A first untagged allocation: its small segment, then the block.
+    assert [e["action"] for e in history] == [
+        "segment_alloc", "alloc", "free_requested", "free_completed", "snapshot"]
+    assert history[1]["addr"] == history[2]["addr"] == history[0]["addr"]
+    assert (history[0]["size"], history[1]["size"]) == (2 * MiB, 4096)
+    reservoir.record_memory_history(False)
+    reservoir.empty_cache()
 
 
 def test_torch_memory_saver_drop_in():

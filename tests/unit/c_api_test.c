@@ -99,6 +99,43 @@ int main(void) {
   reservoir_allocator_destroy(a);
   reservoir_device_close(dev);
   CHECK(strcmp(reservoir_status_name(RESERVOIR_ERROR_CONFIG), "config error") == 0);
+
+  /* Pause and resume on real host memory. */
+  reservoir_device* host = NULL;
+  CHECK(reservoir_device_open("host", 0, 0, &host) == RESERVOIR_OK);
+  reservoir_saver* saver = NULL;
+  CHECK(reservoir_saver_create(host, "expandable_segments:True", "disk", &saver) ==
+        RESERVOIR_ERROR_INVALID_ARGUMENT);
+  CHECK(strcmp(reservoir_last_error(), "reservoir_saver_create: storage 'disk' is not pinned or mmap") == 0);
+  CHECK(reservoir_saver_create(host, "expandable_segments:True", NULL, &saver) == RESERVOIR_OK);
+  uint64_t token = 0;
+  CHECK(reservoir_saver_region_push(saver, "weights", 1, &token) == RESERVOIR_OK);
+  void* w = NULL;
+  CHECK(reservoir_saver_malloc(saver, 3u << 20, 0, &w) == RESERVOIR_OK);
+  CHECK(reservoir_saver_region_pop(saver, token) == RESERVOIR_OK);
+  for (size_t i = 0; i < (3u << 20); ++i) ((unsigned char*)w)[i] = (unsigned char)(i * 5);
+  CHECK(reservoir_saver_pause(saver, "weights") == RESERVOIR_OK);
+  int paused = 0;
+  CHECK(reservoir_saver_is_paused(saver, "weights", &paused) == RESERVOIR_OK && paused == 1);
+  CHECK(reservoir_saver_pause(saver, "weights") == RESERVOIR_ERROR_USAGE);
+  CHECK(strcmp(reservoir_last_error(), "pause: tag 'weights' is paused already") == 0);
+  CHECK(reservoir_saver_resume(saver, "kv") == RESERVOIR_ERROR_USAGE);
+  CHECK(strcmp(reservoir_last_error(), "resume: unknown tag 'kv' (known tags: 'weights')") == 0);
+  CHECK(reservoir_saver_region_push(saver, "weights", 1, &token) == RESERVOIR_OK);
+  void* refused = NULL;
+  CHECK(reservoir_saver_malloc(saver, 100, 0, &refused) == RESERVOIR_ERROR_USAGE && refused == NULL);
+  CHECK(reservoir_saver_region_pop(saver, token) == RESERVOIR_OK);
+  CHECK(reservoir_saver_tags_json(saver, &text) == RESERVOIR_OK);
+  CHECK(strstr(text, "\"paused\":true") != NULL && strstr(text, "\"physical_bytes\":0") != NULL);
+  reservoir_string_free(text);
+  CHECK(reservoir_saver_resume(saver, NULL) == RESERVOIR_OK);
+  int same = 1;
+  for (size_t i = 0; i < (3u << 20); ++i) same &= ((unsigned char*)w)[i] == (unsigned char)(i * 5);
+  CHECK(same);
+  CHECK(reservoir_saver_free(saver, w) == RESERVOIR_OK);
+  CHECK(reservoir_saver_free(saver, w) == RESERVOIR_ERROR_INVALID_POINTER);
+  reservoir_saver_destroy(saver);
+  reservoir_device_close(host);
   if (failures != 0) {
     fprintf(stderr, "%d checks failed\n", failures);
     return 1;
