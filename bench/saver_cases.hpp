@@ -6,8 +6,7 @@
 // Arguments: {MiB in the tag, policy (0 native, 1 expandable, 2 paging)}.
 // Times are manual: only the pause (or the resume, or the copy) is timed.
 // Pause without backup writes the memory first (untimed), so the pause
-// releases pages that exist; on HostDevice a resume without backup only
-// creates and maps memory whose pages arrive at first touch, unlike cuMemCreate.
+// releases pages that exist.
 #pragma once
 
 #include <benchmark/benchmark.h>

@@ -3,7 +3,9 @@
 //   reserve          mmap(PROT_NONE, MAP_NORESERVE): address space only
 //   create_physical  memfd_create + ftruncate: physical memory with a handle
 //   map              mmap(MAP_FIXED | MAP_SHARED) of the memfd into a reservation
-//   set_access       mprotect(PROT_READ | PROT_WRITE)
+//   set_access       mprotect(PROT_READ | PROT_WRITE), then the pages are
+//                    populated at once (MADV_POPULATE_WRITE), as mapped GPU
+//                    memory exists before it is touched
 //   unmap            mmap(MAP_FIXED, PROT_NONE) over the range: reserved again
 //   allocate_segment mmap of private anonymous memory (cudaMalloc)
 //
