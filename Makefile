@@ -5,7 +5,8 @@ JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
         libcli11-dev nlohmann-json3-dev clang libclang-rt-14-dev python3 \
-        python3-torch python3-selenium python3-pil chromium chromium-driver
+        python3-torch python3-selenium python3-pil chromium chromium-driver \
+        python3-dev pybind11-dev python3-pytest
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
 SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \

@@ -2,7 +2,9 @@
 # On a GPU machine: build, run the GPU test suite (ctest label gpu) and the
 # GPU benchmarks, and PyTorch's native allocator beside them when a CUDA
 # build of PyTorch is importable. Prints the GPU, driver and date first, for
-# docs/benchmarks.md.
+# docs/benchmarks.md. The GPU tests include pause/resume (GpuSaver, and
+# tests/gpu/torch_pause_test.py, which prints pause/resume bandwidth beside a
+# pinned copy); gpu_bench includes the Pause_/Resume_/Copy_ cases.
 #
 #   scripts/gpu_check.sh [BUILD_DIR]
 set -euo pipefail
@@ -10,7 +12,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
 echo "== $(date -u +%Y-%m-%d) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi: not found')"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" -j "$(nproc)" --target gpu_test gpu_bench reservoir_torch
+cmake --build "$build" -j "$(nproc)" --target gpu_test gpu_bench reservoir_torch reservoir_python
 echo "== GPU tests"
 (cd "$build" && ctest -L gpu --output-on-failure)
 echo "== GPU benchmarks"

@@ -61,8 +61,9 @@ def test_contents_survive_byte_for_byte_at_the_same_addresses(config):
 
 
 def test_resident_memory_falls_after_pause_and_rises_after_resume():
+    # Margins leave room for what a sanitizer's shadow memory adds.
     saver = reservoir.Saver(reservoir.HostDevice(), storage="mmap")
-    n = 96 * MiB
+    n = 128 * MiB
     with saver.region("weights", cpu_backup=True):
         ptr = saver.allocate(n)
     data = os.urandom(n)
@@ -70,10 +71,10 @@ def test_resident_memory_falls_after_pause_and_rises_after_resume():
     running = reservoir.rss_bytes()
     saver.pause("weights")
     paused = reservoir.rss_bytes()
-    assert paused < running - 80 * MiB, (running, paused)
+    assert paused < running - n * 6 // 10, (running, paused)
     saver.resume("weights")
     resumed = reservoir.rss_bytes()
-    assert resumed > paused + 80 * MiB, (paused, resumed)
+    assert resumed > paused + n * 6 // 10, (paused, resumed)
     assert read(ptr, n) == data
     saver.free(ptr)
 
@@ -83,14 +84,17 @@ def test_without_backup_memory_is_released_and_usable_again():
     n = 64 * MiB
     with saver.region("kv_cache"):
         ptr = saver.allocate(n)
-    write(ptr, b"\x01" * n)
+    ones, twos = b"\x01" * n, b"\x02" * n
+    write(ptr, ones)
     running = reservoir.rss_bytes()
     saver.pause("kv_cache")
-    assert reservoir.rss_bytes() < running - 56 * MiB
+    paused = reservoir.rss_bytes()
+    assert paused < running - n * 6 // 10, (running, paused)
     assert saver.tag_info("kv_cache")["last_pause_copied"] == 0
-    saver.resume("kv_cache")
-    write(ptr, b"\x02" * n)  # mapped again at the same address
-    assert reservoir.rss_bytes() > running - 8 * MiB
+    saver.resume("kv_cache")  # the memory is there again, at the same address
+    assert reservoir.rss_bytes() > paused + n * 6 // 10
+    write(ptr, twos)
+    assert read(ptr, n) == twos
     saver.free(ptr)
 
 
