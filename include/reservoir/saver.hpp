@@ -37,6 +37,7 @@
 
 #include "reservoir/config.hpp"
 #include "reservoir/device.hpp"
+#include "reservoir/history.hpp"
 #include "reservoir/snapshot.hpp"
 #include "reservoir/stats.hpp"
 
@@ -180,9 +181,12 @@ class Saver {
   std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
   // The untagged allocator's summary, then each tag's with its state.
   std::string memory_summary(bool abbreviated = false) const;
-  // Segments of every allocator in address order (and the untagged
-  // allocator's history); a tag's segments carry the tag as an annotation
-  // of their blocks' context.
+  // History of every allocator, tags created later included (see
+  // CachingAllocator::record_history; UsageError for bad options).
+  void record_history(const HistoryOptions& options);
+  // Segments of every allocator in address order, and the history of all of
+  // them in time order; a tag's blocks and events carry the annotation
+  // "reservoir.tag=<tag>" first in their context.
   Snapshot snapshot() const;
 
   CachingAllocator& untagged_allocator();

@@ -1,6 +1,8 @@
 #include "history.hpp"
 
 #include <algorithm>
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "../common/symbolize.hpp"
@@ -36,6 +38,22 @@ void History::configure(const HistoryOptions& options) {
   max_entries_ = options.max_entries;
 }
 
+// Microseconds since the epoch, strictly increasing across every history of
+// the process (a tie moves on by a microsecond), so events of several
+// allocators merge into one order by time alone.
+std::int64_t History::unique_time_us() noexcept {
+  static std::atomic<std::int64_t> last{0};
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+  std::int64_t prev = last.load(std::memory_order_relaxed);
+  std::int64_t next = 0;
+  do {
+    next = std::max(now, prev + 1);
+  } while (!last.compare_exchange_weak(prev, next, std::memory_order_relaxed));
+  return next;
+}
+
 std::uint32_t History::record(TraceAction action, DevicePtr addr, std::uint64_t size,
                               StreamId stream) {
   std::uint32_t stack = 0;
@@ -43,9 +61,7 @@ std::uint32_t History::record(TraceAction action, DevicePtr addr, std::uint64_t 
   // are cut by name when symbolized).
   if (capture_stacks_) stack = intern_stack(capture_stack(1, max_frames_ + 8));
   const std::uint32_t context = intern_context(current_annotation_id(), stack);
-  const auto now = std::chrono::duration_cast<std::chrono::microseconds>(
-      std::chrono::system_clock::now().time_since_epoch());
-  Entry entry{TraceEvent{action, addr, size, stream, now.count(), 0}, context};
+  Entry entry{TraceEvent{action, addr, size, stream, unique_time_us(), 0}, context};
   if (ring_.size() < max_entries_) {
     ring_.push_back(entry);
     next_ = ring_.size() % max_entries_;

@@ -21,6 +21,9 @@ class History {
   void configure(const HistoryOptions& options);
   bool on() const noexcept { return on_; }
 
+  // Microseconds since the epoch, strictly increasing across every history
+  // of the process, so the events of several allocators merge by time.
+  static std::int64_t unique_time_us() noexcept;
   // Records an event in the calling thread's context; returns the context's
   // internal id (for the block an alloc hands out).
   std::uint32_t record(TraceAction action, DevicePtr addr, std::uint64_t size, StreamId stream);

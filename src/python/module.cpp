@@ -209,11 +209,11 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "record_memory_history",
           [](Saver& s, bool enabled, std::size_t max_entries, bool stacks) {
-            s.untagged_allocator().record_history(
+            s.record_history(
                 {.enabled = enabled, .max_entries = max_entries, .stacks = stacks, .max_frames = 32});
           },
           py::arg("enabled") = true, py::arg("max_entries") = 1000000, py::arg("stacks") = false,
-          "History of the untagged allocator, returned by snapshot()")
+          "History of every allocator (tags included), returned by snapshot()")
       .def(
           "set_memory_fraction",
           [](Saver& s, double fraction) { s.untagged_allocator().set_memory_fraction(fraction); },

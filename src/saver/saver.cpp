@@ -15,6 +15,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_set>
 
@@ -145,6 +146,7 @@ class Saver::Impl {
     if (!slot) {
       slot = std::make_unique<TagPool>(key.first, cpu_backup, tag_base_, index_, options_.config,
                                        options_.device_index);
+      if (history_) slot->allocator.record_history(*history_);
     }
     return *slot;
   }
@@ -428,8 +430,16 @@ class Saver::Impl {
     return t;
   }
 
+  void record_history(const HistoryOptions& options) {
+    untagged_.record_history(options);  // checks the options first
+    std::unique_lock lock(pools_mutex_);
+    history_ = options.enabled ? std::optional<HistoryOptions>(options) : std::nullopt;
+    for (auto& [key, pool] : pools_) pool->allocator.record_history(options);
+  }
+
   Snapshot snapshot() const {
     Snapshot out = untagged_.snapshot();
+    bool merged_history = false;
     for (TagPool* pool : all_pools()) {
       Snapshot s = pool->allocator.snapshot();
       const std::string label = fmt::format("reservoir.tag={}", pool->tag);
@@ -448,9 +458,19 @@ class Saver::Impl {
         for (BlockInfo& b : seg.blocks) b.context = context_of(b.context);
         out.segments.push_back(std::move(seg));
       }
+      for (TraceEvent& e : s.history) {
+        if (e.action == TraceAction::snapshot) continue;  // one snapshot event: the untagged one
+        e.context = context_of(e.context);
+        out.history.push_back(e);
+        merged_history = true;
+      }
     }
     std::sort(out.segments.begin(), out.segments.end(),
               [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+    if (merged_history) {
+      std::stable_sort(out.history.begin(), out.history.end(),
+                       [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; });
+    }
     return out;
   }
 
@@ -465,6 +485,7 @@ class Saver::Impl {
   std::mutex streams_mutex_;
   std::vector<StreamId> streams_;
   mutable std::shared_mutex pools_mutex_;
+  std::optional<HistoryOptions> history_;  // guarded by pools_mutex_
   // Declared last: destroyed first, while the index and the host cache live.
   std::map<std::pair<std::string, bool>, std::unique_ptr<TagPool>> pools_;
 };
@@ -586,6 +607,8 @@ std::string Saver::memory_summary(bool abbreviated) const {
   }
   return out;
 }
+
+void Saver::record_history(const HistoryOptions& options) { impl_->record_history(options); }
 
 Snapshot Saver::snapshot() const { return impl_->snapshot(); }
 

@@ -231,7 +231,7 @@ __attribute__((visibility("default"))) int reservoir_torch_record_history(int de
                                                                           size_t max_entries,
                                                                           int stacks) {
   return guarded([&] {
-    allocator_for(device).record_history({.enabled = enabled != 0,
+    saver_for(device).record_history({.enabled = enabled != 0,
                                           .max_entries = max_entries,
                                           .stacks = stacks != 0,
                                           .max_frames = 32});

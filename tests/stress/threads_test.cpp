@@ -11,8 +11,10 @@
 #include <thread>
 
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
 #include "reservoir/history.hpp"
 #include "reservoir/host_device.hpp"
+#include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
 
 namespace reservoir {
@@ -163,6 +165,62 @@ TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
   allocator.validate();
   EXPECT_GT(snapshots, 0u);
   EXPECT_GT(annotated, 0u);
+}
+
+// Tagged allocations on three threads while another pauses and resumes one
+// of the tags (its thread is refused while paused).
+TEST(SaverThreads, AllocationsRaceWithPauseAndResumeOfOtherTags) {
+  HostDevice host;
+  SaverOptions o;
+  o.config = AllocatorConfig::parse("expandable_segments:True");
+  o.chunk_bytes = std::size_t{1} << 20;
+  Saver saver(host, o);
+  std::atomic<bool> stop{false};
+  std::atomic<int> refused{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 3; ++t) {
+    workers.emplace_back([&, t] {
+      const std::string tag = t == 2 ? "paused_often" : "steady" + std::to_string(t);
+      auto r = saver.region(tag, {.cpu_backup = true});
+      std::vector<std::pair<void*, unsigned>> live;
+      unsigned seed = static_cast<unsigned>(t) * 1000;
+      for (int i = 0; i < 400 && !stop; ++i) {
+        try {
+          const std::size_t size = 4096 + (seed % 7) * 300'000;
+          void* p = saver.allocate(size);
+          // The paused tag's memory may go at any moment: only the others write.
+          if (t != 2) std::memset(p, static_cast<int>(seed & 0xff), 64);
+          live.emplace_back(p, seed++);
+        } catch (const UsageError&) {
+          refused++;  // its tag is paused right now
+        }
+        if (live.size() > 8) {
+          if (t != 2) {
+            const auto* q = static_cast<const unsigned char*>(live.front().first);
+            EXPECT_EQ(q[63], static_cast<unsigned char>(live.front().second & 0xff));
+          }
+          saver.deallocate(live.front().first);
+          live.erase(live.begin());
+        }
+      }
+      for (auto& [p, s] : live) saver.deallocate(p);
+    });
+  }
+  std::thread pauser([&] {
+    for (int i = 0; i < 30; ++i) {
+      try {
+        saver.pause("paused_often");
+        saver.resume("paused_often");
+      } catch (const UsageError&) {
+        // not created yet
+      }
+    }
+  });
+  for (auto& w : workers) w.join();
+  stop = true;
+  pauser.join();
+  saver.validate();
+  EXPECT_EQ(saver.stats().allocated_bytes[0].current, 0);
 }
 
 }  // namespace

@@ -712,58 +712,6 @@ TEST(SaverFaults, ResumeRunsOutOfMemoryHalfwayOnARealCapacityAndRollsBack) {
   saver.validate();
 }
 
-// ---- threads ------------------------------------------------------------------------
-
-TEST(SaverThreads, AllocationsRaceWithPauseAndResumeOfOtherTags) {
-  HostDevice host;
-  Saver saver(host, options("expandable_segments:True"));
-  std::atomic<bool> stop{false};
-  std::atomic<int> refused{0};
-  std::vector<std::thread> workers;
-  for (int t = 0; t < 3; ++t) {
-    workers.emplace_back([&, t] {
-      const std::string tag = t == 2 ? "paused_often" : "steady" + std::to_string(t);
-      auto r = saver.region(tag, {.cpu_backup = true});
-      std::vector<std::pair<void*, unsigned>> live;
-      unsigned seed = static_cast<unsigned>(t) * 1000;
-      for (int i = 0; i < 400 && !stop; ++i) {
-        try {
-          const std::size_t size = 4096 + (seed % 7) * 300'000;
-          void* p = saver.allocate(size);
-          // The paused tag's memory may go at any moment: only the others write.
-          if (t != 2) fill(p, 64, seed);
-          live.emplace_back(p, seed++);
-        } catch (const UsageError&) {
-          refused++;  // its tag is paused right now
-        }
-        if (live.size() > 8) {
-          if (t != 2) {
-            EXPECT_EQ(mismatch(live.front().first, 64, live.front().second), -1);
-          }
-          saver.deallocate(live.front().first);
-          live.erase(live.begin());
-        }
-      }
-      for (auto& [p, s] : live) saver.deallocate(p);
-    });
-  }
-  std::thread pauser([&] {
-    for (int i = 0; i < 30; ++i) {
-      try {
-        saver.pause("paused_often");
-        saver.resume("paused_often");
-      } catch (const UsageError&) {
-        // not created yet
-      }
-    }
-  });
-  for (auto& w : workers) w.join();
-  stop = true;
-  pauser.join();
-  saver.validate();
-  EXPECT_EQ(saver.stats().allocated_bytes[0].current, 0);
-}
-
 // ---- observation -----------------------------------------------------------------------
 
 TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
@@ -798,6 +746,36 @@ TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
   saver.resume("weights");
   saver.deallocate(a);
   saver.deallocate(b);
+}
+
+TEST(Saver, HistoryCoversEveryTagInTimeOrder) {
+  HostDevice host;
+  Saver saver(host, options());
+  saver.record_history({.enabled = true, .max_entries = 100, .stacks = false, .max_frames = 8});
+  void* a = saver.allocate(4096);
+  void* b = nullptr;
+  {
+    auto r = saver.region("kv");  // created after history was turned on
+    b = saver.allocate(8192);
+  }
+  saver.deallocate(a);
+  saver.deallocate(b);
+  const Snapshot snap = saver.snapshot();
+  std::vector<std::pair<TraceAction, std::string>> seen;
+  for (const TraceEvent& e : snap.history) {
+    const Context& c = snap.contexts.at(e.context);
+    seen.emplace_back(e.action, c.annotations.empty() ? "" : c.annotations.front());
+  }
+  using A = TraceAction;
+  const std::vector<std::pair<TraceAction, std::string>> expected = {
+      {A::segment_alloc, ""},        {A::alloc, ""},
+      {A::segment_alloc, "reservoir.tag=kv"}, {A::alloc, "reservoir.tag=kv"},
+      {A::free_requested, ""},       {A::free_completed, ""},
+      {A::free_requested, "reservoir.tag=kv"}, {A::free_completed, "reservoir.tag=kv"},
+      {A::snapshot, ""}};
+  EXPECT_EQ(seen, expected);
+  EXPECT_THROW(saver.record_history({.enabled = true, .max_entries = 0, .stacks = false, .max_frames = 8}),
+               UsageError);
 }
 
 }  // namespace
