@@ -1,5 +1,7 @@
 // The cache-hit allocate+free pair, next to glibc malloc+free of the same
-// sizes in the same run. Run: build/bin/allocator_bench
+// sizes in the same run; and the same pair through a Saver (untagged with no
+// tag, untagged with a tag present, inside a tag's region), to show what
+// routing by tag costs. Run: build/bin/allocator_bench
 #include <benchmark/benchmark.h>
 
 #include <array>
@@ -7,6 +9,7 @@
 #include <memory>
 
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
 
 namespace {
@@ -126,5 +129,28 @@ void BM_Glibc_TensorSizes(benchmark::State& state) {
 BENCHMARK(BM_Glibc_TensorSizes)->Threads(1)->UseRealTime();
 
 }  // namespace
+
+// Through a Saver. arg 0: no tag exists; 1: a tag exists (frees look the
+// pointer up among the tags' ranges); 2: inside that tag's region.
+void BM_Saver_OneSize(benchmark::State& state) {
+  SimDevice device;
+  reservoir::SaverOptions o;
+  o.config = AllocatorConfig{};
+  reservoir::Saver saver(device, o);
+  if (state.range(0) >= 1) {
+    auto r = saver.region("kv_cache");
+    saver.deallocate(saver.allocate(4096));
+  }
+  std::uint64_t token = 0;
+  if (state.range(0) == 2) token = saver.push_region("kv_cache");
+  saver.deallocate(saver.allocate(4096));
+  for (auto _ : state) {
+    void* p = saver.allocate(4096);
+    benchmark::DoNotOptimize(p);
+    saver.deallocate(p);
+  }
+  if (state.range(0) == 2) saver.pop_region(token);
+}
+BENCHMARK(BM_Saver_OneSize)->Arg(0)->Arg(1)->Arg(2)->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -70,6 +70,9 @@ class CachingAllocator {
   // record_stream complete). Throws InvalidPointerError for a pointer this
   // allocator does not hold (unknown, interior or already freed); nullptr is a no-op.
   void deallocate(void* ptr);
+  // As deallocate, but returns false (and changes nothing) for a pointer this
+  // allocator does not hold, without building an error.
+  bool try_deallocate(void* ptr);
   // Marks the block as used on `stream`, so its memory is not reused before
   // the work queued there at deallocation completes.
   void record_stream(void* ptr, StreamId stream);

@@ -29,6 +29,8 @@ class CachingAllocator::Impl {
   // ---- entry points (take the lock) ----
   void* allocate(std::size_t size, StreamId stream);
   void deallocate(void* ptr);
+  // deallocate for a held pointer; false (nothing changed) otherwise.
+  bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
   void set_memory_fraction(double fraction);

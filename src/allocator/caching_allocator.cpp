@@ -367,11 +367,16 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
 }
 
 void CachingAllocator::Impl::deallocate(void* raw) {
-  if (raw == nullptr) return;
+  if (raw == nullptr || deallocate_held(raw)) return;
+  std::lock_guard lock(mutex_);
+  throw_invalid_pointer(reinterpret_cast<DevicePtr>(raw), "deallocate");
+}
+
+bool CachingAllocator::Impl::deallocate_held(void* raw) {
   const auto ptr = reinterpret_cast<DevicePtr>(raw);
   std::lock_guard lock(mutex_);
   Block** found = allocated_.find(ptr);
-  if (found == nullptr) throw_invalid_pointer(ptr, "deallocate");
+  if (found == nullptr) return false;
   Block* block = *found;
   const bool deferred = !block->stream_uses.empty();
   // Record stream events first: if the device fails, the block stays allocated
@@ -390,6 +395,7 @@ void CachingAllocator::Impl::deallocate(void* raw) {
   } else {
     free_block(block);
   }
+  return true;
 }
 
 void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
@@ -882,6 +888,9 @@ void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
 }
 void CachingAllocator::deallocate(void* ptr) {
   impl_->deallocate(ptr);
+}
+bool CachingAllocator::try_deallocate(void* ptr) {
+  return ptr == nullptr || impl_->deallocate_held(ptr);
 }
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);

@@ -200,8 +200,12 @@ class Saver::Impl {
 
   void deallocate(void* ptr) {
     if (ptr == nullptr) return;
+    // Untagged blocks first, found by the allocator's own lookup: a free
+    // outside every tag costs what it costs without a saver.
+    if (index_.empty()) return untagged_.deallocate(ptr);
+    if (untagged_.try_deallocate(ptr)) return;
     TagPool* pool = owner_of(ptr);
-    if (pool == nullptr) return untagged_.deallocate(ptr);
+    if (pool == nullptr) return untagged_.deallocate(ptr);  // says why it is not ours
     std::shared_lock lock(pool->mutex);
     if (!pool->paused) return pool->allocator.deallocate(ptr);
     std::lock_guard pending(pool->pending_mutex);
