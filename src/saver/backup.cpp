@@ -127,97 +127,96 @@ std::unique_ptr<HostStore> make_mmap_store(const std::string& directory, std::si
 }
 
 CopyEngine::CopyEngine(Device& device, HostCachingAllocator& cache, std::size_t chunk,
-                       std::vector<StreamId> streams)
-    : device_(device), cache_(cache), chunk_(chunk), streams_(std::move(streams)) {}
-
-StepFailure CopyEngine::to_host(const std::vector<BackupPiece>& pieces, HostStore& store) {
-  return run<true>(pieces, store);
-}
-
-StepFailure CopyEngine::to_device(const std::vector<BackupPiece>& pieces, HostStore& store) {
-  return run<false>(pieces, store);
-}
-
-template <bool kToHost>
-StepFailure CopyEngine::run(const std::vector<BackupPiece>& pieces, HostStore& store) {
-  // One slot per stream: the copy in flight there and, when staged, its
-  // pinned staging buffer and where its bytes go on the host.
-  struct Slot {
-    std::byte* staging = nullptr;
-    std::byte* host = nullptr;
-    std::size_t bytes = 0;
-    bool busy = false;
-  };
-  const bool staged = store.staged();
-  std::vector<Slot> slots(streams_.size());
-  StepFailure failure;
-  auto release_staging = [&] {
-    for (Slot& s : slots) {
+                       const std::vector<StreamId>& streams, HostStore& store, bool to_host)
+    : device_(device),
+      cache_(cache),
+      chunk_(chunk),
+      streams_(streams),
+      store_(store),
+      to_host_(to_host),
+      staged_(store.staged()),
+      slots_(streams.size()) {
+  if (!staged_) return;
+  try {
+    for (Slot& s : slots_) s.staging = static_cast<std::byte*>(cache_.allocate(chunk_));
+  } catch (...) {
+    for (Slot& s : slots_) {
       if (s.staging != nullptr) cache_.deallocate(s.staging);
-      s.staging = nullptr;
     }
-  };
-  if (staged) {
-    try {
-      for (Slot& s : slots) s.staging = static_cast<std::byte*>(cache_.allocate(chunk_));
-    } catch (...) {
-      release_staging();
-      throw;
-    }
+    throw;
   }
-  // Waits for slot k; a staged copy to the host lands in the store then.
-  auto drain = [&](std::size_t k) -> Status {
-    Slot& s = slots[k];
-    if (!s.busy) return Status::ok;
-    s.busy = false;
-    if (Status st = device_.synchronize_stream(streams_[k]); st != Status::ok) return st;
-    if (kToHost && staged) std::memcpy(s.host, s.staging, s.bytes);
-    return Status::ok;
-  };
-  std::size_t next = 0;
-  for (const BackupPiece& piece : pieces) {
-    for (std::size_t done = 0; done < piece.bytes && !failure.failed();) {
-      std::size_t contiguous = 0;
-      std::byte* host = store.at(piece.offset + done, &contiguous);
-      const std::size_t len = std::min({piece.bytes - done, contiguous, chunk_});
-      const std::size_t k = next++ % slots.size();
-      Slot& slot = slots[k];
-      // Unstaged copies queue up on their stream; a staging buffer is reused
-      // only once its previous copy completed.
-      if (staged) {
-        if (Status st = drain(k); st != Status::ok) {
-          failure = {CallKind::synchronize_stream, st};
-          break;
-        }
-      }
-      const DevicePtr dev = piece.addr + done;
-      Status st;
-      if constexpr (kToHost) {
-        st = device_.copy_to_host(staged ? slot.staging : host, dev, len, streams_[k]);
-        if (st != Status::ok) failure = {CallKind::copy_to_host, st};
-      } else {
-        if (staged) std::memcpy(slot.staging, host, len);
-        st = device_.copy_to_device(dev, staged ? slot.staging : host, len, streams_[k]);
-        if (st != Status::ok) failure = {CallKind::copy_to_device, st};
-      }
-      if (st != Status::ok) break;
-      slot.host = host;
-      slot.bytes = len;
-      slot.busy = true;
-      done += len;
-    }
-    if (failure.failed()) break;
-  }
-  for (std::size_t k = 0; k < slots.size(); ++k) {
-    if (Status st = drain(k); st != Status::ok && !failure.failed()) {
-      failure = {CallKind::synchronize_stream, st};
-    }
-  }
-  release_staging();
-  return failure;
 }
 
-template StepFailure CopyEngine::run<true>(const std::vector<BackupPiece>&, HostStore&);
-template StepFailure CopyEngine::run<false>(const std::vector<BackupPiece>&, HostStore&);
+CopyEngine::~CopyEngine() {
+  (void)finish();
+  for (Slot& s : slots_) {
+    if (s.staging == nullptr) continue;
+    try {
+      cache_.deallocate(s.staging);
+    } catch (...) {
+      // Only a foreign pointer throws, and these came from the cache.
+    }
+  }
+}
+
+// Waits for slot k; a staged copy to the host lands in the store then.
+Status CopyEngine::drain(std::size_t k) {
+  Slot& s = slots_[k];
+  if (!s.busy) return Status::ok;
+  s.busy = false;
+  if (Status st = device_.synchronize_stream(streams_[k]); st != Status::ok) return st;
+  if (to_host_ && staged_) std::memcpy(s.host, s.staging, s.bytes);
+  return Status::ok;
+}
+
+StepFailure CopyEngine::issue(const BackupPiece& piece) {
+  if (failure_.failed()) return failure_;
+  for (std::size_t done = 0; done < piece.bytes;) {
+    std::size_t contiguous = 0;
+    std::byte* host = store_.at(piece.offset + done, &contiguous);
+    const std::size_t len = std::min({piece.bytes - done, contiguous, chunk_});
+    const std::size_t k = next_++ % slots_.size();
+    Slot& slot = slots_[k];
+    // Unstaged copies queue up on their stream; a staging buffer is reused
+    // only once its previous copy completed.
+    if (staged_) {
+      if (Status st = drain(k); st != Status::ok) {
+        failure_ = {CallKind::synchronize_stream, st};
+        break;
+      }
+    }
+    const DevicePtr dev = piece.addr + done;
+    if (to_host_) {
+      const Status st = device_.copy_to_host(staged_ ? slot.staging : host, dev, len, streams_[k]);
+      if (st != Status::ok) {
+        failure_ = {CallKind::copy_to_host, st};
+        break;
+      }
+    } else {
+      if (staged_) std::memcpy(slot.staging, host, len);
+      const Status st = device_.copy_to_device(dev, staged_ ? slot.staging : host, len, streams_[k]);
+      if (st != Status::ok) {
+        failure_ = {CallKind::copy_to_device, st};
+        break;
+      }
+    }
+    slot.host = host;
+    slot.bytes = len;
+    slot.busy = true;
+    done += len;
+    issued_ += len;
+  }
+  if (failure_.failed()) (void)finish();
+  return failure_;
+}
+
+StepFailure CopyEngine::finish() {
+  for (std::size_t k = 0; k < slots_.size(); ++k) {
+    if (Status st = drain(k); st != Status::ok && !failure_.failed()) {
+      failure_ = {CallKind::synchronize_stream, st};
+    }
+  }
+  return failure_;
+}
 
 }  // namespace reservoir::detail

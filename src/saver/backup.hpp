@@ -4,8 +4,8 @@
 // it holds (BackupPiece: device address, length, offset in the store). The
 // CopyEngine cuts the pieces at chunk boundaries and spreads the copies
 // round robin over several streams, so no copy is larger than a chunk and
-// copies on different streams overlap; it synchronizes every stream it used
-// before returning, so buffers can be handed back at once.
+// copies on different streams overlap; finish() synchronizes every stream it
+// used, so buffers can be handed back at once.
 #pragma once
 
 #include <cstddef>
@@ -47,25 +47,48 @@ std::unique_ptr<HostStore> make_pinned_store(HostCachingAllocator& cache, std::s
 // created, OutOfMemoryError when the space cannot be reserved.
 std::unique_ptr<HostStore> make_mmap_store(const std::string& directory, std::size_t bytes);
 
+// One direction of copies between device memory and a store. Pieces are
+// issued as they become ready (resume issues a piece as soon as its memory
+// is mapped); finish() waits for them all.
 class CopyEngine {
  public:
   // streams: at least one. Staging buffers (chunk bytes each, one per
-  // stream) come from `cache` when a store needs them.
+  // stream) come from `cache` when the store needs them; OutOfMemoryError
+  // when it cannot give them.
   CopyEngine(Device& device, HostCachingAllocator& cache, std::size_t chunk,
-             std::vector<StreamId> streams);
-  // Device to host and back. On failure the work already queued is waited
-  // for and the first failed call is returned.
-  StepFailure to_host(const std::vector<BackupPiece>& pieces, HostStore& store);
-  StepFailure to_device(const std::vector<BackupPiece>& pieces, HostStore& store);
+             const std::vector<StreamId>& streams, HostStore& store, bool to_host);
+  // Waits for whatever is still in flight and gives the staging buffers back.
+  ~CopyEngine();
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  // Queues the copies of one piece. After a failure, the work queued before
+  // is waited for and nothing more is queued.
+  StepFailure issue(const BackupPiece& piece);
+  // Waits for every copy (staged copies to the host land in the store).
+  StepFailure finish();
+  std::size_t issued_bytes() const noexcept { return issued_; }
 
  private:
-  template <bool kToHost>
-  StepFailure run(const std::vector<BackupPiece>& pieces, HostStore& store);
+  struct Slot {
+    std::byte* staging = nullptr;
+    std::byte* host = nullptr;
+    std::size_t bytes = 0;
+    bool busy = false;
+  };
+  Status drain(std::size_t k);
 
   Device& device_;
   HostCachingAllocator& cache_;
   std::size_t chunk_;
   std::vector<StreamId> streams_;
+  HostStore& store_;
+  bool to_host_;
+  bool staged_;
+  std::vector<Slot> slots_;
+  std::size_t next_ = 0;
+  std::size_t issued_ = 0;
+  StepFailure failure_;
 };
 
 }  // namespace reservoir::detail

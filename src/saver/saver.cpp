@@ -301,8 +301,14 @@ class Saver::Impl {
       store = options_.storage == BackupStorage::pinned
                   ? detail::make_pinned_store(host_cache_, total, options_.chunk_bytes)
                   : detail::make_mmap_store(options_.mmap_directory, total);
-      detail::CopyEngine engine(pool.device, host_cache_, options_.chunk_bytes, copy_streams());
-      if (auto f = engine.to_host(coalesce(pieces), *store); f.failed()) {
+      detail::CopyEngine engine(tag_base_, host_cache_, options_.chunk_bytes, copy_streams(), *store,
+                                /*to_host=*/true);
+      detail::StepFailure f;
+      for (const BackupPiece& p : coalesce(pieces)) {
+        if (f = engine.issue(p); f.failed()) break;
+      }
+      if (!f.failed()) f = engine.finish();
+      if (f.failed()) {
         throw DeviceError(f.call, f.status,
                           fmt::format("{}: copying {} bytes to host memory (the tag is left "
                                       "running, untouched)",
@@ -335,20 +341,8 @@ class Saver::Impl {
     const auto t0 = Clock::now();
     const std::string what = fmt::format("resume of tag '{}'", pool.tag);
     (void)pool.device.retry_releases();
-    if (auto f = pool.device.restore_all(); f.failed()) {
-      if (f.status == Status::out_of_memory) {
-        MemoryInfo info;
-        (void)tag_base_.memory_info(&info);
-        const std::size_t needed = pool.allocator.stats().reserved_bytes[0].current;
-        throw OutOfMemoryError(
-            fmt::format("{}: out of memory recreating its {} bytes of physical memory ({} bytes "
-                        "free of {}); the tag stays paused with its backup",
-                        what, needed, info.free, info.total),
-            needed, info.free, info.total);
-      }
-      throw DeviceError(f.call, f.status,
-                        fmt::format("{}: mapping its memory again (the tag stays paused with its backup)", what));
-    }
+    // What comes back from the host: the backup less the blocks freed meanwhile.
+    std::vector<BackupPiece> wanted;
     std::size_t copied = 0;
     if (pool.backup) {
       std::unordered_set<DevicePtr> freed;
@@ -356,15 +350,36 @@ class Saver::Impl {
         std::lock_guard pending(pool.pending_mutex);
         for (void* p : pool.pending_frees) freed.insert(reinterpret_cast<DevicePtr>(p));
       }
-      std::vector<BackupPiece> wanted;
       for (const BackupPiece& p : pool.pieces) {
         if (freed.count(p.addr) == 0) {
           wanted.push_back(p);
           copied += p.bytes;
         }
       }
-      detail::CopyEngine engine(pool.device, host_cache_, options_.chunk_bytes, copy_streams());
-      if (auto f = engine.to_device(coalesce(wanted), *pool.backup); f.failed()) {
+      wanted = coalesce(wanted);
+    }
+    // Copies start as soon as their memory is mapped, while the rest is
+    // being created and mapped.
+    std::optional<detail::CopyEngine> engine;
+    if (!wanted.empty()) {
+      engine.emplace(tag_base_, host_cache_, options_.chunk_bytes, copy_streams(), *pool.backup,
+                     /*to_host=*/false);
+    }
+    std::size_t next_piece = 0;
+    auto on_mapped = [&](DevicePtr frontier) -> detail::StepFailure {
+      for (; next_piece < wanted.size() && wanted[next_piece].addr + wanted[next_piece].bytes <= frontier;
+           ++next_piece) {
+        if (auto f = engine->issue(wanted[next_piece]); f.failed()) return f;
+      }
+      return {};
+    };
+    auto before_undo = [&] {
+      if (engine) (void)engine->finish();
+    };
+    detail::StepFailure f = pool.device.restore_all(on_mapped, before_undo);
+    if (!f.failed() && engine) {
+      f = engine->finish();
+      if (f.failed()) {
         std::size_t ignored = 0;
         const bool back = !pool.device.release_all(&ignored).failed();
         if (!back) pool.paused = false;  // mapped, contents incomplete: say so
@@ -376,7 +391,25 @@ class Saver::Impl {
                                              "is running with incomplete contents"));
       }
     }
+    if (f.failed()) {
+      if (f.status == Status::out_of_memory) {
+        MemoryInfo info;
+        (void)tag_base_.memory_info(&info);
+        const std::size_t needed = pool.allocator.stats().reserved_bytes[0].current;
+        throw OutOfMemoryError(
+            fmt::format("{}: out of memory recreating its {} bytes of physical memory ({} bytes "
+                        "free of {}); the tag stays paused with its backup",
+                        what, needed, info.free, info.total),
+            needed, info.free, info.total);
+      }
+      throw DeviceError(f.call, f.status,
+                        fmt::format("{}: {} (the tag stays paused with its backup)", what,
+                                    f.call == CallKind::copy_to_device || f.call == CallKind::synchronize_stream
+                                        ? "copying its contents back from host memory"
+                                        : "mapping its memory again"));
+    }
     pool.paused = false;
+    engine.reset();
     pool.backup.reset();
     pool.pieces.clear();
     std::vector<void*> frees;

@@ -217,10 +217,16 @@ StepFailure TagDevice::release_all(std::size_t* released_bytes) {
   return {};
 }
 
-StepFailure TagDevice::restore_all() {
+StepFailure TagDevice::restore_all(const std::function<StepFailure(DevicePtr)>& on_mapped,
+                                   const std::function<void()>& before_undo) {
   std::lock_guard lock(mutex_);
   if (!paused_) return {CallKind::map, Status::invalid_argument};
-  auto undo_handles = [&] {
+  // Gives back the mappings before `mapped_end` and every handle created.
+  auto undo = [&](std::map<DevicePtr, Mapping>::iterator mapped_end) {
+    before_undo();
+    for (auto it = mappings_.begin(); it != mapped_end; ++it) {
+      (void)base_.unmap(it->first, it->second.bytes);
+    }
     for (auto& [id, h] : handles_) {
       if (h.device != 0 && base_.release_physical(h.device) != Status::ok) {
         unreleased_.push_back(h.device);
@@ -228,21 +234,34 @@ StepFailure TagDevice::restore_all() {
       h.device = 0;
     }
   };
-  for (auto& [id, h] : handles_) {
-    if (Status s = base_.create_physical(h.bytes, &h.device); s != Status::ok) {
-      h.device = 0;
-      undo_handles();
+  auto create = [&](Handle& h) -> Status {
+    if (h.device != 0) return Status::ok;
+    const Status s = base_.create_physical(h.bytes, &h.device);
+    if (s != Status::ok) h.device = 0;
+    return s;
+  };
+  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
+    if (Status s = create(handles_.at(it->second.handle)); s != Status::ok) {
+      undo(it);
       return {CallKind::create_physical, s};
     }
-  }
-  for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
     CallKind failed{};
     if (Status s = map_one(it->first, it->second, &failed); s != Status::ok) {
-      for (auto back = mappings_.begin(); back != it; ++back) {
-        (void)base_.unmap(back->first, back->second.bytes);
-      }
-      undo_handles();
+      undo(it);
       return {failed, s};
+    }
+    const auto next = std::next(it);
+    const DevicePtr frontier = next == mappings_.end() ? ~DevicePtr{0} : next->first;
+    if (StepFailure f = on_mapped(frontier); f.failed()) {
+      undo(next);
+      return f;
+    }
+  }
+  // Handles no mapping uses (the allocator holds them unmapped) come back too.
+  for (auto& [id, h] : handles_) {
+    if (Status s = create(h); s != Status::ok) {
+      undo(mappings_.end());
+      return {CallKind::create_physical, s};
     }
   }
   paused_ = false;

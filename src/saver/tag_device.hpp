@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
@@ -99,10 +100,15 @@ class TagDevice final : public Device {
   // returns the failure. A failed release is kept and retried later (the
   // memory is unmapped either way). Returns the physical bytes released.
   StepFailure release_all(std::size_t* released_bytes);
-  // Creates a device handle for every handle and maps every mapping again.
-  // All or nothing: on failure whatever was created is released and the view
+  // Creates the device handles and maps every mapping again, in address
+  // order. After each mapping it calls on_mapped(frontier): every mapping
+  // below `frontier` is mapped and open, so the caller may start copying
+  // there while the rest is mapped. All or nothing: when a step or
+  // on_mapped fails, before_undo() is called (to wait for work on the
+  // memory), whatever was mapped and created is given back, and the view
   // stays paused.
-  StepFailure restore_all();
+  StepFailure restore_all(const std::function<StepFailure(DevicePtr)>& on_mapped,
+                          const std::function<void()>& before_undo);
   bool paused() const;
   // Physical bytes held now.
   std::size_t physical_bytes() const;

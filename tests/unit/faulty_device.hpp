@@ -37,10 +37,16 @@ class FaultyDevice final : public Device {
     std::lock_guard lock(mutex_);
     return copy_sizes_;
   }
+  // The order of every call, by kind.
+  std::vector<CallKind> order() const {
+    std::lock_guard lock(mutex_);
+    return order_;
+  }
   void reset_log() {
     std::lock_guard lock(mutex_);
     copy_streams_.clear();
     copy_sizes_.clear();
+    order_.clear();
     calls_ = {};
   }
 
@@ -118,6 +124,7 @@ class FaultyDevice final : public Device {
     std::lock_guard lock(mutex_);
     const auto k = static_cast<std::size_t>(kind);
     ++calls_[k];
+    order_.push_back(kind);
     Fault& f = faults_[k];
     if (f.n > 0 && --f.n == 0) {
       last_ = f.status;
@@ -142,6 +149,7 @@ class FaultyDevice final : public Device {
   StreamId next_stream_ = 100;
   std::vector<StreamId> copy_streams_;
   std::vector<std::size_t> copy_sizes_;
+  std::vector<CallKind> order_;
 };
 
 }  // namespace reservoir::testing

@@ -505,6 +505,35 @@ TEST(Saver, StagedCopiesThroughPinnedChunksKeepEveryByte) {
   }
 }
 
+TEST(Saver, ResumeCopiesEachSegmentBackAsSoonAsItIsMapped) {
+  HostDevice host;
+  FaultyDevice dev(host);
+  Saver saver(dev, options());
+  std::vector<void*> ps;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    for (int i = 0; i < 3; ++i) {
+      ps.push_back(saver.allocate(30 * kMiB));  // a segment each
+      fill(ps.back(), 30 * kMiB, static_cast<unsigned>(i));
+    }
+  }
+  saver.pause("w");
+  dev.reset_log();
+  saver.resume("w");
+  // create, map, open, then that segment's 30 copies, before the next segment.
+  std::vector<CallKind> expected;
+  for (int i = 0; i < 3; ++i) {
+    expected.insert(expected.end(), {CallKind::create_physical, CallKind::map, CallKind::set_access});
+    expected.insert(expected.end(), 30, CallKind::copy_to_device);
+  }
+  expected.insert(expected.end(), 3, CallKind::synchronize_stream);
+  EXPECT_EQ(dev.order(), expected);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(mismatch(ps[i], 30 * kMiB, static_cast<unsigned>(i)), -1);
+    saver.deallocate(ps[i]);
+  }
+}
+
 TEST(Saver, BlocksFreedWhilePausedAreNotCopiedBack) {
   HostDevice host;
   FaultyDevice dev(host);
