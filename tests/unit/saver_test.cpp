@@ -592,6 +592,9 @@ struct FaultCase {
   int nth;
   Status status;
 };
+void PrintTo(const FaultCase& f, std::ostream* os) {
+  *os << to_string(f.call) << " #" << f.nth << " -> " << to_string(f.status);
+}
 
 template <typename Param>
 std::string fault_name(const ::testing::TestParamInfo<Param>& info) {
