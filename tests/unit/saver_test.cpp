@@ -534,6 +534,35 @@ TEST(Saver, ResumeCopiesEachSegmentBackAsSoonAsItIsMapped) {
   }
 }
 
+TEST_P(SaverPolicies, EmptyCacheWhilePausedGivesUpCachedSegmentsForGood) {
+  HostDevice host;
+  Saver saver(host, options(GetParam()));
+  void* keep = nullptr;
+  void* drop = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    keep = saver.allocate(30 * kMiB);
+    drop = saver.allocate(40 * kMiB);
+  }
+  fill(keep, 30 * kMiB, 77);
+  saver.deallocate(drop);  // cached, not live
+  saver.pause("w");
+  const std::size_t reserved = saver.tag_info("w").reserved_bytes;
+  saver.empty_cache();  // the cached segment goes, address space and all
+  EXPECT_LT(saver.tag_info("w").reserved_bytes, reserved);
+  saver.validate();
+  saver.resume("w");
+  const TagInfo t = saver.tag_info("w");
+  EXPECT_EQ(t.physical_bytes, t.reserved_bytes);  // only what is left comes back
+  EXPECT_LT(t.physical_bytes, 60 * kMiB);
+  EXPECT_EQ(mismatch(keep, 30 * kMiB, 77), -1);
+  saver.deallocate(keep);
+  saver.empty_cache();
+  EXPECT_EQ(saver.tag_info("w").physical_bytes, 0u);
+  EXPECT_EQ(host.used_bytes(), 0u);
+  saver.validate();
+}
+
 TEST(Saver, BlocksFreedWhilePausedAreNotCopiedBack) {
   HostDevice host;
   FaultyDevice dev(host);
