@@ -22,6 +22,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "reservoir/config.hpp"
 #include "reservoir/device.hpp"
@@ -96,6 +98,9 @@ class CachingAllocator {
   Snapshot snapshot() const;
   // Size of the largest cached free block.
   std::size_t largest_cached_block() const;
+  // Address and requested size of every live allocation, in address order
+  // (what snapshot() reports as active_allocated, without building one).
+  std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
 
   void attach_oom_observer(OomObserver observer);
   void add_free_memory_callback(FreeMemoryCallback callback);

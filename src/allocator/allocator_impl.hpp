@@ -41,6 +41,7 @@ class CachingAllocator::Impl {
   void reset_accumulated_stats();
   Snapshot snapshot() const;
   std::size_t largest_cached_block() const;
+  std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
   void attach_oom_observer(OomObserver observer);
   void add_free_memory_callback(FreeMemoryCallback callback);
   void attach_trace_tracker(TraceTracker tracker);

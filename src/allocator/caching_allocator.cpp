@@ -928,6 +928,9 @@ std::string CachingAllocator::memory_summary(bool abbreviated) const {
 Snapshot CachingAllocator::snapshot() const {
   return impl_->snapshot();
 }
+std::vector<std::pair<DevicePtr, std::size_t>> CachingAllocator::live_allocations() const {
+  return impl_->live_allocations();
+}
 std::size_t CachingAllocator::largest_cached_block() const {
   return impl_->largest_cached_block();
 }

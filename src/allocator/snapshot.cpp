@@ -48,6 +48,17 @@ std::string context_key(const Context& c) {
   return key;
 }
 
+std::vector<std::pair<DevicePtr, std::size_t>> CachingAllocator::Impl::live_allocations() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<DevicePtr, std::size_t>> out;
+  for (const auto& [base, segment] : segments_) {
+    for (const detail::Block* b = segment->head; b != nullptr; b = b->next) {
+      if (b->allocated) out.emplace_back(b->ptr, b->requested_size);
+    }
+  }
+  return out;
+}
+
 Snapshot CachingAllocator::Impl::snapshot() const {
   std::lock_guard lock(mutex_);
   Snapshot out;

@@ -255,7 +255,7 @@ class Saver::Impl {
     return out;
   }
 
-  static bool paused_locked(TagPool* pool) {
+  static bool paused_now(TagPool* pool) {
     std::shared_lock lock(pool->mutex);
     return pool->paused;
   }
@@ -286,14 +286,11 @@ class Saver::Impl {
     std::unordered_set<DevicePtr> live;
     std::vector<BackupPiece> pieces;
     std::size_t total = 0;
-    for (const SegmentInfo& seg : pool.allocator.snapshot().segments) {
-      for (const BlockInfo& b : seg.blocks) {
-        if (b.state != BlockState::active_allocated) continue;
-        live.insert(b.address);
-        if (pool.cpu_backup && b.requested_size > 0) {
-          pieces.push_back({b.address, b.requested_size, total});
-          total += b.requested_size;
-        }
+    for (const auto& [address, requested] : pool.allocator.live_allocations()) {
+      live.insert(address);
+      if (pool.cpu_backup && requested > 0) {
+        pieces.push_back({address, requested, total});
+        total += requested;
       }
     }
     std::unique_ptr<detail::HostStore> store;
@@ -426,7 +423,7 @@ class Saver::Impl {
 
   void pause(std::string_view tag) {
     std::vector<TagPool*> pools = pools_named(tag, "pause");
-    if (std::all_of(pools.begin(), pools.end(), paused_locked)) {
+    if (std::all_of(pools.begin(), pools.end(), paused_now)) {
       throw UsageError(fmt::format("pause: tag '{}' is paused already", tag));
     }
     for (TagPool* p : pools) pause_pool(*p);
@@ -434,7 +431,7 @@ class Saver::Impl {
 
   void resume(std::string_view tag) {
     std::vector<TagPool*> pools = pools_named(tag, "resume");
-    if (std::none_of(pools.begin(), pools.end(), paused_locked)) {
+    if (std::none_of(pools.begin(), pools.end(), paused_now)) {
       throw UsageError(fmt::format("resume: tag '{}' is not paused", tag));
     }
     for (TagPool* p : pools) resume_pool(*p);
@@ -476,7 +473,6 @@ class Saver::Impl {
 
   Snapshot snapshot() const {
     Snapshot out = untagged_.snapshot();
-    bool merged_history = false;
     for (TagPool* pool : all_pools()) {
       Snapshot s = pool->allocator.snapshot();
       const std::string label = fmt::format("reservoir.tag={}", pool->tag);
@@ -499,15 +495,12 @@ class Saver::Impl {
         if (e.action == TraceAction::snapshot) continue;  // one snapshot event: the untagged one
         e.context = context_of(e.context);
         out.history.push_back(e);
-        merged_history = true;
       }
     }
     std::sort(out.segments.begin(), out.segments.end(),
               [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
-    if (merged_history) {
-      std::stable_sort(out.history.begin(), out.history.end(),
-                       [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; });
-    }
+    std::stable_sort(out.history.begin(), out.history.end(),
+                     [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; });
     return out;
   }
 
@@ -586,7 +579,7 @@ void Saver::resume() { impl_->resume_all(); }
 
 bool Saver::is_paused(std::string_view tag) const {
   std::vector<TagPool*> pools = impl_->pools_named(tag, "is_paused");
-  return std::all_of(pools.begin(), pools.end(), Impl::paused_locked);
+  return std::all_of(pools.begin(), pools.end(), Impl::paused_now);
 }
 
 void Saver::trim_backup() { impl_->host_cache_.empty_cache(); }

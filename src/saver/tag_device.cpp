@@ -54,7 +54,7 @@ Status TagDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
         handles_[h] = {device, size};
         mappings_[va] = {size, h, 0};
         reservations_[va] = size;
-        segments_[va] = {size, h};
+        segments_[va] = h;
         index_.insert(va, size, owner_);
         *addr = va;
         return Status::ok;
@@ -71,10 +71,10 @@ Status TagDevice::free_segment(DevicePtr addr) noexcept {
   std::lock_guard lock(mutex_);
   auto it = segments_.find(addr);
   if (it == segments_.end()) return Status::invalid_argument;
-  const Segment seg = it->second;
-  if (Status s = unmap_locked(addr, seg.bytes); s != Status::ok) return s;
-  if (Status s = release_locked(seg.handle); s != Status::ok) return s;
-  if (Status s = base_.unreserve(addr, seg.bytes); s != Status::ok) return s;
+  const std::size_t bytes = reservations_.at(addr);
+  if (Status s = unmap_locked(addr, bytes); s != Status::ok) return s;
+  if (Status s = release_locked(it->second); s != Status::ok) return s;
+  if (Status s = base_.unreserve(addr, bytes); s != Status::ok) return s;
   reservations_.erase(addr);
   segments_.erase(it);
   index_.erase(addr);
@@ -195,13 +195,12 @@ StepFailure TagDevice::release_all(std::size_t* released_bytes) {
   if (paused_) return {CallKind::unmap, Status::invalid_argument};
   for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
     if (Status s = base_.unmap(it->first, it->second.bytes); s != Status::ok) {
-      // Map back what was unmapped: the tag stays as it was.
+      // Map back what was unmapped: the tag stays as it was. The handles are
+      // live, so this fails only with the device itself, and the first
+      // failure is what gets reported.
       for (auto back = mappings_.begin(); back != it; ++back) {
         CallKind ignored{};
-        if (map_one(back->first, back->second, &ignored) != Status::ok) {
-          // The handle is live, so this only fails with the device itself;
-          // nothing better remains than reporting the first failure.
-        }
+        (void)map_one(back->first, back->second, &ignored);
       }
       return {CallKind::unmap, s};
     }
@@ -321,8 +320,8 @@ void TagDevice::validate() const {
       throw InvariantError(fmt::format("tag device: mapping at {:#x} lies outside its reservation", va));
     }
   }
-  for (const auto& [va, s] : segments_) {
-    if (reservations_.count(va) == 0 || handles_.count(s.handle) == 0) {
+  for (const auto& [va, handle] : segments_) {
+    if (reservations_.count(va) == 0 || handles_.count(handle) == 0) {
       throw InvariantError(fmt::format("tag device: segment at {:#x} lost its reservation or handle", va));
     }
   }

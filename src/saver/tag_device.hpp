@@ -129,10 +129,6 @@ class TagDevice final : public Device {
     PhysicalHandle handle = 0;  // this view's number
     std::size_t offset = 0;
   };
-  struct Segment {
-    std::size_t bytes = 0;  // reserved (a multiple of the granularity)
-    PhysicalHandle handle = 0;
-  };
   Status unmap_locked(DevicePtr va, std::size_t bytes) noexcept;
   Status release_locked(PhysicalHandle handle) noexcept;
   // Maps and opens one recorded mapping on the device.
@@ -147,7 +143,8 @@ class TagDevice final : public Device {
   std::unordered_map<PhysicalHandle, Handle> handles_;
   std::map<DevicePtr, Mapping> mappings_;
   std::map<DevicePtr, std::size_t> reservations_;  // va -> bytes
-  std::unordered_map<DevicePtr, Segment> segments_;
+  // Classic segments: their handle (their size is their reservation's).
+  std::unordered_map<DevicePtr, PhysicalHandle> segments_;
   std::vector<PhysicalHandle> unreleased_;  // device handles whose release failed
 };
 

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <random>
 
+#include "error_text.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/history.hpp"
 #include "reservoir/sim_device.hpp"
@@ -198,14 +199,10 @@ TEST(Export, SharedTracesRoundTrip) {
 
 // ---- errors ----------------------------------------------------------------
 
+// Every error here is a TraceError.
 template <typename F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const TraceError& e) {
-    return e.what();
-  }
-  return "no error";
+  return testing::error_of<TraceError>(std::forward<F>(f));
 }
 
 TEST(Export, CorruptJsonGetsExactErrors) {

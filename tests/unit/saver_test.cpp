@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "error_text.hpp"
 #include "faulty_device.hpp"
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/errors.hpp"
@@ -21,6 +22,7 @@
 namespace reservoir {
 namespace {
 
+using testing::error_of;
 using testing::FaultyDevice;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
@@ -341,16 +343,6 @@ TEST(Saver, PauseAndResumeEveryTag) {
 }
 
 // ---- errors -----------------------------------------------------------------------
-
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 TEST(Saver, MisuseGetsClearErrorsAndChangesNothing) {
   HostDevice host;
@@ -809,6 +801,32 @@ TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
   saver.deallocate(b);
 }
 
+TEST(Saver, LiveAllocationsAreWhatSnapshotsCallActive) {
+  HostDevice host;
+  CachingAllocator allocator(host, AllocatorConfig::parse("expandable_segments:True"));
+  void* a = allocator.allocate(1000);
+  void* b = allocator.allocate(3 * kMiB);
+  void* c = allocator.allocate(5000);
+  allocator.deallocate(c);
+  std::vector<std::pair<DevicePtr, std::size_t>> from_snapshot;
+  for (const SegmentInfo& seg : allocator.snapshot().segments) {
+    for (const BlockInfo& blk : seg.blocks) {
+      if (blk.state == BlockState::active_allocated) {
+        from_snapshot.emplace_back(blk.address, blk.requested_size);
+      }
+    }
+  }
+  const auto live = allocator.live_allocations();
+  EXPECT_EQ(live, from_snapshot);
+  ASSERT_EQ(live.size(), 2u);
+  std::set<std::pair<DevicePtr, std::size_t>> got(live.begin(), live.end());
+  EXPECT_EQ(got, (std::set<std::pair<DevicePtr, std::size_t>>{
+                     {reinterpret_cast<DevicePtr>(a), 1000}, {reinterpret_cast<DevicePtr>(b), 3 * kMiB}}));
+  allocator.deallocate(a);
+  allocator.deallocate(b);
+  EXPECT_TRUE(allocator.live_allocations().empty());
+}
+
 TEST(Saver, HistoryCoversEveryTagInTimeOrder) {
   HostDevice host;
   Saver saver(host, options());
@@ -819,6 +837,9 @@ TEST(Saver, HistoryCoversEveryTagInTimeOrder) {
     auto r = saver.region("kv");  // created after history was turned on
     b = saver.allocate(8192);
   }
+  // Pause and resume are not allocator events: they add nothing to history.
+  saver.pause("kv");
+  saver.resume("kv");
   saver.deallocate(a);
   saver.deallocate(b);
   const Snapshot snap = saver.snapshot();
