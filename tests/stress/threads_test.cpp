@@ -122,16 +122,21 @@ TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
   CachingAllocator allocator(device, AllocatorConfig{});
   allocator.record_history({.max_entries = 500, .stacks = true, .max_frames = 8});
   std::atomic<bool> done{false};
+  // Workers go on past their 1500 steps until the observer has seen an
+  // annotated event: on a loaded machine the observer may not be scheduled
+  // before they finish, and their last events (the final frees) carry no
+  // annotation. The bound keeps a broken observer from hanging the test.
+  std::atomic<std::size_t> annotated{0};
   constexpr int kThreads = 3;
   std::vector<std::thread> workers;
   for (int id = 0; id < kThreads; ++id) {
     workers.emplace_back([&, id] {
       std::mt19937_64 rng(static_cast<std::uint64_t>(id) + 7);
       std::vector<void*> live;
-      for (int step = 0; step < 1500; ++step) {
+      for (int step = 0; step < 1500 || (annotated == 0 && step < 2'000'000); ++step) {
         ScopedAnnotation outer(fmt::format("worker{}", id));
         ScopedAnnotation inner(step % 2 == 0 ? "even" : "odd");
-        if (!live.empty() && rng() % 2 == 0) {
+        if (!live.empty() && (live.size() >= 64 || rng() % 2 == 0)) {
           allocator.deallocate(live.back());
           live.pop_back();
         } else {
@@ -142,7 +147,6 @@ TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
     });
   }
   std::size_t snapshots = 0;
-  std::size_t annotated = 0;
   std::thread observer([&] {
     for (int i = 0; !done; ++i) {
       if (i % 7 == 3) allocator.record_history({.enabled = false});
