@@ -92,6 +92,11 @@ class CachingAllocator {
   std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
   void reset_peak_stats();
   void reset_accumulated_stats();
+  // From now on, publishes every change of this allocator's statistics into
+  // `combined` (shared by allocators whose sum needs exact peaks, as a
+  // Saver's do), after adding its current values, and with carry_peaks its
+  // peaks. Once per allocator: UsageError if already combined or null.
+  void combine_stats(std::shared_ptr<CombinedStats> combined, bool carry_peaks);
   std::string memory_summary(bool abbreviated = false) const;
   // Segments and blocks; with history on, also the recorded events and the
   // contexts of events and live blocks (and a snapshot event is recorded).

@@ -80,6 +80,12 @@ struct SaverOptions {
   // (not owned; default: the main device). Both must be the same GPU.
   Device* tag_device = nullptr;
   int device_index = 0;
+  // Once a tag exists, stats() reports the peaks of the sum of every
+  // allocator (CombinedStats), at the cost of publishing each allocation's
+  // and free's changes under a shared lock (see docs/benchmarks.md); false
+  // skips that, and stats()'s peaks are then the sum of each allocator's
+  // peak, an upper bound.
+  bool exact_peaks = true;
 };
 
 // What a tag's pauses and resumes did: counts, and the last of each.
@@ -173,11 +179,17 @@ class Saver {
 
   std::vector<TagInfo> tags() const;
   TagInfo tag_info(std::string_view tag) const;  // UsageError when unknown
-  // Statistics of the untagged allocator, of one tag, or of everything
-  // (current values, counts and totals add up exactly; peaks are the sum
-  // of each allocator's peak, an upper bound).
+  // Statistics of everything, or of one tag. stats() adds up every
+  // allocator's; its peaks are the peaks of the sum (CombinedStats), not the
+  // sum of the peaks, unless SaverOptions::exact_peaks is off. A tag opened
+  // both with and without cpu_backup is two allocators: stats(tag) adds
+  // their peaks.
   DeviceStats stats() const;
   DeviceStats stats(std::string_view tag) const;
+  // Peaks fall to the current values, for every allocator and the sum.
+  void reset_peak_stats();
+  // Allocated and freed totals and the counters fall to zero.
+  void reset_accumulated_stats();
   std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
   // The untagged allocator's summary, then each tag's with its state.
   std::string memory_summary(bool abbreviated = false) const;

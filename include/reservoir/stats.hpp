@@ -2,9 +2,12 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
+#include <type_traits>
 
 namespace reservoir {
 
@@ -63,6 +66,61 @@ struct DeviceStats {
   }
 
   bool operator==(const DeviceStats&) const = default;
+};
+
+static_assert(std::is_standard_layout_v<DeviceStats>,
+              "CombinedStats names a Stat by its byte offset in DeviceStats");
+
+// Current values and peaks of the sum of several allocators' statistics (a
+// Saver's untagged allocator and its tags), exact where adding each
+// allocator's peak would only bound the sum's. Allocators attached with
+// CachingAllocator::combine_stats publish the changes each of their locked
+// sections made, as one step: a peak inside a section (a segment mapped and
+// given back within one allocation) counts, and concurrent sections apply in
+// the order their locks are released.
+class CombinedStats {
+ public:
+  // What one allocator's locked section changed: for each Stat, the net
+  // change and the highest running total reached within the section.
+  class Section {
+   public:
+    // `s` is a Stat of `stats` (the allocator's DeviceStats).
+    void note(const DeviceStats& stats, const Stat& s, std::int64_t delta) noexcept {
+      const auto slot = static_cast<std::size_t>(reinterpret_cast<const char*>(&s) -
+                                                 reinterpret_cast<const char*>(&stats)) / 8;
+      dirty_[slot / 64] |= std::uint64_t{1} << (slot % 64);
+      const std::int64_t net = net_[slot] += delta;
+      if (net > high_[slot]) high_[slot] = net;
+    }
+    bool empty() const noexcept { return (dirty_[0] | dirty_[1]) == 0; }
+
+   private:
+    friend class CombinedStats;
+    static constexpr std::size_t kSlots = sizeof(DeviceStats) / 8;  // a Stat's offset / 8
+    static_assert(kSlots <= 128, "dirty_ has 128 bits");
+    std::array<std::uint64_t, 2> dirty_{};
+    std::array<std::int64_t, kSlots> net_{};
+    std::array<std::int64_t, kSlots> high_{};
+  };
+
+  // The current values and peaks of the sum; allocated and freed totals and
+  // the counters are left zero (sum each allocator's).
+  DeviceStats read() const;
+  // Peaks fall to the current values.
+  void reset_peaks();
+  // Changes each time something is added or published.
+  std::uint64_t version() const;
+
+  // Adds an allocator's current values; with carry_peaks its peaks too (on
+  // top of the sum's current values: exact for the first allocator).
+  void add(const DeviceStats& stats, bool carry_peaks);
+  // Applies a section as one step, and empties it.
+  void publish(Section& section) noexcept;
+
+ private:
+  mutable std::mutex mutex_;
+  DeviceStats sum_;
+  std::uint64_t version_ = 0;
 };
 
 // Flat, sorted map with exactly the keys torch.cuda.memory_stats() returns:

@@ -100,6 +100,16 @@ def stats(device=0, tag=None):
     return default_saver(device).stats(tag)
 
 
+def reset_peak_stats(device=0):
+    """Peaks fall to the current values, for everything and each tag."""
+    default_saver(device).reset_peak_stats()
+
+
+def reset_accumulated_stats(device=0):
+    """Allocated and freed totals and the counters fall to zero."""
+    default_saver(device).reset_accumulated_stats()
+
+
 def memory_summary(device=0, abbreviated=False):
     return default_saver(device).memory_summary(abbreviated)
 

@@ -7,6 +7,7 @@
 // memory through this allocator) and around out-of-memory observers.
 #pragma once
 
+#include <array>
 #include <deque>
 #include <map>
 #include <memory>
@@ -39,6 +40,7 @@ class CachingAllocator::Impl {
   DeviceStats stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
+  void combine_stats(std::shared_ptr<CombinedStats> combined, bool carry_peaks);
   Snapshot snapshot() const;
   std::size_t largest_cached_block() const;
   std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
@@ -72,7 +74,33 @@ class CachingAllocator::Impl {
     detail::Block* block;
   };
 
+  // mutex_'s type: releasing it first publishes the statistics changed under
+  // it to the combined statistics, if any (see combine_stats).
+  class PublishingMutex {
+   public:
+    explicit PublishingMutex(Impl& impl) noexcept : impl_(impl) {}
+    void lock() noexcept { spin_.lock(); }
+    bool try_lock() noexcept { return spin_.try_lock(); }
+    void unlock() noexcept {
+      if (!impl_.section_.empty()) impl_.combined_->publish(impl_.section_);
+      spin_.unlock();
+    }
+
+   private:
+    Impl& impl_;
+    detail::SpinMutex spin_;
+  };
+
   // ---- all below expect mutex_ held ----
+  // Every change of a Stat goes through these (they feed combined_).
+  void add_stat(Stat& s, std::uint64_t amount) noexcept {
+    s.increase(amount);
+    if (combined_) section_.note(stats_, s, static_cast<std::int64_t>(amount));
+  }
+  void sub_stat(Stat& s, std::uint64_t amount) noexcept {
+    s.decrease(amount);
+    if (combined_) section_.note(stats_, s, -static_cast<std::int64_t>(amount));
+  }
   detail::BlockPool& pool_for(std::size_t size, StreamId stream);
   bool get_free_block(AllocParams& p);
   bool alloc_block(AllocParams& p, bool is_retry);
@@ -91,7 +119,7 @@ class CachingAllocator::Impl {
   void process_events();
   void synchronize_and_free_events();
   EventId take_event();
-  [[noreturn]] void throw_oom(std::unique_lock<detail::SpinMutex>& lock, const AllocParams& p);
+  [[noreturn]] void throw_oom(std::unique_lock<PublishingMutex>& lock, const AllocParams& p);
   [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
   // Reports an event to the trackers and the history; returns the context
   // the history recorded it in (0 when none).
@@ -176,9 +204,13 @@ class CachingAllocator::Impl {
   void drop_all_locked() noexcept;
 
   Device& device_;
-  mutable detail::SpinMutex mutex_;
+  mutable PublishingMutex mutex_{*this};
   AllocatorConfig config_;
   DeviceStats stats_;
+  // With combined statistics attached, what the current locked section
+  // changed, published when the lock is released.
+  std::shared_ptr<CombinedStats> combined_;
+  CombinedStats::Section section_;
   detail::NodeRecycler node_resource_;  // set nodes of every pool
   detail::BlockArena arena_;
   detail::BlockPool large_;

@@ -201,10 +201,10 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   if (p.pool->owner != nullptr) ++p.pool->owner->device_alloc_count;
   total_reserved_ += size;
   for_types(*p.pool, [&](std::size_t t) {
-    stats_.segment[t].increase(1);
-    stats_.reserved_bytes[t].increase(size);
+    add_stat(stats_.segment[t], 1);
+    add_stat(stats_.reserved_bytes[t], size);
   });
-  if (size >= config_.max_split_size) stats_.oversize_segments.increase(1);
+  if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
   ++stats_.num_device_alloc;
   trace(TraceEntry::Action::segment_alloc, ptr, size, p.stream);
   p.block = block;
@@ -237,19 +237,19 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     if (in_vm(block)) {
       // Expandable segments stay out of the inactive_split stats (PyTorch).
     } else if (already_split) {
-      for_types(pool, [&](std::size_t t) { stats_.inactive_split_bytes[t].decrease(block->size); });
+      for_types(pool, [&](std::size_t t) { sub_stat(stats_.inactive_split_bytes[t], block->size); });
     } else {
       for_types(pool, [&](std::size_t t) {
-        stats_.inactive_split_bytes[t].increase(remaining->size);
-        stats_.inactive_split[t].increase(1);
+        add_stat(stats_.inactive_split_bytes[t], remaining->size);
+        add_stat(stats_.inactive_split[t], 1);
       });
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
     if (already_split && !in_vm(block)) {
       for_types(pool, [&](std::size_t t) {
-        stats_.inactive_split_bytes[t].decrease(block->size);
-        stats_.inactive_split[t].decrease(1);
+        sub_stat(stats_.inactive_split_bytes[t], block->size);
+        sub_stat(stats_.inactive_split[t], 1);
       });
     }
   }
@@ -257,13 +257,13 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
   block->requested_size = requested;
   allocated_.insert(block->ptr, block);
   for_types(pool, [&](std::size_t t) {
-    stats_.allocation[t].increase(1);
-    stats_.allocated_bytes[t].increase(block->size);
-    stats_.active[t].increase(1);
-    stats_.active_bytes[t].increase(block->size);
-    stats_.requested_bytes[t].increase(requested);
+    add_stat(stats_.allocation[t], 1);
+    add_stat(stats_.allocated_bytes[t], block->size);
+    add_stat(stats_.active[t], 1);
+    add_stat(stats_.active_bytes[t], block->size);
+    add_stat(stats_.requested_bytes[t], requested);
   });
-  if (block->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
+  if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
   block->context = trace(TraceEntry::Action::alloc, block->ptr, requested, block->stream);
   return block;
 }
@@ -297,7 +297,7 @@ void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
 }
 
-void CachingAllocator::Impl::throw_oom(std::unique_lock<detail::SpinMutex>& lock,
+void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
                                        const AllocParams& p) {
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
@@ -385,11 +385,11 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
   allocated_.erase(ptr);
   block->allocated = false;
   for_types(*block->pool, [&](std::size_t t) {
-    stats_.allocation[t].decrease(1);
-    stats_.allocated_bytes[t].decrease(block->size);
+    sub_stat(stats_.allocation[t], 1);
+    sub_stat(stats_.allocated_bytes[t], block->size);
   });
   trace(TraceEntry::Action::free_requested, block->ptr, block->requested_size, block->stream);
-  if (block->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
+  if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
   if (deferred) {
     if (!routes_.empty()) deferred_event_blocks_.push_back(block);
   } else {
@@ -476,18 +476,18 @@ void CachingAllocator::Impl::free_block(Block* block) {
   }
   for_types(pool, [&](std::size_t t) {
     if (split_blocks_change > 0) {
-      stats_.inactive_split[t].increase(static_cast<std::uint64_t>(split_blocks_change));
+      add_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(split_blocks_change));
     } else if (split_blocks_change < 0) {
-      stats_.inactive_split[t].decrease(static_cast<std::uint64_t>(-split_blocks_change));
+      sub_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(-split_blocks_change));
     }
     if (split_bytes_change > 0) {
-      stats_.inactive_split_bytes[t].increase(static_cast<std::uint64_t>(split_bytes_change));
+      add_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(split_bytes_change));
     } else if (split_bytes_change < 0) {
-      stats_.inactive_split_bytes[t].decrease(static_cast<std::uint64_t>(-split_bytes_change));
+      sub_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(-split_bytes_change));
     }
-    stats_.active[t].decrease(1);
-    stats_.active_bytes[t].decrease(original_size);
-    stats_.requested_bytes[t].decrease(requested);
+    sub_stat(stats_.active[t], 1);
+    sub_stat(stats_.active_bytes[t], original_size);
+    sub_stat(stats_.requested_bytes[t], requested);
   });
 }
 
@@ -623,10 +623,10 @@ void CachingAllocator::Impl::release_block(Block* block) {
   BlockPool& pool = *block->pool;
   if (pool.owner != nullptr) --pool.owner->device_alloc_count;
   for_types(pool, [&](std::size_t t) {
-    stats_.segment[t].decrease(1);
-    stats_.reserved_bytes[t].decrease(block->size);
+    sub_stat(stats_.segment[t], 1);
+    sub_stat(stats_.reserved_bytes[t], block->size);
   });
-  if (block->size >= config_.max_split_size) stats_.oversize_segments.decrease(1);
+  if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_segments, 1);
   pool.erase(block);
   segments_.erase(block->ptr);
   arena_.recycle(block);
@@ -775,6 +775,15 @@ void CachingAllocator::Impl::reset_peak_stats() {
   stats_.for_each_stat([](Stat& s) { s.reset_peak(); });
 }
 
+void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
+                                           bool carry_peaks) {
+  if (!combined) throw UsageError("combine_stats: no combined statistics given");
+  std::lock_guard lock(mutex_);
+  if (combined_) throw UsageError("combine_stats: this allocator's statistics are combined already");
+  combined->add(stats_, carry_peaks);
+  combined_ = std::move(combined);
+}
+
 void CachingAllocator::Impl::reset_accumulated_stats() {
   std::lock_guard lock(mutex_);
   stats_.for_each_stat([](Stat& s) { s.reset_accumulated(); });
@@ -921,6 +930,9 @@ void CachingAllocator::reset_peak_stats() {
 }
 void CachingAllocator::reset_accumulated_stats() {
   impl_->reset_accumulated_stats();
+}
+void CachingAllocator::combine_stats(std::shared_ptr<CombinedStats> combined, bool carry_peaks) {
+  impl_->combine_stats(std::move(combined), carry_peaks);
 }
 std::string CachingAllocator::memory_summary(bool abbreviated) const {
   return reservoir::memory_summary(stats_map(), impl_->device_index_, abbreviated);

@@ -37,6 +37,11 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   large_.blocks.clear();
   small_.blocks.clear();
   total_reserved_ = 0;
+  if (combined_) {
+    stats_.for_each_stat([&](Stat& s) {
+      if (s.current != 0) section_.note(stats_, s, -s.current);
+    });
+  }
   const std::int64_t max_split = stats_.max_split_size;
   stats_ = DeviceStats{};
   stats_.max_split_size = max_split;
@@ -70,10 +75,10 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
     segments_.emplace(got, std::move(segment));
     total_reserved_ += info.total_size;
     for_types(pool, [&](std::size_t t) {
-      stats_.segment[t].increase(1);
-      stats_.reserved_bytes[t].increase(info.total_size);
+      add_stat(stats_.segment[t], 1);
+      add_stat(stats_.reserved_bytes[t], info.total_size);
     });
-    if (info.total_size >= config_.max_split_size) stats_.oversize_segments.increase(1);
+    if (info.total_size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
     ++stats_.num_device_alloc;
 
     const bool split = info.blocks.size() > 1;
@@ -106,13 +111,13 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
         b->requested_size = bi.requested_size;
         allocated_.insert(b->ptr, b);
         for_types(pool, [&](std::size_t t) {
-          stats_.allocation[t].increase(1);
-          stats_.allocated_bytes[t].increase(b->size);
-          stats_.active[t].increase(1);
-          stats_.active_bytes[t].increase(b->size);
-          stats_.requested_bytes[t].increase(b->requested_size);
+          add_stat(stats_.allocation[t], 1);
+          add_stat(stats_.allocated_bytes[t], b->size);
+          add_stat(stats_.active[t], 1);
+          add_stat(stats_.active_bytes[t], b->size);
+          add_stat(stats_.requested_bytes[t], b->requested_size);
         });
-        if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
+        if (b->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
       } else {
         if (b->prev != nullptr && b->prev->is_free()) {
           throw UsageError(
@@ -123,8 +128,8 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
         pool.insert(b);
         if (split) {
           for_types(pool, [&](std::size_t t) {
-            stats_.inactive_split[t].increase(1);
-            stats_.inactive_split_bytes[t].increase(b->size);
+            add_stat(stats_.inactive_split[t], 1);
+            add_stat(stats_.inactive_split_bytes[t], b->size);
           });
         }
       }

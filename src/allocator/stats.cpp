@@ -149,4 +149,50 @@ std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int
   return out;
 }
 
+DeviceStats CombinedStats::read() const {
+  std::lock_guard lock(mutex_);
+  return sum_;
+}
+
+void CombinedStats::reset_peaks() {
+  std::lock_guard lock(mutex_);
+  sum_.for_each_stat([](Stat& s) { s.reset_peak(); });
+  ++version_;
+}
+
+std::uint64_t CombinedStats::version() const {
+  std::lock_guard lock(mutex_);
+  return version_;
+}
+
+void CombinedStats::add(const DeviceStats& stats, bool carry_peaks) {
+  DeviceStats from = stats;
+  std::vector<const Stat*> src;
+  from.for_each_stat([&](Stat& s) { src.push_back(&s); });
+  std::lock_guard lock(mutex_);
+  std::size_t i = 0;
+  sum_.for_each_stat([&](Stat& s) {
+    const Stat& f = *src[i++];
+    const std::int64_t high = s.current + (carry_peaks ? f.peak : f.current);
+    s.current += f.current;
+    if (high > s.peak) s.peak = high;
+  });
+  ++version_;
+}
+
+void CombinedStats::publish(Section& section) noexcept {
+  std::lock_guard lock(mutex_);
+  for (std::size_t word = 0; word < section.dirty_.size(); ++word) {
+    for (std::uint64_t bits = section.dirty_[word]; bits != 0; bits &= bits - 1) {
+      const std::size_t slot = word * 64 + static_cast<std::size_t>(__builtin_ctzll(bits));
+      Stat& s = *reinterpret_cast<Stat*>(reinterpret_cast<char*>(&sum_) + slot * 8);
+      if (s.current + section.high_[slot] > s.peak) s.peak = s.current + section.high_[slot];
+      s.current += section.net_[slot];
+      section.net_[slot] = section.high_[slot] = 0;
+    }
+    section.dirty_[word] = 0;
+  }
+  ++version_;
+}
+
 }  // namespace reservoir

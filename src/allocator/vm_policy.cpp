@@ -296,7 +296,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   recache(to_map);  // merged with cached neighbours, into the pool
 
   total_reserved_ += mapped_bytes;
-  for_types(pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(mapped_bytes); });
+  for_types(pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], mapped_bytes); });
   ++stats_.num_device_alloc;
   trace(TraceEntry::Action::segment_map, va, mapped_bytes, seg.stream);
   return true;
@@ -387,7 +387,7 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     merge_unmapped(block, block->next);
     pool.unmapped.insert(block);
     total_reserved_ -= usize;
-    for_types(pool, [&](std::size_t t) { stats_.reserved_bytes[t].decrease(usize); });
+    for_types(pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], usize); });
     ++stats_.num_device_free;
     trace(TraceEntry::Action::segment_unmap, uptr, usize, seg.stream);
   }
@@ -598,7 +598,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   segments_.emplace(va, std::move(seg));
   ++vm_segments_;
   total_reserved_ += fresh_pages * page;
-  for_types(*p.pool, [&](std::size_t t) { stats_.reserved_bytes[t].increase(fresh_pages * page); });
+  for_types(*p.pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], fresh_pages * page); });
   ++stats_.num_device_alloc;
   trace(TraceEntry::Action::segment_map, va, bytes, p.stream);
   p.pool->insert(b);
@@ -668,7 +668,7 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
     recache(lender);
   }
   total_reserved_ -= fresh_bytes;
-  for_types(*block->pool, [&](std::size_t t) { stats_.reserved_bytes[t].decrease(fresh_bytes); });
+  for_types(*block->pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], fresh_bytes); });
   ++stats_.num_device_free;
   trace(TraceEntry::Action::segment_unmap, seg.base, seg.size, seg.stream);
   const DevicePtr base = seg.base;

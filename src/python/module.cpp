@@ -75,7 +75,8 @@ class RegionScope {
 // alive by the binding (keep_alive).
 std::unique_ptr<Saver> make_saver(Device& device, const std::string& config,
                                   const std::string& storage, const std::string& mmap_directory,
-                                  std::size_t chunk_bytes, int copy_streams, Device* tag_device) {
+                                  std::size_t chunk_bytes, int copy_streams, Device* tag_device,
+                                  bool exact_peaks) {
   SaverOptions o;
   o.config = AllocatorConfig::parse(config);
   if (storage == "mmap") {
@@ -87,6 +88,7 @@ std::unique_ptr<Saver> make_saver(Device& device, const std::string& config,
   o.chunk_bytes = chunk_bytes;
   o.copy_streams = copy_streams;
   o.tag_device = tag_device;
+  o.exact_peaks = exact_peaks;
   return std::make_unique<Saver>(device, o);
 }
 
@@ -151,7 +153,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init(&make_saver), py::arg("device"), py::arg("config") = "",
            py::arg("storage") = "pinned", py::arg("mmap_directory") = "",
            py::arg("chunk_bytes") = std::size_t{32} << 20, py::arg("copy_streams") = 4,
-           py::arg("tag_device") = nullptr, py::keep_alive<1, 2>(), py::keep_alive<1, 8>())
+           py::arg("tag_device") = nullptr, py::arg("exact_peaks") = true, py::keep_alive<1, 2>(),
+           py::keep_alive<1, 8>())
       .def(
           "region",
           [](Saver& s, const std::string& tag, bool cpu_backup) {
@@ -203,6 +206,10 @@ PYBIND11_MODULE(_core, m) {
             return tag ? to_map(s.stats(*tag)) : s.stats_map();
           },
           py::arg("tag") = py::none(), "torch.cuda.memory_stats()'s keys")
+      .def("reset_peak_stats", &Saver::reset_peak_stats,
+           "peaks fall to the current values (torch.cuda.reset_peak_memory_stats)")
+      .def("reset_accumulated_stats", &Saver::reset_accumulated_stats,
+           "totals and counters fall to zero (torch.cuda.reset_accumulated_memory_stats)")
       .def("memory_summary", &Saver::memory_summary, py::arg("abbreviated") = false)
       .def("snapshot", &snapshot_dict, "PyTorch's snapshot dict (what memory_viz reads)")
       .def("validate", &Saver::validate)

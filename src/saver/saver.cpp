@@ -142,13 +142,24 @@ class Saver::Impl {
       if (auto it = pools_.find(key); it != pools_.end()) return *it->second;
     }
     std::unique_lock lock(pools_mutex_);
-    auto& slot = pools_[key];
-    if (!slot) {
-      slot = std::make_unique<TagPool>(key.first, cpu_backup, tag_base_, index_, options_.config,
-                                       options_.device_index);
-      if (history_) slot->allocator.record_history(*history_);
+    if (auto it = pools_.find(key); it != pools_.end()) return *it->second;
+    auto pool = std::make_unique<TagPool>(key.first, cpu_backup, tag_base_, index_,
+                                          options_.config, options_.device_index);
+    if (history_) pool->allocator.record_history(*history_);
+    if (options_.exact_peaks && !combined_) {
+      // From the first tag on, the saver's peaks are those of the sum (the
+      // untagged allocator's peaks were the saver's until now).
+      auto combined = std::make_shared<CombinedStats>();
+      untagged_.combine_stats(combined, true);
+      combined_ = std::move(combined);
     }
-    return *slot;
+    if (combined_) pool->allocator.combine_stats(combined_, false);
+    return *pools_.emplace(key, std::move(pool)).first->second;
+  }
+
+  std::shared_ptr<CombinedStats> combined() const {
+    std::shared_lock lock(pools_mutex_);
+    return combined_;
   }
 
   std::uint64_t push(TagPool* pool) {
@@ -516,6 +527,10 @@ class Saver::Impl {
   std::vector<StreamId> streams_;
   mutable std::shared_mutex pools_mutex_;
   std::optional<HistoryOptions> history_;  // guarded by pools_mutex_
+  // Current values and peaks of all allocators together, from the first tag
+  // on (before it the untagged allocator's are the saver's); guarded by
+  // pools_mutex_.
+  std::shared_ptr<CombinedStats> combined_;
   // Declared last: destroyed first, while the index and the host cache live.
   std::map<std::pair<std::string, bool>, std::unique_ptr<TagPool>> pools_;
 };
@@ -612,9 +627,31 @@ TagInfo Saver::tag_info(std::string_view tag) const {
 }
 
 DeviceStats Saver::stats() const {
+  const std::shared_ptr<CombinedStats> combined = impl_->combined();
   DeviceStats total = impl_->untagged_.stats();
   for (TagPool* p : impl_->all_pools()) add_stats(total, p->allocator.stats());
+  if (combined) {
+    DeviceStats sum = combined->read();
+    std::vector<const Stat*> exact;
+    sum.for_each_stat([&](Stat& s) { exact.push_back(&s); });
+    std::size_t i = 0;
+    total.for_each_stat([&](Stat& s) {
+      s.current = exact[i]->current;
+      s.peak = exact[i++]->peak;
+    });
+  }
   return total;
+}
+
+void Saver::reset_peak_stats() {
+  impl_->untagged_.reset_peak_stats();
+  for (TagPool* p : impl_->all_pools()) p->allocator.reset_peak_stats();
+  if (const std::shared_ptr<CombinedStats> combined = impl_->combined()) combined->reset_peaks();
+}
+
+void Saver::reset_accumulated_stats() {
+  impl_->untagged_.reset_accumulated_stats();
+  for (TagPool* p : impl_->all_pools()) p->allocator.reset_accumulated_stats();
 }
 
 DeviceStats Saver::stats(std::string_view tag) const {
@@ -646,6 +683,36 @@ CachingAllocator& Saver::untagged_allocator() { return impl_->untagged_; }
 
 void Saver::validate() const {
   impl_->untagged_.validate();
+  if (const std::shared_ptr<CombinedStats> combined = impl_->combined()) {
+    // Compared only when nothing was published while the allocators were
+    // read (each publishes before releasing its lock, so then the two agree).
+    const std::uint64_t before = combined->version();
+    DeviceStats summed = impl_->untagged_.stats();
+    for (TagPool* p : impl_->all_pools()) add_stats(summed, p->allocator.stats());
+    const DeviceStats sum = combined->read();
+    if (combined->version() == before) {
+      const auto want = to_map(summed);
+      const auto got = to_map(sum);
+      auto ends_with = [](const std::string& key, std::string_view end) {
+        return key.size() > end.size() && key.compare(key.size() - end.size(), end.size(), end) == 0;
+      };
+      for (const auto& [key, value] : got) {
+        if (ends_with(key, ".current") && value != want.at(key)) {
+          throw InvariantError(fmt::format(
+              "saver: combined statistics have {} = {}, the allocators add up to {}", key, value,
+              want.at(key)));
+        }
+        if (ends_with(key, ".peak")) {
+          const std::int64_t current = got.at(key.substr(0, key.size() - 5) + ".current");
+          if (value < current) {
+            throw InvariantError(fmt::format(
+                "saver: combined statistics have {} = {}, below the current {}", key, value,
+                current));
+          }
+        }
+      }
+    }
+  }
   for (TagPool* p : impl_->all_pools()) {
     std::shared_lock lock(p->mutex);
     p->allocator.validate();

@@ -173,6 +173,39 @@ def test_stats_summary_and_snapshot_cover_tags():
     saver.free(b)
 
 
+def test_peaks_are_those_of_everything_together_and_reset():
+    saver = reservoir.Saver(reservoir.HostDevice())
+    a = saver.allocate(8 * MiB)
+    saver.free(a)
+    with saver.region("kv"):
+        b = saver.allocate(8 * MiB)
+    s = saver.stats()
+    assert s["allocated_bytes.all.current"] == 8 * MiB
+    assert s["allocated_bytes.all.peak"] == 8 * MiB  # not 16: they never coexisted
+    c = saver.allocate(2 * MiB)
+    assert saver.stats()["allocated_bytes.all.peak"] == 10 * MiB
+    saver.free(c)
+    saver.reset_peak_stats()
+    s = saver.stats()
+    assert s["allocated_bytes.all.peak"] == 8 * MiB
+    assert saver.stats("kv")["allocated_bytes.all.peak"] == 8 * MiB
+    saver.reset_accumulated_stats()
+    assert saver.stats()["allocated_bytes.all.allocated"] == 0
+    saver.validate()
+    saver.free(b)
+    summed = reservoir.Saver(reservoir.HostDevice(), exact_peaks=False)
+    summed.free(summed.allocate(8 * MiB))
+    with summed.region("kv"):
+        d = summed.allocate(8 * MiB)
+    assert summed.stats()["allocated_bytes.all.peak"] == 16 * MiB  # each allocator's peak, added
+    summed.free(d)
+    reservoir.reset_peak_stats()  # the process saver's
+    reservoir.reset_accumulated_stats()
+    s = reservoir.stats()
+    assert s["allocated_bytes.all.peak"] == s["allocated_bytes.all.current"]
+    assert s["num_device_alloc"] == 0
+
+
 def test_the_process_saver_is_the_one_pytorchs_allocator_entry_points_use():
     lib = ctypes.CDLL(reservoir.library_path())
     lib.reservoir_torch_malloc.restype = ctypes.c_void_p
