@@ -57,12 +57,20 @@ struct DeviceStats {
   // Visits every Stat (the nine arrays, then the two oversize stats).
   template <typename F>
   void for_each_stat(F&& f) {
-    for (StatArray* a : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
-                         &reserved_bytes, &active_bytes, &inactive_split_bytes, &requested_bytes}) {
-      for (Stat& s : *a) f(s);
+    for_each_stat_pair(*this, [&](Stat& s, const Stat&) { f(s); });
+  }
+  // Visits every Stat beside the same Stat of `other`.
+  template <typename F>
+  void for_each_stat_pair(const DeviceStats& other, F&& f) {
+    for (StatArray DeviceStats::*a :
+         {&DeviceStats::allocation, &DeviceStats::segment, &DeviceStats::active,
+          &DeviceStats::inactive_split, &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
+          &DeviceStats::active_bytes, &DeviceStats::inactive_split_bytes,
+          &DeviceStats::requested_bytes}) {
+      for (std::size_t t = 0; t < kStatTypes; ++t) f((this->*a)[t], (other.*a)[t]);
     }
-    f(oversize_allocations);
-    f(oversize_segments);
+    f(oversize_allocations, other.oversize_allocations);
+    f(oversize_segments, other.oversize_segments);
   }
 
   bool operator==(const DeviceStats&) const = default;

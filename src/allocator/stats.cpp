@@ -166,13 +166,8 @@ std::uint64_t CombinedStats::version() const {
 }
 
 void CombinedStats::add(const DeviceStats& stats, bool carry_peaks) {
-  DeviceStats from = stats;
-  std::vector<const Stat*> src;
-  from.for_each_stat([&](Stat& s) { src.push_back(&s); });
   std::lock_guard lock(mutex_);
-  std::size_t i = 0;
-  sum_.for_each_stat([&](Stat& s) {
-    const Stat& f = *src[i++];
+  sum_.for_each_stat_pair(stats, [&](Stat& s, const Stat& f) {
     const std::int64_t high = s.current + (carry_peaks ? f.peak : f.current);
     s.current += f.current;
     if (high > s.peak) s.peak = high;

@@ -90,12 +90,7 @@ std::vector<BackupPiece> coalesce(const std::vector<BackupPiece>& pieces) {
 }
 
 void add_stats(DeviceStats& into, const DeviceStats& from) {
-  DeviceStats copy = from;
-  std::vector<Stat*> src;
-  copy.for_each_stat([&](Stat& s) { src.push_back(&s); });
-  std::size_t i = 0;
-  into.for_each_stat([&](Stat& s) {
-    const Stat& f = *src[i++];
+  into.for_each_stat_pair(from, [](Stat& s, const Stat& f) {
     s.current += f.current;
     s.peak += f.peak;
     s.allocated += f.allocated;
@@ -631,13 +626,9 @@ DeviceStats Saver::stats() const {
   DeviceStats total = impl_->untagged_.stats();
   for (TagPool* p : impl_->all_pools()) add_stats(total, p->allocator.stats());
   if (combined) {
-    DeviceStats sum = combined->read();
-    std::vector<const Stat*> exact;
-    sum.for_each_stat([&](Stat& s) { exact.push_back(&s); });
-    std::size_t i = 0;
-    total.for_each_stat([&](Stat& s) {
-      s.current = exact[i]->current;
-      s.peak = exact[i++]->peak;
+    total.for_each_stat_pair(combined->read(), [](Stat& s, const Stat& exact) {
+      s.current = exact.current;
+      s.peak = exact.peak;
     });
   }
   return total;
