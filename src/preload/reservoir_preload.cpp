@@ -21,7 +21,9 @@
 // synchronize the device as the real one does. Work on non-blocking streams
 // that still uses a freed pointer must be synchronized by the program first,
 // or freed with cudaFreeAsync on its stream. RESERVOIR_PRELOAD_SUMMARY=1
-// prints each device's memory summary at exit.
+// prints each device's memory summary at exit; RESERVOIR_PRELOAD_STATS=FILE
+// writes each device's statistics there at exit, as JSON
+// ({"0": {torch.cuda.memory_stats() keys}, ...}).
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
@@ -52,11 +54,38 @@ struct State {
   Real real;
   bool real_loaded = false;
 
+  // Keys are torch.cuda.memory_stats()'s: plain ASCII, nothing to escape.
+  void write_stats(const char* path) const {
+    std::FILE* f = std::fopen(path, "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "reservoir preload: cannot write RESERVOIR_PRELOAD_STATS=%s\n", path);
+      return;
+    }
+    const char* sep = "";
+    std::fprintf(f, "{");
+    for (std::size_t d = 0; d < allocators.size(); ++d) {
+      if (!allocators[d]) continue;
+      std::fprintf(f, "%s\"%zu\": {", sep, d);
+      const char* inner = "";
+      for (const auto& [key, value] : allocators[d]->stats_map()) {
+        std::fprintf(f, "%s\"%s\": %lld", inner, key.c_str(), static_cast<long long>(value));
+        inner = ", ";
+      }
+      std::fprintf(f, "}");
+      sep = ", ";
+    }
+    std::fprintf(f, "}\n");
+    std::fclose(f);
+  }
+
   ~State() {
     if (const char* s = std::getenv("RESERVOIR_PRELOAD_SUMMARY"); s != nullptr && *s == '1') {
       for (const auto& a : allocators) {
         if (a) std::fprintf(stderr, "%s", a->memory_summary().c_str());
       }
+    }
+    if (const char* path = std::getenv("RESERVOIR_PRELOAD_STATS"); path != nullptr && *path != '\0') {
+      write_stats(path);
     }
     // Allocators go first: they return their segments through the devices.
     for (auto& a : allocators) a.reset();
