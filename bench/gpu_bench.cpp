@@ -1,11 +1,11 @@
-// GPU benchmarks (scripts/gpu_check.sh runs them): allocate+free on a cache
-// hit and on a miss, reservoir vs raw cudaMalloc/cudaFree vs
-// cudaMallocAsync/cudaFreeAsync; and the cost of the driver's virtual-memory
+// GPU benchmarks (the GPU bundle's gpu_bench step runs them): allocate+free
+// on a cache hit and on a miss, reservoir vs raw cudaMalloc/cudaFree vs
+// cudaMallocAsync/cudaFreeAsync; the cost of the driver's virtual-memory
 // calls per 2 MiB page and per large handle; pause and resume of a tag with
 // and without backup beside a plain pinned copy (saver_cases.hpp). PyTorch's
-// native allocator is
-// measured beside these by the script (through torch.cuda.caching_allocator_alloc
-// and caching_allocator_delete). Without a GPU it says so and exits 0.
+// native allocator is measured beside reservoir from C++ by the bundle's
+// torch_native_bench (tests/gpu/torch_native_bench.cpp). Without a GPU it
+// says so and exits 0.
 #include <benchmark/benchmark.h>
 #include <dlfcn.h>
 
@@ -139,6 +139,9 @@ int main(int argc, char** argv) {
   }
   static std::unique_ptr<CudaVmmDevice> vmm;
   static std::unique_ptr<reservoir::CudaPinnedMemory> pinned;
+  // With backup: 1, 4 and 16 GiB against a pinned copy of the same bytes
+  // (the native policy: the copies do not depend on it); without: 1 and 4
+  // GiB under every policy. Five timed cycles of each setup.
   reservoir::bench::register_saver_benchmarks(
       {[]() -> reservoir::Device& {
          if (!vmm) vmm = CudaVmmDevice::open();
@@ -148,7 +151,7 @@ int main(int argc, char** argv) {
          if (!pinned) pinned = reservoir::CudaPinnedMemory::open();
          return *pinned;
        }},
-      {1024, 4096});
+      reservoir::bench::SaverBenchPlan{{1024, 4096, 16384}, {1024, 4096}, false, 5});
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -11,6 +11,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -75,6 +76,25 @@ inline double seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Every iteration's time, for the median of one run: a run of a large tag
+// takes seconds to set up, so a GPU run times several cycles of one setup
+// rather than repeating the setup (Google Benchmark's repetitions).
+struct Timings {
+  std::vector<double> s;
+  void add(benchmark::State& state, double t) {
+    state.SetIterationTime(t);
+    s.push_back(t);
+  }
+  void report(benchmark::State& state, std::size_t bytes) {
+    if (s.empty()) return;
+    std::sort(s.begin(), s.end());
+    const double median =
+        s.size() % 2 == 1 ? s[s.size() / 2] : (s[s.size() / 2 - 1] + s[s.size() / 2]) / 2;
+    state.counters["median_ms"] = median * 1e3;
+    state.counters["median_GiB_per_s"] = static_cast<double>(bytes) / median / (1 << 30);
+  }
+};
+
 // The plain pinned copy: one copy of the tag's bytes into a pinned buffer
 // (kToHost) or back, on stream 0, waited for.
 template <bool kToHost>
@@ -85,6 +105,7 @@ void pinned_copy(benchmark::State& state, const SaverBenchEnv& env) {
   void* host = cache.allocate(bytes);
   std::memset(host, 1, bytes);
   const auto dev = reinterpret_cast<DevicePtr>(t.ptr);
+  Timings times;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
     const Status s = kToHost ? t.device.copy_to_host(host, dev, bytes, 0)
@@ -93,8 +114,9 @@ void pinned_copy(benchmark::State& state, const SaverBenchEnv& env) {
       state.SkipWithError("copy failed");
       break;
     }
-    state.SetIterationTime(seconds(t0));
+    times.add(state, seconds(t0));
   }
+  times.report(state, bytes);
   cache.deallocate(host);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
 }
@@ -104,34 +126,54 @@ template <bool kPause, bool kBackup>
 void pause_resume(benchmark::State& state, const SaverBenchEnv& env) {
   const std::size_t bytes = static_cast<std::size_t>(state.range(0)) << 20;
   Tagged t(env, bytes, state.range(1), kBackup);
+  Timings times;
   for (auto _ : state) {
     if (!kPause) t.saver->pause("t");
     if (kPause && !kBackup) t.touch();  // resumed memory is fresh: give it its pages
     const auto t0 = std::chrono::steady_clock::now();
     kPause ? t.saver->pause("t") : t.saver->resume("t");
-    state.SetIterationTime(seconds(t0));
+    times.add(state, seconds(t0));
     if (kPause) t.saver->resume("t");
   }
+  times.report(state, bytes);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes));
   state.counters["released_bytes"] =
       static_cast<double>(t.saver->tag_info("t").last_released_bytes);
 }
 
-inline void register_saver_benchmarks(const SaverBenchEnv& env, std::vector<std::int64_t> mib) {
+// Which cases run: copies and pause/resume with backup of `backup_mib`
+// (under every policy, or the native one alone), pause/resume without backup
+// of `no_backup_mib` under every policy; `iterations` fixes each run's
+// iterations (0: Google Benchmark decides).
+struct SaverBenchPlan {
+  std::vector<std::int64_t> backup_mib;
+  std::vector<std::int64_t> no_backup_mib;
+  bool backup_every_policy = true;
+  std::int64_t iterations = 0;
+};
+
+inline void register_saver_benchmarks(const SaverBenchEnv& env, const SaverBenchPlan& plan) {
   auto add = [&](const char* name, void (*fn)(benchmark::State&, const SaverBenchEnv&),
-                 bool every_policy) {
+                 const std::vector<std::int64_t>& mib, int policies) {
     auto* b = benchmark::RegisterBenchmark(name, [env, fn](benchmark::State& s) { fn(s, env); });
     for (std::int64_t m : mib) {
-      for (std::int64_t p = 0; p < (every_policy ? 3 : 1); ++p) b->Args({m, p});
+      for (std::int64_t p = 0; p < policies; ++p) b->Args({m, p});
     }
     b->UseManualTime()->Unit(benchmark::kMillisecond);
+    if (plan.iterations > 0) b->Iterations(plan.iterations);
   };
-  add("Copy_DeviceToPinned", pinned_copy<true>, false);
-  add("Copy_PinnedToDevice", pinned_copy<false>, false);
-  add("Pause_Backup", pause_resume<true, true>, true);
-  add("Resume_Backup", pause_resume<false, true>, true);
-  add("Pause_NoBackup", pause_resume<true, false>, true);
-  add("Resume_NoBackup", pause_resume<false, false>, true);
+  const int backup_policies = plan.backup_every_policy ? 3 : 1;
+  add("Copy_DeviceToPinned", pinned_copy<true>, plan.backup_mib, 1);
+  add("Copy_PinnedToDevice", pinned_copy<false>, plan.backup_mib, 1);
+  add("Pause_Backup", pause_resume<true, true>, plan.backup_mib, backup_policies);
+  add("Resume_Backup", pause_resume<false, true>, plan.backup_mib, backup_policies);
+  add("Pause_NoBackup", pause_resume<true, false>, plan.no_backup_mib, 3);
+  add("Resume_NoBackup", pause_resume<false, false>, plan.no_backup_mib, 3);
+}
+
+// Every case at every size, under every policy.
+inline void register_saver_benchmarks(const SaverBenchEnv& env, std::vector<std::int64_t> mib) {
+  register_saver_benchmarks(env, SaverBenchPlan{mib, mib, true, 0});
 }
 
 }  // namespace reservoir::bench

@@ -4,7 +4,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "reservoir/caching_allocator.hpp"
@@ -75,15 +77,28 @@ TEST(Gpu, VmmDeviceMapsAndUnmapsRealMemory) {
   ASSERT_EQ(d->unreserve(va, 8 * g), Status::ok);
 }
 
-class GpuAllocator : public ::testing::TestWithParam<const char*> {};
+// A backend ("runtime": cudaMalloc; "vmm": the driver's virtual-memory
+// calls, with cuMemAlloc for classic segments) and an allocator config.
+struct Backend {
+  const char* device;
+  const char* config;
+  const char* name;
+};
+
+std::unique_ptr<Device> open_backend(const Backend& b) {
+  if (std::strcmp(b.device, "runtime") == 0) return CudaRuntimeDevice::open(0);
+  return CudaVmmDevice::open();
+}
+
+class GpuAllocator : public ::testing::TestWithParam<Backend> {};
 
 // Random requests with every block's bytes written and checked when freed.
 TEST_P(GpuAllocator, RandomWorkloadKeepsEveryBlocksBytes) {
-  auto d = CudaVmmDevice::open();
+  auto d = open_backend(GetParam());
   MemoryInfo start;
   ASSERT_EQ(d->memory_info(&start), Status::ok);
   {
-    CachingAllocator a(*d, AllocatorConfig::parse(GetParam()));
+    CachingAllocator a(*d, AllocatorConfig::parse(GetParam().config));
     std::mt19937_64 rng(42);
     struct Live {
       void* p;
@@ -125,8 +140,15 @@ TEST_P(GpuAllocator, RandomWorkloadKeepsEveryBlocksBytes) {
   EXPECT_GE(end.free + 64 * kMiB, start.free);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, GpuAllocator,
-                         ::testing::Values("", "expandable_segments:True", "policy:paging"));
+INSTANTIATE_TEST_SUITE_P(
+    Policies, GpuAllocator,
+    ::testing::Values(
+        Backend{"runtime", "", "RuntimeNative"},
+        Backend{"runtime", "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.6",
+                "RuntimeTuned"},
+        Backend{"vmm", "", "VmmNative"}, Backend{"vmm", "expandable_segments:True", "VmmExpandable"},
+        Backend{"vmm", "policy:paging", "VmmPaging"}),
+    [](const ::testing::TestParamInfo<Backend>& info) { return std::string(info.param.name); });
 
 class GpuSaver : public ::testing::TestWithParam<const char*> {};
 

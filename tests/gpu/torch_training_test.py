@@ -2,7 +2,8 @@
 reservoir (libreservoir_torch.so through CUDAPluggableAllocator): the losses
 must be bitwise identical, and reservoir's memory_stats must agree with the
 native allocator's on what the loop asked for (requested bytes, peak and
-total, and allocation counts: the same requests in the same order).
+total, and allocation counts: the same requests in the same order). Prints
+each allocator's training steps per second (steps 5 to 20, after warm-up).
 
 Usage: torch_training_test.py LIBRARY SOURCE_DIR    (exit 77 without CUDA PyTorch)
 """
@@ -22,7 +23,7 @@ except ImportError as e:
     sys.exit(77)
 
 CHILD = r'''
-import json, os, sys
+import json, os, sys, time
 sys.path.insert(0, os.path.join(sys.argv[2], "python"))
 use_reservoir = sys.argv[1] == "reservoir"
 if use_reservoir:
@@ -40,6 +41,9 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 gen = torch.Generator(device="cpu").manual_seed(1)
 losses = []
 for step in range(20):
+    if step == 5:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
     x = torch.randint(0, 1000, (16, 128), generator=gen).to(dev)
     y = torch.randint(0, 1000, (16, 128), generator=gen).to(dev)
     loss = F.cross_entropy(model(x).view(-1, 1000), y.view(-1))
@@ -48,10 +52,12 @@ for step in range(20):
     opt.step()
     losses.append(loss.item().hex())
 torch.cuda.synchronize()
+steps_per_second = 15 / (time.perf_counter() - t0)
 stats = reservoir_torch.memory_stats() if use_reservoir else torch.cuda.memory_stats()
 keys = ["requested_bytes.all.peak", "requested_bytes.all.allocated", "allocation.all.allocated",
         "allocated_bytes.all.current"]
-print(json.dumps({"losses": losses, "stats": {k: stats[k] for k in keys}}))
+print(json.dumps({"losses": losses, "stats": {k: stats[k] for k in keys},
+                  "steps_per_second": steps_per_second}))
 '''
 
 env = {**os.environ, "RESERVOIR_TORCH_LIB": lib, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -68,6 +74,7 @@ for key, value in n["stats"].items():
     if r["stats"][key] != value:
         failures.append(f"{key}: native {value}, reservoir {r['stats'][key]}")
 print(json.dumps(results, indent=1))
+print(f"steps per second: native {n['steps_per_second']:.2f}, reservoir {r['steps_per_second']:.2f}")
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)
