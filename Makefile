@@ -13,7 +13,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
-.PHONY: deps build run test asan tsan fuzz bench clean
+.PHONY: deps build run test asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -66,5 +66,16 @@ bench: build
 	$(BUILD)/bin/allocator_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 	$(BUILD)/bin/replay_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 
+# Everything the GPU proofs run, for a GPU machine without our development
+# packages (docs/integrations.md, "The GPU bundle"): build/gpu-bundle.
+gpu-bundle: deps
+	JOBS=$(JOBS) BUNDLE_BUILD=build-bundle scripts/gpu_bundle/build.sh $(BUILD)/gpu-bundle
+
+# Its checks on this machine: dynamic sections, contents, run.sh under env -i,
+# and the driver's every step with stand-ins for the GPU programs.
+gpu-bundle-check: gpu-bundle
+	python3 tests/bundle/check_bundle.py $(BUILD)/gpu-bundle
+	python3 tests/bundle/driver_test.py $(BUILD)/gpu-bundle
+
 clean:
-	rm -rf build build-asan build-tsan build-fuzz
+	rm -rf build build-asan build-tsan build-fuzz build-bundle

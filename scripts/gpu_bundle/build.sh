@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Builds build/gpu-bundle: everything the GPU proofs run, for a GPU machine
+# that has a driver, CUDA 13, Python 3.12 and PyTorch but none of our
+# development packages. Every program and library in it needs only glibc,
+# libstdc++ and libgcc (CUDA itself is loaded at run time); see
+# docs/integrations.md, "The GPU bundle".
+#
+#   scripts/gpu_bundle/build.sh [OUT_DIR]      (make gpu-bundle; OUT_DIR defaults to build/gpu-bundle)
+#
+# Environment: RESERVOIR_PYTHON312 (a CPython 3.12 interpreter with its
+# headers, for the extension module; found by itself otherwise),
+# BUNDLE_BUILD (the CMake build folder, default build-bundle), JOBS, NVCC.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+out=${1:-build/gpu-bundle}
+bb=${BUNDLE_BUILD:-build-bundle}
+jobs=${JOBS:-2}
+mkdir -p "$bb"
+bb=$(cd "$bb" && pwd)
+say() { echo "gpu-bundle: $*"; }
+die() { echo "gpu-bundle: error: $*" >&2; exit 1; }
+
+# CPython 3.12 with headers: the GPU machines' Python.
+python312_ok() {
+  "$1" -c 'import sys, sysconfig, os
+sys.exit(0 if sys.version_info[:2] == (3, 12) and
+         os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)' \
+    >/dev/null 2>&1
+}
+find_python312() {
+  local c
+  for c in "${RESERVOIR_PYTHON312:-}" "$(command -v python3.12 2>/dev/null || true)" \
+           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 \
+           /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    [ -n "$c" ] && [ -x "$c" ] && python312_ok "$c" && { echo "$c"; return 0; }
+  done
+  return 1
+}
+py312=$(find_python312) || die "no CPython 3.12 with its headers (Python.h) was found: set RESERVOIR_PYTHON312=/path/to/python3.12"
+py312=$("$py312" -c 'import sys; print(sys.executable)')
+say "Python module for $("$py312" -c 'import sys; print(sys.version.split()[0])') at $py312"
+
+# Google Benchmark as a static library: Debian ships only the shared one, so
+# its source package (the same version) is built here once.
+bench_prefix=$bb/deps/benchmark
+if [ ! -f "$bench_prefix/lib/libbenchmark.a" ] && [ ! -f "$bench_prefix/lib64/libbenchmark.a" ]; then
+  src=$bb/deps/src
+  rm -rf "$src" && mkdir -p "$src/lists/partial"
+  version=$(dpkg-query -W -f='${Version}' libbenchmark-dev 2>/dev/null || true)
+  [ -n "$version" ] || die "libbenchmark-dev is not installed (make deps installs it)"
+  cat > "$src/debian-source.sources" <<SRC
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: $(. /etc/os-release && echo "$VERSION_CODENAME")
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  apt_opts=(-qq -o "Dir::Etc::SourceList=$src/debian-source.sources" -o Dir::Etc::SourceParts=/dev/null
+            -o "Dir::State::Lists=$src/lists")
+  say "fetching Debian's source of Google Benchmark $version (for a static library)"
+  apt-get "${apt_opts[@]}" update >/dev/null 2>&1 || die "apt-get update of Debian's source index failed"
+  (cd "$src" && apt-get "${apt_opts[@]}" source --download-only "benchmark=$version" >/dev/null 2>&1) ||
+    die "could not download Debian's source package benchmark=$version"
+  tar -xzf "$src"/benchmark_*.orig.tar.gz -C "$src"
+  bsrc=$(find "$src" -maxdepth 1 -mindepth 1 -type d -name 'benchmark-*' | head -1)
+  [ -n "$bsrc" ] || die "the benchmark source package held no source folder"
+  cmake -S "$bsrc" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DBENCHMARK_ENABLE_TESTING=OFF \
+    -DBENCHMARK_ENABLE_GTEST_TESTS=OFF -DBENCHMARK_ENABLE_WERROR=OFF -DBENCHMARK_ENABLE_LIBPFM=OFF \
+    -DBENCHMARK_INSTALL_DOCS=OFF -DCMAKE_INSTALL_PREFIX="$bench_prefix" >/dev/null
+  cmake --build "$src/build" -j "$jobs" >/dev/null
+  cmake --install "$src/build" >/dev/null
+fi
+bench_cmake=$(dirname "$(find "$bench_prefix" -name benchmarkConfig.cmake | head -1)")
+
+say "configuring $bb"
+cmake -S "$root" -B "$bb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRESERVOIR_PORTABLE=ON \
+  -DRESERVOIR_BUILD_TESTS=ON -DRESERVOIR_BUILD_BENCH=ON -DRESERVOIR_BUILD_TOOLS=ON \
+  -DPython_EXECUTABLE="$py312" -Dbenchmark_DIR="$bench_cmake" >/dev/null
+cmake --build "$bb" -j "$jobs" --target gpu_test gpu_bench reservoir_cli reservoir_torch \
+  reservoir_preload reservoir_python
+
+# The plain CUDA program for the interposer: linked against the shared CUDA
+# runtime, as programs must be for LD_PRELOAD to see their calls.
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+[ -x "$nvcc" ] || die "nvcc not found (set NVCC)"
+mkdir -p "$bb/cuda"
+if [ ! -f "$bb/cuda/cuda_probe" ] || [ "$root/tests/gpu/cuda_probe.cu" -nt "$bb/cuda/cuda_probe" ]; then
+  say "nvcc: tests/gpu/cuda_probe.cu"
+  "$nvcc" -O2 -std=c++17 -cudart shared \
+    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+    -gencode arch=compute_90,code=compute_90 \
+    -o "$bb/cuda/cuda_probe" "$root/tests/gpu/cuda_probe.cu"
+fi
+
+# Assemble.
+say "assembling $out"
+rm -rf "$out"
+mkdir -p "$out"/{bin,lib,python/reservoir,tests,traces}
+install -m 755 "$bb/bin/gpu_test" "$bb/bin/gpu_bench" "$bb/bin/reservoir" "$bb/cuda/cuda_probe" "$out/bin/"
+install -m 755 "$bb/lib/libreservoir_torch.so" "$bb/lib/libreservoir_preload.so" "$out/lib/"
+install -m 644 "$root"/python/reservoir/*.py "$out/python/reservoir/"
+install -m 755 "$bb"/python/reservoir/_core*.so "$out/python/reservoir/"
+install -m 644 "$root/python/reservoir_torch.py" "$out/python/"
+install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.cpp" \
+  "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" "$out/tests/"
+install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"
+install -m 755 "$root/scripts/gpu_bundle/run.sh" "$out/"
+install -m 644 "$root/scripts/gpu_bundle/run_steps.py" "$root/scripts/gpu_bundle/README.txt" "$out/"
+strip --strip-debug "$out"/bin/* "$out"/lib/*.so "$out"/python/reservoir/*.so
+
+# What it was built from and what it needs of the machine it runs on.
+"$py312" - "$out" "$root" "$py312" <<'PY'
+import datetime, json, os, re, subprocess, sys
+out, root, py = sys.argv[1:4]
+def run(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=root).stdout.strip()
+    except OSError:
+        return ""
+need = {"GLIBC": (0,), "GLIBCXX": (0,), "CXXABI": (0,)}
+for folder, _, files in os.walk(out):
+    for f in files:
+        path = os.path.join(folder, f)
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"\x7fELF":
+                continue
+        for kind, ver in re.findall(r"\b(GLIBC|GLIBCXX|CXXABI)_([0-9.]+)\b", run("objdump", "-T", path)):
+            v = tuple(int(x) for x in ver.split("."))
+            need[kind] = max(need[kind], v)
+info = {
+    "commit": run("git", "rev-parse", "HEAD"),
+    "describe": run("git", "describe", "--always", "--dirty"),
+    "built": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    "compiler": run("c++", "--version").splitlines()[0],
+    "nvcc": run("nvcc", "--version").splitlines()[-1] if run("nvcc", "--version") else "",
+    "python_module_built_for": subprocess.run([py, "-c", "import sys; print(sys.version.split()[0])"],
+                                              capture_output=True, text=True).stdout.strip(),
+    "python_used": py,
+    "requires": {k: ".".join(map(str, v)) for k, v in need.items()},
+}
+with open(os.path.join(out, "BUILD_INFO.json"), "w") as f:
+    json.dump(info, f, indent=1)
+    f.write("\n")
+PY
+size=$(du -sb "$out" | cut -f1)
+say "$out: $((size / 1024 / 1024)) MiB; run it on a GPU machine with: $out/run.sh OUTDIR"

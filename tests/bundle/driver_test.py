@@ -1,0 +1,232 @@
+"""The GPU bundle's driver (run_steps.py) on a machine without a GPU, with
+stand-ins for what only a GPU machine has: the GPU programs (gpu_test,
+gpu_bench, cuda_probe) are scripts that print and write what the real ones
+do on a GPU, a `torch` package that says CUDA is available, nvidia-smi, and
+the PyTorch test scripts. The bundle's real CLI, libraries and extension
+module stay. This exercises every step's parsing and bookkeeping, which
+otherwise first runs on a GPU machine: the figures land in results.json,
+the summary names each step, and a failing step does not stop the others.
+
+Usage: driver_test.py BUNDLE_DIR
+"""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+from checks import check, finish
+
+bundle = os.path.abspath(sys.argv[1])
+
+
+def write(path, text, executable=False):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    if executable:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+PY = sys.executable
+
+GPU_TEST = f"""#!{PY}
+import json, sys
+args = sys.argv[1:]
+if "--gtest_list_tests" in args:
+    print("Gpu.\\n  RuntimeDeviceSegmentsEventsAndCopies")
+    sys.exit(0)
+out = [a.split("json:", 1)[1] for a in args if a.startswith("--gtest_output=json:")][0]
+fail = {{fail}}
+tests = [{{"name": "RuntimeDeviceSegmentsEventsAndCopies", "time": "0.25s"}},
+         {{"name": "VmmDeviceMapsAndUnmapsRealMemory", "time": "0.5s"}}]
+if fail:
+    tests[1]["failures"] = [{{"failure": "gpu_test.cpp:70\\nExpected equality"}}]
+json.dump({{"testsuites": [{{"name": "Gpu", "testsuite": tests}}]}}, open(out, "w"))
+print("granularity 2097152, GPUDirect RDMA yes")
+if fail:
+    print("tests/gpu/gpu_test.cpp:70: Failure")
+    print("Expected equality of these values: d->unmap(va, 3 * g) Which is: 3")
+    print("[  FAILED  ] Gpu.VmmDeviceMapsAndUnmapsRealMemory (12 ms)")
+    sys.exit(1)
+print("[  PASSED  ] 2 tests.")
+"""
+
+GPU_BENCH = f"""#!{PY}
+import json, sys
+args = sys.argv[1:]
+if "--benchmark_list_tests" in args:
+    print("BM_Reservoir_CacheHit/4096/real_time")
+    sys.exit(0)
+out = [a.split("=", 1)[1] for a in args if a.startswith("--benchmark_out=")][0]
+benchmarks = []
+if "--benchmark_filter=^BM_" in args:
+    for name, t in (("BM_Reservoir_CacheHit/4096/real_time", 40.0),
+                    ("BM_CudaMalloc_Free/4096/real_time", 9000.0)):
+        for agg, v in (("mean", t * 1.1), ("median", t), ("stddev", 1.0)):
+            benchmarks.append({{"name": name + "_" + agg, "run_name": name, "run_type": "aggregate",
+                               "aggregate_name": agg, "real_time": v, "time_unit": "ns", "iterations": 5}})
+    benchmarks.append({{"name": "BM_Vmm_CreateMapUnmapRelease/2097152/real_time_median",
+                       "run_name": "BM_Vmm_CreateMapUnmapRelease/2097152/real_time", "run_type": "aggregate",
+                       "aggregate_name": "median", "real_time": 30000.0, "time_unit": "ns",
+                       "iterations": 5, "per_2MiB_page_ns": 30000.0}})
+else:
+    for mib in (1024, 4096, 16384):
+        for name, gib_s in (("Copy_DeviceToPinned", 50.0), ("Copy_PinnedToDevice", 52.0),
+                            ("Pause_Backup", 45.0), ("Resume_Backup", 47.0)):
+            benchmarks.append({{"name": f"{{name}}/{{mib}}/0/iterations:5/manual_time",
+                               "run_name": f"{{name}}/{{mib}}/0/iterations:5/manual_time",
+                               "run_type": "iteration", "real_time": 20.0, "time_unit": "ms",
+                               "iterations": 5, "median_ms": 20.0, "median_GiB_per_s": gib_s}})
+json.dump({{"context": {{"host_name": "gpu", "num_cpus": 16}}, "benchmarks": benchmarks}}, open(out, "w"))
+"""
+
+CUDA_PROBE = f"""#!{PY}
+import json, os
+print("cuda_probe: ok, 31 allocations checked, checksum 00ff00ff00ff00ff")
+stats = os.environ.get("RESERVOIR_PRELOAD_STATS")
+if stats and os.environ.get("LD_PRELOAD", "").endswith("libreservoir_preload.so"):
+    json.dump({{"0": {{"allocation.all.allocated": 31, "segment.all.allocated": 9,
+                       "allocated_bytes.all.current": 0, "reserved_bytes.all.peak": 123}}}}, open(stats, "w"))
+"""
+
+NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*) echo "NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 9.0, 00000000:00:05.0" ;;
+  *) echo "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |" ;;
+esac
+"""
+
+FAKE_TORCH = '''__version__ = "2.11.0+cu130"
+class version:
+    cuda = "13.0"
+class cuda:
+    @staticmethod
+    def is_available():
+        return True
+    @staticmethod
+    def get_device_name(i):
+        return "NVIDIA H100 80GB HBM3"
+    @staticmethod
+    def device_count():
+        return 1
+'''
+FAKE_CPP_EXTENSION = "def verify_ninja_availability():\n    pass\n"
+
+TRAINING = '''import json
+print(json.dumps({"native": {"losses": ["0x1p+0"], "steps_per_second": 10.0},
+                  "reservoir": {"losses": ["0x1p+0"], "steps_per_second": 10.5}}))
+print("steps per second: native 10.00, reservoir 10.50")
+print("identical losses and request statistics")
+'''
+PAUSE = '''import json
+for c in ("", "expandable_segments:True", "policy:paging"):
+    print(f"config '{c}': 1.00 GiB  pause 20.0 GiB/s (pinned copy 22.0)  resume 19.0 GiB/s (pinned copy 21.0)")
+print(json.dumps({"freed": 1, "released": 1, "cycles": []}))
+print("OK")
+'''
+PRELOAD = '''import json
+print("preload: PyTorch made 4 device allocations (segments); reservoir served 4, peak reserved 1 bytes")
+print(json.dumps({"plain": {"losses": ["0x1p+0"]}}))
+'''
+NATIVE = '''import json
+print(json.dumps({"cache_hit": {"4096": {"torch": 100.0, "reservoir": 60.0}},
+                  "ratio_reservoir_over_torch": {"4096": 0.6, "1048576": 0.62}}))
+'''
+
+
+def make_fake(top, fail_gpu_test):
+    fake = os.path.join(top, "gpu-bundle")
+    shutil.copytree(bundle, fake)
+    write(os.path.join(fake, "bin", "gpu_test"), GPU_TEST.replace("{fail}", str(fail_gpu_test)), True)
+    write(os.path.join(fake, "bin", "gpu_bench"), GPU_BENCH, True)
+    write(os.path.join(fake, "bin", "cuda_probe"), CUDA_PROBE, True)
+    for name, text in (("torch_training_test.py", TRAINING), ("torch_pause_test.py", PAUSE),
+                       ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE)):
+        write(os.path.join(fake, "tests", name), text)
+    tools = os.path.join(top, "tools")
+    write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
+    write(os.path.join(tools, "c++"), "#!/bin/sh\nexit 0\n", True)
+    site = os.path.join(top, "site")
+    write(os.path.join(site, "torch", "__init__.py"), FAKE_TORCH)
+    write(os.path.join(site, "torch", "utils", "__init__.py"), "")
+    write(os.path.join(site, "torch", "utils", "cpp_extension.py"), FAKE_CPP_EXTENSION)
+    # python3 on PATH is the CPython 3.12 the module was built for, with the
+    # stand-in torch importable, as on the GPU machines.
+    with open(os.path.join(bundle, "BUILD_INFO.json")) as f:
+        py312 = json.load(f)["python_used"]
+    write(os.path.join(tools, "python3"), f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" '
+          f'exec {py312} "$@"\n', True)
+    return fake, tools
+
+
+def run(fail_gpu_test):
+    top = tempfile.mkdtemp(prefix="bundle-driver-")
+    fake, tools = make_fake(top, fail_gpu_test)
+    out = os.path.join(top, "out")
+    env = {"PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "HOME": top}
+    p = subprocess.run(["/bin/bash", os.path.join(fake, "run.sh"), out], env=env, cwd=top,
+                       capture_output=True, text=True, timeout=600)
+    with open(os.path.join(out, "results.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(out, "summary.txt")) as f:
+        summary = f.read()
+    shutil.rmtree(top, ignore_errors=True)
+    return p.returncode, p.stdout + p.stderr, results, summary
+
+
+# Every step passes.
+rc, text, r, summary = run(False)
+print(summary)
+steps = r["steps"]
+check(rc == 0, f"all steps pass: exit {rc}")
+check(all(s["status"] == "passed" for s in steps.values()),
+      "every step passed: " + ", ".join(f"{k} {v['status']} ({v['note'][:60]})" for k, v in steps.items()))
+facts = r["facts"]
+check(facts.get("gpus", [{}])[0].get("name") == "NVIDIA H100 80GB HBM3" and
+      facts["gpus"][0]["driver"] == "580.159.04" and facts.get("driver_cuda_version") == "13.0",
+      f"facts: GPU, driver, CUDA ({facts.get('gpus')}, {facts.get('driver_cuda_version')})")
+check(facts.get("pytorch", {}).get("torch") == "2.11.0+cu130", f"facts: PyTorch {facts.get('pytorch')}")
+fig = r["figures"]
+gt = fig.get("gpu_test", {})
+check(gt.get("vmm_granularity") == 2097152 and gt.get("tests", {}).get(
+      "Gpu.VmmDeviceMapsAndUnmapsRealMemory") == {"passed": True, "seconds": 0.5},
+      f"gpu_test figures: {gt}")
+check(fig.get("torch_training", {}).get("reservoir", {}).get("steps_per_second") == 10.5,
+      "torch_training figures")
+check(steps["torch_training"]["note"] == "identical losses; steps/s native 10.00, reservoir 10.50",
+      f"torch_training note: {steps['torch_training']['note']}")
+check(len(fig.get("torch_pause", [])) == 3 and fig["torch_pause"][0]["pause_gib_s"] == 20.0 and
+      fig["torch_pause"][2]["config"] == "policy:paging", f"torch_pause rows: {fig.get('torch_pause')}")
+pc = fig.get("preload_cuda_program", {})
+check(pc.get("program_allocations") == 31 and pc.get("reservoir_allocations") == 31 and
+      pc.get("reservoir_segments") == 9, f"preload_cuda_program figures: {pc}")
+gb = fig.get("gpu_bench", {})
+check(gb.get("BM_Reservoir_CacheHit/4096/real_time", {}).get("real_time") == 40.0,
+      "gpu_bench: the median of the repetitions, not the mean")
+check(gb.get("BM_Vmm_CreateMapUnmapRelease/2097152/real_time", {}).get("per_2MiB_page_ns") == 30000.0,
+      "gpu_bench: VMM cost per 2 MiB page")
+vs = fig.get("pause_resume_vs_pinned_copy", {})
+check(sorted(vs) == ["1024 MiB", "16384 MiB", "4096 MiB"] and abs(vs["1024 MiB"]["pause_over_copy"] - 0.9) < 1e-9
+      and abs(vs["16384 MiB"]["resume_over_copy"] - 47.0 / 52.0) < 1e-9, f"pause/resume vs pinned copy: {vs}")
+check(fig.get("torch_native_bench", {}).get("ratio_reservoir_over_torch", {}).get("4096") == 0.6,
+      "torch_native_bench figures")
+check("4 KiB 0.60x" in steps["torch_native_bench"]["note"], f"native note: {steps['torch_native_bench']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (8)" in summary, "verdict and summary")
+check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
+      "summary names the GPU")
+
+# gpu_test fails: its first error is reported, every other step still runs.
+rc, text, r, summary = run(True)
+print(summary)
+steps = r["steps"]
+check(rc == 1, f"a failing step: exit {rc}")
+check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
+      and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
+check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
+      "the other steps still ran and passed")
+check("FAILED: 1 of 8 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+
+finish("driver checks")
