@@ -97,15 +97,29 @@ State& state() {
   return s;
 }
 
-// The runtime's own entry points (the next definitions after this library).
+// A runtime entry point: the next definition after this library; else, when
+// the runtime is not in the global scope (a library loaded it with
+// RTLD_LOCAL, as Python extension modules are), the runtime's own.
+void* runtime_symbol(const char* name) {
+  if (void* f = dlsym(RTLD_NEXT, name)) return f;
+  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+    void* handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (handle == nullptr) handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) continue;
+    if (void* f = dlsym(handle, name)) return f;  // the library stays open for the process
+  }
+  return nullptr;
+}
+
+// The runtime's own entry points.
 const Real& real() {
   State& s = state();
   std::lock_guard lock(s.mutex);
   if (!s.real_loaded) {
-    s.real.free = reinterpret_cast<cudaError_t (*)(void*)>(dlsym(RTLD_NEXT, "cudaFree"));
+    s.real.free = reinterpret_cast<cudaError_t (*)(void*)>(runtime_symbol("cudaFree"));
     s.real.free_async =
-        reinterpret_cast<cudaError_t (*)(void*, cudaStream_t)>(dlsym(RTLD_NEXT, "cudaFreeAsync"));
-    s.real.get_device = reinterpret_cast<cudaError_t (*)(int*)>(dlsym(RTLD_NEXT, "cudaGetDevice"));
+        reinterpret_cast<cudaError_t (*)(void*, cudaStream_t)>(runtime_symbol("cudaFreeAsync"));
+    s.real.get_device = reinterpret_cast<cudaError_t (*)(int*)>(runtime_symbol("cudaGetDevice"));
     s.real_loaded = true;
   }
   return s.real;

@@ -1,6 +1,9 @@
 /* A plain CUDA program: cudaMalloc/cudaFree in a loop, a pointer from
  * elsewhere freed with cudaFree, cudaFreeAsync. Prints what the (fake)
- * runtime saw, so the test can tell whether reservoir served the calls. */
+ * runtime saw, so the test can tell whether reservoir served the calls.
+ * Built with PROBE_AS_LIBRARY it is a shared library whose probe_main
+ * probe_loader.c calls after loading it with RTLD_LOCAL, so that the runtime
+ * is outside the global scope, as in a Python extension module. */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,7 +13,14 @@ int fake_cudart_frees(void);
 int fake_cudart_foreign_frees(void);
 void* fake_cudart_raw_alloc(size_t size);
 
-int main(void) {
+#ifdef PROBE_AS_LIBRARY
+int probe_main(void);
+#define PROBE_MAIN probe_main
+#else
+#define PROBE_MAIN main
+#endif
+
+int PROBE_MAIN(void) {
   void* first = NULL;
   int reused = 0;
   for (int i = 0; i < 100; ++i) {
