@@ -517,53 +517,63 @@ def read_benchmarks(path):
     return rows, data.get("context", {})
 
 
+def gpu_bench_run(run, name, args):
+    """One run of gpu_bench; returns (its figures, its errors)."""
+    report = os.path.join(run.scratch, f"gpu_bench_{name}.json")
+    rc, text = run.cmd([os.path.join(BIN, "gpu_bench")] + args +
+                       [f"--benchmark_out={report}", "--benchmark_out_format=json"], timeout=400)
+    rows = {}
+    try:
+        rows, context = read_benchmarks(report)
+        run.results["figures"]["gpu_bench_context"] = context
+    except (OSError, ValueError):
+        pass
+    errors = [f"{k}: {v['error']}" for k, v in rows.items() if "error" in v]
+    if rc != 0:
+        errors.insert(0, first_error(text))
+    if not rows and not errors:
+        errors.append("gpu_bench wrote no results")
+    return rows, errors
+
+
 def step_gpu_bench(run):
-    """Two runs: the allocator and VMM cases repeated five times (medians);
-    the pause/resume cases, whose setup takes seconds, as five timed cycles
-    of one setup each (medians of the cycles)."""
+    """The allocator's cache hit and miss beside cudaMalloc and
+    cudaMallocAsync, and the VMM calls' costs: medians of five repetitions."""
     need_gpu(run)
-    medians = {}
-    errors = []
-    for name, args in (("allocator", ["--benchmark_filter=^BM_", "--benchmark_repetitions=5",
-                                      "--benchmark_report_aggregates_only=true",
-                                      "--benchmark_min_time=0.1"]),
-                       ("saver", ["--benchmark_filter=^(Copy|Pause|Resume)_"])):
-        report = os.path.join(run.scratch, f"gpu_bench_{name}.json")
-        rc, text = run.cmd([os.path.join(BIN, "gpu_bench")] + args +
-                           [f"--benchmark_out={report}", "--benchmark_out_format=json"], timeout=300)
-        try:
-            rows, context = read_benchmarks(report)
-            medians.update(rows)
-            run.results["figures"]["gpu_bench_context"] = context
-        except (OSError, ValueError):
-            pass
-        if rc != 0:
-            errors.append(f"{name} run: {first_error(text)}")
-    errors += [f"{k}: {v['error']}" for k, v in medians.items() if "error" in v]
-    # Pause and resume with backup beside the pinned copy of the same bytes.
+    rows, errors = gpu_bench_run(run, "allocator", [
+        "--benchmark_filter=^BM_", "--benchmark_repetitions=5",
+        "--benchmark_report_aggregates_only=true", "--benchmark_min_time=0.1"])
+    run.results["figures"]["gpu_bench"] = rows
+    if errors:
+        raise StepFailed("; ".join(errors)[:300])
+    hit = rows.get("BM_Reservoir_CacheHit/4096/real_time", {}).get("real_time")
+    return f"{len(rows)} benchmarks" + (f"; cache-hit pair (4 KiB) {hit:.0f} ns" if hit else "")
+
+
+def step_pause_resume_bench(run):
+    """Pause and resume with backup of 1, 4 and 16 GiB beside a pinned copy of
+    the same bytes, and without backup under every policy: medians of five
+    cycles of one setup each (a setup of 16 GiB takes seconds)."""
+    need_gpu(run)
+    rows, errors = gpu_bench_run(run, "saver", ["--benchmark_filter=^(Copy|Pause|Resume)_"])
     versus = {}
     for mib in (1024, 4096, 16384):
-        pause = medians.get(f"Pause_Backup/{mib}/0/iterations:5/manual_time", {})
-        resume = medians.get(f"Resume_Backup/{mib}/0/iterations:5/manual_time", {})
-        d2h = medians.get(f"Copy_DeviceToPinned/{mib}/0/iterations:5/manual_time", {})
-        h2d = medians.get(f"Copy_PinnedToDevice/{mib}/0/iterations:5/manual_time", {})
-        if pause.get("median_GiB_per_s") and d2h.get("median_GiB_per_s"):
+        def gib_s(name):
+            return rows.get(f"{name}/{mib}/0/iterations:5/manual_time", {}).get("median_GiB_per_s")
+        pause, resume = gib_s("Pause_Backup"), gib_s("Resume_Backup")
+        d2h, h2d = gib_s("Copy_DeviceToPinned"), gib_s("Copy_PinnedToDevice")
+        if pause and d2h:
             versus[f"{mib} MiB"] = {
-                "pause_GiB_per_s": pause["median_GiB_per_s"], "copy_d2h_GiB_per_s": d2h["median_GiB_per_s"],
-                "pause_over_copy": pause["median_GiB_per_s"] / d2h["median_GiB_per_s"],
-                "resume_GiB_per_s": resume.get("median_GiB_per_s"),
-                "copy_h2d_GiB_per_s": h2d.get("median_GiB_per_s"),
-                "resume_over_copy": (resume["median_GiB_per_s"] / h2d["median_GiB_per_s"]
-                                     if resume.get("median_GiB_per_s") and h2d.get("median_GiB_per_s")
-                                     else None)}
-    run.results["figures"]["gpu_bench"] = medians
+                "pause_GiB_per_s": pause, "copy_d2h_GiB_per_s": d2h, "pause_over_copy": pause / d2h,
+                "resume_GiB_per_s": resume, "copy_h2d_GiB_per_s": h2d,
+                "resume_over_copy": resume / h2d if resume and h2d else None}
+    run.results["figures"]["pause_resume_bench"] = rows
     run.results["figures"]["pause_resume_vs_pinned_copy"] = versus
     if errors:
         raise StepFailed("; ".join(errors)[:300])
-    if not medians:
-        raise StepFailed("gpu_bench wrote no results")
-    return f"{len(medians)} benchmarks; pause/resume vs copy: " + ", ".join(
-        f"{k} {v['pause_over_copy']:.2f}/{(v['resume_over_copy'] or 0):.2f}" for k, v in versus.items())
+    return "pause/resume over pinned copy: " + ", ".join(
+        f"{int(k.split()[0]) >> 10} GiB {v['pause_over_copy']:.2f}/{(v['resume_over_copy'] or 0):.2f}"
+        for k, v in versus.items())
 
 
 def step_torch_native_bench(run):
@@ -579,11 +589,13 @@ def step_torch_native_bench(run):
         raise StepFailed(f"no C++ compiler ({compiler}) for PyTorch's C++ extension loader")
     text = python_step(run, [os.path.join(TESTS, "torch_native_bench.py"),
                              os.path.join(LIB, "libreservoir_torch.so"),
-                             os.path.join(run.scratch, "native_bench_build")],
+                             # kept between runs: a second run skips the compile
+                             os.path.join(tempfile.gettempdir(), "reservoir-native-bench-build")],
                        run.env_torch, 420, "torch_native_bench")
     r = run.results["figures"].get("torch_native_bench", {}).get("ratio_reservoir_over_torch", {})
     return "cache-hit pair, reservoir / PyTorch native: " + ", ".join(
-        f"{int(k) >> 10} KiB {v:.2f}x" for k, v in r.items())
+        (f"{int(k) >> 20} MiB" if int(k) >= 1 << 20 else f"{int(k) >> 10} KiB") + f" {v:.2f}x"
+        for k, v in r.items())
 
 
 STEPS = [
@@ -595,9 +607,12 @@ STEPS = [
     ("preload_cuda_program", "LD_PRELOAD interposer under a plain CUDA program",
      step_preload_cuda_program, 240),
     ("preload_torch", "LD_PRELOAD interposer under PyTorch", step_preload_torch, 240),
-    ("gpu_bench", "GPU benchmarks: allocator, CUDA calls, VMM costs, pause/resume", step_gpu_bench, 420),
+    ("gpu_bench", "allocator cache hit/miss vs cudaMalloc and cudaMallocAsync, VMM call costs",
+     step_gpu_bench, 300),
     ("torch_native_bench", "PyTorch's native allocator from C++ beside reservoir",
      step_torch_native_bench, 420),
+    ("pause_resume_bench", "pause/resume of 1, 4, 16 GiB vs a pinned copy; without backup per policy",
+     step_pause_resume_bench, 400),
 ]
 
 

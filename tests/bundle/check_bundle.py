@@ -101,7 +101,7 @@ def check_no_gpu_run(env_extra, label, module_checked):
         return
     steps = r.get("steps", {})
     names = ["bundle", "gpu_test", "torch_training", "torch_pause", "preload_cuda_program",
-             "preload_torch", "gpu_bench", "torch_native_bench"]
+             "preload_torch", "gpu_bench", "torch_native_bench", "pause_resume_bench"]
     check([k for k in steps if k in names] == names, f"{label}: every step reported, in order")
     check(steps.get("bundle", {}).get("status") == "passed",
           f"{label}: the checks that need no GPU passed ({steps.get('bundle')})")

@@ -208,13 +208,17 @@ check(gb.get("BM_Reservoir_CacheHit/4096/real_time", {}).get("real_time") == 40.
       "gpu_bench: the median of the repetitions, not the mean")
 check(gb.get("BM_Vmm_CreateMapUnmapRelease/2097152/real_time", {}).get("per_2MiB_page_ns") == 30000.0,
       "gpu_bench: VMM cost per 2 MiB page")
+check(fig.get("pause_resume_bench", {}).get("Pause_Backup/16384/0/iterations:5/manual_time", {})
+      .get("median_GiB_per_s") == 45.0, "pause_resume_bench: medians of the cycles")
+check(steps["pause_resume_bench"]["note"] == "pause/resume over pinned copy: 1 GiB 0.90/0.90, "
+      "4 GiB 0.90/0.90, 16 GiB 0.90/0.90", f"pause_resume_bench note: {steps['pause_resume_bench']['note']}")
 vs = fig.get("pause_resume_vs_pinned_copy", {})
 check(sorted(vs) == ["1024 MiB", "16384 MiB", "4096 MiB"] and abs(vs["1024 MiB"]["pause_over_copy"] - 0.9) < 1e-9
       and abs(vs["16384 MiB"]["resume_over_copy"] - 47.0 / 52.0) < 1e-9, f"pause/resume vs pinned copy: {vs}")
 check(fig.get("torch_native_bench", {}).get("ratio_reservoir_over_torch", {}).get("4096") == 0.6,
       "torch_native_bench figures")
-check("4 KiB 0.60x" in steps["torch_native_bench"]["note"], f"native note: {steps['torch_native_bench']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (8)" in summary, "verdict and summary")
+check("4 KiB 0.60x, 1 MiB 0.62x" in steps["torch_native_bench"]["note"], f"native note: {steps['torch_native_bench']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (9)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -223,10 +227,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
+check(len(steps) == 9, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 8 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 9 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")
