@@ -13,7 +13,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
-.PHONY: deps build run test asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps build run test no-cuda asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -35,6 +35,16 @@ run: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS)
+
+# As on a machine without CUDA's headers (used by .ci/run): the same tests,
+# less the CUDA backends' and the interposer's, are registered and pass.
+# Unoptimized, to build quickly; -g1 for the tests of symbolized stacks.
+no-cuda: build
+	cmake -S . -B build-nocuda -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_C_FLAGS=-g1 -DCMAKE_CXX_FLAGS=-g1 \
+	  -DRESERVOIR_CUDA=OFF -DRESERVOIR_BUILD_BENCH=OFF >/dev/null
+	cmake --build build-nocuda -j $(JOBS)
+	python3 tests/cmake/no_cuda_check.py $(BUILD) build-nocuda
+	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS)
 
 # Sanitizer builds (used by .ci/run).
 asan: deps
@@ -78,4 +88,4 @@ gpu-bundle-check: gpu-bundle
 	python3 tests/bundle/driver_test.py $(BUILD)/gpu-bundle
 
 clean:
-	rm -rf build build-asan build-tsan build-fuzz build-bundle
+	rm -rf build build-nocuda build-asan build-tsan build-fuzz build-bundle
