@@ -200,14 +200,12 @@ def find_cuda_libraries(run):
     for name in list(found):
         found[name] = os.path.realpath(found[name])
     run.results["facts"]["cuda_libraries"] = {n: found.get(n, "not found") for n in searches}
+    old = ":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else ""
     if extra:
-        path = ":".join(dict.fromkeys(extra))
-        old = os.environ.get("LD_LIBRARY_PATH")
-        run.env_native["LD_LIBRARY_PATH"] = path + (":" + old if old else "")
-        driver_dirs = [os.path.dirname(found["libcuda.so.1"])] if "libcuda.so.1" in found and \
-            "libcuda.so.1" not in cache else []
-        if driver_dirs:
-            run.env_torch["LD_LIBRARY_PATH"] = ":".join(driver_dirs) + (":" + old if old else "")
+        run.env_native["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(extra)) + old
+    # PyTorch brings its own runtime: its processes get the driver's folder only.
+    if "libcuda.so.1" in found and "libcuda.so.1" not in cache:
+        run.env_torch["LD_LIBRARY_PATH"] = os.path.dirname(found["libcuda.so.1"]) + old
     return found
 
 
