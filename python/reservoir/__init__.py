@@ -40,6 +40,7 @@ from ._core import (  # noqa: F401
     TraceError,
     UsageError,
     default_saver,
+    open_device,
     rss_bytes,
 )
 from . import _core

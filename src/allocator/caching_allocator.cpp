@@ -19,12 +19,6 @@ using detail::BlockPool;
 using detail::PrivatePool;
 using detail::Segment;
 
-DeviceError::DeviceError(CallKind call, Status status, const std::string& context)
-    : Error(fmt::format("{}: device call {} failed with {}", context, to_string(call),
-                        to_string(status))),
-      call_(call),
-      status_(status) {}
-
 // ---------------------------------------------------------------------------
 // Size rules
 

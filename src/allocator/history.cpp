@@ -5,7 +5,7 @@
 #include <atomic>
 #include <chrono>
 
-#include "../common/symbolize.hpp"
+#include "symbolize.hpp"
 #include "reservoir/errors.hpp"
 
 namespace reservoir::detail {

@@ -9,13 +9,11 @@
 #include <nlohmann/json.hpp>
 
 #include "reservoir/caching_allocator.hpp"
-#include "reservoir/cuda_device.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/history.hpp"
-#include "reservoir/host_device.hpp"
+#include "reservoir/open_device.hpp"
 #include "reservoir/reservoir.h"
 #include "reservoir/saver.hpp"
-#include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 
 struct reservoir_device {
@@ -111,23 +109,13 @@ reservoir_status reservoir_device_open(const char* kind, int index, size_t capac
   const std::string k = kind;
   return guarded(__func__, [&] {
     auto d = std::make_unique<reservoir_device>();
-    if (k == "sim") {
-      reservoir::SimDeviceOptions o;
-      if (capacity != 0) o.capacity = capacity;
-      o.auto_complete_events = true;
-      d->device = std::make_unique<reservoir::SimDevice>(o);
-    } else if (k == "host") {
-      reservoir::HostDeviceOptions o;
-      if (capacity != 0) o.capacity = capacity;
-      d->device = std::make_unique<reservoir::HostDevice>(o);
-    } else if (k == "cuda-runtime") {
-      d->device = reservoir::CudaRuntimeDevice::open(index);
-    } else if (k == "cuda-vmm") {
-      d->device = reservoir::CudaVmmDevice::open({.device = index, .peers = {}, .gpu_direct_rdma = true});
-    } else {
-      throw reservoir::UsageError(fmt::format(
-          "reservoir_device_open: unknown kind '{}' (sim, host, cuda-runtime, cuda-vmm)", k));
+    reservoir::DeviceKind parsed{};
+    try {
+      parsed = reservoir::parse_device_kind(k);
+    } catch (const reservoir::UsageError& e) {
+      throw reservoir::UsageError(fmt::format("reservoir_device_open: {}", e.what()));
     }
+    d->device = reservoir::open_device(parsed, {.index = index, .capacity = capacity, .granularity = 0});
     *out = d.release();
   });
 }

@@ -5,6 +5,7 @@
 // the saver PyTorch allocates from once reservoir.install_torch() ran (this
 // module's file also carries the pluggable allocator's entry points, see
 // src/torch/reservoir_torch.cpp). Long calls release the GIL.
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -17,15 +18,28 @@
 #include "reservoir/cuda_device.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/host_device.hpp"
+#include "reservoir/open_device.hpp"
 #include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
-#include "../torch/torch_saver.hpp"
+#include "torch_saver.hpp"
 
 namespace py = pybind11;
 using namespace reservoir;
 
 namespace {
+
+// open_device's result as the concrete class a Python constructor returns.
+template <typename T>
+std::unique_ptr<T> open_as(DeviceKind kind, const OpenDeviceOptions& options) {
+  std::unique_ptr<Device> device = open_device(kind, options);
+  T* typed = dynamic_cast<T*>(device.get());
+  if (typed == nullptr) {
+    throw InvariantError(fmt::format("open_device({}) gave a {}", to_string(kind), device->name()));
+  }
+  device.release();
+  return std::unique_ptr<T>(typed);
+}
 
 py::dict tag_dict(const TagInfo& t) {
   py::dict d;
@@ -116,30 +130,36 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Device>(m, "Device")
       .def_property_readonly("name", [](const Device& d) { return std::string(d.name()); })
       .def_property_readonly("granularity", &Device::granularity);
+  // Every constructor opens its device through open_device, as the C API and
+  // the PyTorch plug-in do; open_device(kind) gives the backend by name.
+  m.def("open_device",
+        [](const std::string& kind, int index, std::size_t capacity, std::size_t granularity) {
+          return open_device(kind, {.index = index, .capacity = capacity, .granularity = granularity});
+        },
+        "A device by kind: sim, host, cuda-runtime or cuda-vmm (capacity and granularity: 0 for "
+        "the backend's default)",
+        py::arg("kind"), py::arg("index") = 0, py::arg("capacity") = 0, py::arg("granularity") = 0);
   py::class_<HostDevice, Device>(m, "HostDevice",
                                  "Real host memory driven through CUDA's virtual-memory protocol")
       .def(py::init([](std::size_t capacity, std::size_t granularity) {
-             return std::make_unique<HostDevice>(HostDeviceOptions{capacity, granularity});
+             return open_as<HostDevice>(DeviceKind::host, {.capacity = capacity, .granularity = granularity});
            }),
            py::arg("capacity") = std::size_t{8} << 30, py::arg("granularity") = std::size_t{2} << 20)
       .def_property_readonly("used_bytes", &HostDevice::used_bytes);
   py::class_<SimDevice, Device>(m, "SimDevice", "Simulated device: accounting only, no contents")
       .def(py::init([](std::size_t capacity, std::size_t granularity) {
-             SimDeviceOptions o;
-             o.capacity = capacity;
-             o.granularity = granularity;
-             o.auto_complete_events = true;
-             return std::make_unique<SimDevice>(o);
+             return open_as<SimDevice>(DeviceKind::sim, {.capacity = capacity, .granularity = granularity});
            }),
            py::arg("capacity") = std::size_t{80} << 30, py::arg("granularity") = std::size_t{2} << 20)
       .def_property_readonly("used_bytes", &SimDevice::used_bytes);
   py::class_<CudaVmmDevice, Device>(m, "CudaVmmDevice", "A GPU through CUDA's driver API")
-      .def(py::init([](int device) {
-             return CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
-           }),
+      .def(py::init([](int device) { return open_as<CudaVmmDevice>(DeviceKind::cuda_vmm, {.index = device}); }),
            py::arg("device") = 0);
   py::class_<CudaRuntimeDevice, Device>(m, "CudaRuntimeDevice", "A GPU through cudaMalloc")
-      .def(py::init([](int device) { return CudaRuntimeDevice::open(device); }), py::arg("device") = 0);
+      .def(py::init([](int device) {
+             return open_as<CudaRuntimeDevice>(DeviceKind::cuda_runtime, {.index = device});
+           }),
+           py::arg("device") = 0);
 
   py::class_<RegionScope>(m, "Region")
       .def("__enter__", &RegionScope::enter, py::return_value_policy::reference)

@@ -38,8 +38,7 @@
 #include "reservoir/saver.hpp"
 #include "torch_saver.hpp"
 #include "reservoir/errors.hpp"
-#include "reservoir/host_device.hpp"
-#include "reservoir/sim_device.hpp"
+#include "reservoir/open_device.hpp"
 #include "reservoir/trace.hpp"
 
 struct CUstream_st;  // cudaStream_t, without CUDA's headers
@@ -62,12 +61,16 @@ std::mutex mutex;
 std::array<PerDevice, kMaxDevices> devices;
 thread_local std::string last_error;
 
-std::string backend_kind(const AllocatorConfig& config) {
+reservoir::DeviceKind backend_kind(const AllocatorConfig& config) {
   if (const char* kind = std::getenv("RESERVOIR_TORCH_DEVICE"); kind != nullptr && *kind != '\0') {
-    return kind;
+    try {
+      return reservoir::parse_device_kind(kind);
+    } catch (const reservoir::UsageError& e) {
+      throw reservoir::UsageError(fmt::format("RESERVOIR_TORCH_DEVICE: {}", e.what()));
+    }
   }
   const bool vm = config.expandable_segments || config.policy != reservoir::Policy::native;
-  return vm ? "cuda-vmm" : "cuda-runtime";
+  return vm ? reservoir::DeviceKind::cuda_vmm : reservoir::DeviceKind::cuda_runtime;
 }
 
 // The saver of a device, created on first use. Throws on failure.
@@ -81,31 +84,21 @@ reservoir::Saver& saver_for(int device) {
     reservoir::SaverOptions options;
     options.config = AllocatorConfig::from_env();
     options.device_index = device;
-    const std::string kind = backend_kind(options.config);
-    if (kind == "cuda-runtime" || kind == "cuda-vmm") {
-      if (kind == "cuda-vmm") {
-        d.device = reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
-      } else {
-        d.device = reservoir::CudaRuntimeDevice::open(device);
-        try {
-          d.tag_device =
-              reservoir::CudaVmmDevice::open({.device = device, .peers = {}, .gpu_direct_rdma = true});
-          options.tag_device = d.tag_device.get();
-        } catch (const reservoir::DeviceUnavailableError&) {
-          // No virtual memory management here: regions will say so when opened.
-        }
+    using reservoir::DeviceKind;
+    const DeviceKind kind = backend_kind(options.config);
+    d.device = reservoir::open_device(kind, {.index = device});
+    if (kind == DeviceKind::cuda_runtime) {
+      // Tagged regions need virtual memory management beside cudaMalloc.
+      try {
+        d.tag_device = reservoir::open_device(DeviceKind::cuda_vmm, {.index = device});
+        options.tag_device = d.tag_device.get();
+      } catch (const reservoir::DeviceUnavailableError&) {
+        // No virtual memory management here: regions will say so when opened.
       }
+    }
+    if (kind == DeviceKind::cuda_runtime || kind == DeviceKind::cuda_vmm) {
       d.pinned = reservoir::CudaPinnedMemory::open();
       options.pinned_source = d.pinned.get();
-    } else if (kind == "sim") {
-      reservoir::SimDeviceOptions o;
-      o.auto_complete_events = true;
-      d.device = std::make_unique<reservoir::SimDevice>(o);
-    } else if (kind == "host") {
-      d.device = std::make_unique<reservoir::HostDevice>();
-    } else {
-      throw reservoir::UsageError(fmt::format(
-          "RESERVOIR_TORCH_DEVICE='{}' is not cuda-runtime, cuda-vmm, sim or host", kind));
     }
     if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr) {
       const std::string st = storage;

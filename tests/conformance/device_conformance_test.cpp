@@ -7,7 +7,7 @@
 #include "reservoir/host_device.hpp"
 #include "reservoir/sim_device.hpp"
 #if RESERVOIR_WITH_CUDA
-#include "../unit/fake_cuda.hpp"
+#include "unit/fake_cuda.hpp"
 #include "reservoir/cuda_device.hpp"
 #endif
 

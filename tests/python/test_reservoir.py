@@ -270,3 +270,14 @@ def test_install_torch_says_what_it_needs():
         pytest.skip("this PyTorch has a pluggable allocator; the GPU suite covers it")
     with pytest.raises(RuntimeError, match=r"has no CUDAPluggableAllocator \(PyTorch 2.0 or later needed\)"):
         reservoir.install_torch()
+
+
+def test_open_device_by_kind_gives_the_backend_and_rejects_unknown_kinds():
+    host = reservoir.open_device("host", capacity=1 << 30, granularity=4 * MiB)
+    assert isinstance(host, reservoir.HostDevice)
+    assert (host.name, host.granularity) == ("host", 4 * MiB)
+    sim = reservoir.open_device("sim")
+    assert isinstance(sim, reservoir.SimDevice) and sim.granularity == 2 * MiB
+    with pytest.raises(reservoir.UsageError,
+                       match=r"^unknown device kind 'tpu' \(sim, host, cuda-runtime, cuda-vmm\)$"):
+        reservoir.open_device("tpu")

@@ -67,6 +67,8 @@ int main(void) {
   CHECK(strcmp(reservoir_last_error(), "reservoir_malloc: allocator and out must not be NULL") == 0);
   reservoir_device* nodev = NULL;
   CHECK(reservoir_device_open("tpu", 0, 0, &nodev) == RESERVOIR_ERROR_USAGE && nodev == NULL);
+  CHECK(strcmp(reservoir_last_error(),
+               "reservoir_device_open: unknown device kind 'tpu' (sim, host, cuda-runtime, cuda-vmm)") == 0);
   CHECK(reservoir_pop_annotation() == RESERVOIR_ERROR_USAGE);
 
   /* Summary, stats JSON, history, snapshots. */

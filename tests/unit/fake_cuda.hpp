@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../../src/device/cuda_api.hpp"
+#include "cuda_api.hpp"
 
 namespace reservoir::testing {
 

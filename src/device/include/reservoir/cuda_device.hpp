@@ -27,7 +27,7 @@
 #include "reservoir/detail/vmm_ledger.hpp"
 #include "reservoir/device.hpp"
 #include "reservoir/errors.hpp"
-#include "reservoir/host_caching_allocator.hpp"
+#include "reservoir/pinned_memory.hpp"
 
 namespace reservoir {
 
