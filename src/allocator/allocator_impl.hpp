@@ -166,6 +166,10 @@ class CachingAllocator::Impl {
   // PyTorch's try_allocate_expandable_block: map pages until a free run of
   // p.size bytes exists; leaves it out of the pool in p.block.
   bool alloc_vm_block(AllocParams& p);
+  // Moves `it`, the best fit in a VM segment, to the block that serves p
+  // under the VM rules (growable size, stitched blocks whole, none while VM
+  // is off); false when no block of p's stream does.
+  bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it);
   detail::Block* find_vm_candidate(const AllocParams& p);
   detail::Block* new_vm_segment(const AllocParams& p);
   // Maps the pages under the first `bytes` of an unmapped block; false on
@@ -195,6 +199,9 @@ class CachingAllocator::Impl {
   // released; leaves `keep` alone. True when anything was released.
   bool release_free_handles(std::size_t bytes, const detail::Block* keep);
   void release_vm_segment(detail::Block* block);
+  // empty_cache's part for cached VM blocks: stitched ones dissolved, the
+  // others' pages unmapped and segments left empty given back.
+  void release_vm_blocks(const std::vector<detail::Block*>& blocks);
   // Merges neighbour src into dst when both are available and equally mapped.
   void merge_unmapped(detail::Block* dst, detail::Block* src);
   void unmap_handles(detail::Segment& seg, std::size_t first, std::size_t end);

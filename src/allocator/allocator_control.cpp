@@ -1,0 +1,163 @@
+// The allocator's construction, teardown and controls: memory fraction,
+// configuration, statistics, observers and history.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::PrivatePool;
+using detail::Segment;
+
+// ---------------------------------------------------------------------------
+// Construction
+
+CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_index)
+    : device_index_(device_index),
+      device_(device),
+      config_(config),
+      large_(false, nullptr, &node_resource_),
+      small_(true, nullptr, &node_resource_) {
+  check_supported(config_);
+  vm_mode_ = vm_mode(config_);
+  stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+}
+
+CachingAllocator::Impl::~Impl() {
+  // Return everything to the device; failures cannot be reported from here.
+  for (auto& [stream, queue] : pending_events_) {
+    for (PendingEvent& e : queue) (void)device_.destroy_event(e.event);
+  }
+  for (EventId e : idle_events_) (void)device_.destroy_event(e);
+  retry_stuck();  // stuck mappings go before their address space
+  for (auto& [base, segment] : segments_) {
+    if (segment->vm) {
+      drop_vm_segment_locked(*segment);
+    } else {
+      (void)device_.free_segment(base);
+    }
+  }
+  retry_stuck();
+}
+
+// ---------------------------------------------------------------------------
+// Control
+
+void CachingAllocator::Impl::empty_cache() {
+  std::lock_guard lock(mutex_);
+  release_cached_blocks();
+}
+
+void CachingAllocator::Impl::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    throw UsageError(
+        fmt::format("set_memory_fraction: invalid fraction {}; accepted: 0.0 to 1.0", fraction));
+  }
+  MemoryInfo info;
+  const Status status = device_.memory_info(&info);
+  if (status != Status::ok) {
+    throw DeviceError(CallKind::memory_info, status, "set_memory_fraction");
+  }
+  std::lock_guard lock(mutex_);
+  allowed_memory_maximum_ = static_cast<std::size_t>(fraction * static_cast<double>(info.total));
+  set_fraction_ = true;
+}
+
+void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
+  check_supported(config);
+  std::lock_guard lock(mutex_);
+  if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
+  config_ = config;
+  vm_mode_ = vm_mode(config_);
+  stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+}
+
+AllocatorConfig CachingAllocator::Impl::config() const {
+  std::lock_guard lock(mutex_);
+  return config_;
+}
+
+DeviceStats CachingAllocator::Impl::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void CachingAllocator::Impl::reset_peak_stats() {
+  std::lock_guard lock(mutex_);
+  stats_.for_each_stat([](Stat& s) { s.reset_peak(); });
+}
+
+void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
+                                           bool carry_peaks) {
+  if (!combined) throw UsageError("combine_stats: no combined statistics given");
+  std::lock_guard lock(mutex_);
+  if (combined_) throw UsageError("combine_stats: this allocator's statistics are combined already");
+  combined->add(stats_, carry_peaks);
+  combined_ = std::move(combined);
+}
+
+void CachingAllocator::Impl::reset_accumulated_stats() {
+  std::lock_guard lock(mutex_);
+  stats_.for_each_stat([](Stat& s) { s.reset_accumulated(); });
+  stats_.num_alloc_retries = 0;
+  stats_.num_ooms = 0;
+  stats_.num_sync_all_streams = 0;
+  stats_.num_device_alloc = 0;
+  stats_.num_device_free = 0;
+}
+
+std::size_t CachingAllocator::Impl::largest_cached_block() const {
+  std::lock_guard lock(mutex_);
+  std::size_t largest = 0;
+  auto scan = [&largest](const BlockPool& pool) {
+    for (const Block* b : pool.blocks) largest = std::max(largest, b->size);
+  };
+  scan(large_);
+  scan(small_);
+  for (auto& [id, pool] : private_pools_) {
+    scan(pool->large);
+    scan(pool->small);
+  }
+  return largest;
+}
+
+void CachingAllocator::Impl::attach_oom_observer(OomObserver observer) {
+  std::lock_guard lock(mutex_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void CachingAllocator::Impl::add_free_memory_callback(FreeMemoryCallback callback) {
+  std::lock_guard lock(mutex_);
+  free_memory_callbacks_.push_back(std::move(callback));
+}
+
+void CachingAllocator::Impl::attach_trace_tracker(TraceTracker tracker) {
+  std::lock_guard lock(mutex_);
+  trackers_.push_back(std::move(tracker));
+  observed_ = true;
+}
+
+void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
+  std::lock_guard lock(mutex_);
+  if (!history_) {
+    if (!options.enabled) return;
+    history_ = std::make_unique<detail::History>();
+  }
+  history_->configure(options);
+  observed_ = !trackers_.empty() || history_->on();
+}
+
+std::uint32_t CachingAllocator::Impl::emit(const TraceEntry& entry) {
+  for (const auto& tracker : trackers_) tracker(entry);
+  if (history_ && history_->on()) {
+    return history_->record(entry.action, entry.addr, entry.size, entry.stream);
+  }
+  return 0;
+}
+
+}  // namespace reservoir

@@ -1,0 +1,406 @@
+// The native policy: PyTorch's CUDACachingAllocator decisions on sizes,
+// allocation and deallocation (releasing cached memory: cache_release.cpp).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::PrivatePool;
+using detail::Segment;
+
+// ---------------------------------------------------------------------------
+// Size rules
+
+std::size_t CachingAllocator::Impl::round_size(std::size_t size, const AllocatorConfig& config) {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  const std::size_t divisions = config.divisions_for(size);
+  if (divisions > 1 && size > kMinBlockSize * divisions) {
+    // Round up to the next of `divisions` equal steps between powers of two.
+    if (std::has_single_bit(size)) return size;
+    const std::size_t floor = std::bit_floor(size);
+    const std::size_t step = floor >> (std::bit_width(divisions) - 1);
+    if (step == 0) return floor << 1;
+    const std::size_t down = size & ~(step - 1);
+    return down == size ? size : down + step;
+  }
+  return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+}
+
+std::size_t CachingAllocator::Impl::allocation_size(std::size_t size) {
+  if (size <= kSmallSize) return kSmallBuffer;
+  if (size < kMinLargeAlloc) return kLargeBuffer;
+  return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+}
+
+bool CachingAllocator::Impl::should_split(const Block* block, std::size_t size) const {
+  const std::size_t remaining = block->size - size;
+  if (in_stitched(block)) return false;  // one block, kept whole
+  if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
+  return size < config_.max_split_size && remaining > kSmallSize;
+}
+
+// ---------------------------------------------------------------------------
+// Allocation
+
+Block* CachingAllocator::Impl::make_block(DevicePtr ptr, std::size_t size, StreamId stream,
+                                          BlockPool* pool, Segment* segment) {
+  Block* b = arena_.make();
+  b->ptr = ptr;
+  b->size = size;
+  b->stream = stream;
+  b->pool = pool;
+  b->segment = segment;
+  return b;
+}
+
+bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
+  BlockPool& pool = *p.pool;
+  if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
+    ++pool.get_free_blocks_call_count;  // block ages are counted only when GC is on
+  }
+  Block key;
+  key.stream = p.stream;
+  key.size = p.size;
+  auto it = pool.blocks.lower_bound(&key);
+  if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+  if (in_vm(*it) && !vm_candidate(p, it)) return false;
+  const std::size_t max_split = config_.max_split_size;
+  // Do not hand an oversize block to a request that could split.
+  if (p.size < max_split && (*it)->size >= max_split) return false;
+  // An oversize request may take a cached block only up to a limit larger.
+  if (p.size >= max_split && (*it)->size >= p.size + config_.max_non_split_rounding_size) {
+    return false;
+  }
+  p.block = *it;  // left in the set: alloc_found_block re-keys or removes it
+  p.block_in_pool = true;
+  return true;
+}
+
+bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
+  const std::size_t size = p.alloc_size;
+  if (is_retry) ++stats_.num_alloc_retries;
+  // Private pools keep classic segments (as PyTorch's CUDA-graph pools).
+  const bool vm = vm_on() && p.pool->owner == nullptr;
+  // The paging policy checks the fraction against the pages it really maps.
+  if (set_fraction_ && !(vm && vm_mode_ == VmMode::paging) &&
+      total_reserved_ + size > allowed_memory_maximum_) {
+    return false;
+  }
+  if (vm) return alloc_vm_block(p);
+  DevicePtr ptr = 0;
+  const Status status = device_.allocate_segment(size, &ptr);
+  if (status == Status::out_of_memory) return false;
+  if (status != Status::ok) {
+    throw DeviceError(CallKind::allocate_segment, status,
+                      fmt::format("allocating a segment of {} bytes", size));
+  }
+  auto segment = std::make_unique<Segment>();
+  Block* block = make_block(ptr, size, p.stream, p.pool, segment.get());
+  segment->base = ptr;
+  segment->size = size;
+  segment->stream = p.stream;
+  segment->pool = p.pool;
+  segment->head = block;
+  segments_.emplace(ptr, std::move(segment));
+  if (p.pool->owner != nullptr) ++p.pool->owner->device_alloc_count;
+  total_reserved_ += size;
+  for_types(*p.pool, [&](std::size_t t) {
+    add_stat(stats_.segment[t], 1);
+    add_stat(stats_.reserved_bytes[t], size);
+  });
+  if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
+  ++stats_.num_device_alloc;
+  trace(TraceEntry::Action::segment_alloc, ptr, size, p.stream);
+  p.block = block;
+  return true;
+}
+
+Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t requested) {
+  Block* block = p.block;
+  BlockPool& pool = *p.pool;
+  const bool already_split = block->is_split();
+  if (should_split(block, p.size)) {
+    // The front of the block is handed out; the rest stays cached.
+    Block* remaining = block;
+    block = make_block(remaining->ptr, p.size, p.stream, &pool, remaining->segment);
+    block->prev = remaining->prev;
+    if (block->prev != nullptr) {
+      block->prev->next = block;
+    } else {
+      block->segment->head = block;
+    }
+    block->next = remaining;
+    remaining->prev = block;
+    remaining->ptr += p.size;
+    remaining->size -= p.size;
+    if (p.block_in_pool) {
+      pool.reposition(remaining);
+    } else {
+      pool.insert(remaining);
+    }
+    if (in_vm(block)) {
+      // Expandable segments stay out of the inactive_split stats (PyTorch).
+    } else if (already_split) {
+      for_types(pool, [&](std::size_t t) { sub_stat(stats_.inactive_split_bytes[t], block->size); });
+    } else {
+      for_types(pool, [&](std::size_t t) {
+        add_stat(stats_.inactive_split_bytes[t], remaining->size);
+        add_stat(stats_.inactive_split[t], 1);
+      });
+    }
+  } else {
+    if (p.block_in_pool) pool.erase(block);
+    if (already_split && !in_vm(block)) {
+      for_types(pool, [&](std::size_t t) {
+        sub_stat(stats_.inactive_split_bytes[t], block->size);
+        sub_stat(stats_.inactive_split[t], 1);
+      });
+    }
+  }
+  block->allocated = true;
+  block->requested_size = requested;
+  allocated_.insert(block->ptr, block);
+  for_types(pool, [&](std::size_t t) {
+    add_stat(stats_.allocation[t], 1);
+    add_stat(stats_.allocated_bytes[t], block->size);
+    add_stat(stats_.active[t], 1);
+    add_stat(stats_.active_bytes[t], block->size);
+    add_stat(stats_.requested_bytes[t], requested);
+  });
+  if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
+  block->context = trace(TraceEntry::Action::alloc, block->ptr, requested, block->stream);
+  return block;
+}
+
+void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
+  if (requested == 0) return nullptr;
+  std::unique_lock lock(mutex_);
+  if (routes_.empty()) process_events();
+  const std::size_t size = round_size(requested, config_);
+  AllocParams p{size, allocation_size(size), stream, &pool_for(size, stream)};
+
+  bool found = get_free_block(p);
+  if (!found && !free_memory_callbacks_.empty()) {
+    const std::vector<FreeMemoryCallback> callbacks = free_memory_callbacks_;
+    lock.unlock();  // LOCK RELEASED: callbacks may free memory through this allocator
+    bool freed = false;
+    for (const auto& callback : callbacks) freed |= callback();
+    lock.lock();
+    p.pool = &pool_for(size, stream);  // a pool may have changed while unlocked
+    found = freed && get_free_block(p);
+  }
+  if (!found) {
+    if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
+      garbage_collect_cached_blocks();
+    }
+    found = alloc_block(p, false) ||
+            (release_available_cached_blocks(p) && alloc_block(p, false)) ||
+            (routes_.empty() && release_cached_blocks() && alloc_block(p, true));
+  }
+  if (!found) throw_oom(lock, p);
+  return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+}
+
+void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
+                                       const AllocParams& p) {
+  MemoryInfo info;
+  if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
+  std::string allowed_info;
+  if (set_fraction_) allowed_info = format_size(allowed_memory_maximum_) + " allowed; ";
+  trace(TraceEntry::Action::oom, info.free, p.size, p.stream);
+  ++stats_.num_ooms;
+  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  // Cached free bytes held by private pools, reported as PyTorch reports them.
+  std::size_t in_private_pools = 0;
+  for (auto& [id, pool] : private_pools_) {
+    for (const Block* b : pool->large.blocks) in_private_pools += b->size;
+    for (const Block* b : pool->small.blocks) in_private_pools += b->size;
+  }
+  std::string private_msg;
+  if (in_private_pools > 0) {
+    private_msg = "with " + format_size(in_private_pools) +
+                  " allocated in private pools (e.g., CUDA Graphs), ";
+  }
+  const std::vector<OomObserver> observers = oom_observers_;
+  const std::size_t limit = set_fraction_ ? allowed_memory_maximum_ : info.total;
+  lock.unlock();  // LOCK RELEASED: observers may inspect or free memory
+  for (const auto& observer : observers) observer(device_index_, p.alloc_size, limit, info.free);
+  std::string message = fmt::format(
+      "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} "
+      "is free. {}Of the allocated memory {} is allocated by PyTorch, {}and {} is reserved by "
+      "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+      "documentation for Memory Management  "
+      "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+      format_size(p.alloc_size), device_index_, format_size(info.total), format_size(info.free),
+      allowed_info, format_size(allocated + in_private_pools), private_msg,
+      format_size(reserved - allocated - in_private_pools));
+  throw OutOfMemoryError(message, p.alloc_size, info.free, info.total);
+}
+
+// ---------------------------------------------------------------------------
+// Deallocation
+
+void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* operation) const {
+  // Explain what the pointer is, if anything: inside a block, or a free block.
+  auto seg = segments_.upper_bound(ptr);
+  if (seg != segments_.begin()) {
+    --seg;
+    const Segment& s = *seg->second;
+    if (ptr < s.base + s.size) {
+      for (const Block* b = s.head; b != nullptr; b = b->next) {
+        if (ptr >= b->ptr && ptr < b->ptr + b->size) {
+          if (ptr != b->ptr) {
+            throw InvalidPointerError(fmt::format(
+                "{}: pointer {:#x} points {} bytes into a block at {:#x}; pass the pointer "
+                "allocate() returned",
+                operation, ptr, ptr - b->ptr, b->ptr));
+          }
+          throw InvalidPointerError(
+              fmt::format("{}: pointer {:#x} is not allocated (already freed, or never returned by "
+                          "allocate())",
+                          operation, ptr));
+        }
+      }
+    }
+  }
+  throw InvalidPointerError(
+      fmt::format("{}: pointer {:#x} was not allocated by this allocator (device {})", operation,
+                  ptr, device_index_));
+}
+
+void CachingAllocator::Impl::deallocate(void* raw) {
+  if (raw == nullptr || deallocate_held(raw)) return;
+  std::lock_guard lock(mutex_);
+  throw_invalid_pointer(reinterpret_cast<DevicePtr>(raw), "deallocate");
+}
+
+bool CachingAllocator::Impl::deallocate_held(void* raw) {
+  const auto ptr = reinterpret_cast<DevicePtr>(raw);
+  std::lock_guard lock(mutex_);
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) return false;
+  Block* block = *found;
+  const bool deferred = !block->stream_uses.empty();
+  // Record stream events first: if the device fails, the block stays allocated
+  // and nothing has changed.
+  if (deferred && routes_.empty()) insert_events(block);
+  allocated_.erase(ptr);
+  block->allocated = false;
+  for_types(*block->pool, [&](std::size_t t) {
+    sub_stat(stats_.allocation[t], 1);
+    sub_stat(stats_.allocated_bytes[t], block->size);
+  });
+  trace(TraceEntry::Action::free_requested, block->ptr, block->requested_size, block->stream);
+  if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
+  if (deferred) {
+    if (!routes_.empty()) deferred_event_blocks_.push_back(block);
+  } else {
+    free_block(block);
+  }
+  return true;
+}
+
+void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
+  if (raw == nullptr) return;
+  const auto ptr = reinterpret_cast<DevicePtr>(raw);
+  std::lock_guard lock(mutex_);
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) throw_invalid_pointer(ptr, "record_stream");
+  Block* block = *found;
+  if (stream == block->stream) return;  // uses on the allocation stream need no event
+  if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+      block->stream_uses.end()) {
+    block->stream_uses.push_back(stream);
+  }
+}
+
+void CachingAllocator::Impl::free_block(Block* block) {
+  trace(TraceEntry::Action::free_completed, block->ptr, block->requested_size, block->stream);
+  const std::size_t original_size = block->size;
+  const std::size_t requested = block->requested_size;
+  BlockPool& pool = *block->pool;
+  Block* const prev = block->prev;
+  Block* const next = block->next;
+  const bool merge_prev = prev != nullptr && prev->is_free();
+  const bool merge_next = next != nullptr && next->is_free();
+  std::int64_t split_blocks_change = 0;
+  std::int64_t split_bytes_change = 0;
+  Block* merged = block;
+  if (merge_prev || merge_next) {
+    // Merge into a neighbour that is already cached, so that it can keep its
+    // place in the pool; the freed block's own fields carry over as PyTorch's
+    // merge keeps them.
+    merged = merge_next ? next : prev;
+    DevicePtr start = block->ptr;
+    std::size_t total = block->size;
+    Block* new_prev = block->prev;
+    Block* new_next = block->next;
+    if (merge_prev) {
+      split_blocks_change -= 1;
+      split_bytes_change -= static_cast<std::int64_t>(prev->size);
+      start = prev->ptr;
+      total += prev->size;
+      new_prev = prev->prev;
+    }
+    if (merge_next) {
+      split_blocks_change -= 1;
+      split_bytes_change -= static_cast<std::int64_t>(next->size);
+      total += next->size;
+      new_next = next->next;
+    }
+    if (merge_prev && merge_next) {
+      pool.erase(prev);
+      arena_.recycle(prev);
+    }
+    merged->ptr = start;
+    merged->size = total;
+    merged->requested_size = block->requested_size;
+    merged->prev = new_prev;
+    merged->next = new_next;
+    if (new_prev != nullptr) {
+      new_prev->next = merged;
+    } else {
+      merged->segment->head = merged;
+    }
+    if (new_next != nullptr) new_next->prev = merged;
+    arena_.recycle(block);
+    pool.reposition(merged);
+  } else {
+    pool.insert(block);
+  }
+  if (merged->is_split()) {
+    split_blocks_change += 1;
+    split_bytes_change += static_cast<std::int64_t>(merged->size);
+  }
+  if (in_vm(merged)) {
+    split_blocks_change = 0;  // expandable segments stay out of inactive_split (PyTorch)
+    split_bytes_change = 0;
+  }
+  for_types(pool, [&](std::size_t t) {
+    if (split_blocks_change > 0) {
+      add_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(split_blocks_change));
+    } else if (split_blocks_change < 0) {
+      sub_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(-split_blocks_change));
+    }
+    if (split_bytes_change > 0) {
+      add_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(split_bytes_change));
+    } else if (split_bytes_change < 0) {
+      sub_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(-split_bytes_change));
+    }
+    sub_stat(stats_.active[t], 1);
+    sub_stat(stats_.active_bytes[t], original_size);
+    sub_stat(stats_.requested_bytes[t], requested);
+  });
+}
+
+}  // namespace reservoir

@@ -1,0 +1,69 @@
+// Private pools (PyTorch's CUDA-graph pools): while a pool is being
+// allocated to, requests from the streams its filter accepts are served
+// from its own small and large pools.
+#include <fmt/format.h>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::PrivatePool;
+using detail::Segment;
+
+BlockPool& CachingAllocator::Impl::pool_for(std::size_t size, StreamId stream) {
+  for (auto& [id, filter] : routes_) {
+    if (filter(stream)) {
+      PrivatePool& pool = *private_pools_.at(id);
+      return size <= kSmallSize ? pool.small : pool.large;
+    }
+  }
+  return size <= kSmallSize ? small_ : large_;
+}
+
+void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
+  if (!filter) throw UsageError("begin_allocate_to_pool: the filter is empty");
+  std::lock_guard lock(mutex_);
+  for (auto& [routed, f] : routes_) {
+    if (routed == id) {
+      throw UsageError(fmt::format("begin_allocate_to_pool: already allocating to pool ({}, {})",
+                                   id.first, id.second));
+    }
+  }
+  auto it = private_pools_.find(id);
+  if (it == private_pools_.end()) {
+    private_pools_.emplace(id, std::make_unique<PrivatePool>(id, &node_resource_));
+  } else {
+    if (it->second->use_count == 0) {
+      throw UsageError(
+          fmt::format("begin_allocate_to_pool: pool ({}, {}) was released", id.first, id.second));
+    }
+    ++it->second->use_count;
+  }
+  routes_.emplace_back(id, std::move(filter));
+}
+
+void CachingAllocator::Impl::end_allocate_to_pool(PoolId id) {
+  std::lock_guard lock(mutex_);
+  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+    if (it->first == id) {
+      routes_.erase(it);
+      return;
+    }
+  }
+  throw UsageError(
+      fmt::format("end_allocate_to_pool: not allocating to pool ({}, {})", id.first, id.second));
+}
+
+void CachingAllocator::Impl::release_pool(PoolId id) {
+  std::lock_guard lock(mutex_);
+  auto it = private_pools_.find(id);
+  if (it == private_pools_.end() || it->second->use_count == 0) {
+    throw UsageError(fmt::format("release_pool: no live pool ({}, {})", id.first, id.second));
+  }
+  if (--it->second->use_count == 0) freeable_pools_.push_back(id);
+}
+
+}  // namespace reservoir

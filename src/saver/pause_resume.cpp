@@ -1,0 +1,256 @@
+// Pause and resume of a tag. Pause synchronizes the device, copies the live
+// allocations to host memory (cpu_backup) over the copy streams in chunks,
+// and releases the tag's physical memory, keeping its addresses; resume maps
+// memory back at the same addresses and copies the contents back. A failure
+// leaves the tag as it was (pause) or paused and retryable (resume).
+#include "saver_impl.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::TagState;
+
+namespace {
+
+using detail::BackupPiece;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Joins pieces that follow each other on the device and in the store.
+std::vector<BackupPiece> coalesce(const std::vector<BackupPiece>& pieces) {
+  std::vector<BackupPiece> out;
+  for (const BackupPiece& p : pieces) {
+    if (!out.empty() && out.back().addr + out.back().bytes == p.addr &&
+        out.back().offset + out.back().bytes == p.offset) {
+      out.back().bytes += p.bytes;
+    } else {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<TagState*> Saver::Impl::all_tags() const {
+  std::shared_lock lock(tags_mutex_);
+  std::vector<TagState*> out;
+  for (const auto& [key, state] : tags_) out.push_back(state.get());
+  return out;
+}
+
+std::vector<TagState*> Saver::Impl::tags_named(std::string_view tag, const char* operation) const {
+  std::vector<TagState*> out;
+  std::vector<std::string> known;
+  for (TagState* state : all_tags()) {
+    if (state->tag == tag) out.push_back(state);
+    if (known.empty() || known.back() != state->tag) known.push_back(state->tag);
+  }
+  if (out.empty()) {
+    throw UsageError(fmt::format("{}: unknown tag '{}' (known tags: {})", operation, tag,
+                                 known.empty() ? std::string("none") : fmt::format("'{}'", fmt::join(known, "', '"))));
+  }
+  return out;
+}
+
+bool Saver::Impl::paused_now(TagState* state) {
+  std::shared_lock lock(state->mutex);
+  return state->paused;
+}
+
+const std::vector<StreamId>& Saver::Impl::copy_streams() {
+  std::lock_guard lock(streams_mutex_);
+  if (streams_.empty()) {
+    for (int i = 0; i < options_.copy_streams; ++i) {
+      StreamId s = 0;
+      if (tag_base_.create_stream(&s) != Status::ok) break;
+      streams_.push_back(s);
+    }
+    if (streams_.empty()) streams_.push_back(0);  // the device has no streams of its own
+  }
+  return streams_;
+}
+
+void Saver::Impl::pause_tag(TagState& state) {
+  std::unique_lock lock(state.mutex);
+  if (state.paused) return;
+  const auto t0 = Clock::now();
+  const std::string what = fmt::format("pause of tag '{}'", state.tag);
+  if (Status s = tag_base_.synchronize_device(); s != Status::ok) {
+    throw DeviceError(CallKind::synchronize_device, s,
+                      what + ": synchronizing the device (the tag is left running, untouched)");
+  }
+  // The live allocations: what must survive (and, with backup, be copied).
+  std::unordered_set<DevicePtr> live;
+  std::vector<BackupPiece> pieces;
+  std::size_t total = 0;
+  for (const auto& [address, requested] : state.allocator.live_allocations()) {
+    live.insert(address);
+    if (state.cpu_backup && requested > 0) {
+      pieces.push_back({address, requested, total});
+      total += requested;
+    }
+  }
+  std::unique_ptr<detail::HostStore> store;
+  if (total > 0) {
+    store = options_.storage == BackupStorage::pinned
+                ? detail::make_pinned_store(host_cache_, total, options_.chunk_bytes)
+                : detail::make_mmap_store(options_.mmap_directory, total);
+    detail::CopyEngine engine(tag_base_, host_cache_, options_.chunk_bytes, copy_streams(), *store,
+                              /*to_host=*/true);
+    detail::StepFailure f;
+    for (const BackupPiece& p : coalesce(pieces)) {
+      if (f = engine.issue(p); f.failed()) break;
+    }
+    if (!f.failed()) f = engine.finish();
+    if (f.failed()) {
+      throw DeviceError(f.call, f.status,
+                        fmt::format("{}: copying {} bytes to host memory (the tag is left "
+                                    "running, untouched)",
+                                    what, total));
+    }
+  }
+  std::size_t released = 0;
+  if (auto f = state.device.release_all(&released); f.failed()) {
+    throw DeviceError(f.call, f.status,
+                      fmt::format("{}: releasing its memory (the tag is left running, untouched)", what));
+  }
+  if (store) store->backed_up();
+  {
+    std::lock_guard pending(state.pending_mutex);
+    state.live_at_pause = std::move(live);
+    state.pending_frees.clear();
+  }
+  state.backup = std::move(store);
+  state.pieces = std::move(pieces);
+  state.paused = true;
+  state.record.pauses += 1;
+  state.record.last_pause_copied = total;
+  state.record.last_released_bytes = released;
+  state.record.last_pause_seconds = seconds_since(t0);
+}
+
+void Saver::Impl::resume_tag(TagState& state) {
+  std::unique_lock lock(state.mutex);
+  if (!state.paused) return;
+  const auto t0 = Clock::now();
+  const std::string what = fmt::format("resume of tag '{}'", state.tag);
+  (void)state.device.retry_releases();
+  // What comes back from the host: the backup less the blocks freed meanwhile.
+  std::vector<BackupPiece> wanted;
+  std::size_t copied = 0;
+  if (state.backup) {
+    std::unordered_set<DevicePtr> freed;
+    {
+      std::lock_guard pending(state.pending_mutex);
+      for (void* p : state.pending_frees) freed.insert(reinterpret_cast<DevicePtr>(p));
+    }
+    for (const BackupPiece& p : state.pieces) {
+      if (freed.count(p.addr) == 0) {
+        wanted.push_back(p);
+        copied += p.bytes;
+      }
+    }
+    wanted = coalesce(wanted);
+  }
+  // Copies start as soon as their memory is mapped, while the rest is
+  // being created and mapped.
+  std::optional<detail::CopyEngine> engine;
+  if (!wanted.empty()) {
+    engine.emplace(tag_base_, host_cache_, options_.chunk_bytes, copy_streams(), *state.backup,
+                   /*to_host=*/false);
+  }
+  std::size_t next_piece = 0;
+  auto on_mapped = [&](DevicePtr frontier) -> detail::StepFailure {
+    for (; next_piece < wanted.size() && wanted[next_piece].addr + wanted[next_piece].bytes <= frontier;
+         ++next_piece) {
+      if (auto f = engine->issue(wanted[next_piece]); f.failed()) return f;
+    }
+    return {};
+  };
+  auto before_undo = [&] {
+    if (engine) (void)engine->finish();
+  };
+  detail::StepFailure f = state.device.restore_all(on_mapped, before_undo);
+  if (!f.failed() && engine) {
+    f = engine->finish();
+    if (f.failed()) {
+      std::size_t ignored = 0;
+      const bool back = !state.device.release_all(&ignored).failed();
+      if (!back) state.paused = false;  // mapped, contents incomplete: say so
+      throw DeviceError(f.call, f.status,
+                        fmt::format("{}: copying {} bytes back from host memory ({})", what,
+                                    copied,
+                                    back ? "the tag stays paused with its backup"
+                                         : "its memory could not be released again: the tag "
+                                           "is running with incomplete contents"));
+    }
+  }
+  if (f.failed()) {
+    if (f.status == Status::out_of_memory) {
+      MemoryInfo info;
+      (void)tag_base_.memory_info(&info);
+      const std::size_t needed = state.allocator.stats().reserved_bytes[0].current;
+      throw OutOfMemoryError(
+          fmt::format("{}: out of memory recreating its {} bytes of physical memory ({} bytes "
+                      "free of {}); the tag stays paused with its backup",
+                      what, needed, info.free, info.total),
+          needed, info.free, info.total);
+    }
+    throw DeviceError(f.call, f.status,
+                      fmt::format("{}: {} (the tag stays paused with its backup)", what,
+                                  f.call == CallKind::copy_to_device || f.call == CallKind::synchronize_stream
+                                      ? "copying its contents back from host memory"
+                                      : "mapping its memory again"));
+  }
+  state.paused = false;
+  engine.reset();
+  state.backup.reset();
+  state.pieces.clear();
+  std::vector<void*> frees;
+  {
+    std::lock_guard pending(state.pending_mutex);
+    frees.swap(state.pending_frees);
+    state.live_at_pause.clear();
+  }
+  for (void* p : frees) state.allocator.deallocate(p);  // checked live when queued
+  state.record.resumes += 1;
+  state.record.last_resume_copied = copied;
+  state.record.last_resume_seconds = seconds_since(t0);
+}
+
+void Saver::Impl::pause(std::string_view tag) {
+  std::vector<TagState*> states = tags_named(tag, "pause");
+  if (std::all_of(states.begin(), states.end(), paused_now)) {
+    throw UsageError(fmt::format("pause: tag '{}' is paused already", tag));
+  }
+  for (TagState* p : states) pause_tag(*p);
+}
+
+void Saver::Impl::resume(std::string_view tag) {
+  std::vector<TagState*> states = tags_named(tag, "resume");
+  if (std::none_of(states.begin(), states.end(), paused_now)) {
+    throw UsageError(fmt::format("resume: tag '{}' is not paused", tag));
+  }
+  for (TagState* p : states) resume_tag(*p);
+}
+
+void Saver::Impl::pause_all() {
+  for (TagState* p : all_tags()) pause_tag(*p);
+}
+
+void Saver::Impl::resume_all() {
+  for (TagState* p : all_tags()) resume_tag(*p);
+}
+
+}  // namespace reservoir

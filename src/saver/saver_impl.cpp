@@ -1,0 +1,202 @@
+// Saver::Impl: regions (per-thread stacks of open regions), allocation and
+// frees routed to the tag that owns them, and observation.
+#include "saver_impl.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+
+using detail::TagState;
+
+namespace {
+
+struct Frame {
+  const Saver::Impl* owner;
+  TagState* state;  // nullptr: outside every tag
+  std::uint64_t token;
+};
+thread_local std::vector<Frame> t_frames;
+std::atomic<std::uint64_t> next_token{1};
+
+}  // namespace
+
+TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
+  if (tag.empty()) throw UsageError("region: the tag is empty");
+  if (!tag_base_.supports_virtual_memory()) {
+    throw UsageError(fmt::format(
+        "region '{}': tagged memory needs a device with virtual memory, and '{}' has none "
+        "(use cuda-vmm, or give SaverOptions::tag_device)",
+        tag, tag_base_.name()));
+  }
+  const auto key = std::make_pair(std::string(tag), cpu_backup);
+  {
+    std::shared_lock lock(tags_mutex_);
+    if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
+  }
+  std::unique_lock lock(tags_mutex_);
+  if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
+  auto state = std::make_unique<TagState>(key.first, cpu_backup, tag_base_, index_,
+                                        options_.config, options_.device_index);
+  if (history_) state->allocator.record_history(*history_);
+  if (options_.exact_peaks && !combined_) {
+    // From the first tag on, the saver's peaks are those of the sum (the
+    // untagged allocator's peaks were the saver's until now).
+    auto combined = std::make_shared<CombinedStats>();
+    untagged_.combine_stats(combined, true);
+    combined_ = std::move(combined);
+  }
+  if (combined_) state->allocator.combine_stats(combined_, false);
+  return *tags_.emplace(key, std::move(state)).first->second;
+}
+
+std::shared_ptr<CombinedStats> Saver::Impl::combined() const {
+  std::shared_lock lock(tags_mutex_);
+  return combined_;
+}
+
+std::uint64_t Saver::Impl::push(TagState* state) {
+  const std::uint64_t token = next_token.fetch_add(1, std::memory_order_relaxed);
+  t_frames.push_back({this, state, token});
+  return token;
+}
+
+void Saver::Impl::pop(std::uint64_t token) {
+  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
+    if (it->owner != this) continue;
+    if (it->token != token) {
+      throw UsageError(fmt::format(
+          "region: closing region {} while region {} ('{}') opened inside it is still open "
+          "(regions close innermost first, on the thread that opened them)",
+          token, it->token, it->state != nullptr ? it->state->tag : std::string("untagged")));
+    }
+    t_frames.erase(std::next(it).base());
+    return;
+  }
+  throw UsageError(fmt::format("region: no open region {} on this thread", token));
+}
+
+TagState* Saver::Impl::current() const noexcept {
+  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
+    if (it->owner == this) return it->state;
+  }
+  return nullptr;
+}
+
+void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
+  TagState* state = current();
+  if (state == nullptr) return untagged_.allocate(size, stream);
+  std::shared_lock lock(state->mutex);
+  if (state->paused) {
+    throw UsageError(fmt::format(
+        "allocation of {} bytes into tag '{}', which is paused (resume it first, or "
+        "allocate outside it)",
+        size, state->tag));
+  }
+  return state->allocator.allocate(size, stream);
+}
+
+TagState* Saver::Impl::owner_of(const void* ptr) const {
+  if (index_.empty()) return nullptr;
+  return static_cast<TagState*>(index_.find(reinterpret_cast<DevicePtr>(ptr)));
+}
+
+void Saver::Impl::deallocate(void* ptr) {
+  if (ptr == nullptr) return;
+  // Untagged blocks first, found by the allocator's own lookup: a free
+  // outside every tag costs what it costs without a saver.
+  if (index_.empty()) return untagged_.deallocate(ptr);
+  if (untagged_.try_deallocate(ptr)) return;
+  TagState* state = owner_of(ptr);
+  if (state == nullptr) return untagged_.deallocate(ptr);  // says why it is not ours
+  std::shared_lock lock(state->mutex);
+  if (!state->paused) return state->allocator.deallocate(ptr);
+  std::lock_guard pending(state->pending_mutex);
+  if (state->live_at_pause.erase(reinterpret_cast<DevicePtr>(ptr)) == 0) {
+    throw InvalidPointerError(fmt::format(
+        "free of {}: not a live allocation of tag '{}' (paused): freed already, or not the "
+        "start of a block",
+        ptr, state->tag));
+  }
+  state->pending_frees.push_back(ptr);
+}
+
+void Saver::Impl::record_stream(void* ptr, StreamId stream) {
+  TagState* state = owner_of(ptr);
+  if (state == nullptr) return untagged_.record_stream(ptr, stream);
+  std::shared_lock lock(state->mutex);
+  state->allocator.record_stream(ptr, stream);
+}
+
+void Saver::Impl::empty_cache() {
+  untagged_.empty_cache();
+  for (TagState* state : all_tags()) {
+    std::shared_lock lock(state->mutex);
+    state->allocator.empty_cache();
+  }
+}
+
+TagInfo Saver::Impl::info(TagState& state) const {
+  std::shared_lock lock(state.mutex);
+  TagInfo t;
+  static_cast<PauseRecord&>(t) = state.record;
+  t.tag = state.tag;
+  t.cpu_backup = state.cpu_backup;
+  t.paused = state.paused;
+  const DeviceStats s = state.allocator.stats();
+  t.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);
+  t.reserved_bytes = static_cast<std::size_t>(s.reserved_bytes[0].current);
+  t.physical_bytes = state.device.physical_bytes();
+  t.backup_bytes = state.backup ? state.backup->size() : 0;
+  {
+    std::lock_guard pending(state.pending_mutex);
+    t.pending_frees = state.pending_frees.size();
+  }
+  return t;
+}
+
+void Saver::Impl::record_history(const HistoryOptions& options) {
+  untagged_.record_history(options);  // checks the options first
+  std::unique_lock lock(tags_mutex_);
+  history_ = options.enabled ? std::optional<HistoryOptions>(options) : std::nullopt;
+  for (auto& [key, state] : tags_) state->allocator.record_history(options);
+}
+
+Snapshot Saver::Impl::snapshot() const {
+  Snapshot out = untagged_.snapshot();
+  for (TagState* state : all_tags()) {
+    Snapshot s = state->allocator.snapshot();
+    const std::string label = fmt::format("reservoir.tag={}", state->tag);
+    std::map<std::uint32_t, std::uint32_t> remap;
+    auto context_of = [&](std::uint32_t c) {
+      auto [it, fresh] = remap.try_emplace(c, 0);
+      if (fresh) {
+        Context ctx = c < s.contexts.size() ? s.contexts[c] : Context{};
+        ctx.annotations.insert(ctx.annotations.begin(), label);
+        it->second = static_cast<std::uint32_t>(out.contexts.size());
+        out.contexts.push_back(std::move(ctx));
+      }
+      return it->second;
+    };
+    for (SegmentInfo& seg : s.segments) {
+      for (BlockInfo& b : seg.blocks) b.context = context_of(b.context);
+      out.segments.push_back(std::move(seg));
+    }
+    for (TraceEvent& e : s.history) {
+      if (e.action == TraceAction::snapshot) continue;  // one snapshot event: the untagged one
+      e.context = context_of(e.context);
+      out.history.push_back(e);
+    }
+  }
+  std::sort(out.segments.begin(), out.segments.end(),
+            [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  std::stable_sort(out.history.begin(), out.history.end(),
+                   [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; });
+  return out;
+}
+
+}  // namespace reservoir

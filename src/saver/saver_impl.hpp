@@ -1,0 +1,131 @@
+// Saver::Impl: the saver's state and members (reservoir/saver.hpp), spread
+// over saver_impl.cpp (regions, allocation, observation), pause_resume.cpp
+// and saver.cpp (the public class).
+//
+// Each tag (a name and a cpu_backup flag) is a TagState: a CachingAllocator on
+// a TagDevice. The state's shared mutex is held shared by allocations and
+// frees into the tag, exclusively by pause and resume, so those never run
+// beside the tag's allocator. While paused, frees are checked against the
+// blocks that were live at pause and queued; resume applies them.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "backup.hpp"
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/host_caching_allocator.hpp"
+#include "reservoir/saver.hpp"
+#include "tag_device.hpp"
+
+namespace reservoir {
+
+namespace detail {
+
+// One tag: its device, its allocator and its pause state.
+struct TagState {
+  TagState(std::string name, bool backup, Device& base, RangeIndex& index,
+           const AllocatorConfig& config, int device_index)
+      : tag(std::move(name)),
+        cpu_backup(backup),
+        device(base, index, this),
+        allocator(device, config, device_index) {}
+
+  const std::string tag;
+  const bool cpu_backup;
+  TagDevice device;
+  CachingAllocator allocator;
+  // Shared: allocations and frees; exclusive: pause and resume.
+  mutable std::shared_mutex mutex;
+  bool paused = false;
+  // While paused (guarded by pending_mutex): the blocks live at pause that
+  // were not freed since, and the frees to apply on resume.
+  std::mutex pending_mutex;
+  std::unordered_set<DevicePtr> live_at_pause;
+  std::vector<void*> pending_frees;
+  // The backup taken at pause (cpu_backup only).
+  std::unique_ptr<HostStore> backup;
+  std::vector<BackupPiece> pieces;
+  PauseRecord record;  // guarded by mutex
+};
+
+}  // namespace detail
+
+class Saver::Impl {
+ public:
+  using TagState = detail::TagState;
+
+  Impl(Device& device, SaverOptions options)
+      : device_(device),
+        options_(std::move(options)),
+        tag_base_(options_.tag_device != nullptr ? *options_.tag_device : device),
+        pinned_(options_.pinned_source != nullptr ? *options_.pinned_source : own_pinned_),
+        host_cache_(pinned_, tag_base_),
+        untagged_(device, options_.config, options_.device_index) {}
+
+  ~Impl() {
+    tags_.clear();  // allocators first: they give their segments back
+    for (StreamId s : streams_) {
+      if (s != 0) (void)tag_base_.destroy_stream(s);
+    }
+  }
+
+  // ---- regions ----
+  TagState& tag_state(std::string_view tag, bool cpu_backup);
+  std::shared_ptr<CombinedStats> combined() const;
+  std::uint64_t push(TagState* state);
+  void pop(std::uint64_t token);
+  TagState* current() const noexcept;
+
+  // ---- allocation ----
+  void* allocate(std::size_t size, StreamId stream);
+  TagState* owner_of(const void* ptr) const;
+  void deallocate(void* ptr);
+  void record_stream(void* ptr, StreamId stream);
+  void empty_cache();
+
+  // ---- pause and resume ----
+  std::vector<TagState*> all_tags() const;
+  std::vector<TagState*> tags_named(std::string_view tag, const char* operation) const;
+  static bool paused_now(TagState* state);
+  const std::vector<StreamId>& copy_streams();
+  void pause_tag(TagState& state);
+  void resume_tag(TagState& state);
+  void pause(std::string_view tag);
+  void resume(std::string_view tag);
+  void pause_all();
+  void resume_all();
+
+  // ---- observation ----
+  TagInfo info(TagState& state) const;
+  void record_history(const HistoryOptions& options);
+  Snapshot snapshot() const;
+
+  // ---- state ----
+  Device& device_;
+  SaverOptions options_;
+  Device& tag_base_;
+  HostPinnedMemory own_pinned_;
+  PinnedMemorySource& pinned_;
+  HostCachingAllocator host_cache_;
+  CachingAllocator untagged_;
+  detail::RangeIndex index_;
+  std::mutex streams_mutex_;
+  std::vector<StreamId> streams_;
+  mutable std::shared_mutex tags_mutex_;
+  std::optional<HistoryOptions> history_;  // guarded by tags_mutex_
+  // Current values and peaks of all allocators together, from the first tag
+  // on (before it the untagged allocator's are the saver's); guarded by
+  // tags_mutex_.
+  std::shared_ptr<CombinedStats> combined_;
+  // Declared last: destroyed first, while the index and the host cache live.
+  std::map<std::pair<std::string, bool>, std::unique_ptr<TagState>> tags_;
+};
+
+}  // namespace reservoir
