@@ -146,13 +146,13 @@ void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
   std::lock_guard lock(mutex_);
   if (!history_) {
     if (!options.enabled) return;
-    history_ = std::make_unique<detail::History>();
+    history_ = std::make_unique<detail::EventHistory>();
   }
   history_->configure(options);
   observed_ = !trackers_.empty() || history_->on();
 }
 
-std::uint32_t CachingAllocator::Impl::emit(const TraceEntry& entry) {
+std::uint32_t CachingAllocator::Impl::emit(const TraceEvent& entry) {
   for (const auto& tracker : trackers_) tracker(entry);
   if (history_ && history_->on()) {
     return history_->record(entry.action, entry.addr, entry.size, entry.stream);

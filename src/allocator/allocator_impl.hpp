@@ -17,7 +17,8 @@
 #include <vector>
 
 #include "block.hpp"
-#include "history.hpp"
+#include "event_history.hpp"
+#include "spin_mutex.hpp"
 #include "reservoir/caching_allocator.hpp"
 
 namespace reservoir {
@@ -123,11 +124,11 @@ class CachingAllocator::Impl {
   [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
   // Reports an event to the trackers and the history; returns the context
   // the history recorded it in (0 when none).
-  std::uint32_t trace(TraceEntry::Action action, DevicePtr addr, std::size_t size,
+  std::uint32_t trace(TraceAction action, DevicePtr addr, std::size_t size,
                       StreamId stream) {
-    return observed_ ? emit(TraceEntry{action, addr, size, stream}) : 0;
+    return observed_ ? emit(TraceEvent{action, addr, size, stream}) : 0;
   }
-  std::uint32_t emit(const TraceEntry& entry);
+  std::uint32_t emit(const TraceEvent& entry);
   static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
   template <typename F>
   static void for_types(const detail::BlockPool& pool, F&& f) {
@@ -245,7 +246,7 @@ class CachingAllocator::Impl {
   std::vector<OomObserver> oom_observers_;
   std::vector<FreeMemoryCallback> free_memory_callbacks_;
   std::vector<TraceTracker> trackers_;
-  std::unique_ptr<detail::History> history_;  // created when first turned on
+  std::unique_ptr<detail::EventHistory> history_;  // created when first turned on
   bool observed_ = false;                     // trackers attached or history on
 };
 

@@ -132,7 +132,7 @@ void CachingAllocator::Impl::release_block(Block* block) {
         fmt::format("freeing the segment at {:#x} ({} bytes)", block->ptr, block->size));
   }
   ++stats_.num_device_free;
-  trace(TraceEntry::Action::segment_free, block->ptr, block->size, block->stream);
+  trace(TraceAction::segment_free, block->ptr, block->size, block->stream);
   total_reserved_ -= block->size;
   BlockPool& pool = *block->pool;
   if (pool.owner != nullptr) --pool.owner->device_alloc_count;

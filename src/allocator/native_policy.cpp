@@ -118,7 +118,7 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   });
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
   ++stats_.num_device_alloc;
-  trace(TraceEntry::Action::segment_alloc, ptr, size, p.stream);
+  trace(TraceAction::segment_alloc, ptr, size, p.stream);
   p.block = block;
   return true;
 }
@@ -176,7 +176,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     add_stat(stats_.requested_bytes[t], requested);
   });
   if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
-  block->context = trace(TraceEntry::Action::alloc, block->ptr, requested, block->stream);
+  block->context = trace(TraceAction::alloc, block->ptr, requested, block->stream);
   return block;
 }
 
@@ -215,7 +215,7 @@ void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
   std::string allowed_info;
   if (set_fraction_) allowed_info = format_size(allowed_memory_maximum_) + " allowed; ";
-  trace(TraceEntry::Action::oom, info.free, p.size, p.stream);
+  trace(TraceAction::oom, info.free, p.size, p.stream);
   ++stats_.num_ooms;
   const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
@@ -300,7 +300,7 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
     sub_stat(stats_.allocation[t], 1);
     sub_stat(stats_.allocated_bytes[t], block->size);
   });
-  trace(TraceEntry::Action::free_requested, block->ptr, block->requested_size, block->stream);
+  trace(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
   if (deferred) {
     if (!routes_.empty()) deferred_event_blocks_.push_back(block);
@@ -325,7 +325,7 @@ void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
 }
 
 void CachingAllocator::Impl::free_block(Block* block) {
-  trace(TraceEntry::Action::free_completed, block->ptr, block->requested_size, block->stream);
+  trace(TraceAction::free_completed, block->ptr, block->requested_size, block->stream);
   const std::size_t original_size = block->size;
   const std::size_t requested = block->requested_size;
   BlockPool& pool = *block->pool;

@@ -64,7 +64,7 @@ Snapshot CachingAllocator::Impl::snapshot() const {
   Snapshot out;
   const bool with_history = history_ && history_->on();
   // Contexts are exported even with history off: live blocks may carry one.
-  std::optional<detail::History::Exporter> contexts;
+  std::optional<detail::EventHistory::Exporter> contexts;
   if (history_) contexts.emplace(*history_, out.contexts);
   if (with_history) history_->record(TraceAction::snapshot, 0, 0, 0);
   out.segments.reserve(segments_.size());

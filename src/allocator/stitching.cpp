@@ -170,7 +170,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   total_reserved_ += fresh_pages * page;
   for_types(*p.pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], fresh_pages * page); });
   ++stats_.num_device_alloc;
-  trace(TraceEntry::Action::segment_map, va, bytes, p.stream);
+  trace(TraceAction::segment_map, va, bytes, p.stream);
   p.pool->insert(b);
   p.block = b;
   p.block_in_pool = true;
@@ -225,7 +225,7 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   total_reserved_ -= fresh_bytes;
   for_types(*block->pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], fresh_bytes); });
   ++stats_.num_device_free;
-  trace(TraceEntry::Action::segment_unmap, seg.base, seg.size, seg.stream);
+  trace(TraceAction::segment_unmap, seg.base, seg.size, seg.stream);
   const DevicePtr base = seg.base;
   arena_.recycle(block);
   segments_.erase(base);

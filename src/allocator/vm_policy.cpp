@@ -341,7 +341,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   total_reserved_ += mapped_bytes;
   for_types(pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], mapped_bytes); });
   ++stats_.num_device_alloc;
-  trace(TraceEntry::Action::segment_map, va, mapped_bytes, seg.stream);
+  trace(TraceAction::segment_map, va, mapped_bytes, seg.stream);
   return true;
 }
 
@@ -432,7 +432,7 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     total_reserved_ -= usize;
     for_types(pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], usize); });
     ++stats_.num_device_free;
-    trace(TraceEntry::Action::segment_unmap, uptr, usize, seg.stream);
+    trace(TraceAction::segment_unmap, uptr, usize, seg.stream);
   }
   if (failed != Status::ok) {
     throw DeviceError(failed_call, failed,

@@ -90,16 +90,16 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
 
   std::uint64_t op_index = 0;
   std::uint64_t reserved = 0;
-  allocator.attach_trace_tracker([&](const TraceEntry& e) {
-    if (e.action == TraceEntry::Action::segment_alloc ||
-        e.action == TraceEntry::Action::segment_map) {
+  allocator.attach_trace_tracker([&](const TraceEvent& e) {
+    if (e.action == TraceAction::segment_alloc ||
+        e.action == TraceAction::segment_map) {
       reserved += e.size;
       if (reserved > result.peak_reserved_bytes) {
         result.peak_reserved_bytes = reserved;
         result.peak_reserved_op = op_index;
       }
-    } else if (e.action == TraceEntry::Action::segment_free ||
-               e.action == TraceEntry::Action::segment_unmap) {
+    } else if (e.action == TraceAction::segment_free ||
+               e.action == TraceAction::segment_unmap) {
       reserved -= e.size;
     }
   });

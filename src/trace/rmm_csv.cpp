@@ -75,7 +75,7 @@ class CsvReader {
   Trace read(const std::string& text) {
     Trace trace;
     trace.name = name_;
-    trace.format = "rmm-csv";
+    trace.format = to_string(TraceFormat::rmm_csv);
     std::size_t pos = 0;
     bool header = false;
     while (pos < text.size()) {

@@ -4,9 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
 #include <unordered_map>
-#include <iterator>
 #include <limits>
 
 #include "reservoir/errors.hpp"
@@ -194,7 +192,7 @@ class Reader {
   Trace read(const Value& root, int device) {
     Trace trace;
     trace.name = name_;
-    trace.format = "pytorch-snapshot";
+    trace.format = to_string(TraceFormat::pytorch_pickle);
     trace.has_addresses = true;
     if (root.kind != Kind::dict)
       fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
@@ -375,23 +373,8 @@ Trace read_snapshot_json(const std::string& text, const std::string& name, int d
   pickle::Document doc;
   doc.set_root(from_json(j, doc, name));
   Trace trace = Reader(name).read(doc.root(), device);
-  trace.format = "snapshot-json";
+  trace.format = to_string(TraceFormat::snapshot_json);
   return trace;
-}
-
-Trace read_trace_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw TraceError(fmt::format("trace {}: read error", path));
-  if (!bytes.empty() && static_cast<unsigned char>(bytes[0]) == 0x80) {
-    return read_pytorch_snapshot(
-        std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path);
-  }
-  const std::size_t first = bytes.find_first_not_of(" \t\r\n");
-  if (first != std::string::npos && bytes[first] == '{') return read_snapshot_json(bytes, path);
-  if (bytes.starts_with("Thread,")) return read_rmm_csv(bytes, path);
-  return read_text_trace(bytes, path);
 }
 
 }  // namespace reservoir

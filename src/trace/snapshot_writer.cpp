@@ -233,7 +233,7 @@ std::string write_snapshot_json(const Trace& trace) {
 Trace to_trace(Snapshot snapshot, std::string name, std::string recorded_config) {
   Trace trace;
   trace.name = std::move(name);
-  trace.format = "pytorch-snapshot";
+  trace.format = to_string(TraceFormat::pytorch_pickle);
   trace.recorded_config = std::move(recorded_config);
   trace.has_addresses = true;
   trace.events = std::move(snapshot.history);

@@ -33,7 +33,7 @@ std::vector<std::string> split_words(const std::string& line) {
 Trace read_text_trace(const std::string& text, const std::string& name) {
   Trace trace;
   trace.name = name;
-  trace.format = "reservoir-text";
+  trace.format = to_string(TraceFormat::text);
   std::istringstream in(text);
   std::string line;
   std::size_t line_no = 0;

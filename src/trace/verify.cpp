@@ -1,16 +1,7 @@
 // verify: replay a PyTorch snapshot exactly as it was recorded and compare
 // every device request and every address with the recording.
 //
-// Starting state. Most snapshots begin mid-run. The segments live at the start
-// are the final segments that no segment event touches, plus those whose first
-// event is a segment_free. The blocks live at the start are those freed before
-// any alloc at their address (their size is the rounded requested size) plus
-// final allocated blocks no event touches (their size is exact). The rest of
-// each starting segment is free. A large block may carry an unsplit tail of up
-// to 1 MiB (PyTorch does not split off a remainder of 1 MiB or less), which its
-// free event does not show: a gap of 1 MiB or less after it must be such a
-// tail (a free large block is always larger), and otherwise the first alloc
-// into the gap, before the block is freed, lands where the gap really starts.
+// Starting state: verify_start.cpp.
 //
 // Device requests. SimDevice gives each new segment the address of the next
 // recorded segment_alloc. While the recording shows segment frees not yet
@@ -28,17 +19,13 @@
 #include "reservoir/format.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
+#include "verify_start.hpp"
 
 namespace reservoir {
 namespace {
 
-struct StartBlock {
-  std::uint64_t size = 0;
-  std::uint64_t requested = 0;
-  StreamId stream = 0;
-  std::size_t free_event = 0;  // index of its free_requested event
-  bool exact = false;          // size known exactly (from the final snapshot)
-};
+using detail::StartingState;
+using detail::starting_state;
 
 struct Expectations {
   std::deque<std::pair<DevicePtr, std::uint64_t>> restore;         // starting segments
@@ -72,7 +59,13 @@ class Verifier {
                       trace_.name));
     }
     result_.events = trace_.events.size();
-    const Snapshot start = starting_state();
+    StartingState start = starting_state(trace_, config_);
+    result_.initial_segments = start.layout.segments.size();
+    result_.initial_live_blocks = start.live_blocks;
+    result_.unsplit_tails = start.unsplit_tails;
+    for (const SegmentInfo& seg : start.layout.segments) {
+      expect_.restore.emplace_back(seg.address, seg.total_size);
+    }
 
     SimDeviceOptions options;
     options.capacity = std::size_t{1} << 50;
@@ -80,11 +73,11 @@ class Verifier {
     device.set_address_source(
         [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
     CachingAllocator allocator(device, config_);
-    allocator.attach_trace_tracker([this](const TraceEntry& e) {
-      if (e.action == TraceEntry::Action::segment_free) on_segment_free(e.addr, e.size);
+    allocator.attach_trace_tracker([this](const TraceEvent& e) {
+      if (e.action == TraceAction::segment_free) on_segment_free(e.addr, e.size);
     });
     restoring_ = true;
-    allocator.restore(start);
+    allocator.restore(start.layout);
     restoring_ = false;
     allocator.reset_accumulated_stats();
     allocator.reset_peak_stats();
@@ -103,137 +96,6 @@ class Verifier {
   }
 
  private:
-  // ---- the starting state --------------------------------------------------
-
-  Snapshot starting_state() {
-    const auto& events = trace_.events;
-    std::map<DevicePtr, SegmentInfo> segments;
-    std::unordered_set<DevicePtr> segment_seen;
-    for (const TraceEvent& e : events) {
-      if (e.action == TraceAction::segment_alloc) {
-        segment_seen.insert(e.addr);
-      } else if (e.action == TraceAction::segment_free && segment_seen.insert(e.addr).second) {
-        SegmentInfo s;
-        s.address = e.addr;
-        s.total_size = e.size;
-        s.stream = e.stream;
-        s.is_large = e.size != kSmallBuffer;
-        segments.emplace(e.addr, s);
-      }
-    }
-    for (const SegmentInfo& s : trace_.final_state.segments) {
-      if (segment_seen.count(s.address) == 0) {
-        SegmentInfo copy = s;
-        copy.blocks.clear();
-        segments.emplace(s.address, copy);
-      }
-    }
-
-    std::map<DevicePtr, StartBlock> blocks;
-    std::unordered_set<DevicePtr> live;
-    std::unordered_set<DevicePtr> touched;
-    for (std::size_t i = 0; i < events.size(); ++i) {
-      const TraceEvent& e = events[i];
-      if (e.action == TraceAction::alloc) {
-        live.insert(e.addr);
-        touched.insert(e.addr);
-      } else if (e.action == TraceAction::free_requested) {
-        touched.insert(e.addr);
-        if (live.erase(e.addr) == 0) {
-          StartBlock b;
-          b.size = CachingAllocator::round_size(e.size, config_);
-          b.requested = e.size;
-          b.stream = e.stream;
-          b.free_event = i;
-          blocks.emplace(e.addr, b);
-        }
-      }
-    }
-    for (const SegmentInfo& s : trace_.final_state.segments) {
-      for (const BlockInfo& bi : s.blocks) {
-        if (bi.state == BlockState::inactive || touched.count(bi.address) != 0) continue;
-        StartBlock b;
-        b.size = bi.size;
-        b.requested = bi.requested_size;
-        b.stream = s.stream;
-        b.exact = true;
-        blocks.emplace(bi.address, b);
-      }
-    }
-
-    // Place each block in its segment, find unsplit tails, and lay out the gaps.
-    Snapshot layout;
-    auto block_it = blocks.begin();
-    for (auto& entry : segments) {
-      const DevicePtr base = entry.first;
-      SegmentInfo& seg = entry.second;
-      const DevicePtr end = base + seg.total_size;
-      std::vector<std::pair<DevicePtr, StartBlock*>> inside;
-      for (; block_it != blocks.end() && block_it->first < end; ++block_it) {
-        if (block_it->first < base) break;
-        inside.emplace_back(block_it->first, &block_it->second);
-      }
-      if (block_it != blocks.end() && block_it->first < base) {
-        throw TraceError(
-            fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
-                        "starting segment",
-                        trace_.name, block_it->first));
-      }
-      for (std::size_t k = 0; k < inside.size(); ++k) {
-        auto& [addr, b] = inside[k];
-        const DevicePtr limit = k + 1 < inside.size() ? inside[k + 1].first : end;
-        if (addr + b->size > limit) {
-          throw TraceError(
-              fmt::format("verify {}: the block live at the start at {:#x} ({} bytes) "
-                          "overlaps what follows at {:#x}",
-                          trace_.name, addr, b->size, limit));
-        }
-        if (!b->exact && seg.is_large) b->size += unsplit_tail(addr, *b, limit);
-      }
-      DevicePtr cursor = base;
-      auto add_free = [&](DevicePtr to) {
-        if (to > cursor) seg.blocks.push_back({cursor, to - cursor, 0, BlockState::inactive});
-        cursor = to;
-      };
-      for (auto& [addr, b] : inside) {
-        add_free(addr);
-        seg.blocks.push_back({addr, b->size, b->requested, BlockState::active_allocated});
-        cursor = addr + b->size;
-      }
-      add_free(end);
-      layout.segments.push_back(seg);
-      expect_.restore.emplace_back(base, seg.total_size);
-      result_.initial_live_blocks += inside.size();
-    }
-    if (block_it != blocks.end()) {
-      throw TraceError(
-          fmt::format("verify {}: a block live at the start, at {:#x}, lies in no "
-                      "starting segment",
-                      trace_.name, block_it->first));
-    }
-    result_.initial_segments = layout.segments.size();
-    return layout;
-  }
-
-  std::uint64_t unsplit_tail(DevicePtr addr, const StartBlock& b, DevicePtr limit) {
-    const DevicePtr end = addr + b.size;
-    const std::uint64_t gap = limit - end;
-    std::uint64_t tail = 0;
-    if (gap > 0 && gap <= kSmallSize) {
-      tail = gap;  // a free large block is always larger than 1 MiB
-    } else if (gap > kSmallSize) {
-      for (std::size_t i = 0; i < b.free_event; ++i) {
-        const TraceEvent& e = trace_.events[i];
-        if (e.action == TraceAction::alloc && e.addr >= end && e.addr <= end + kSmallSize) {
-          tail = e.addr - end;
-          break;
-        }
-      }
-    }
-    if (tail > 0) ++result_.unsplit_tails;
-    return tail;
-  }
-
   // ---- device requests -----------------------------------------------------
 
   Status serve(std::size_t bytes, DevicePtr* addr) {

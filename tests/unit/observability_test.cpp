@@ -109,7 +109,7 @@ TEST_F(Observability, SnapshotDescribesSegmentsAndBlocks) {
 
 TEST_F(Observability, TraceEventsComeInPyTorchsOrder) {
   std::vector<std::string> seen;
-  allocator_->attach_trace_tracker([&](const TraceEntry& e) {
+  allocator_->attach_trace_tracker([&](const TraceEvent& e) {
     seen.push_back(std::string(to_string(e.action)) + ":" + std::to_string(e.size));
   });
   const DevicePtr a = alloc(12 * kMiB);

@@ -123,7 +123,7 @@ Trace record(std::uint64_t seed, int steps) {
   t.name = "recorded";
   t.format = "pytorch-snapshot";
   t.has_addresses = true;
-  allocator.attach_trace_tracker([&](const TraceEntry& e) {
+  allocator.attach_trace_tracker([&](const TraceEvent& e) {
     t.events.push_back({static_cast<TraceAction>(e.action), e.addr, e.size, e.stream});
   });
   std::mt19937_64 rng(seed);
@@ -236,6 +236,30 @@ TEST(SharedTraces, EveryRealSnapshotVerifies) {
                                       return e.action == TraceAction::alloc;
                                     })));
   }
+}
+
+TEST(TraceFormat, DetectedFromTheFirstBytes) {
+  EXPECT_EQ(detect_trace_format(std::string("\x80\x04\x95", 3)), TraceFormat::pytorch_pickle);
+  EXPECT_EQ(detect_trace_format(" \n\t{\"segments\": []}"), TraceFormat::snapshot_json);
+  EXPECT_EQ(detect_trace_format("Thread,Time,Action,Pointer,Size,Stream\n"), TraceFormat::rmm_csv);
+  EXPECT_EQ(detect_trace_format("reservoir-trace 1\n"), TraceFormat::text);
+  EXPECT_EQ(detect_trace_format(""), TraceFormat::text);
+  EXPECT_EQ(detect_trace_format("thread,time"), TraceFormat::text);  // RMM's header is exact
+  EXPECT_EQ(to_string(TraceFormat::pytorch_pickle), "pytorch-snapshot");
+  EXPECT_EQ(to_string(TraceFormat::snapshot_json), "snapshot-json");
+  EXPECT_EQ(to_string(TraceFormat::rmm_csv), "rmm-csv");
+  EXPECT_EQ(to_string(TraceFormat::text), "reservoir-text");
+}
+
+TEST(TraceFormat, EachReaderNamesItsFormat) {
+  const Trace text = read_text_trace("reservoir-trace 1\nalloc 1 512\nfree 1\n", "t");
+  EXPECT_EQ(text.format, "reservoir-text");
+  const Trace json = read_snapshot_json(write_snapshot_json(text), "j");
+  EXPECT_EQ(json.format, "snapshot-json");
+  const std::string pickled = write_pytorch_snapshot(text);
+  const Trace pickle = read_pytorch_snapshot(
+      std::span(reinterpret_cast<const std::uint8_t*>(pickled.data()), pickled.size()), "p");
+  EXPECT_EQ(pickle.format, "pytorch-snapshot");
 }
 
 }  // namespace

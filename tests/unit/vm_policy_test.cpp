@@ -96,14 +96,14 @@ TEST_F(Expandable, EachStreamHasItsOwnReservation) {
 }
 
 TEST_F(Expandable, HistoryRecordsMapsAndUnmaps) {
-  std::vector<TraceEntry> seen;
-  allocator_->attach_trace_tracker([&](const TraceEntry& e) { seen.push_back(e); });
+  std::vector<TraceEvent> seen;
+  allocator_->attach_trace_tracker([&](const TraceEvent& e) { seen.push_back(e); });
   const DevicePtr a = alloc(30 * kMiB);
   release(a);
   allocator_->empty_cache();
-  std::vector<TraceEntry::Action> actions;
-  for (const TraceEntry& e : seen) actions.push_back(e.action);
-  using A = TraceEntry::Action;
+  std::vector<TraceAction> actions;
+  for (const TraceEvent& e : seen) actions.push_back(e.action);
+  using A = TraceAction;
   EXPECT_EQ(actions, (std::vector<A>{A::segment_map, A::alloc, A::free_requested,
                                      A::free_completed, A::segment_unmap}));
   EXPECT_EQ(seen[0].addr, a);

@@ -41,17 +41,13 @@ inline constexpr std::size_t kLargeBuffer = 20971520;    // 1..10 MiB requests s
 inline constexpr std::size_t kMinLargeAlloc = 10485760;  // from 10 MiB, a segment of its own
 inline constexpr std::size_t kRoundLarge = 2097152;      // large segments round to 2 MiB
 
-// One allocator event, as PyTorch's TraceEntry (context and time are set
-// only in recorded history).
-using TraceEntry = TraceEvent;
-
 // Called when an allocation is about to fail: (device, bytes tried, bytes
 // allowed or device total, device free bytes).
 using OomObserver = std::function<void(int, std::size_t, std::size_t, std::size_t)>;
 // Asked to free memory before the allocator goes to the device; returns true
 // when it freed something worth searching the cache again for.
 using FreeMemoryCallback = std::function<bool()>;
-using TraceTracker = std::function<void(const TraceEntry&)>;
+using TraceTracker = std::function<void(const TraceEvent&)>;
 // Chooses whether an allocation on this stream goes to a private pool.
 using PoolFilter = std::function<bool(StreamId)>;
 

@@ -43,7 +43,7 @@ struct Context {
 // A string equal for equal contexts and different otherwise (for interning).
 std::string context_key(const Context& context);
 
-// What happened, as PyTorch's TraceEntry actions.
+// What happened, as PyTorch's TraceEvent actions.
 enum class TraceAction : std::uint8_t {
   alloc,           // addr, size = requested bytes
   free_requested,  // the caller freed addr
@@ -58,8 +58,9 @@ enum class TraceAction : std::uint8_t {
 };
 std::string_view to_string(TraceAction action) noexcept;
 
+// One allocator event, as PyTorch's TraceEntry (context and time are set
+// only in recorded history).
 struct TraceEvent {
-  using Action = TraceAction;
   TraceAction action = TraceAction::alloc;
   DevicePtr addr = 0;
   std::uint64_t size = 0;

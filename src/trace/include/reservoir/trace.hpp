@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "reservoir/caching_allocator.hpp"
@@ -16,7 +17,7 @@ namespace reservoir {
 
 struct Trace {
   std::string name;             // file name, for messages
-  std::string format;           // "pytorch-snapshot" or "reservoir-text"
+  std::string format;           // to_string(TraceFormat) of the format read
   std::string recorded_config;  // allocator settings the trace was recorded with
   bool has_addresses = false;   // events carry real device addresses (snapshots)
   std::vector<TraceEvent> events;
@@ -25,6 +26,15 @@ struct Trace {
   Snapshot final_state;
   const Context& context(std::uint32_t id) const { return final_state.contexts.at(id); }
 };
+
+// The formats a trace file may be in, told apart by their first bytes: a
+// pickle opens with PROTO (0x80), JSON with '{', RMM's CSV log with its
+// header line ("Thread,"); anything else is read as our text format.
+enum class TraceFormat { pytorch_pickle, snapshot_json, rmm_csv, text };
+TraceFormat detect_trace_format(std::string_view bytes) noexcept;
+// "pytorch-snapshot", "snapshot-json", "rmm-csv", "reservoir-text": the
+// names Trace::format carries.
+std::string_view to_string(TraceFormat format) noexcept;
 
 // Reads a trace, choosing the reader by content: a pickle (PyTorch snapshot),
 // JSON (our snapshot export), RMM's CSV log (its header line), or our text

@@ -14,7 +14,7 @@
 
 namespace reservoir::detail {
 
-class History {
+class EventHistory {
  public:
   // Applies options: disabling drops the events (contexts stay, as live
   // blocks refer to them); a new max_entries keeps the latest events.
@@ -32,13 +32,13 @@ class History {
   // stacks. Ids are exported once each; the empty context is 0.
   class Exporter {
    public:
-    Exporter(const History& history, std::vector<Context>& out) : history_(history), out_(out) {
+    Exporter(const EventHistory& history, std::vector<Context>& out) : history_(history), out_(out) {
       by_content_.emplace(context_key(Context{}), 0);
     }
     std::uint32_t operator()(std::uint32_t internal);
 
    private:
-    const History& history_;
+    const EventHistory& history_;
     std::vector<Context>& out_;
     std::unordered_map<std::uint32_t, std::uint32_t> exported_;
     std::unordered_map<std::string, std::uint32_t> by_content_;

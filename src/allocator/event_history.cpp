@@ -1,6 +1,5 @@
-#include "history.hpp"
+#include "event_history.hpp"
 
-#include <algorithm>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -10,7 +9,7 @@
 
 namespace reservoir::detail {
 
-void History::configure(const HistoryOptions& options) {
+void EventHistory::configure(const HistoryOptions& options) {
   if (options.enabled && options.max_entries == 0) {
     throw UsageError("record_history: max_entries must be at least 1");
   }
@@ -41,7 +40,7 @@ void History::configure(const HistoryOptions& options) {
 // Microseconds since the epoch, strictly increasing across every history of
 // the process (a tie moves on by a microsecond), so events of several
 // allocators merge into one order by time alone.
-std::int64_t History::unique_time_us() noexcept {
+std::int64_t EventHistory::unique_time_us() noexcept {
   static std::atomic<std::int64_t> last{0};
   const std::int64_t now = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::system_clock::now().time_since_epoch())
@@ -54,7 +53,7 @@ std::int64_t History::unique_time_us() noexcept {
   return next;
 }
 
-std::uint32_t History::record(TraceAction action, DevicePtr addr, std::uint64_t size,
+std::uint32_t EventHistory::record(TraceAction action, DevicePtr addr, std::uint64_t size,
                               StreamId stream) {
   std::uint32_t stack = 0;
   // Skip this function and the allocator's own frames above it (the rest
@@ -72,7 +71,7 @@ std::uint32_t History::record(TraceAction action, DevicePtr addr, std::uint64_t 
   return context;
 }
 
-std::uint32_t History::intern_stack(std::vector<std::uintptr_t>&& pcs) {
+std::uint32_t EventHistory::intern_stack(std::vector<std::uintptr_t>&& pcs) {
   std::size_t hash = pcs.size();
   for (const std::uintptr_t pc : pcs) hash = hash * 1099511628211ULL ^ pc;
   std::vector<std::uint32_t>& ids = stack_ids_[hash];
@@ -85,7 +84,7 @@ std::uint32_t History::intern_stack(std::vector<std::uintptr_t>&& pcs) {
   return id;
 }
 
-std::uint32_t History::intern_context(std::uint32_t annotation, std::uint32_t stack) {
+std::uint32_t EventHistory::intern_context(std::uint32_t annotation, std::uint32_t stack) {
   if (annotation == 0 && stack == 0) return 0;
   if (annotation == last_.first && stack == last_.second) return last_context_;
   last_ = {annotation, stack};
@@ -110,7 +109,7 @@ bool internal_frame(const Frame& f) {
 
 }  // namespace
 
-std::uint32_t History::Exporter::operator()(std::uint32_t internal) {
+std::uint32_t EventHistory::Exporter::operator()(std::uint32_t internal) {
   if (internal == 0 || internal >= history_.contexts_.size()) return 0;
   auto [it, inserted] = exported_.try_emplace(internal, 0);
   if (!inserted) return it->second;
@@ -134,7 +133,7 @@ std::uint32_t History::Exporter::operator()(std::uint32_t internal) {
   return it->second;
 }
 
-void History::append_events(std::vector<TraceEvent>& out, Exporter& ctx) const {
+void EventHistory::append_events(std::vector<TraceEvent>& out, Exporter& ctx) const {
   const std::size_t n = ring_.size();
   const std::size_t start = n < max_entries_ ? 0 : next_;
   out.reserve(out.size() + n);
