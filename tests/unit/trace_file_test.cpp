@@ -1,0 +1,125 @@
+// Trace files: the format told from the first bytes, each reader naming its
+// format, corrupt files of every format naming the problem.
+#include <gtest/gtest.h>
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "error_text.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/history.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+#include "shared_traces.hpp"
+
+namespace reservoir {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+
+[[gnu::noinline]] void* allocate_in_layer(CachingAllocator& a, std::size_t size, StreamId s) {
+  void* p = a.allocate(size, s);
+  asm volatile("" ::: "memory");
+  return p;
+}
+
+// A recorded workload with annotations, stacks on part of it, two streams,
+// frees, empty_cache and blocks left live at the end.
+Trace recorded_workload(std::uint64_t seed, int steps) {
+  SimDevice device;
+  CachingAllocator allocator(device, AllocatorConfig::parse("max_split_size_mb:64"));
+  allocator.record_history({.stacks = true, .max_frames = 8});
+  std::mt19937_64 rng(seed);
+  std::vector<void*> live;
+  for (int i = 0; i < steps; ++i) {
+    if (i == steps / 2) allocator.record_history({.stacks = false});
+    ScopedAnnotation step(fmt::format("step{}", i / 100));
+    ScopedAnnotation phase(i % 3 == 0 ? "forward" : "backward");
+    if (!live.empty() && (rng() % 100 < 45 || live.size() > 60)) {
+      const std::size_t k = rng() % live.size();
+      allocator.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const std::size_t size = rng() % 4 == 0 ? kMiB + rng() % (90 * kMiB) : 1 + rng() % kMiB;
+      live.push_back(allocate_in_layer(allocator, size, rng() % 5 == 0 ? 1 : 0));
+    }
+    if (i % 700 == 699) allocator.empty_cache();
+  }
+  return to_trace(allocator.snapshot(), "recorded", "max_split_size_mb:64");
+}
+
+// Every error here is a TraceError.
+template <typename F>
+std::string error_of(F&& f) {
+  return testing::error_of<TraceError>(std::forward<F>(f));
+}
+
+TEST(TraceFormat, DetectedFromTheFirstBytes) {
+  EXPECT_EQ(detect_trace_format(std::string("\x80\x04\x95", 3)), TraceFormat::pytorch_pickle);
+  EXPECT_EQ(detect_trace_format(" \n\t{\"segments\": []}"), TraceFormat::snapshot_json);
+  EXPECT_EQ(detect_trace_format("Thread,Time,Action,Pointer,Size,Stream\n"), TraceFormat::rmm_csv);
+  EXPECT_EQ(detect_trace_format("reservoir-trace 1\n"), TraceFormat::text);
+  EXPECT_EQ(detect_trace_format(""), TraceFormat::text);
+  EXPECT_EQ(detect_trace_format("thread,time"), TraceFormat::text);  // RMM's header is exact
+  EXPECT_EQ(to_string(TraceFormat::pytorch_pickle), "pytorch-snapshot");
+  EXPECT_EQ(to_string(TraceFormat::snapshot_json), "snapshot-json");
+  EXPECT_EQ(to_string(TraceFormat::rmm_csv), "rmm-csv");
+  EXPECT_EQ(to_string(TraceFormat::text), "reservoir-text");
+}
+
+TEST(TraceFormat, EachReaderNamesItsFormat) {
+  const Trace text = read_text_trace("reservoir-trace 1\nalloc 1 512\nfree 1\n", "t");
+  EXPECT_EQ(text.format, "reservoir-text");
+  const Trace json = read_snapshot_json(write_snapshot_json(text), "j");
+  EXPECT_EQ(json.format, "snapshot-json");
+  const std::string pickled = write_pytorch_snapshot(text);
+  const Trace pickle = read_pytorch_snapshot(
+      std::span(reinterpret_cast<const std::uint8_t*>(pickled.data()), pickled.size()), "p");
+  EXPECT_EQ(pickle.format, "pytorch-snapshot");
+}
+
+TEST(Export, FilesAreRecognizedByContent) {
+  const Trace t = recorded_workload(3, 300);
+  const auto dir = std::filesystem::temp_directory_path() / "reservoir_export_test";
+  std::filesystem::create_directories(dir);
+  auto write = [&](const char* name, const std::string& content) {
+    const auto path = dir / name;
+    std::ofstream(path, std::ios::binary) << content;
+    return path.string();
+  };
+  EXPECT_EQ(read_trace_file(write("a.bin", write_pytorch_snapshot(t))).format, "pytorch-snapshot");
+  EXPECT_EQ(read_trace_file(write("b.bin", "\n " + write_snapshot_json(t))).format,
+            "snapshot-json");
+  EXPECT_EQ(read_trace_file(write("c.bin", "Thread,Time,Action,Pointer,Size,Stream\n")).format,
+            "rmm-csv");
+  EXPECT_EQ(read_trace_file(write("d.bin", write_text_trace(t))).format, "reservoir-text");
+  std::filesystem::remove_all(dir);
+}
+
+// One corrupt file of each format the tools read, with the exact error.
+TEST(CorruptFiles, EachFormatNamesTheProblem) {
+  const std::string dir = std::string(RESERVOIR_SOURCE_DIR) + "/tests/data/";
+  auto error = [&](const std::string& name) {
+    return error_of([&] { (void)read_trace_file(dir + name); });
+  };
+  EXPECT_EQ(error("corrupt.pickle"), "snapshot " + dir +
+                                         "corrupt.pickle: pickle: byte 94: truncated: the pickle "
+                                         "ends before its STOP opcode");
+  EXPECT_EQ(error("corrupt.json"),
+            "snapshot " + dir +
+                "corrupt.json: byte 92: invalid JSON: [json.exception.parse_error.101] parse error "
+                "at line 1, column 93: syntax error while parsing object - unexpected end of "
+                "input; expected '}'");
+  EXPECT_EQ(error("corrupt.csv"), "RMM log " + dir +
+                                      "corrupt.csv: line 4: Pointer 0x7f8a40000000 is freed with "
+                                      "Size 4096 but was allocated with 1048576 (line 2)");
+  EXPECT_EQ(error("corrupt.trace"),
+            "trace " + dir + "corrupt.trace: line 3: block 2 is freed but not allocated");
+  EXPECT_EQ(error("no_such_file"), "trace " + dir + "no_such_file: cannot open the file");
+}
+
+}  // namespace
+}  // namespace reservoir
