@@ -158,6 +158,15 @@ class CachingAllocator::Impl {
   // A fresh, unlinked, mapped and free block.
   detail::Block* make_block(DevicePtr ptr, std::size_t size, StreamId stream,
                             detail::BlockPool* pool, detail::Segment* segment);
+  // A new segment in segments_ (a VM segment with vm), with a head block
+  // spanning it unless the caller lays out its blocks (restore).
+  detail::Segment* add_segment(DevicePtr base, std::size_t size, StreamId stream,
+                               detail::BlockPool* pool, std::unique_ptr<detail::VmState> vm = nullptr,
+                               bool with_head = true);
+  // The statistics of a segment obtained from the device (allocate_segment).
+  void count_segment_alloc(const detail::BlockPool& pool, std::size_t size);
+  // Marks a block allocated for `requested` bytes, with its statistics.
+  void count_allocation(detail::Block* block, std::size_t requested);
   // Pages of a VM segment lying wholly inside a block: [first, end).
   static std::pair<std::size_t, std::size_t> inner_pages(const detail::Segment& seg,
                                                          const detail::Block* b);

@@ -61,6 +61,46 @@ Block* CachingAllocator::Impl::make_block(DevicePtr ptr, std::size_t size, Strea
   return b;
 }
 
+Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, StreamId stream,
+                                             BlockPool* pool, std::unique_ptr<detail::VmState> vm,
+                                             bool with_head) {
+  auto segment = std::make_unique<Segment>();
+  Segment* seg = segment.get();
+  seg->base = base;
+  seg->size = size;
+  seg->stream = stream;
+  seg->pool = pool;
+  seg->vm = std::move(vm);
+  if (with_head) seg->head = make_block(base, size, stream, pool, seg);
+  segments_.emplace(base, std::move(segment));
+  if (seg->vm) ++vm_segments_;
+  return seg;
+}
+
+void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::size_t size) {
+  total_reserved_ += size;
+  for_types(pool, [&](std::size_t t) {
+    add_stat(stats_.segment[t], 1);
+    add_stat(stats_.reserved_bytes[t], size);
+  });
+  if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
+  ++stats_.num_device_alloc;
+}
+
+void CachingAllocator::Impl::count_allocation(Block* block, std::size_t requested) {
+  block->allocated = true;
+  block->requested_size = requested;
+  allocated_.insert(block->ptr, block);
+  for_types(*block->pool, [&](std::size_t t) {
+    add_stat(stats_.allocation[t], 1);
+    add_stat(stats_.allocated_bytes[t], block->size);
+    add_stat(stats_.active[t], 1);
+    add_stat(stats_.active_bytes[t], block->size);
+    add_stat(stats_.requested_bytes[t], requested);
+  });
+  if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
+}
+
 bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   BlockPool& pool = *p.pool;
   if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
@@ -102,22 +142,9 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
     throw DeviceError(CallKind::allocate_segment, status,
                       fmt::format("allocating a segment of {} bytes", size));
   }
-  auto segment = std::make_unique<Segment>();
-  Block* block = make_block(ptr, size, p.stream, p.pool, segment.get());
-  segment->base = ptr;
-  segment->size = size;
-  segment->stream = p.stream;
-  segment->pool = p.pool;
-  segment->head = block;
-  segments_.emplace(ptr, std::move(segment));
+  Block* block = add_segment(ptr, size, p.stream, p.pool)->head;
   if (p.pool->owner != nullptr) ++p.pool->owner->device_alloc_count;
-  total_reserved_ += size;
-  for_types(*p.pool, [&](std::size_t t) {
-    add_stat(stats_.segment[t], 1);
-    add_stat(stats_.reserved_bytes[t], size);
-  });
-  if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
-  ++stats_.num_device_alloc;
+  count_segment_alloc(*p.pool, size);
   trace(TraceAction::segment_alloc, ptr, size, p.stream);
   p.block = block;
   return true;
@@ -165,17 +192,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
       });
     }
   }
-  block->allocated = true;
-  block->requested_size = requested;
-  allocated_.insert(block->ptr, block);
-  for_types(pool, [&](std::size_t t) {
-    add_stat(stats_.allocation[t], 1);
-    add_stat(stats_.allocated_bytes[t], block->size);
-    add_stat(stats_.active[t], 1);
-    add_stat(stats_.active_bytes[t], block->size);
-    add_stat(stats_.requested_bytes[t], requested);
-  });
-  if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
+  count_allocation(block, requested);
   block->context = trace(TraceAction::alloc, block->ptr, requested, block->stream);
   return block;
 }

@@ -66,20 +66,8 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
       (void)device_.free_segment(got);
       throw UsageError(fmt::format("{}: the device gave address {:#x}", where, got));
     }
-    auto segment = std::make_unique<Segment>();
-    Segment* seg = segment.get();
-    seg->base = got;
-    seg->size = info.total_size;
-    seg->stream = info.stream;
-    seg->pool = &pool;
-    segments_.emplace(got, std::move(segment));
-    total_reserved_ += info.total_size;
-    for_types(pool, [&](std::size_t t) {
-      add_stat(stats_.segment[t], 1);
-      add_stat(stats_.reserved_bytes[t], info.total_size);
-    });
-    if (info.total_size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
-    ++stats_.num_device_alloc;
+    Segment* seg = add_segment(got, info.total_size, info.stream, &pool, nullptr, false);
+    count_segment_alloc(pool, info.total_size);
 
     const bool split = info.blocks.size() > 1;
     DevicePtr cursor = info.address;
@@ -107,17 +95,7 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
       prev = b;
       cursor += bi.size;
       if (bi.state == BlockState::active_allocated) {
-        b->allocated = true;
-        b->requested_size = bi.requested_size;
-        allocated_.insert(b->ptr, b);
-        for_types(pool, [&](std::size_t t) {
-          add_stat(stats_.allocation[t], 1);
-          add_stat(stats_.allocated_bytes[t], b->size);
-          add_stat(stats_.active[t], 1);
-          add_stat(stats_.active_bytes[t], b->size);
-          add_stat(stats_.requested_bytes[t], b->requested_size);
-        });
-        if (b->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
+        count_allocation(b, bi.requested_size);
       } else {
         if (b->prev != nullptr && b->prev->is_free()) {
           throw UsageError(

@@ -146,27 +146,19 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
                       fmt::format("setting access to a stitched range at {:#x}", va));
   }
 
-  auto seg = std::make_unique<Segment>();
-  seg->base = va;
-  seg->size = bytes;
-  seg->stream = p.stream;
-  seg->pool = p.pool;
-  seg->vm = std::make_unique<VmState>();
-  seg->vm->paging = true;
-  seg->vm->stitched = true;
-  seg->vm->page = page;
-  seg->vm->pages = needed;
-  seg->vm->pieces = std::move(pieces);
+  auto vm = std::make_unique<VmState>();
+  vm->paging = true;
+  vm->stitched = true;
+  vm->page = page;
+  vm->pages = needed;
+  vm->pieces = std::move(pieces);
   for (const Span& span : spans) {
     const DevicePtr start = span.seg->base + span.first * page;
     Block* lender = carve(block_at(*span.seg, start), start, (span.end - span.first) * page);
     lender->lent = true;
-    seg->vm->lent.push_back(lender);
+    vm->lent.push_back(lender);
   }
-  Block* b = make_block(va, bytes, p.stream, p.pool, seg.get());
-  seg->head = b;
-  segments_.emplace(va, std::move(seg));
-  ++vm_segments_;
+  Block* b = add_segment(va, bytes, p.stream, p.pool, std::move(vm))->head;
   total_reserved_ += fresh_pages * page;
   for_types(*p.pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], fresh_pages * page); });
   ++stats_.num_device_alloc;

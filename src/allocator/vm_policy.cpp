@@ -67,21 +67,13 @@ Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
     throw DeviceError(CallKind::reserve, status,
                       fmt::format("reserving {} bytes of address space", pages * page));
   }
-  auto seg = std::make_unique<Segment>();
-  seg->base = va;
-  seg->size = pages * page;
-  seg->stream = p.stream;
-  seg->pool = p.pool;
-  seg->vm = std::make_unique<VmState>();
-  seg->vm->paging = paging;
-  seg->vm->page = page;
-  seg->vm->pages = pages;
-  Block* b = make_block(va, seg->size, p.stream, p.pool, seg.get());
+  auto vm = std::make_unique<VmState>();
+  vm->paging = paging;
+  vm->page = page;
+  vm->pages = pages;
+  Block* b = add_segment(va, pages * page, p.stream, p.pool, std::move(vm))->head;
   b->mapped = false;
-  seg->head = b;
   p.pool->unmapped.insert(b);
-  segments_.emplace(va, std::move(seg));
-  ++vm_segments_;
   return b;
 }
 

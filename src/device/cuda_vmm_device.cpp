@@ -125,80 +125,68 @@ Status CudaVmmDevice::free_segment(DevicePtr addr) noexcept {
 
 Status CudaVmmDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_reserve(bytes, alignment); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
-  CUdeviceptr p = 0;
-  const Status s = status_of(api_.cuMemAddressReserve(&p, bytes, alignment, 0, 0));
-  if (s != Status::ok) return s;
-  *va = static_cast<DevicePtr>(p);
-  ledger_.add_reservation(*va, bytes);
-  return Status::ok;
+  return ledger_.reserve(bytes, alignment, va, [&](DevicePtr* out) {
+    RESERVOIR_CURRENT();
+    CUdeviceptr p = 0;
+    const Status s = status_of(api_.cuMemAddressReserve(&p, bytes, alignment, 0, 0));
+    if (s == Status::ok) *out = static_cast<DevicePtr>(p);
+    return s;
+  });
 }
 
 Status CudaVmmDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_unreserve(va, bytes); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
-  const Status s = status_of(api_.cuMemAddressFree(static_cast<CUdeviceptr>(va), bytes));
-  if (s == Status::ok) ledger_.remove_reservation(va);
-  return s;
+  return ledger_.unreserve(va, bytes, [&] {
+    RESERVOIR_CURRENT();
+    return status_of(api_.cuMemAddressFree(static_cast<CUdeviceptr>(va), bytes));
+  });
 }
 
 Status CudaVmmDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_create(bytes); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
-  const CUmemAllocationProp prop = allocation_prop(cu_device_, rdma_);
   CUmemGenericAllocationHandle h = 0;
-  const Status s = status_of(api_.cuMemCreate(&h, bytes, &prop, 0));
-  if (s != Status::ok) return s;
-  *handle = ledger_.add_physical(bytes);
-  handles_.emplace(*handle, h);
-  return Status::ok;
+  const Status s = ledger_.create(bytes, handle, [&] {
+    RESERVOIR_CURRENT();
+    const CUmemAllocationProp prop = allocation_prop(cu_device_, rdma_);
+    return status_of(api_.cuMemCreate(&h, bytes, &prop, 0));
+  });
+  if (s == Status::ok) handles_.emplace(*handle, h);
+  return s;
 }
 
 Status CudaVmmDevice::release_physical(PhysicalHandle handle) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_release(handle); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
   // As with cuMemRelease itself, the memory stays until its mappings go.
-  const Status s = status_of(api_.cuMemRelease(handles_.at(handle)));
-  if (s != Status::ok) return s;
-  ledger_.release(handle);
-  handles_.erase(handle);
-  return Status::ok;
+  return ledger_.release_handle(handle, [&] {
+    RESERVOIR_CURRENT();
+    const Status s = status_of(api_.cuMemRelease(handles_.at(handle)));
+    if (s == Status::ok) handles_.erase(handle);
+    return s;
+  });
 }
 
 Status CudaVmmDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                           std::size_t offset) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_map(va, bytes, handle, offset); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
-  const Status s = status_of(
-      api_.cuMemMap(static_cast<CUdeviceptr>(va), bytes, offset, handles_.at(handle), 0));
-  if (s == Status::ok) ledger_.add_mapping(va, bytes, handle);
-  return s;
+  return ledger_.map(va, bytes, handle, offset, [&] {
+    RESERVOIR_CURRENT();
+    return status_of(
+        api_.cuMemMap(static_cast<CUdeviceptr>(va), bytes, offset, handles_.at(handle), 0));
+  });
 }
 
 Status CudaVmmDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_unmap(va, bytes); s != Status::ok) return s;
-  RESERVOIR_CURRENT();
   // One cuMemUnmap per mapping; on a failure, the mappings already undone
   // leave the ledger with them.
-  std::vector<std::pair<DevicePtr, std::size_t>> ranges;
-  ledger_.for_each_mapping_in(va, bytes, [&](DevicePtr a, std::size_t n) { ranges.emplace_back(a, n); });
-  for (const auto& [a, n] : ranges) {
-    const Status s = status_of(api_.cuMemUnmap(static_cast<CUdeviceptr>(a), n));
-    if (s != Status::ok) return s;
-    ledger_.remove_mappings(a, n);
-  }
-  return Status::ok;
+  RESERVOIR_CURRENT();
+  return ledger_.unmap(va, bytes, [&](DevicePtr a, std::size_t n) {
+    return status_of(api_.cuMemUnmap(static_cast<CUdeviceptr>(a), n));
+  });
 }
 
 Status CudaVmmDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_mapped(va, bytes); s != Status::ok) return s;
   RESERVOIR_CURRENT();
   std::vector<CUmemAccessDesc> access;
   auto grant = [&](int device) {
@@ -210,14 +198,10 @@ Status CudaVmmDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   };
   grant(cu_device_);
   for (const int peer : options_.peers) grant(peer);
-  std::vector<std::pair<DevicePtr, std::size_t>> ranges;
-  ledger_.for_each_mapping_in(va, bytes, [&](DevicePtr a, std::size_t n) { ranges.emplace_back(a, n); });
-  for (const auto& [a, n] : ranges) {
-    const Status s = status_of(
+  return ledger_.set_access(va, bytes, [&](DevicePtr a, std::size_t n) {
+    return status_of(
         api_.cuMemSetAccess(static_cast<CUdeviceptr>(a), n, access.data(), access.size()));
-    if (s != Status::ok) return s;
-  }
-  return Status::ok;
+  });
 }
 
 Status CudaVmmDevice::memory_info(MemoryInfo* info) noexcept {

@@ -55,86 +55,86 @@ Status HostDevice::free_segment(DevicePtr addr) noexcept {
 Status HostDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
   std::lock_guard lock(mutex_);
   if (va == nullptr) return Status::invalid_argument;
-  if (Status s = ledger_.check_reserve(bytes, alignment); s != Status::ok) return s;
-  alignment = std::max(alignment, options_.granularity);
-  const std::size_t span = bytes + alignment;
-  void* p = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) return Status::out_of_memory;
-  auto base = reinterpret_cast<DevicePtr>(p);
-  DevicePtr aligned = (base + alignment - 1) & ~(DevicePtr{alignment} - 1);
-  if (aligned > base) munmap(p, aligned - base);
-  const DevicePtr end = base + span;
-  if (end > aligned + bytes) munmap(as_ptr(aligned + bytes), end - (aligned + bytes));
-  ledger_.add_reservation(aligned, bytes);
-  *va = aligned;
-  return Status::ok;
+  return ledger_.reserve(bytes, alignment, va, [&](DevicePtr* out) {
+    const std::size_t align = std::max(alignment, options_.granularity);
+    const std::size_t span = bytes + align;
+    void* p = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return Status::out_of_memory;
+    auto base = reinterpret_cast<DevicePtr>(p);
+    const DevicePtr aligned = (base + align - 1) & ~(DevicePtr{align} - 1);
+    if (aligned > base) munmap(p, aligned - base);
+    const DevicePtr end = base + span;
+    if (end > aligned + bytes) munmap(as_ptr(aligned + bytes), end - (aligned + bytes));
+    *out = aligned;
+    return Status::ok;
+  });
 }
 
 Status HostDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_unreserve(va, bytes); s != Status::ok) return s;
-  if (munmap(as_ptr(va), bytes) != 0) return Status::device_error;
-  ledger_.remove_reservation(va);
-  return Status::ok;
+  return ledger_.unreserve(va, bytes, [&] {
+    return munmap(as_ptr(va), bytes) == 0 ? Status::ok : Status::device_error;
+  });
 }
 
 Status HostDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
   std::lock_guard lock(mutex_);
   if (handle == nullptr) return Status::invalid_argument;
-  if (Status s = ledger_.check_create(bytes); s != Status::ok) return s;
-  if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
-  int fd = memfd_create("reservoir-physical", MFD_CLOEXEC);
-  if (fd < 0) return Status::device_error;
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    close(fd);
-    return Status::out_of_memory;
-  }
-  *handle = ledger_.add_physical(bytes);
-  fds_.emplace(*handle, fd);
-  return Status::ok;
+  int fd = -1;
+  const Status s = ledger_.create(bytes, handle, [&] {
+    if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
+    fd = memfd_create("reservoir-physical", MFD_CLOEXEC);
+    if (fd < 0) return Status::device_error;
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      close(fd);
+      return Status::out_of_memory;
+    }
+    return Status::ok;
+  });
+  if (s == Status::ok) fds_.emplace(*handle, fd);
+  return s;
 }
 
 Status HostDevice::release_physical(PhysicalHandle handle) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_release(handle); s != Status::ok) return s;
   // Mappings keep the memory alive; it is freed once the last one goes.
-  close(fds_.at(handle));
-  fds_.erase(handle);
-  ledger_.release(handle);
-  return Status::ok;
+  return ledger_.release_handle(handle, [&] {
+    close(fds_.at(handle));
+    fds_.erase(handle);
+    return Status::ok;
+  });
 }
 
 Status HostDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                        std::size_t offset) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_map(va, bytes, handle, offset); s != Status::ok) return s;
-  void* m = mmap(as_ptr(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fds_.at(handle),
-                 static_cast<off_t>(offset));
-  if (m == MAP_FAILED) return Status::device_error;
-  ledger_.add_mapping(va, bytes, handle);
-  return Status::ok;
+  return ledger_.map(va, bytes, handle, offset, [&] {
+    void* m = mmap(as_ptr(va), bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fds_.at(handle),
+                   static_cast<off_t>(offset));
+    return m == MAP_FAILED ? Status::device_error : Status::ok;
+  });
 }
 
 Status HostDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_unmap(va, bytes); s != Status::ok) return s;
-  // Replace the mapping with inaccessible reserved address space.
-  void* m = mmap(as_ptr(va), bytes, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-  if (m == MAP_FAILED) return Status::device_error;
-  ledger_.remove_mappings(va, bytes);
-  return Status::ok;
+  // Each mapping becomes inaccessible reserved address space again.
+  return ledger_.unmap(va, bytes, [](DevicePtr a, std::size_t n) {
+    void* m = mmap(as_ptr(a), n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+                   -1, 0);
+    return m == MAP_FAILED ? Status::device_error : Status::ok;
+  });
 }
 
 Status HostDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = ledger_.check_mapped(va, bytes); s != Status::ok) return s;
-  if (mprotect(as_ptr(va), bytes, PROT_READ | PROT_WRITE) != 0) return Status::device_error;
-  // Give the range its pages now, as a GPU's physical memory is there once
-  // mapped: in one call, rather than a fault per page at first touch.
-  // Kernels before 5.14 refuse the advice; the pages then come at first touch.
-  (void)madvise(as_ptr(va), bytes, MADV_POPULATE_WRITE);
-  return Status::ok;
+  return ledger_.set_access(va, bytes, [](DevicePtr a, std::size_t n) {
+    if (mprotect(as_ptr(a), n, PROT_READ | PROT_WRITE) != 0) return Status::device_error;
+    // Give the range its pages now, as a GPU's physical memory is there once
+    // mapped: in one call, rather than a fault per page at first touch.
+    // Kernels before 5.14 refuse the advice; the pages then come at first touch.
+    (void)madvise(as_ptr(a), n, MADV_POPULATE_WRITE);
+    return Status::ok;
+  });
 }
 
 Status HostDevice::memory_info(MemoryInfo* info) noexcept {

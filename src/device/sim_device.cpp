@@ -106,18 +106,16 @@ Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* v
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::reserve); s != Status::ok) return s;
   if (va == nullptr) return Status::invalid_argument;
-  if (Status s = ledger_.check_reserve(bytes, alignment); s != Status::ok) return s;
-  *va = next_address(bytes, std::max(alignment, options_.granularity));
-  ledger_.add_reservation(*va, bytes);
-  return Status::ok;
+  return ledger_.reserve(bytes, alignment, va, [&](DevicePtr* out) {
+    *out = next_address(bytes, std::max(alignment, options_.granularity));
+    return Status::ok;
+  });
 }
 
 Status SimDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::unreserve); s != Status::ok) return s;
-  if (Status s = ledger_.check_unreserve(va, bytes); s != Status::ok) return s;
-  ledger_.remove_reservation(va);
-  return Status::ok;
+  return ledger_.unreserve(va, bytes, [] { return Status::ok; });
 }
 
 Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
@@ -128,41 +126,35 @@ Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noe
     return s;
   }
   if (handle == nullptr) return Status::invalid_argument;
-  if (Status s = ledger_.check_create(bytes); s != Status::ok) return s;
-  if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
-  *handle = ledger_.add_physical(bytes);
-  return Status::ok;
+  return ledger_.create(bytes, handle, [&] {
+    return bytes > options_.capacity - std::min(used(), options_.capacity) ? Status::out_of_memory
+                                                                            : Status::ok;
+  });
 }
 
 Status SimDevice::release_physical(PhysicalHandle handle) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::release_physical); s != Status::ok) return s;
-  if (Status s = ledger_.check_release(handle); s != Status::ok) return s;
-  ledger_.release(handle);
-  return Status::ok;
+  return ledger_.release_handle(handle, [] { return Status::ok; });
 }
 
 Status SimDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                       std::size_t offset) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::map); s != Status::ok) return s;
-  if (Status s = ledger_.check_map(va, bytes, handle, offset); s != Status::ok) return s;
-  ledger_.add_mapping(va, bytes, handle);
-  return Status::ok;
+  return ledger_.map(va, bytes, handle, offset, [] { return Status::ok; });
 }
 
 Status SimDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::unmap); s != Status::ok) return s;
-  if (Status s = ledger_.check_unmap(va, bytes); s != Status::ok) return s;
-  ledger_.remove_mappings(va, bytes);
-  return Status::ok;
+  return ledger_.unmap(va, bytes, [](DevicePtr, std::size_t) { return Status::ok; });
 }
 
 Status SimDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
   if (Status s = enter(CallKind::set_access); s != Status::ok) return s;
-  return ledger_.check_mapped(va, bytes);
+  return ledger_.set_access(va, bytes, [](DevicePtr, std::size_t) { return Status::ok; });
 }
 
 Status SimDevice::memory_info(MemoryInfo* info) noexcept {

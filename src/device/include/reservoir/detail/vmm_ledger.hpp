@@ -1,8 +1,12 @@
 // VmmLedger: the bookkeeping of the device contract's virtual-memory
 // operations, shared by every backend that implements them on its own
-// (SimDevice, HostDevice): reservations, physical handles and mappings, and
-// the preconditions device.hpp writes beside each operation. A backend checks
-// with the ledger, does its own work (nothing, or mmap), then records it.
+// (SimDevice, HostDevice, CudaVmmDevice): reservations, physical handles and
+// mappings, and the preconditions device.hpp writes beside each operation.
+//
+// Each operation is one call here: the ledger checks the preconditions, runs
+// the backend's work (nothing, mmap, or the CUDA driver) and records the
+// result only when the work succeeded, so a backend cannot check without
+// recording or record what failed.
 //
 // Thread safety: none; the owning device's mutex guards it.
 #pragma once
@@ -10,6 +14,8 @@
 #include <cstddef>
 #include <map>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "reservoir/device.hpp"
 
@@ -21,6 +27,68 @@ class VmmLedger {
 
   std::size_t granularity() const noexcept { return granularity_; }
   void set_granularity(std::size_t g) noexcept { granularity_ = g; }
+
+  // ---- the operations: check, work, record ----
+  // work: Status(DevicePtr* va) sets the reservation's address.
+  template <typename Work>
+  Status reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va, Work&& work) {
+    if (Status s = check_reserve(bytes, alignment); s != Status::ok) return s;
+    const Status s = work(va);
+    if (s == Status::ok) add_reservation(*va, bytes);
+    return s;
+  }
+  template <typename Work>
+  Status unreserve(DevicePtr va, std::size_t bytes, Work&& work) {
+    if (Status s = check_unreserve(va, bytes); s != Status::ok) return s;
+    const Status s = work();
+    if (s == Status::ok) remove_reservation(va);
+    return s;
+  }
+  // On success *handle is the new handle; the backend keeps what its work
+  // made under it.
+  template <typename Work>
+  Status create(std::size_t bytes, PhysicalHandle* handle, Work&& work) {
+    if (Status s = check_create(bytes); s != Status::ok) return s;
+    const Status s = work();
+    if (s == Status::ok) *handle = add_physical(bytes);
+    return s;
+  }
+  template <typename Work>
+  Status release_handle(PhysicalHandle handle, Work&& work) {
+    if (Status s = check_release(handle); s != Status::ok) return s;
+    const Status s = work();
+    if (s == Status::ok) release(handle);
+    return s;
+  }
+  template <typename Work>
+  Status map(DevicePtr va, std::size_t bytes, PhysicalHandle handle, std::size_t offset, Work&& work) {
+    if (Status s = check_map(va, bytes, handle, offset); s != Status::ok) return s;
+    const Status s = work();
+    if (s == Status::ok) add_mapping(va, bytes, handle);
+    return s;
+  }
+  // work: Status(DevicePtr va, std::size_t bytes), once per mapping in the
+  // range, in address order; the mappings undone before a failure stay undone.
+  template <typename Work>
+  Status unmap(DevicePtr va, std::size_t bytes, Work&& work) {
+    if (Status s = check_unmap(va, bytes); s != Status::ok) return s;
+    for (const auto& [a, n] : mappings_in(va, bytes)) {
+      if (Status s = work(a, n); s != Status::ok) return s;
+      remove_mappings(a, n);
+    }
+    return Status::ok;
+  }
+  // work: as for unmap, once per mapping of the (wholly mapped) range.
+  template <typename Work>
+  Status set_access(DevicePtr va, std::size_t bytes, Work&& work) {
+    if (Status s = check_mapped(va, bytes); s != Status::ok) return s;
+    for (const auto& [a, n] : mappings_in(va, bytes)) {
+      if (Status s = work(a, n); s != Status::ok) return s;
+    }
+    return Status::ok;
+  }
+
+  // ---- the checks and records the operations are made of ----
 
   // reserve: bytes a positive multiple of granularity, alignment 0 or a power of two.
   Status check_reserve(std::size_t bytes, std::size_t alignment) const noexcept;
@@ -45,12 +113,13 @@ class VmmLedger {
   Status check_unmap(DevicePtr va, std::size_t bytes) const noexcept;
   // Removes the mappings; returns the bytes of released handles this dropped.
   std::size_t remove_mappings(DevicePtr va, std::size_t bytes);
-  // The mappings lying in [va, va + bytes), in address order: f(va, bytes).
-  template <typename F>
-  void for_each_mapping_in(DevicePtr va, std::size_t bytes, F&& f) const {
+  // The mappings lying in [va, va + bytes), in address order.
+  std::vector<std::pair<DevicePtr, std::size_t>> mappings_in(DevicePtr va, std::size_t bytes) const {
+    std::vector<std::pair<DevicePtr, std::size_t>> out;
     for (auto it = mappings_.lower_bound(va); it != mappings_.end() && it->first < va + bytes; ++it) {
-      f(it->first, it->second.bytes);
+      out.emplace_back(it->first, it->second.bytes);
     }
+    return out;
   }
   // set_access: every byte of the range is mapped.
   Status check_mapped(DevicePtr va, std::size_t bytes) const noexcept;
