@@ -39,28 +39,13 @@ LatencyModel LatencyModel::defaults() {
 
 SimDevice::SimDevice(SimDeviceOptions options)
     : options_(options), next_address_(options.base_address), ledger_(options.granularity) {
-  for (std::size_t i = 0; i < kCallKindCount; ++i) faults_[i].rng.seed(i + 1);
 }
 
 SimDevice::~SimDevice() = default;
 
 Status SimDevice::enter(CallKind kind, double extra_ns) {
-  const std::size_t i = index(kind);
-  ++calls_[i];
-  estimated_ns_ += options_.latency.ns_per_call[i] + extra_ns;
-  Fault& f = faults_[i];
-  if (f.nth != 0 && --f.nth == 0) {
-    ++failures_[i];
-    return f.nth_status;
-  }
-  if (f.fraction > 0.0) {
-    std::uniform_real_distribution<double> u(0.0, 1.0);
-    if (u(f.rng) < f.fraction) {
-      ++failures_[i];
-      return f.fraction_status;
-    }
-  }
-  return Status::ok;
+  estimated_ns_ += options_.latency.ns_per_call[index(kind)] + extra_ns;
+  return faults_.enter(kind);
 }
 
 DevicePtr SimDevice::next_address(std::size_t bytes, std::size_t alignment) {
@@ -268,24 +253,17 @@ void SimDevice::set_address_source(AddressSource source) {
 
 void SimDevice::fail_nth(CallKind kind, std::uint64_t n, Status status) {
   std::lock_guard lock(mutex_);
-  faults_[index(kind)].nth = n;
-  faults_[index(kind)].nth_status = status;
+  faults_.fail_nth(kind, n, status);
 }
 
 void SimDevice::fail_fraction(CallKind kind, double fraction, std::uint64_t seed, Status status) {
   std::lock_guard lock(mutex_);
-  Fault& f = faults_[index(kind)];
-  f.fraction = fraction;
-  f.fraction_status = status;
-  f.rng.seed(seed);
+  faults_.fail_fraction(kind, fraction, seed, status);
 }
 
 void SimDevice::clear_faults() {
   std::lock_guard lock(mutex_);
-  for (Fault& f : faults_) {
-    f.nth = 0;
-    f.fraction = 0.0;
-  }
+  faults_.clear();
 }
 
 void SimDevice::complete_event(EventId event) {
@@ -311,12 +289,12 @@ void SimDevice::set_auto_complete_events(bool on) {
 
 std::uint64_t SimDevice::calls(CallKind kind) const {
   std::lock_guard lock(mutex_);
-  return calls_[index(kind)];
+  return faults_.calls(kind);
 }
 
 std::uint64_t SimDevice::failures(CallKind kind) const {
   std::lock_guard lock(mutex_);
-  return failures_[index(kind)];
+  return faults_.failures(kind);
 }
 
 std::size_t SimDevice::used_bytes() const {
@@ -351,8 +329,7 @@ double SimDevice::estimated_ns() const {
 
 void SimDevice::reset_counters() {
   std::lock_guard lock(mutex_);
-  calls_.fill(0);
-  failures_.fill(0);
+  faults_.reset_counters();
   estimated_ns_ = 0.0;
 }
 

@@ -1,12 +1,14 @@
 // FaultyDevice: forwards to a real device (HostDevice: real memory) and fails
-// chosen calls, so failure paths can be tested with real contents. It also
-// logs the stream of every copy and can hide virtual memory.
+// chosen calls with the library's FaultInjector (as SimDevice does), so
+// failure paths can be tested with real contents. It also logs the stream of
+// every copy and the order of the calls, and can hide virtual memory.
 #pragma once
 
-#include <array>
+#include <cstdint>
 #include <mutex>
 #include <vector>
 
+#include "reservoir/detail/fault_injector.hpp"
 #include "reservoir/device.hpp"
 
 namespace reservoir::testing {
@@ -19,15 +21,15 @@ class FaultyDevice final : public Device {
   // Fail the nth (1-based) call of `kind` from now with `status`.
   void fail_nth(CallKind kind, int n, Status status) {
     std::lock_guard lock(mutex_);
-    faults_[static_cast<std::size_t>(kind)] = {n, status};
+    faults_.fail_nth(kind, static_cast<std::uint64_t>(n), status);
   }
   void clear() {
     std::lock_guard lock(mutex_);
-    faults_ = {};
+    faults_.clear();
   }
   int calls(CallKind kind) const {
     std::lock_guard lock(mutex_);
-    return calls_[static_cast<std::size_t>(kind)];
+    return static_cast<int>(faults_.calls(kind));
   }
   std::vector<StreamId> copy_streams() const {
     std::lock_guard lock(mutex_);
@@ -47,41 +49,38 @@ class FaultyDevice final : public Device {
     copy_streams_.clear();
     copy_sizes_.clear();
     order_.clear();
-    calls_ = {};
+    faults_.reset_counters();
   }
 
   std::string_view name() const noexcept override { return base_.name(); }
   Status allocate_segment(std::size_t b, DevicePtr* a) noexcept override {
-    return hit(CallKind::allocate_segment) ? fault(CallKind::allocate_segment)
-                                           : base_.allocate_segment(b, a);
+    return guard(CallKind::allocate_segment, [&] { return base_.allocate_segment(b, a); });
   }
   Status free_segment(DevicePtr a) noexcept override {
-    return hit(CallKind::free_segment) ? fault(CallKind::free_segment) : base_.free_segment(a);
+    return guard(CallKind::free_segment, [&] { return base_.free_segment(a); });
   }
   bool supports_virtual_memory() const noexcept override { return vm_; }
   std::size_t granularity() const noexcept override { return base_.granularity(); }
   Status reserve(std::size_t b, std::size_t al, DevicePtr* va) noexcept override {
-    return hit(CallKind::reserve) ? fault(CallKind::reserve) : base_.reserve(b, al, va);
+    return guard(CallKind::reserve, [&] { return base_.reserve(b, al, va); });
   }
   Status unreserve(DevicePtr va, std::size_t b) noexcept override {
-    return hit(CallKind::unreserve) ? fault(CallKind::unreserve) : base_.unreserve(va, b);
+    return guard(CallKind::unreserve, [&] { return base_.unreserve(va, b); });
   }
   Status create_physical(std::size_t b, PhysicalHandle* h) noexcept override {
-    return hit(CallKind::create_physical) ? fault(CallKind::create_physical)
-                                          : base_.create_physical(b, h);
+    return guard(CallKind::create_physical, [&] { return base_.create_physical(b, h); });
   }
   Status release_physical(PhysicalHandle h) noexcept override {
-    return hit(CallKind::release_physical) ? fault(CallKind::release_physical)
-                                           : base_.release_physical(h);
+    return guard(CallKind::release_physical, [&] { return base_.release_physical(h); });
   }
   Status map(DevicePtr va, std::size_t b, PhysicalHandle h, std::size_t o) noexcept override {
-    return hit(CallKind::map) ? fault(CallKind::map) : base_.map(va, b, h, o);
+    return guard(CallKind::map, [&] { return base_.map(va, b, h, o); });
   }
   Status unmap(DevicePtr va, std::size_t b) noexcept override {
-    return hit(CallKind::unmap) ? fault(CallKind::unmap) : base_.unmap(va, b);
+    return guard(CallKind::unmap, [&] { return base_.unmap(va, b); });
   }
   Status set_access(DevicePtr va, std::size_t b) noexcept override {
-    return hit(CallKind::set_access) ? fault(CallKind::set_access) : base_.set_access(va, b);
+    return guard(CallKind::set_access, [&] { return base_.set_access(va, b); });
   }
   Status memory_info(MemoryInfo* i) noexcept override { return base_.memory_info(i); }
   Status create_event(EventId* e) noexcept override { return base_.create_event(e); }
@@ -90,12 +89,10 @@ class FaultyDevice final : public Device {
   Status query_event(EventId e) noexcept override { return base_.query_event(e); }
   Status synchronize_event(EventId e) noexcept override { return base_.synchronize_event(e); }
   Status synchronize_stream(StreamId s) noexcept override {
-    return hit(CallKind::synchronize_stream) ? fault(CallKind::synchronize_stream)
-                                             : base_.synchronize_stream(s);
+    return guard(CallKind::synchronize_stream, [&] { return base_.synchronize_stream(s); });
   }
   Status synchronize_device() noexcept override {
-    return hit(CallKind::synchronize_device) ? fault(CallKind::synchronize_device)
-                                             : base_.synchronize_device();
+    return guard(CallKind::synchronize_device, [&] { return base_.synchronize_device(); });
   }
   // Streams: numbered from 100 (the base need not have any).
   Status create_stream(StreamId* s) noexcept override {
@@ -106,34 +103,25 @@ class FaultyDevice final : public Device {
   Status destroy_stream(StreamId) noexcept override { return Status::ok; }
   Status copy_to_host(void* d, DevicePtr s, std::size_t b, StreamId st) noexcept override {
     log(st, b);
-    return hit(CallKind::copy_to_host) ? fault(CallKind::copy_to_host)
-                                       : base_.copy_to_host(d, s, b, st);
+    return guard(CallKind::copy_to_host, [&] { return base_.copy_to_host(d, s, b, st); });
   }
   Status copy_to_device(DevicePtr d, const void* s, std::size_t b, StreamId st) noexcept override {
     log(st, b);
-    return hit(CallKind::copy_to_device) ? fault(CallKind::copy_to_device)
-                                         : base_.copy_to_device(d, s, b, st);
+    return guard(CallKind::copy_to_device, [&] { return base_.copy_to_device(d, s, b, st); });
   }
 
  private:
-  struct Fault {
-    int n = 0;
-    Status status = Status::ok;
-  };
-  bool hit(CallKind kind) noexcept {
-    std::lock_guard lock(mutex_);
-    const auto k = static_cast<std::size_t>(kind);
-    ++calls_[k];
-    order_.push_back(kind);
-    Fault& f = faults_[k];
-    if (f.n > 0 && --f.n == 0) {
-      last_ = f.status;
-      f = {};
-      return true;
+  // Counts the call; fails it when a fault is due, else makes it on the base.
+  template <typename Call>
+  Status guard(CallKind kind, Call&& call) noexcept {
+    Status s = Status::ok;
+    {
+      std::lock_guard lock(mutex_);
+      order_.push_back(kind);
+      s = faults_.enter(kind);
     }
-    return false;
+    return s != Status::ok ? s : call();
   }
-  Status fault(CallKind) noexcept { return last_; }
   void log(StreamId s, std::size_t b) noexcept {
     std::lock_guard lock(mutex_);
     copy_streams_.push_back(s);
@@ -143,9 +131,7 @@ class FaultyDevice final : public Device {
   Device& base_;
   bool vm_;
   mutable std::mutex mutex_;
-  std::array<Fault, kCallKindCount> faults_{};
-  std::array<int, kCallKindCount> calls_{};
-  Status last_ = Status::ok;
+  detail::FaultInjector faults_;
   StreamId next_stream_ = 100;
   std::vector<StreamId> copy_streams_;
   std::vector<std::size_t> copy_sizes_;

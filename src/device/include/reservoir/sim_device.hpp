@@ -16,10 +16,10 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
-#include <random>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "reservoir/detail/fault_injector.hpp"
 #include "reservoir/detail/vmm_ledger.hpp"
 #include "reservoir/device.hpp"
 
@@ -113,13 +113,6 @@ class SimDevice final : public Device {
   void reset_counters();
 
  private:
-  struct Fault {
-    std::uint64_t nth = 0;  // 0: none
-    Status nth_status = Status::ok;
-    double fraction = 0.0;
-    Status fraction_status = Status::ok;
-    std::mt19937_64 rng;
-  };
   struct EventState {
     StreamId stream = 0;
     bool recorded = false;
@@ -142,10 +135,8 @@ class SimDevice final : public Device {
   detail::VmmLedger ledger_;
   std::unordered_map<EventId, EventState> events_;
   EventId next_event_ = 1;
-  std::array<std::uint64_t, kCallKindCount> calls_{};
-  std::array<std::uint64_t, kCallKindCount> failures_{};
   StreamId next_stream_ = StreamId{1} << 40;
-  std::array<Fault, kCallKindCount> faults_{};
+  detail::FaultInjector faults_;
   double estimated_ns_ = 0.0;
 };
 
