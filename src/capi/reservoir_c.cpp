@@ -310,16 +310,9 @@ reservoir_status reservoir_saver_tags_json(reservoir_saver* saver, char** out) {
   return guarded(__func__, [&] {
     nlohmann::json tags = nlohmann::json::array();
     for (const reservoir::TagInfo& t : saver->saver->tags()) {
-      tags.push_back({{"tag", t.tag},
-                      {"cpu_backup", t.cpu_backup},
-                      {"paused", t.paused},
-                      {"allocated_bytes", t.allocated_bytes},
-                      {"reserved_bytes", t.reserved_bytes},
-                      {"physical_bytes", t.physical_bytes},
-                      {"backup_bytes", t.backup_bytes},
-                      {"pending_frees", t.pending_frees},
-                      {"pauses", t.pauses},
-                      {"resumes", t.resumes}});
+      nlohmann::json fields = nlohmann::json::object();
+      t.for_each_field([&](const char* name, const auto& value) { fields[name] = value; });
+      tags.push_back(std::move(fields));
     }
     *out = copy_string(tags.dump());
   });

@@ -43,21 +43,7 @@ std::unique_ptr<T> open_as(DeviceKind kind, const OpenDeviceOptions& options) {
 
 py::dict tag_dict(const TagInfo& t) {
   py::dict d;
-  d["tag"] = t.tag;
-  d["cpu_backup"] = t.cpu_backup;
-  d["paused"] = t.paused;
-  d["allocated_bytes"] = t.allocated_bytes;
-  d["reserved_bytes"] = t.reserved_bytes;
-  d["physical_bytes"] = t.physical_bytes;
-  d["backup_bytes"] = t.backup_bytes;
-  d["pending_frees"] = t.pending_frees;
-  d["pauses"] = t.pauses;
-  d["resumes"] = t.resumes;
-  d["last_pause_seconds"] = t.last_pause_seconds;
-  d["last_resume_seconds"] = t.last_resume_seconds;
-  d["last_pause_copied"] = t.last_pause_copied;
-  d["last_resume_copied"] = t.last_resume_copied;
-  d["last_released_bytes"] = t.last_released_bytes;
+  t.for_each_field([&](const char* name, const auto& value) { d[name] = value; });
   return d;
 }
 

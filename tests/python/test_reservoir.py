@@ -168,6 +168,13 @@ def test_stats_summary_and_snapshot_cover_tags():
     assert tagged, snap["segments"]
     saver.pause("weights")
     assert "Tag 'weights': paused, 0 bytes of physical memory" in saver.memory_summary()
+    (info,) = saver.tags()
+    assert list(info) == ["tag", "cpu_backup", "paused", "allocated_bytes", "reserved_bytes",
+                          "physical_bytes", "backup_bytes", "pending_frees", "pauses", "resumes",
+                          "last_pause_seconds", "last_resume_seconds", "last_pause_copied",
+                          "last_resume_copied", "last_released_bytes"]
+    assert (info["tag"], info["paused"], info["pauses"], info["physical_bytes"]) == ("weights", True, 1, 0)
+    assert info["allocated_bytes"] == MiB and info["last_released_bytes"] == 2 * MiB
     saver.resume("weights")
     saver.free(a)
     saver.free(b)

@@ -129,6 +129,7 @@ int main(void) {
   CHECK(reservoir_saver_region_pop(saver, token) == RESERVOIR_OK);
   CHECK(reservoir_saver_tags_json(saver, &text) == RESERVOIR_OK);
   CHECK(strstr(text, "\"paused\":true") != NULL && strstr(text, "\"physical_bytes\":0") != NULL);
+  CHECK(strstr(text, "\"pauses\":1") != NULL && strstr(text, "\"last_released_bytes\":") != NULL);
   reservoir_string_free(text);
   CHECK(reservoir_saver_resume(saver, NULL) == RESERVOIR_OK);
   int same = 1;

@@ -100,7 +100,8 @@ reservoir_status reservoir_saver_free(reservoir_saver* saver, void* ptr);
 reservoir_status reservoir_saver_pause(reservoir_saver* saver, const char* tag);
 reservoir_status reservoir_saver_resume(reservoir_saver* saver, const char* tag);
 reservoir_status reservoir_saver_is_paused(reservoir_saver* saver, const char* tag, int* paused);
-/* Every tag's state as a JSON array (free with reservoir_string_free). */
+/* Every tag's state as a JSON array of objects with TagInfo's fields
+   (reservoir/saver.hpp), free with reservoir_string_free. */
 reservoir_status reservoir_saver_tags_json(reservoir_saver* saver, char** out);
 
 #ifdef __cplusplus

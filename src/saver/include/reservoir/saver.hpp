@@ -109,6 +109,27 @@ struct TagInfo : PauseRecord {
   std::size_t physical_bytes = 0;   // physical memory held now (0 while paused)
   std::size_t backup_bytes = 0;     // bytes held in host memory for this tag now
   std::size_t pending_frees = 0;    // blocks freed while paused, applied on resume
+
+  // Visits every field as f(name, value), in this order: the one list the
+  // C API's JSON and the Python module's dicts are made from.
+  template <typename F>
+  void for_each_field(F&& f) const {
+    f("tag", tag);
+    f("cpu_backup", cpu_backup);
+    f("paused", paused);
+    f("allocated_bytes", allocated_bytes);
+    f("reserved_bytes", reserved_bytes);
+    f("physical_bytes", physical_bytes);
+    f("backup_bytes", backup_bytes);
+    f("pending_frees", pending_frees);
+    f("pauses", pauses);
+    f("resumes", resumes);
+    f("last_pause_seconds", last_pause_seconds);
+    f("last_resume_seconds", last_resume_seconds);
+    f("last_pause_copied", last_pause_copied);
+    f("last_resume_copied", last_resume_copied);
+    f("last_released_bytes", last_released_bytes);
+  }
 };
 
 class Saver {
