@@ -2,6 +2,9 @@
 // configuration, statistics, observers and history.
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <string_view>
+
 #include <algorithm>
 
 #include "allocator_impl.hpp"
@@ -26,6 +29,10 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
   check_supported(config_);
   vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+  if (const char* v = std::getenv("RESERVOIR_VALIDATE"); v != nullptr && *v != '\0' &&
+      std::string_view(v) != "0") {
+    validate_each_call_.store(true, std::memory_order_relaxed);
+  }
 }
 
 CachingAllocator::Impl::~Impl() {

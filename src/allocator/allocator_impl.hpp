@@ -8,6 +8,8 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <type_traits>
 #include <deque>
 #include <map>
 #include <memory>
@@ -20,6 +22,7 @@
 #include "event_history.hpp"
 #include "spin_mutex.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
 
 namespace reservoir {
 
@@ -54,6 +57,29 @@ class CachingAllocator::Impl {
   void release_pool(PoolId id);
   void validate() const;
   void restore(const Snapshot& layout);
+
+  // Runs call(); in validation mode, then validate(), also when call threw.
+  template <typename Call>
+  decltype(auto) checked(Call&& call) {
+    if (!validate_each_call_.load(std::memory_order_relaxed)) return call();
+    try {
+      if constexpr (std::is_void_v<decltype(call())>) {
+        call();
+        validate();
+      } else {
+        decltype(auto) result = call();
+        validate();
+        return result;
+      }
+    } catch (const InvariantError&) {
+      throw;
+    } catch (...) {
+      validate();  // an error leaves the allocator consistent
+      throw;
+    }
+  }
+  std::atomic<bool> validate_each_call_{false};
+  mutable std::atomic<std::uint64_t> validations_{0};
 
   const int device_index_;
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <string_view>
 
 #include "symbolize.hpp"
 #include "reservoir/errors.hpp"
@@ -100,11 +101,19 @@ std::uint32_t EventHistory::intern_context(std::uint32_t annotation, std::uint32
 
 namespace {
 
+// The allocator's source folder, as debug information names its files.
+constexpr std::string_view source_dir() {
+  constexpr std::string_view file = __FILE__;
+  return file.substr(0, file.rfind('/') + 1);
+}
+
 // Frames of the allocator itself (and of the capture, when not inlined), at
-// the inner end of a captured stack.
+// the inner end of a captured stack: by name, or, for lambdas that debug
+// information names only "operator()", by the file they are in.
 bool internal_frame(const Frame& f) {
   return f.name.starts_with("reservoir::CachingAllocator") ||
-         f.name.starts_with("reservoir::detail::");
+         f.name.starts_with("reservoir::detail::") ||
+         (source_dir().size() > 1 && f.filename.starts_with(source_dir()));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <bit>
 
 #include "allocator_impl.hpp"
+#include "reservoir/detail/debug_assert.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 
@@ -88,6 +89,8 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
 }
 
 void CachingAllocator::Impl::count_allocation(Block* block, std::size_t requested) {
+  RESERVOIR_DEBUG_ASSERT(!block->allocated && block->mapped);
+  RESERVOIR_DEBUG_ASSERT(block->size >= requested);
   block->allocated = true;
   block->requested_size = requested;
   allocated_.insert(block->ptr, block);
@@ -166,6 +169,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     }
     block->next = remaining;
     remaining->prev = block;
+    RESERVOIR_DEBUG_ASSERT(remaining->size > p.size);
     remaining->ptr += p.size;
     remaining->size -= p.size;
     if (p.block_in_pool) {
@@ -350,6 +354,9 @@ void CachingAllocator::Impl::free_block(Block* block) {
   Block* const next = block->next;
   const bool merge_prev = prev != nullptr && prev->is_free();
   const bool merge_next = next != nullptr && next->is_free();
+  RESERVOIR_DEBUG_ASSERT(block->event_count == 0);
+  RESERVOIR_DEBUG_ASSERT(prev == nullptr || prev->ptr + prev->size == block->ptr);
+  RESERVOIR_DEBUG_ASSERT(next == nullptr || block->ptr + block->size == next->ptr);
   std::int64_t split_blocks_change = 0;
   std::int64_t split_bytes_change = 0;
   Block* merged = block;

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <thread>
 
+#include "reservoir/detail/debug_assert.hpp"
+
 namespace reservoir::detail {
 
 // The allocator's lock: critical sections are tens of nanoseconds, so a
@@ -27,6 +29,7 @@ class SpinMutex {
     return !locked_.exchange(true, std::memory_order_acquire);
   }
   void unlock() noexcept {
+    RESERVOIR_DEBUG_ASSERT(locked_.load(std::memory_order_relaxed));
     locked_.store(false, std::memory_order_release);
   }
 

@@ -76,10 +76,38 @@ void Saver::deallocate(void* ptr) { impl_->deallocate(ptr); }
 void Saver::record_stream(void* ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
 void Saver::empty_cache() { impl_->empty_cache(); }
 
-void Saver::pause(std::string_view tag) { impl_->pause(tag); }
-void Saver::pause() { impl_->pause_all(); }
-void Saver::resume(std::string_view tag) { impl_->resume(tag); }
-void Saver::resume() { impl_->resume_all(); }
+// Pause and resume, then (validation mode) the saver's validator, also when
+// they threw: a failed pause or resume must leave every record consistent.
+template <typename Call>
+void Saver::checked(Call&& call) {
+  if (!impl_->validate_each_call_.load(std::memory_order_relaxed)) return call();
+  try {
+    call();
+  } catch (const InvariantError&) {
+    throw;
+  } catch (...) {
+    validate();
+    throw;
+  }
+  validate();
+}
+
+void Saver::pause(std::string_view tag) {
+  checked([&] { impl_->pause(tag); });
+}
+void Saver::pause() {
+  checked([&] { impl_->pause_all(); });
+}
+void Saver::resume(std::string_view tag) {
+  checked([&] { impl_->resume(tag); });
+}
+void Saver::resume() {
+  checked([&] { impl_->resume_all(); });
+}
+
+void Saver::set_validate_each_call(bool on) {
+  impl_->set_validate_each_call(on);
+}
 
 bool Saver::is_paused(std::string_view tag) const {
   std::vector<TagState*> states = impl_->tags_named(tag, "is_paused");

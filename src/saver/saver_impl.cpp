@@ -51,6 +51,7 @@ TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
     combined_ = std::move(combined);
   }
   if (combined_) state->allocator.combine_stats(combined_, false);
+  state->allocator.set_validate_each_call(validate_each_call_.load(std::memory_order_relaxed));
   return *tags_.emplace(key, std::move(state)).first->second;
 }
 
@@ -197,6 +198,13 @@ Snapshot Saver::Impl::snapshot() const {
   std::stable_sort(out.history.begin(), out.history.end(),
                    [](const TraceEvent& a, const TraceEvent& b) { return a.time_us < b.time_us; });
   return out;
+}
+
+void Saver::Impl::set_validate_each_call(bool on) {
+  std::unique_lock lock(tags_mutex_);
+  validate_each_call_.store(on, std::memory_order_relaxed);
+  untagged_.set_validate_each_call(on);
+  for (auto& [key, state] : tags_) state->allocator.set_validate_each_call(on);
 }
 
 }  // namespace reservoir

@@ -9,12 +9,15 @@
 // blocks that were live at pause and queued; resume applies them.
 #pragma once
 
+#include <atomic>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <vector>
 
@@ -67,7 +70,12 @@ class Saver::Impl {
         tag_base_(options_.tag_device != nullptr ? *options_.tag_device : device),
         pinned_(options_.pinned_source != nullptr ? *options_.pinned_source : own_pinned_),
         host_cache_(pinned_, tag_base_),
-        untagged_(device, options_.config, options_.device_index) {}
+        untagged_(device, options_.config, options_.device_index) {
+    if (const char* v = std::getenv("RESERVOIR_VALIDATE"); v != nullptr && *v != '\0' &&
+        std::string_view(v) != "0") {
+      validate_each_call_.store(true, std::memory_order_relaxed);
+    }
+  }
 
   ~Impl() {
     tags_.clear();  // allocators first: they give their segments back
@@ -106,6 +114,10 @@ class Saver::Impl {
   TagInfo info(TagState& state) const;
   void record_history(const HistoryOptions& options);
   Snapshot snapshot() const;
+
+  // ---- validation mode: the saver's and every allocator's ----
+  void set_validate_each_call(bool on);
+  std::atomic<bool> validate_each_call_{false};
 
   // ---- state ----
   Device& device_;

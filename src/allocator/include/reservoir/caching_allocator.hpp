@@ -132,6 +132,13 @@ class CachingAllocator {
   // pool, no two free neighbours, stats equal a recount, pointer map and
   // event queues consistent). Throws InvariantError naming the first breach.
   void validate() const;
+  // Validation mode: validate() after every call that changes the allocator,
+  // whether it returned or threw (the error then is the breach, if any).
+  // Costs a walk of every block per call: for tests and debugging. On from
+  // construction when RESERVOIR_VALIDATE is set (to anything but 0).
+  void set_validate_each_call(bool on);
+  // validate() runs so far (in validation mode or called directly).
+  std::uint64_t validations() const noexcept;
 
   // The size a request is rounded to, and the device allocation a request of
   // that rounded size would make (PyTorch's round_size / get_allocation_size).

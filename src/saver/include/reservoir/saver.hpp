@@ -225,10 +225,18 @@ class Saver {
   CachingAllocator& untagged_allocator();
   // Checks every allocator's invariants and the saver's own bookkeeping.
   void validate() const;
+  // Validation mode: every allocator validates after each call that changes
+  // it (CachingAllocator::set_validate_each_call), and the saver after each
+  // pause and resume, returned or thrown. On from construction when
+  // RESERVOIR_VALIDATE is set (to anything but 0).
+  void set_validate_each_call(bool on);
 
   class Impl;
 
  private:
+  template <typename Call>
+  void checked(Call&& call);
+
   std::unique_ptr<Impl> impl_;
 };
 
