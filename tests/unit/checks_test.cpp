@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <optional>
+#include <string>
 
 #include "error_text.hpp"
 #include "reservoir/caching_allocator.hpp"
@@ -20,6 +22,31 @@ int conditions_evaluated_when_off();
 namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// Sets (or, with nullptr, removes) an environment variable for a scope; the
+// suite itself may run with RESERVOIR_VALIDATE set.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 TEST(DebugAssert, AFailureNamesTheConditionAndWhereAndAborts) {
   static_assert(RESERVOIR_DEBUG_ASSERTS == 1, "this file is compiled with the checks on");
@@ -39,6 +66,7 @@ TEST(ValidationMode, ValidatesAfterEveryChangingCallReturnedOrThrown) {
   SimDeviceOptions o;
   o.capacity = 64 * kMiB;
   SimDevice device(o);
+  const ScopedEnv unset("RESERVOIR_VALIDATE", nullptr);
   CachingAllocator a(device);
   void* p = a.allocate(kMiB);
   a.deallocate(p);
@@ -61,15 +89,19 @@ TEST(ValidationMode, ValidatesAfterEveryChangingCallReturnedOrThrown) {
 
 TEST(ValidationMode, TheEnvironmentTurnsItOnFromConstruction) {
   SimDevice device;
-  ASSERT_EQ(setenv("RESERVOIR_VALIDATE", "1", 1), 0);
-  CachingAllocator on(device);
-  ASSERT_EQ(setenv("RESERVOIR_VALIDATE", "0", 1), 0);
-  CachingAllocator off(device);
-  ASSERT_EQ(unsetenv("RESERVOIR_VALIDATE"), 0);
-  on.deallocate(on.allocate(512));
-  off.deallocate(off.allocate(512));
-  EXPECT_EQ(on.validations(), 2u);
-  EXPECT_EQ(off.validations(), 0u);
+  std::optional<CachingAllocator> on, off;
+  {
+    const ScopedEnv set("RESERVOIR_VALIDATE", "1");
+    on.emplace(device);
+  }
+  {
+    const ScopedEnv set("RESERVOIR_VALIDATE", "0");
+    off.emplace(device);
+  }
+  on->deallocate(on->allocate(512));
+  off->deallocate(off->allocate(512));
+  EXPECT_EQ(on->validations(), 2u);
+  EXPECT_EQ(off->validations(), 0u);
 }
 
 TEST(ValidationMode, TheSaverValidatesAfterPauseAndResume) {
