@@ -56,7 +56,7 @@ CachingAllocator::Impl::~Impl() {
 // Control
 
 void CachingAllocator::Impl::empty_cache() {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   release_cached_blocks();
 }
 
@@ -70,14 +70,14 @@ void CachingAllocator::Impl::set_memory_fraction(double fraction) {
   if (status != Status::ok) {
     throw DeviceError(CallKind::memory_info, status, "set_memory_fraction");
   }
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   allowed_memory_maximum_ = static_cast<std::size_t>(fraction * static_cast<double>(info.total));
   set_fraction_ = true;
 }
 
 void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   check_supported(config);
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;
   vm_mode_ = vm_mode(config_);
@@ -85,31 +85,31 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
 }
 
 AllocatorConfig CachingAllocator::Impl::config() const {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   return config_;
 }
 
 DeviceStats CachingAllocator::Impl::stats() const {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   return stats_;
 }
 
 void CachingAllocator::Impl::reset_peak_stats() {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   stats_.for_each_stat([](Stat& s) { s.reset_peak(); });
 }
 
 void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
                                            bool carry_peaks) {
   if (!combined) throw UsageError("combine_stats: no combined statistics given");
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   if (combined_) throw UsageError("combine_stats: this allocator's statistics are combined already");
   combined->add(stats_, carry_peaks);
   combined_ = std::move(combined);
 }
 
 void CachingAllocator::Impl::reset_accumulated_stats() {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   stats_.for_each_stat([](Stat& s) { s.reset_accumulated(); });
   stats_.num_alloc_retries = 0;
   stats_.num_ooms = 0;
@@ -119,7 +119,7 @@ void CachingAllocator::Impl::reset_accumulated_stats() {
 }
 
 std::size_t CachingAllocator::Impl::largest_cached_block() const {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   std::size_t largest = 0;
   auto scan = [&largest](const BlockPool& pool) {
     for (const Block* b : pool.blocks) largest = std::max(largest, b->size);
@@ -134,23 +134,23 @@ std::size_t CachingAllocator::Impl::largest_cached_block() const {
 }
 
 void CachingAllocator::Impl::attach_oom_observer(OomObserver observer) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   oom_observers_.push_back(std::move(observer));
 }
 
 void CachingAllocator::Impl::add_free_memory_callback(FreeMemoryCallback callback) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   free_memory_callbacks_.push_back(std::move(callback));
 }
 
 void CachingAllocator::Impl::attach_trace_tracker(TraceTracker tracker) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   trackers_.push_back(std::move(tracker));
   observed_ = true;
 }
 
 void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   if (!history_) {
     if (!options.enabled) return;
     history_ = std::make_unique<detail::EventHistory>();

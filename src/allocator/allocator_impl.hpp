@@ -1,28 +1,29 @@
 // The state and the private operations of CachingAllocator.
 //
-// Lock discipline: mutex_ guards every member below. Members named *_locked
-// or taking a `Locked` tag expect it held; the public entry points in
-// caching_allocator.cpp take it. The lock is dropped on purpose in two places,
-// both marked "LOCK RELEASED": around free-memory callbacks (they may free
-// memory through this allocator) and around out-of-memory observers.
+// Lock discipline: mutex_ guards every member below (GUARDED_BY), and the
+// private operations expect it held (REQUIRES); clang's -Wthread-safety
+// checks both at compile time. The entry points take it. The lock is dropped on purpose in two
+// places, both marked "LOCK RELEASED": around free-memory callbacks (they may free memory through
+// this allocator) and around out-of-memory observers.
 #pragma once
 
 #include <array>
 #include <atomic>
-#include <type_traits>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "block.hpp"
 #include "event_history.hpp"
-#include "spin_mutex.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/detail/thread_safety.hpp"
 #include "reservoir/errors.hpp"
+#include "spin_mutex.hpp"
 
 namespace reservoir {
 
@@ -103,12 +104,14 @@ class CachingAllocator::Impl {
 
   // mutex_'s type: releasing it first publishes the statistics changed under
   // it to the combined statistics, if any (see combine_stats).
-  class PublishingMutex {
+  // Its own members are not analysed: they touch the statistics mutex_
+  // guards, which the analysis cannot tie to *this.
+  class RESERVOIR_CAPABILITY("mutex") PublishingMutex {
    public:
     explicit PublishingMutex(Impl& impl) noexcept : impl_(impl) {}
-    void lock() noexcept { spin_.lock(); }
-    bool try_lock() noexcept { return spin_.try_lock(); }
-    void unlock() noexcept {
+    void lock() noexcept RESERVOIR_ACQUIRE() { spin_.lock(); }
+    bool try_lock() noexcept RESERVOIR_TRY_ACQUIRE(true) { return spin_.try_lock(); }
+    void unlock() noexcept RESERVOIR_RELEASE() RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
       if (!impl_.section_.empty()) impl_.combined_->publish(impl_.section_);
       spin_.unlock();
     }
@@ -118,50 +121,59 @@ class CachingAllocator::Impl {
     detail::SpinMutex spin_;
   };
 
-  // ---- all below expect mutex_ held ----
+  // ---- all below: mutex_ held (checked by clang's -Wthread-safety) ----
   // Every change of a Stat goes through these (they feed combined_).
-  void add_stat(Stat& s, std::uint64_t amount) noexcept {
+  void add_stat(Stat& s, std::uint64_t amount) noexcept RESERVOIR_REQUIRES(mutex_) {
     s.increase(amount);
     if (combined_) section_.note(stats_, s, static_cast<std::int64_t>(amount));
   }
-  void sub_stat(Stat& s, std::uint64_t amount) noexcept {
+  void sub_stat(Stat& s, std::uint64_t amount) noexcept RESERVOIR_REQUIRES(mutex_) {
     s.decrease(amount);
     if (combined_) section_.note(stats_, s, -static_cast<std::int64_t>(amount));
   }
-  detail::BlockPool& pool_for(std::size_t size, StreamId stream);
-  bool get_free_block(AllocParams& p);
-  bool alloc_block(AllocParams& p, bool is_retry);
-  detail::Block* alloc_found_block(AllocParams& p, std::size_t requested);
-  bool should_split(const detail::Block* block, std::size_t size) const;
-  void free_block(detail::Block* block);
-  void garbage_collect_cached_blocks();
-  bool release_available_cached_blocks(const AllocParams& p);
-  bool release_cached_blocks();
-  void release_blocks(detail::BlockPool& pool);
-  void release_block(detail::Block* block);
-  void insert_events(detail::Block* block);
-  void insert_deferred_events();
+  detail::BlockPool& pool_for(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
+  bool get_free_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
+  detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
+      RESERVOIR_REQUIRES(mutex_);
+  bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_);
+  void free_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  void garbage_collect_cached_blocks() RESERVOIR_REQUIRES(mutex_);
+  bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  bool release_cached_blocks() RESERVOIR_REQUIRES(mutex_);
+  void release_blocks(detail::BlockPool& pool) RESERVOIR_REQUIRES(mutex_);
+  void release_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  void insert_events(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  void insert_deferred_events() RESERVOIR_REQUIRES(mutex_);
   // The front event of a queue completed: keep the event, free the block if it was the last.
-  void retire_front(std::deque<PendingEvent>& queue);
-  void process_events();
-  void synchronize_and_free_events();
-  EventId take_event();
-  [[noreturn]] void throw_oom(std::unique_lock<PublishingMutex>& lock, const AllocParams& p);
-  [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const;
+  void retire_front(std::deque<PendingEvent>& queue) RESERVOIR_REQUIRES(mutex_);
+  void process_events() RESERVOIR_REQUIRES(mutex_);
+  void synchronize_and_free_events() RESERVOIR_REQUIRES(mutex_);
+  EventId take_event() RESERVOIR_REQUIRES(mutex_);
+  // The out-of-memory error for p, and what the observers are told (they run
+  // with the lock released).
+  struct Oom {
+    OutOfMemoryError error;
+    std::vector<OomObserver> observers;
+    std::size_t limit;
+    std::size_t free;
+  };
+  Oom out_of_memory(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const
+      RESERVOIR_REQUIRES(mutex_);
   // Reports an event to the trackers and the history; returns the context
   // the history recorded it in (0 when none).
-  std::uint32_t trace(TraceAction action, DevicePtr addr, std::size_t size,
-                      StreamId stream) {
+  std::uint32_t trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream)
+      RESERVOIR_REQUIRES(mutex_) {
     return observed_ ? emit(TraceEvent{action, addr, size, stream}) : 0;
   }
-  std::uint32_t emit(const TraceEvent& entry);
+  std::uint32_t emit(const TraceEvent& entry) RESERVOIR_REQUIRES(mutex_);
   static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
-  template <typename F>
-  static void for_types(const detail::BlockPool& pool, F&& f) {
-    f(std::size_t{0});
-    f(stat_index(pool));
+  // The statistics a pool's change counts in: "all" and its own (small or large).
+  static std::array<std::size_t, 2> stat_types(const detail::BlockPool& pool) {
+    return {0, stat_index(pool)};
   }
-  void check_supported(const AllocatorConfig& config) const;
+  void check_supported(const AllocatorConfig& config) const;  // reads config and device_ only
 
   // ---- virtual-memory segments (vm_policy.cpp) ----
   enum class VmMode { none, expandable, paging };
@@ -172,27 +184,30 @@ class CachingAllocator::Impl {
     }
     return VmMode::none;
   }
-  bool vm_on() const noexcept { return vm_mode_ != VmMode::none; }
+  bool vm_on() const noexcept RESERVOIR_REQUIRES(mutex_) { return vm_mode_ != VmMode::none; }
   // Whether a block lies in a VM segment. The count keeps the native policy's
   // hot path from loading the block's segment.
-  bool in_vm(const detail::Block* b) const noexcept {
+  bool in_vm(const detail::Block* b) const noexcept RESERVOIR_REQUIRES(mutex_) {
     return vm_segments_ != 0 && b->segment->vm != nullptr;
   }
-  bool in_stitched(const detail::Block* b) const noexcept {
+  bool in_stitched(const detail::Block* b) const noexcept RESERVOIR_REQUIRES(mutex_) {
     return in_vm(b) && b->segment->vm->stitched;
   }
   // A fresh, unlinked, mapped and free block.
   detail::Block* make_block(DevicePtr ptr, std::size_t size, StreamId stream,
-                            detail::BlockPool* pool, detail::Segment* segment);
+                            detail::BlockPool* pool, detail::Segment* segment)
+      RESERVOIR_REQUIRES(mutex_);
   // A new segment in segments_ (a VM segment with vm), with a head block
   // spanning it unless the caller lays out its blocks (restore).
   detail::Segment* add_segment(DevicePtr base, std::size_t size, StreamId stream,
-                               detail::BlockPool* pool, std::unique_ptr<detail::VmState> vm = nullptr,
-                               bool with_head = true);
+                               detail::BlockPool* pool,
+                               std::unique_ptr<detail::VmState> vm = nullptr, bool with_head = true)
+      RESERVOIR_REQUIRES(mutex_);
   // The statistics of a segment obtained from the device (allocate_segment).
-  void count_segment_alloc(const detail::BlockPool& pool, std::size_t size);
+  void count_segment_alloc(const detail::BlockPool& pool, std::size_t size)
+      RESERVOIR_REQUIRES(mutex_);
   // Marks a block allocated for `requested` bytes, with its statistics.
-  void count_allocation(detail::Block* block, std::size_t requested);
+  void count_allocation(detail::Block* block, std::size_t requested) RESERVOIR_REQUIRES(mutex_);
   // Pages of a VM segment lying wholly inside a block: [first, end).
   static std::pair<std::size_t, std::size_t> inner_pages(const detail::Segment& seg,
                                                          const detail::Block* b);
@@ -201,88 +216,100 @@ class CachingAllocator::Impl {
   static std::size_t unmapped_within(const detail::Block* b, std::size_t size);
   // PyTorch's try_allocate_expandable_block: map pages until a free run of
   // p.size bytes exists; leaves it out of the pool in p.block.
-  bool alloc_vm_block(AllocParams& p);
+  bool alloc_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Moves `it`, the best fit in a VM segment, to the block that serves p
   // under the VM rules (growable size, stitched blocks whole, none while VM
   // is off); false when no block of p's stream does.
-  bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it);
-  detail::Block* find_vm_candidate(const AllocParams& p);
-  detail::Block* new_vm_segment(const AllocParams& p);
+  bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it)
+      RESERVOIR_REQUIRES(mutex_);
+  detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  detail::Block* new_vm_segment(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Maps the pages under the first `bytes` of an unmapped block; false on
   // out of memory (nothing changed). Throws DeviceError on other failures,
   // after undoing what it did.
-  bool map_block(detail::Block* to_map, std::size_t bytes);
+  bool map_block(detail::Block* to_map, std::size_t bytes) RESERVOIR_REQUIRES(mutex_);
   // Unmaps the fully free pages (paging: the fully free handles) of a cached
   // block, after synchronizing its stream.
-  void unmap_block(detail::Block* block);
+  void unmap_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   // Unmaps pages [first, end) of a cached block (whole handles).
-  void unmap_pages(detail::Block* block, std::size_t first, std::size_t end);
-  bool try_alloc_vm_block(AllocParams& p);
+  void unmap_pages(detail::Block* block, std::size_t first, std::size_t end)
+      RESERVOIR_REQUIRES(mutex_);
+  bool try_alloc_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Paging's last resort: a new range mapped onto free pages of this
   // stream's segments (plus fresh memory for the rest).
-  bool stitch_block(AllocParams& p);
-  void dissolve_stitched(detail::Block* block);
-  void dissolve_cached_stitched();
-  void retry_stuck() noexcept;
+  bool stitch_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
+  void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
   // Splits [start, start + bytes) out of a cached block, which leaves the pool;
   // the pieces before and after stay cached. Returns the middle block.
-  detail::Block* carve(detail::Block* block, DevicePtr start, std::size_t bytes);
+  detail::Block* carve(detail::Block* block, DevicePtr start, std::size_t bytes)
+      RESERVOIR_REQUIRES(mutex_);
   // Puts a block back in its pool, merged with cached neighbours.
-  void recache(detail::Block* block);
+  void recache(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   static detail::Block* block_at(detail::Segment& seg, DevicePtr addr);
-  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes);
+  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes)
+      RESERVOIR_REQUIRES(mutex_);
   // Paging: unmaps whole free handles, largest first, until `bytes` are
   // released; leaves `keep` alone. True when anything was released.
-  bool release_free_handles(std::size_t bytes, const detail::Block* keep);
-  void release_vm_segment(detail::Block* block);
+  bool release_free_handles(std::size_t bytes, const detail::Block* keep)
+      RESERVOIR_REQUIRES(mutex_);
+  void release_vm_segment(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   // empty_cache's part for cached VM blocks: stitched ones dissolved, the
   // others' pages unmapped and segments left empty given back.
-  void release_vm_blocks(const std::vector<detail::Block*>& blocks);
+  void release_vm_blocks(const std::vector<detail::Block*>& blocks) RESERVOIR_REQUIRES(mutex_);
   // Merges neighbour src into dst when both are available and equally mapped.
-  void merge_unmapped(detail::Block* dst, detail::Block* src);
-  void unmap_handles(detail::Segment& seg, std::size_t first, std::size_t end);
-  void drop_vm_segment_locked(detail::Segment& seg) noexcept;
-  void validate_vm_segment(const detail::Segment& seg) const;
-  void restore_locked(const Snapshot& layout);
-  void drop_all_locked() noexcept;
+  void merge_unmapped(detail::Block* dst, detail::Block* src) RESERVOIR_REQUIRES(mutex_);
+  void unmap_handles(detail::Segment& seg, std::size_t first, std::size_t end)
+      RESERVOIR_REQUIRES(mutex_);
+  void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
+  void validate_vm_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
+  void restore_locked(const Snapshot& layout) RESERVOIR_REQUIRES(mutex_);
+  void drop_all_locked() noexcept RESERVOIR_REQUIRES(mutex_);
 
   Device& device_;
   mutable PublishingMutex mutex_{*this};
-  AllocatorConfig config_;
-  DeviceStats stats_;
+  AllocatorConfig config_ RESERVOIR_GUARDED_BY(mutex_);
+  DeviceStats stats_ RESERVOIR_GUARDED_BY(mutex_);
   // With combined statistics attached, what the current locked section
   // changed, published when the lock is released.
-  std::shared_ptr<CombinedStats> combined_;
-  CombinedStats::Section section_;
-  detail::NodeRecycler node_resource_;  // set nodes of every pool
-  detail::BlockArena arena_;
-  detail::BlockPool large_;
-  detail::BlockPool small_;
-  detail::AddressMap<detail::Block*> allocated_;  // allocated blocks by address
-  std::map<DevicePtr, std::unique_ptr<detail::Segment>> segments_;
-  std::map<PoolId, std::unique_ptr<detail::PrivatePool>> private_pools_;
-  std::vector<PoolId> freeable_pools_;
-  std::vector<std::pair<PoolId, PoolFilter>> routes_;  // PyTorch's captures_underway
-  std::vector<detail::Block*> deferred_event_blocks_;
-  std::map<StreamId, std::deque<PendingEvent>> pending_events_;
-  std::vector<EventId> idle_events_;
-  std::size_t total_reserved_ = 0;
-  VmMode vm_mode_ = VmMode::none;
-  std::size_t vm_segments_ = 0;  // live VM segments (stitched ones included)
+  std::shared_ptr<CombinedStats> combined_ RESERVOIR_GUARDED_BY(mutex_);
+  CombinedStats::Section section_ RESERVOIR_GUARDED_BY(mutex_);
+  detail::NodeRecycler node_resource_ RESERVOIR_GUARDED_BY(mutex_);  // set nodes of every pool
+  detail::BlockArena arena_ RESERVOIR_GUARDED_BY(mutex_);
+  detail::BlockPool large_ RESERVOIR_GUARDED_BY(mutex_);
+  detail::BlockPool small_ RESERVOIR_GUARDED_BY(mutex_);
+  detail::AddressMap<detail::Block*> allocated_
+      RESERVOIR_GUARDED_BY(mutex_);  // allocated blocks by address
+  std::map<DevicePtr, std::unique_ptr<detail::Segment>> segments_ RESERVOIR_GUARDED_BY(mutex_);
+  std::map<PoolId, std::unique_ptr<detail::PrivatePool>> private_pools_
+      RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<PoolId> freeable_pools_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<std::pair<PoolId, PoolFilter>> routes_
+      RESERVOIR_GUARDED_BY(mutex_);  // PyTorch's captures_underway
+  std::vector<detail::Block*> deferred_event_blocks_ RESERVOIR_GUARDED_BY(mutex_);
+  std::map<StreamId, std::deque<PendingEvent>> pending_events_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<EventId> idle_events_ RESERVOIR_GUARDED_BY(mutex_);
+  std::size_t total_reserved_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  VmMode vm_mode_ RESERVOIR_GUARDED_BY(mutex_) = VmMode::none;
+  std::size_t vm_segments_ RESERVOIR_GUARDED_BY(mutex_) =
+      0;  // live VM segments (stitched ones included)
   // Undo steps that failed themselves, retried on each release pass and at
   // destruction: handles whose release failed, mappings that would not go,
   // and address space that could not be returned.
-  std::vector<PhysicalHandle> unreleased_;
-  std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_;
-  std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_;
-  std::size_t allowed_memory_maximum_ = 0;
-  bool set_fraction_ = false;
-  bool max_split_changed_ = false;  // oversize stats are not recountable after a change
-  std::vector<OomObserver> oom_observers_;
-  std::vector<FreeMemoryCallback> free_memory_callbacks_;
-  std::vector<TraceTracker> trackers_;
-  std::unique_ptr<detail::EventHistory> history_;  // created when first turned on
-  bool observed_ = false;                     // trackers attached or history on
+  std::vector<PhysicalHandle> unreleased_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
+  std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
+  bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
+      false;  // oversize stats are not recountable after a change
+  std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<FreeMemoryCallback> free_memory_callbacks_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<TraceTracker> trackers_ RESERVOIR_GUARDED_BY(mutex_);
+  std::unique_ptr<detail::EventHistory> history_
+      RESERVOIR_GUARDED_BY(mutex_);                     // created when first turned on
+  bool observed_ RESERVOIR_GUARDED_BY(mutex_) = false;  // trackers attached or history on
 };
 
 }  // namespace reservoir

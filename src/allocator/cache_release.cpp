@@ -136,10 +136,10 @@ void CachingAllocator::Impl::release_block(Block* block) {
   total_reserved_ -= block->size;
   BlockPool& pool = *block->pool;
   if (pool.owner != nullptr) --pool.owner->device_alloc_count;
-  for_types(pool, [&](std::size_t t) {
+  for (const std::size_t t : stat_types(pool)) {
     sub_stat(stats_.segment[t], 1);
     sub_stat(stats_.reserved_bytes[t], block->size);
-  });
+  }
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_segments, 1);
   pool.erase(block);
   segments_.erase(block->ptr);

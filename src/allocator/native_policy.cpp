@@ -80,10 +80,10 @@ Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, S
 
 void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::size_t size) {
   total_reserved_ += size;
-  for_types(pool, [&](std::size_t t) {
+  for (const std::size_t t : stat_types(pool)) {
     add_stat(stats_.segment[t], 1);
     add_stat(stats_.reserved_bytes[t], size);
-  });
+  }
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
   ++stats_.num_device_alloc;
 }
@@ -94,13 +94,13 @@ void CachingAllocator::Impl::count_allocation(Block* block, std::size_t requeste
   block->allocated = true;
   block->requested_size = requested;
   allocated_.insert(block->ptr, block);
-  for_types(*block->pool, [&](std::size_t t) {
+  for (const std::size_t t : stat_types(*block->pool)) {
     add_stat(stats_.allocation[t], 1);
     add_stat(stats_.allocated_bytes[t], block->size);
     add_stat(stats_.active[t], 1);
     add_stat(stats_.active_bytes[t], block->size);
     add_stat(stats_.requested_bytes[t], requested);
-  });
+  }
   if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
 }
 
@@ -180,20 +180,21 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     if (in_vm(block)) {
       // Expandable segments stay out of the inactive_split stats (PyTorch).
     } else if (already_split) {
-      for_types(pool, [&](std::size_t t) { sub_stat(stats_.inactive_split_bytes[t], block->size); });
+      for (const std::size_t t : stat_types(pool))
+        sub_stat(stats_.inactive_split_bytes[t], block->size);
     } else {
-      for_types(pool, [&](std::size_t t) {
+      for (const std::size_t t : stat_types(pool)) {
         add_stat(stats_.inactive_split_bytes[t], remaining->size);
         add_stat(stats_.inactive_split[t], 1);
-      });
+      }
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
     if (already_split && !in_vm(block)) {
-      for_types(pool, [&](std::size_t t) {
+      for (const std::size_t t : stat_types(pool)) {
         sub_stat(stats_.inactive_split_bytes[t], block->size);
         sub_stat(stats_.inactive_split[t], 1);
-      });
+      }
     }
   }
   count_allocation(block, requested);
@@ -203,7 +204,7 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
 
 void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   if (requested == 0) return nullptr;
-  std::unique_lock lock(mutex_);
+  detail::UniqueLock lock(mutex_);
   if (routes_.empty()) process_events();
   const std::size_t size = round_size(requested, config_);
   AllocParams p{size, allocation_size(size), stream, &pool_for(size, stream)};
@@ -226,12 +227,16 @@ void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
             (release_available_cached_blocks(p) && alloc_block(p, false)) ||
             (routes_.empty() && release_cached_blocks() && alloc_block(p, true));
   }
-  if (!found) throw_oom(lock, p);
+  if (!found) {
+    Oom oom = out_of_memory(p);
+    lock.unlock();  // LOCK RELEASED: observers may inspect or free memory
+    for (const auto& observer : oom.observers) observer(device_index_, p.alloc_size, oom.limit, oom.free);
+    throw std::move(oom.error);
+  }
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
 }
 
-void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
-                                       const AllocParams& p) {
+CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocParams& p) {
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
   std::string allowed_info;
@@ -251,10 +256,6 @@ void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
     private_msg = "with " + format_size(in_private_pools) +
                   " allocated in private pools (e.g., CUDA Graphs), ";
   }
-  const std::vector<OomObserver> observers = oom_observers_;
-  const std::size_t limit = set_fraction_ ? allowed_memory_maximum_ : info.total;
-  lock.unlock();  // LOCK RELEASED: observers may inspect or free memory
-  for (const auto& observer : observers) observer(device_index_, p.alloc_size, limit, info.free);
   std::string message = fmt::format(
       "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} "
       "is free. {}Of the allocated memory {} is allocated by PyTorch, {}and {} is reserved by "
@@ -265,7 +266,8 @@ void CachingAllocator::Impl::throw_oom(std::unique_lock<PublishingMutex>& lock,
       format_size(p.alloc_size), device_index_, format_size(info.total), format_size(info.free),
       allowed_info, format_size(allocated + in_private_pools), private_msg,
       format_size(reserved - allocated - in_private_pools));
-  throw OutOfMemoryError(message, p.alloc_size, info.free, info.total);
+  return Oom{OutOfMemoryError(message, p.alloc_size, info.free, info.total), oom_observers_,
+             set_fraction_ ? allowed_memory_maximum_ : info.total, info.free};
 }
 
 // ---------------------------------------------------------------------------
@@ -301,13 +303,13 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
 
 void CachingAllocator::Impl::deallocate(void* raw) {
   if (raw == nullptr || deallocate_held(raw)) return;
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   throw_invalid_pointer(reinterpret_cast<DevicePtr>(raw), "deallocate");
 }
 
 bool CachingAllocator::Impl::deallocate_held(void* raw) {
   const auto ptr = reinterpret_cast<DevicePtr>(raw);
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   Block** found = allocated_.find(ptr);
   if (found == nullptr) return false;
   Block* block = *found;
@@ -317,10 +319,10 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
   if (deferred && routes_.empty()) insert_events(block);
   allocated_.erase(ptr);
   block->allocated = false;
-  for_types(*block->pool, [&](std::size_t t) {
+  for (const std::size_t t : stat_types(*block->pool)) {
     sub_stat(stats_.allocation[t], 1);
     sub_stat(stats_.allocated_bytes[t], block->size);
-  });
+  }
   trace(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
   if (deferred) {
@@ -334,7 +336,7 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
 void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
   if (raw == nullptr) return;
   const auto ptr = reinterpret_cast<DevicePtr>(raw);
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   Block** found = allocated_.find(ptr);
   if (found == nullptr) throw_invalid_pointer(ptr, "record_stream");
   Block* block = *found;
@@ -410,7 +412,7 @@ void CachingAllocator::Impl::free_block(Block* block) {
     split_blocks_change = 0;  // expandable segments stay out of inactive_split (PyTorch)
     split_bytes_change = 0;
   }
-  for_types(pool, [&](std::size_t t) {
+  for (const std::size_t t : stat_types(pool)) {
     if (split_blocks_change > 0) {
       add_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(split_blocks_change));
     } else if (split_blocks_change < 0) {
@@ -424,7 +426,7 @@ void CachingAllocator::Impl::free_block(Block* block) {
     sub_stat(stats_.active[t], 1);
     sub_stat(stats_.active_bytes[t], original_size);
     sub_stat(stats_.requested_bytes[t], requested);
-  });
+  }
 }
 
 }  // namespace reservoir

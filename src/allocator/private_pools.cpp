@@ -25,7 +25,7 @@ BlockPool& CachingAllocator::Impl::pool_for(std::size_t size, StreamId stream) {
 
 void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
   if (!filter) throw UsageError("begin_allocate_to_pool: the filter is empty");
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   for (auto& [routed, f] : routes_) {
     if (routed == id) {
       throw UsageError(fmt::format("begin_allocate_to_pool: already allocating to pool ({}, {})",
@@ -46,7 +46,7 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
 }
 
 void CachingAllocator::Impl::end_allocate_to_pool(PoolId id) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   for (auto it = routes_.begin(); it != routes_.end(); ++it) {
     if (it->first == id) {
       routes_.erase(it);
@@ -58,7 +58,7 @@ void CachingAllocator::Impl::end_allocate_to_pool(PoolId id) {
 }
 
 void CachingAllocator::Impl::release_pool(PoolId id) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   auto it = private_pools_.find(id);
   if (it == private_pools_.end() || it->second->use_count == 0) {
     throw UsageError(fmt::format("release_pool: no live pool ({}, {})", id.first, id.second));

@@ -11,7 +11,7 @@ using detail::BlockPool;
 using detail::Segment;
 
 void CachingAllocator::Impl::restore(const Snapshot& layout) {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   if (!segments_.empty() || allocated_.size() != 0) {
     throw UsageError("restore: the allocator already holds memory; restore needs an empty one");
   }
@@ -22,6 +22,17 @@ void CachingAllocator::Impl::restore(const Snapshot& layout) {
     throw;
   }
 }
+
+namespace {
+
+// Notes every current value of `stats` as withdrawn from the combined sum.
+void withdraw_all(DeviceStats& stats, CombinedStats::Section& section) {
+  stats.for_each_stat([&](Stat& s) {
+    if (s.current != 0) section.note(stats, s, -s.current);
+  });
+}
+
+}  // namespace
 
 void CachingAllocator::Impl::drop_all_locked() noexcept {
   for (auto& [base, seg] : segments_) {
@@ -38,9 +49,7 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   small_.blocks.clear();
   total_reserved_ = 0;
   if (combined_) {
-    stats_.for_each_stat([&](Stat& s) {
-      if (s.current != 0) section_.note(stats_, s, -s.current);
-    });
+    withdraw_all(stats_, section_);
   }
   const std::int64_t max_split = stats_.max_split_size;
   stats_ = DeviceStats{};
@@ -105,10 +114,10 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
         }
         pool.insert(b);
         if (split) {
-          for_types(pool, [&](std::size_t t) {
+          for (const std::size_t t : stat_types(pool)) {
             add_stat(stats_.inactive_split[t], 1);
             add_stat(stats_.inactive_split_bytes[t], b->size);
-          });
+          }
         }
       }
     }

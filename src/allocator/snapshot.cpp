@@ -49,7 +49,7 @@ std::string context_key(const Context& c) {
 }
 
 std::vector<std::pair<DevicePtr, std::size_t>> CachingAllocator::Impl::live_allocations() const {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> out;
   for (const auto& [base, segment] : segments_) {
     for (const detail::Block* b = segment->head; b != nullptr; b = b->next) {
@@ -60,7 +60,7 @@ std::vector<std::pair<DevicePtr, std::size_t>> CachingAllocator::Impl::live_allo
 }
 
 Snapshot CachingAllocator::Impl::snapshot() const {
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   Snapshot out;
   const bool with_history = history_ && history_->on();
   // Contexts are exported even with history off: live blocks may carry one.

@@ -89,7 +89,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   std::vector<VmState::Piece> pieces;
   PhysicalHandle fresh = 0;
   bool have_fresh = false;
-  auto undo = [&]() noexcept {
+  auto undo = [&]() RESERVOIR_REQUIRES(mutex_) {
     bool clean = true;
     for (const VmState::Piece& pc : pieces) {
       if (device_.unmap(pc.va, pc.bytes) != Status::ok) {
@@ -108,9 +108,9 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
     if (st != Status::ok) {
       undo();
       if (st == Status::out_of_memory) return false;
-      throw DeviceError(CallKind::create_physical, st,
-                        fmt::format("creating {} bytes to complete a stitched range",
-                                    fresh_pages * page));
+      throw DeviceError(
+          CallKind::create_physical, st,
+          fmt::format("creating {} bytes to complete a stitched range", fresh_pages * page));
     }
     have_fresh = true;
   }
@@ -160,7 +160,8 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   }
   Block* b = add_segment(va, bytes, p.stream, p.pool, std::move(vm))->head;
   total_reserved_ += fresh_pages * page;
-  for_types(*p.pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], fresh_pages * page); });
+  for (const std::size_t t : stat_types(*p.pool))
+    add_stat(stats_.reserved_bytes[t], fresh_pages * page);
   ++stats_.num_device_alloc;
   trace(TraceAction::segment_map, va, bytes, p.stream);
   p.pool->insert(b);
@@ -182,9 +183,9 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   VmState& vm = *seg.vm;
   const Status sync = device_.synchronize_stream(seg.stream);
   if (sync != Status::ok) {
-    throw DeviceError(CallKind::synchronize_stream, sync,
-                      fmt::format("synchronizing stream {} before unstitching {:#x}", seg.stream,
-                                  seg.base));
+    throw DeviceError(
+        CallKind::synchronize_stream, sync,
+        fmt::format("synchronizing stream {} before unstitching {:#x}", seg.stream, seg.base));
   }
   for (std::size_t k = 0; k < vm.pieces.size(); ++k) {
     const VmState::Piece& pc = vm.pieces[k];
@@ -215,7 +216,8 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
     recache(lender);
   }
   total_reserved_ -= fresh_bytes;
-  for_types(*block->pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], fresh_bytes); });
+  for (const std::size_t t : stat_types(*block->pool))
+    sub_stat(stats_.reserved_bytes[t], fresh_bytes);
   ++stats_.num_device_free;
   trace(TraceAction::segment_unmap, seg.base, seg.size, seg.stream);
   const DevicePtr base = seg.base;

@@ -83,7 +83,7 @@ void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) con
 
 void CachingAllocator::Impl::validate() const {
   validations_.fetch_add(1, std::memory_order_relaxed);
-  std::lock_guard lock(mutex_);
+  detail::LockGuard lock(mutex_);
   std::array<std::int64_t, kStatTypes> allocation{}, segment{}, active{}, inactive_split{},
       allocated_bytes{}, reserved_bytes{}, active_bytes{}, inactive_split_bytes{},
       requested_bytes{};

@@ -40,10 +40,10 @@ void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) cons
         config.to_string()));
   }
   if (vm_mode(config) != VmMode::none && !device_.supports_virtual_memory()) {
-    throw UsageError(fmt::format(
-        "allocator config \"{}\": the {} device has no virtual-memory support, which "
-        "expandable segments and policy:paging need",
-        config.to_string(), device_.name()));
+    throw UsageError(
+        fmt::format("allocator config \"{}\": the {} device has no virtual-memory support, which "
+                    "expandable segments and policy:paging need",
+                    config.to_string(), device_.name()));
   }
 }
 
@@ -130,8 +130,8 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   key.stream = p.stream;
   Block* best = nullptr;
   std::size_t best_new = kNoRoom;
-  for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == p.stream;
-       ++it) {
+  for (auto it = pool.unmapped.lower_bound(&key);
+       it != pool.unmapped.end() && (*it)->stream == p.stream; ++it) {
     Block* c = *it;
     if (c->segment->vm->paging != (vm_mode_ == VmMode::paging)) continue;
     // The cached block right before the unmapped range can be used too.
@@ -172,16 +172,14 @@ std::size_t CachingAllocator::Impl::map_ahead_bytes(const Block* to_map, std::si
   // what is asked. PyTorch's expandable segments never map ahead.
   if (!to_map->segment->vm->paging) return bytes;
   const std::size_t floor = to_map->pool->is_small ? kSmallBuffer : kLargeBuffer;
-  const std::size_t wanted =
-      std::clamp(total_reserved_ / 8, floor, std::size_t{1} << 30);
+  const std::size_t wanted = std::clamp(total_reserved_ / 8, floor, std::size_t{1} << 30);
   if (bytes >= wanted) return bytes;
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) return bytes;
   std::size_t headroom = info.free;
   if (set_fraction_) {
-    const std::size_t allowed = allowed_memory_maximum_ > total_reserved_
-                                    ? allowed_memory_maximum_ - total_reserved_
-                                    : 0;
+    const std::size_t allowed =
+        allowed_memory_maximum_ > total_reserved_ ? allowed_memory_maximum_ - total_reserved_ : 0;
     headroom = std::min(headroom, allowed);
   }
   if (headroom <= bytes) return bytes;
@@ -234,9 +232,8 @@ bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block
       }
     }
   }
-  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
-    return a.end - a.first > b.end - b.first;
-  });
+  std::sort(victims.begin(), victims.end(),
+            [](const Victim& a, const Victim& b) { return a.end - a.first > b.end - b.first; });
   // Unmapping one handle may split its block: find the block again by address.
   std::size_t released = 0;
   for (const Victim& v : victims) {
@@ -273,7 +270,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   std::vector<PhysicalHandle> created;
   created.reserve(count);
   std::size_t mapped_count = 0;
-  auto undo = [&]() noexcept {
+  auto undo = [&]() RESERVOIR_REQUIRES(mutex_) {
     for (std::size_t k = 0; k < mapped_count; ++k) {
       if (device_.unmap(va + k * handle_bytes, handle_bytes) != Status::ok) {
         stuck_mappings_.emplace_back(va + k * handle_bytes, handle_bytes);
@@ -299,8 +296,9 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
     const Status st = device_.map(va + k * handle_bytes, handle_bytes, created[k], 0);
     if (st != Status::ok) {
       undo();
-      throw DeviceError(CallKind::map, st,
-                        fmt::format("mapping {} bytes at {:#x}", handle_bytes, va + k * handle_bytes));
+      throw DeviceError(
+          CallKind::map, st,
+          fmt::format("mapping {} bytes at {:#x}", handle_bytes, va + k * handle_bytes));
     }
     ++mapped_count;
   }
@@ -331,7 +329,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   recache(to_map);  // merged with cached neighbours, into the pool
 
   total_reserved_ += mapped_bytes;
-  for_types(pool, [&](std::size_t t) { add_stat(stats_.reserved_bytes[t], mapped_bytes); });
+  for (const std::size_t t : stat_types(pool)) add_stat(stats_.reserved_bytes[t], mapped_bytes);
   ++stats_.num_device_alloc;
   trace(TraceAction::segment_map, va, mapped_bytes, seg.stream);
   return true;
@@ -422,7 +420,7 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     merge_unmapped(block, block->next);
     pool.unmapped.insert(block);
     total_reserved_ -= usize;
-    for_types(pool, [&](std::size_t t) { sub_stat(stats_.reserved_bytes[t], usize); });
+    for (const std::size_t t : stat_types(pool)) sub_stat(stats_.reserved_bytes[t], usize);
     ++stats_.num_device_free;
     trace(TraceAction::segment_unmap, uptr, usize, seg.stream);
   }
@@ -439,7 +437,7 @@ Block* CachingAllocator::Impl::carve(Block* block, DevicePtr start, std::size_t 
   const std::size_t before = start - block->ptr;
   const std::size_t after = block->size - before - bytes;
   // A cached block for [ptr, ptr + size), linked between prev and next.
-  auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next) {
+  auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next) RESERVOIR_REQUIRES(mutex_) {
     Block* b = make_block(ptr, size, block->stream, &pool, &seg);
     b->prev = prev;
     b->next = next;
@@ -486,11 +484,11 @@ void CachingAllocator::Impl::retry_stuck() noexcept {
   // Unmappings, then address space, then handles: each needs the one before.
   for (auto it = stuck_mappings_.begin(); it != stuck_mappings_.end();) {
     it = device_.unmap(it->first, it->second) == Status::ok ? stuck_mappings_.erase(it)
-                                                             : std::next(it);
+                                                            : std::next(it);
   }
   for (auto it = stuck_reservations_.begin(); it != stuck_reservations_.end();) {
     it = device_.unreserve(it->first, it->second) == Status::ok ? stuck_reservations_.erase(it)
-                                                                 : std::next(it);
+                                                                : std::next(it);
   }
   for (auto it = unreleased_.begin(); it != unreleased_.end();) {
     it = device_.release_physical(*it) == Status::ok ? unreleased_.erase(it) : std::next(it);
@@ -512,9 +510,9 @@ void CachingAllocator::Impl::release_vm_segment(Block* block) {
   Segment& seg = *block->segment;
   const Status st = device_.unreserve(seg.base, seg.size);
   if (st != Status::ok) {
-    throw DeviceError(CallKind::unreserve, st,
-                      fmt::format("returning the address space at {:#x} ({} bytes)", seg.base,
-                                  seg.size));
+    throw DeviceError(
+        CallKind::unreserve, st,
+        fmt::format("returning the address space at {:#x} ({} bytes)", seg.base, seg.size));
   }
   block->pool->unmapped.erase(block);
   const DevicePtr base = seg.base;

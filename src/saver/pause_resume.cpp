@@ -43,7 +43,7 @@ std::vector<BackupPiece> coalesce(const std::vector<BackupPiece>& pieces) {
 }  // namespace
 
 std::vector<TagState*> Saver::Impl::all_tags() const {
-  std::shared_lock lock(tags_mutex_);
+  detail::SharedLock lock(tags_mutex_);
   std::vector<TagState*> out;
   for (const auto& [key, state] : tags_) out.push_back(state.get());
   return out;
@@ -64,12 +64,12 @@ std::vector<TagState*> Saver::Impl::tags_named(std::string_view tag, const char*
 }
 
 bool Saver::Impl::paused_now(TagState* state) {
-  std::shared_lock lock(state->mutex);
+  detail::SharedLock lock(state->mutex);
   return state->paused;
 }
 
 const std::vector<StreamId>& Saver::Impl::copy_streams() {
-  std::lock_guard lock(streams_mutex_);
+  detail::LockGuard lock(streams_mutex_);
   if (streams_.empty()) {
     for (int i = 0; i < options_.copy_streams; ++i) {
       StreamId s = 0;
@@ -82,7 +82,7 @@ const std::vector<StreamId>& Saver::Impl::copy_streams() {
 }
 
 void Saver::Impl::pause_tag(TagState& state) {
-  std::unique_lock lock(state.mutex);
+  detail::UniqueLock lock(state.mutex);
   if (state.paused) return;
   const auto t0 = Clock::now();
   const std::string what = fmt::format("pause of tag '{}'", state.tag);
@@ -127,7 +127,7 @@ void Saver::Impl::pause_tag(TagState& state) {
   }
   if (store) store->backed_up();
   {
-    std::lock_guard pending(state.pending_mutex);
+    detail::LockGuard pending(state.pending_mutex);
     state.live_at_pause = std::move(live);
     state.pending_frees.clear();
   }
@@ -141,7 +141,7 @@ void Saver::Impl::pause_tag(TagState& state) {
 }
 
 void Saver::Impl::resume_tag(TagState& state) {
-  std::unique_lock lock(state.mutex);
+  detail::UniqueLock lock(state.mutex);
   if (!state.paused) return;
   const auto t0 = Clock::now();
   const std::string what = fmt::format("resume of tag '{}'", state.tag);
@@ -152,7 +152,7 @@ void Saver::Impl::resume_tag(TagState& state) {
   if (state.backup) {
     std::unordered_set<DevicePtr> freed;
     {
-      std::lock_guard pending(state.pending_mutex);
+      detail::LockGuard pending(state.pending_mutex);
       for (void* p : state.pending_frees) freed.insert(reinterpret_cast<DevicePtr>(p));
     }
     for (const BackupPiece& p : state.pieces) {
@@ -219,7 +219,7 @@ void Saver::Impl::resume_tag(TagState& state) {
   state.pieces.clear();
   std::vector<void*> frees;
   {
-    std::lock_guard pending(state.pending_mutex);
+    detail::LockGuard pending(state.pending_mutex);
     frees.swap(state.pending_frees);
     state.live_at_pause.clear();
   }

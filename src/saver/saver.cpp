@@ -227,7 +227,7 @@ void Saver::validate() const {
     }
   }
   for (TagState* p : impl_->all_tags()) {
-    std::shared_lock lock(p->mutex);
+    detail::SharedLock lock(p->mutex);
     p->allocator.validate();
     p->device.validate();
     if (p->paused != p->device.paused()) {

@@ -35,10 +35,10 @@ TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
   }
   const auto key = std::make_pair(std::string(tag), cpu_backup);
   {
-    std::shared_lock lock(tags_mutex_);
+    detail::SharedLock lock(tags_mutex_);
     if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
   }
-  std::unique_lock lock(tags_mutex_);
+  detail::UniqueLock lock(tags_mutex_);
   if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
   auto state = std::make_unique<TagState>(key.first, cpu_backup, tag_base_, index_,
                                         options_.config, options_.device_index);
@@ -56,7 +56,7 @@ TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
 }
 
 std::shared_ptr<CombinedStats> Saver::Impl::combined() const {
-  std::shared_lock lock(tags_mutex_);
+  detail::SharedLock lock(tags_mutex_);
   return combined_;
 }
 
@@ -91,7 +91,7 @@ TagState* Saver::Impl::current() const noexcept {
 void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
   TagState* state = current();
   if (state == nullptr) return untagged_.allocate(size, stream);
-  std::shared_lock lock(state->mutex);
+  detail::SharedLock lock(state->mutex);
   if (state->paused) {
     throw UsageError(fmt::format(
         "allocation of {} bytes into tag '{}', which is paused (resume it first, or "
@@ -114,9 +114,9 @@ void Saver::Impl::deallocate(void* ptr) {
   if (untagged_.try_deallocate(ptr)) return;
   TagState* state = owner_of(ptr);
   if (state == nullptr) return untagged_.deallocate(ptr);  // says why it is not ours
-  std::shared_lock lock(state->mutex);
+  detail::SharedLock lock(state->mutex);
   if (!state->paused) return state->allocator.deallocate(ptr);
-  std::lock_guard pending(state->pending_mutex);
+  detail::LockGuard pending(state->pending_mutex);
   if (state->live_at_pause.erase(reinterpret_cast<DevicePtr>(ptr)) == 0) {
     throw InvalidPointerError(fmt::format(
         "free of {}: not a live allocation of tag '{}' (paused): freed already, or not the "
@@ -129,20 +129,20 @@ void Saver::Impl::deallocate(void* ptr) {
 void Saver::Impl::record_stream(void* ptr, StreamId stream) {
   TagState* state = owner_of(ptr);
   if (state == nullptr) return untagged_.record_stream(ptr, stream);
-  std::shared_lock lock(state->mutex);
+  detail::SharedLock lock(state->mutex);
   state->allocator.record_stream(ptr, stream);
 }
 
 void Saver::Impl::empty_cache() {
   untagged_.empty_cache();
   for (TagState* state : all_tags()) {
-    std::shared_lock lock(state->mutex);
+    detail::SharedLock lock(state->mutex);
     state->allocator.empty_cache();
   }
 }
 
 TagInfo Saver::Impl::info(TagState& state) const {
-  std::shared_lock lock(state.mutex);
+  detail::SharedLock lock(state.mutex);
   TagInfo t;
   static_cast<PauseRecord&>(t) = state.record;
   t.tag = state.tag;
@@ -154,7 +154,7 @@ TagInfo Saver::Impl::info(TagState& state) const {
   t.physical_bytes = state.device.physical_bytes();
   t.backup_bytes = state.backup ? state.backup->size() : 0;
   {
-    std::lock_guard pending(state.pending_mutex);
+    detail::LockGuard pending(state.pending_mutex);
     t.pending_frees = state.pending_frees.size();
   }
   return t;
@@ -162,7 +162,7 @@ TagInfo Saver::Impl::info(TagState& state) const {
 
 void Saver::Impl::record_history(const HistoryOptions& options) {
   untagged_.record_history(options);  // checks the options first
-  std::unique_lock lock(tags_mutex_);
+  detail::UniqueLock lock(tags_mutex_);
   history_ = options.enabled ? std::optional<HistoryOptions>(options) : std::nullopt;
   for (auto& [key, state] : tags_) state->allocator.record_history(options);
 }
@@ -201,7 +201,7 @@ Snapshot Saver::Impl::snapshot() const {
 }
 
 void Saver::Impl::set_validate_each_call(bool on) {
-  std::unique_lock lock(tags_mutex_);
+  detail::UniqueLock lock(tags_mutex_);
   validate_each_call_.store(on, std::memory_order_relaxed);
   untagged_.set_validate_each_call(on);
   for (auto& [key, state] : tags_) state->allocator.set_validate_each_call(on);

@@ -23,6 +23,7 @@
 
 #include "backup.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/detail/thread_safety.hpp"
 #include "reservoir/host_caching_allocator.hpp"
 #include "reservoir/saver.hpp"
 #include "tag_device.hpp"
@@ -45,17 +46,17 @@ struct TagState {
   TagDevice device;
   CachingAllocator allocator;
   // Shared: allocations and frees; exclusive: pause and resume.
-  mutable std::shared_mutex mutex;
-  bool paused = false;
-  // While paused (guarded by pending_mutex): the blocks live at pause that
+  mutable detail::SharedMutex mutex;
+  bool paused RESERVOIR_GUARDED_BY(mutex) = false;
+  // While paused: the blocks live at pause that
   // were not freed since, and the frees to apply on resume.
-  std::mutex pending_mutex;
-  std::unordered_set<DevicePtr> live_at_pause;
-  std::vector<void*> pending_frees;
+  detail::Mutex pending_mutex;
+  std::unordered_set<DevicePtr> live_at_pause RESERVOIR_GUARDED_BY(pending_mutex);
+  std::vector<void*> pending_frees RESERVOIR_GUARDED_BY(pending_mutex);
   // The backup taken at pause (cpu_backup only).
-  std::unique_ptr<HostStore> backup;
-  std::vector<BackupPiece> pieces;
-  PauseRecord record;  // guarded by mutex
+  std::unique_ptr<HostStore> backup RESERVOIR_GUARDED_BY(mutex);
+  std::vector<BackupPiece> pieces RESERVOIR_GUARDED_BY(mutex);
+  PauseRecord record RESERVOIR_GUARDED_BY(mutex);
 };
 
 }  // namespace detail
@@ -71,8 +72,8 @@ class Saver::Impl {
         pinned_(options_.pinned_source != nullptr ? *options_.pinned_source : own_pinned_),
         host_cache_(pinned_, tag_base_),
         untagged_(device, options_.config, options_.device_index) {
-    if (const char* v = std::getenv("RESERVOIR_VALIDATE"); v != nullptr && *v != '\0' &&
-        std::string_view(v) != "0") {
+    if (const char* v = std::getenv("RESERVOIR_VALIDATE");
+        v != nullptr && *v != '\0' && std::string_view(v) != "0") {
       validate_each_call_.store(true, std::memory_order_relaxed);
     }
   }
@@ -128,16 +129,17 @@ class Saver::Impl {
   HostCachingAllocator host_cache_;
   CachingAllocator untagged_;
   detail::RangeIndex index_;
-  std::mutex streams_mutex_;
-  std::vector<StreamId> streams_;
-  mutable std::shared_mutex tags_mutex_;
-  std::optional<HistoryOptions> history_;  // guarded by tags_mutex_
+  detail::Mutex streams_mutex_;
+  std::vector<StreamId> streams_ RESERVOIR_GUARDED_BY(streams_mutex_);
+  mutable detail::SharedMutex tags_mutex_;
+  std::optional<HistoryOptions> history_ RESERVOIR_GUARDED_BY(tags_mutex_);
   // Current values and peaks of all allocators together, from the first tag
   // on (before it the untagged allocator's are the saver's); guarded by
   // tags_mutex_.
-  std::shared_ptr<CombinedStats> combined_;
+  std::shared_ptr<CombinedStats> combined_ RESERVOIR_GUARDED_BY(tags_mutex_);
   // Declared last: destroyed first, while the index and the host cache live.
-  std::map<std::pair<std::string, bool>, std::unique_ptr<TagState>> tags_;
+  std::map<std::pair<std::string, bool>, std::unique_ptr<TagState>> tags_
+      RESERVOIR_GUARDED_BY(tags_mutex_);
 };
 
 }  // namespace reservoir
