@@ -71,12 +71,12 @@ TEST(MemorySummary, MatchesPyTorchsLayout) {
         std::int64_t base = 1;
         for (int k = 0; k < f; ++k) base *= counts ? 1000 : 1024;
         stats[std::string(names[n]) + "." + types[t] + "." + fields[f]] =
-            (n + 1) * (t + 1) * (f + 1) * base + 7 * f;
+            std::int64_t{(n + 1) * (t + 1) * (f + 1)} * base + std::int64_t{7} * f;
       }
     }
   }
   for (const char* name : {"oversize_allocations", "oversize_segments"}) {
-    for (int f = 0; f < 4; ++f) stats[std::string(name) + "." + fields[f]] = (f + 3) * 999999;
+    for (int f = 0; f < 4; ++f) stats[std::string(name) + "." + fields[f]] = std::int64_t{f + 3} * 999999;
   }
   stats["num_alloc_retries"] = 3;
   stats["num_ooms"] = 12;

@@ -10,12 +10,10 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
+#include "trace_fixture.hpp"
 
 namespace reservoir {
 namespace {
-
-constexpr std::size_t kMiB = std::size_t{1} << 20;
-
 
 TEST(Compile, BlocksLiveAtTheStartComeFirstInAddressOrder) {
   Trace t;

@@ -13,15 +13,10 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
+#include "trace_fixture.hpp"
 
 namespace reservoir {
 namespace {
-
-// Every error here is a TraceError.
-template <typename F>
-std::string error_of(F&& f) {
-  return testing::error_of<TraceError>(std::forward<F>(f));
-}
 
 TEST(RmmCsv, ReadsAllocationsFreesFailuresAndStreams) {
   const Trace t = read_rmm_csv(

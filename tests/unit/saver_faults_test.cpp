@@ -79,7 +79,7 @@ TEST_P(PauseFaults, AFailedPauseLeavesTheTagRunningAndUntouched) {
   f.dev.fail_nth(fault.call, fault.nth, fault.status);
   try {
     f.saver->pause("w");
-    FAIL() << "pause succeeded";
+    ADD_FAILURE() << "pause succeeded";
   } catch (const DeviceError& e) {
     EXPECT_EQ(e.call(), fault.call);
     EXPECT_EQ(std::string(e.what()).rfind("pause of tag 'w': ", 0), 0u) << e.what();
@@ -136,7 +136,7 @@ TEST_P(ResumeFaults, AFailedResumeStaysPausedWithItsBackup) {
   if (fault.status == Status::out_of_memory) {
     try {
       f.saver->resume("w");
-      FAIL() << "resume succeeded";
+      ADD_FAILURE() << "resume succeeded";
     } catch (const OutOfMemoryError& e) {
       EXPECT_NE(std::string(e.what()).find("the tag stays paused with its backup"), std::string::npos)
           << e.what();
@@ -144,7 +144,7 @@ TEST_P(ResumeFaults, AFailedResumeStaysPausedWithItsBackup) {
   } else {
     try {
       f.saver->resume("w");
-      FAIL() << "resume succeeded";
+      ADD_FAILURE() << "resume succeeded";
     } catch (const DeviceError& e) {
       EXPECT_EQ(e.call(), fault.call);
       EXPECT_NE(std::string(e.what()).find("the tag stays paused with its backup"), std::string::npos)

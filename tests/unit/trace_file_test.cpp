@@ -13,49 +13,10 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
+#include "trace_fixture.hpp"
 
 namespace reservoir {
 namespace {
-
-constexpr std::size_t kMiB = std::size_t{1} << 20;
-
-
-[[gnu::noinline]] void* allocate_in_layer(CachingAllocator& a, std::size_t size, StreamId s) {
-  void* p = a.allocate(size, s);
-  asm volatile("" ::: "memory");
-  return p;
-}
-
-// A recorded workload with annotations, stacks on part of it, two streams,
-// frees, empty_cache and blocks left live at the end.
-Trace recorded_workload(std::uint64_t seed, int steps) {
-  SimDevice device;
-  CachingAllocator allocator(device, AllocatorConfig::parse("max_split_size_mb:64"));
-  allocator.record_history({.stacks = true, .max_frames = 8});
-  std::mt19937_64 rng(seed);
-  std::vector<void*> live;
-  for (int i = 0; i < steps; ++i) {
-    if (i == steps / 2) allocator.record_history({.stacks = false});
-    ScopedAnnotation step(fmt::format("step{}", i / 100));
-    ScopedAnnotation phase(i % 3 == 0 ? "forward" : "backward");
-    if (!live.empty() && (rng() % 100 < 45 || live.size() > 60)) {
-      const std::size_t k = rng() % live.size();
-      allocator.deallocate(live[k]);
-      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
-    } else {
-      const std::size_t size = rng() % 4 == 0 ? kMiB + rng() % (90 * kMiB) : 1 + rng() % kMiB;
-      live.push_back(allocate_in_layer(allocator, size, rng() % 5 == 0 ? 1 : 0));
-    }
-    if (i % 700 == 699) allocator.empty_cache();
-  }
-  return to_trace(allocator.snapshot(), "recorded", "max_split_size_mb:64");
-}
-
-// Every error here is a TraceError.
-template <typename F>
-std::string error_of(F&& f) {
-  return testing::error_of<TraceError>(std::forward<F>(f));
-}
 
 TEST(TraceFormat, DetectedFromTheFirstBytes) {
   EXPECT_EQ(detect_trace_format(std::string("\x80\x04\x95", 3)), TraceFormat::pytorch_pickle);

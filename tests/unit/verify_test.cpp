@@ -10,41 +10,10 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
+#include "trace_fixture.hpp"
 
 namespace reservoir {
 namespace {
-
-constexpr std::size_t kMiB = std::size_t{1} << 20;
-
-// Records what the allocator does, as PyTorch's history would.
-Trace record(std::uint64_t seed, int steps) {
-  SimDevice device;
-  CachingAllocator allocator(device, AllocatorConfig{});
-  Trace t;
-  t.name = "recorded";
-  t.format = "pytorch-snapshot";
-  t.has_addresses = true;
-  allocator.attach_trace_tracker([&](const TraceEvent& e) {
-    t.events.push_back({static_cast<TraceAction>(e.action), e.addr, e.size, e.stream});
-  });
-  std::mt19937_64 rng(seed);
-  std::vector<void*> live;
-  for (int i = 0; i < steps; ++i) {
-    if (!live.empty() && (rng() % 100 < 45 || live.size() > 80)) {
-      const std::size_t k = rng() % live.size();
-      allocator.deallocate(live[k]);
-      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
-    } else {
-      const std::size_t kind = rng() % 10;
-      const std::size_t size = kind < 5   ? 1 + rng() % kMiB
-                               : kind < 9 ? kMiB + rng() % (30 * kMiB)
-                                          : 30 * kMiB + rng() % (200 * kMiB);
-      live.push_back(allocator.allocate(size, rng() % 4 == 0 ? 1 : 0));
-    }
-  }
-  t.final_state = allocator.snapshot();
-  return t;
-}
 
 TEST(Verify, AgreesWithARecordingOfTheNativeRules) {
   const Trace t = record(7, 3000);

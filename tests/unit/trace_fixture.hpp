@@ -1,0 +1,138 @@
+// Helpers of the trace tests: recorded workloads, comparisons of traces and
+// replays, errors as text.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "error_text.hpp"
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/history.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+
+inline constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// Records what the allocator does, as PyTorch's history would.
+inline Trace record(std::uint64_t seed, int steps) {
+  SimDevice device;
+  CachingAllocator allocator(device, AllocatorConfig{});
+  Trace t;
+  t.name = "recorded";
+  t.format = "pytorch-snapshot";
+  t.has_addresses = true;
+  allocator.attach_trace_tracker([&](const TraceEvent& e) {
+    t.events.push_back({static_cast<TraceAction>(e.action), e.addr, e.size, e.stream});
+  });
+  std::mt19937_64 rng(seed);
+  std::vector<void*> live;
+  for (int i = 0; i < steps; ++i) {
+    if (!live.empty() && (rng() % 100 < 45 || live.size() > 80)) {
+      const std::size_t k = rng() % live.size();
+      allocator.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const std::size_t kind = rng() % 10;
+      const std::size_t size = kind < 5   ? 1 + rng() % kMiB
+                               : kind < 9 ? kMiB + rng() % (30 * kMiB)
+                                          : 30 * kMiB + rng() % (200 * kMiB);
+      live.push_back(allocator.allocate(size, rng() % 4 == 0 ? 1 : 0));
+    }
+  }
+  t.final_state = allocator.snapshot();
+  return t;
+}
+
+[[gnu::noinline]] inline void* allocate_in_layer(CachingAllocator& a, std::size_t size, StreamId s) {
+  void* p = a.allocate(size, s);
+  asm volatile("" ::: "memory");
+  return p;
+}
+
+// A recorded workload with annotations, stacks on part of it, two streams,
+// frees, empty_cache and blocks left live at the end.
+inline Trace recorded_workload(std::uint64_t seed, int steps) {
+  SimDevice device;
+  CachingAllocator allocator(device, AllocatorConfig::parse("max_split_size_mb:64"));
+  allocator.record_history({.stacks = true, .max_frames = 8});
+  std::mt19937_64 rng(seed);
+  std::vector<void*> live;
+  for (int i = 0; i < steps; ++i) {
+    if (i == steps / 2) allocator.record_history({.stacks = false});
+    ScopedAnnotation step(fmt::format("step{}", i / 100));
+    ScopedAnnotation phase(i % 3 == 0 ? "forward" : "backward");
+    if (!live.empty() && (rng() % 100 < 45 || live.size() > 60)) {
+      const std::size_t k = rng() % live.size();
+      allocator.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const std::size_t size = rng() % 4 == 0 ? kMiB + rng() % (90 * kMiB) : 1 + rng() % kMiB;
+      live.push_back(allocate_in_layer(allocator, size, rng() % 5 == 0 ? 1 : 0));
+    }
+    if (i % 700 == 699) allocator.empty_cache();
+  }
+  return to_trace(allocator.snapshot(), "recorded", "max_split_size_mb:64");
+}
+
+// Every error here is a TraceError.
+template <typename F>
+std::string error_of(F&& f) {
+  return testing::error_of<TraceError>(std::forward<F>(f));
+}
+
+inline std::span<const std::uint8_t> bytes(const std::string& s) {
+  return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
+}
+
+inline void expect_same_trace(const Trace& a, const Trace& b) {
+  EXPECT_EQ(a.recorded_config, b.recorded_config);
+  EXPECT_EQ(a.has_addresses, b.has_addresses);
+  ASSERT_EQ(a.events.size(), b.events.size());
+  for (std::size_t i = 0; i < a.events.size(); ++i) {
+    const TraceEvent& x = a.events[i];
+    const TraceEvent& y = b.events[i];
+    ASSERT_EQ(x.action, y.action) << "event " << i;
+    ASSERT_EQ(x.addr, y.addr) << "event " << i;
+    ASSERT_EQ(x.size, y.size) << "event " << i;
+    ASSERT_EQ(x.stream, y.stream) << "event " << i;
+    ASSERT_EQ(x.time_us, y.time_us) << "event " << i;
+    ASSERT_EQ(a.context(x.context), b.context(y.context)) << "event " << i;
+  }
+  ASSERT_EQ(a.final_state.segments.size(), b.final_state.segments.size());
+  for (std::size_t i = 0; i < a.final_state.segments.size(); ++i) {
+    SegmentInfo x = a.final_state.segments[i];
+    SegmentInfo y = b.final_state.segments[i];
+    ASSERT_EQ(x.blocks.size(), y.blocks.size());
+    for (std::size_t j = 0; j < x.blocks.size(); ++j) {
+      ASSERT_EQ(a.context(x.blocks[j].context), b.context(y.blocks[j].context));
+      x.blocks[j].context = y.blocks[j].context = 0;
+    }
+    EXPECT_EQ(x, y) << "segment " << i;
+  }
+}
+
+inline void expect_same_replay(const Trace& a, const Trace& b) {
+  const AllocatorConfig config = AllocatorConfig::parse(a.recorded_config);
+  const ReplayResult x = replay(compile(a), config, a.recorded_config);
+  const ReplayResult y = replay(compile(b), config, b.recorded_config);
+  EXPECT_EQ(x.ops, y.ops);
+  EXPECT_EQ(x.peak_requested_bytes, y.peak_requested_bytes);
+  EXPECT_EQ(x.peak_allocated_bytes, y.peak_allocated_bytes);
+  EXPECT_EQ(x.peak_reserved_bytes, y.peak_reserved_bytes);
+  EXPECT_EQ(x.peak_reserved_op, y.peak_reserved_op);
+  EXPECT_EQ(x.final_reserved_bytes, y.final_reserved_bytes);
+  EXPECT_EQ(x.device_allocs, y.device_allocs);
+  EXPECT_EQ(x.device_frees, y.device_frees);
+  EXPECT_EQ(x.device_calls, y.device_calls);
+}
+
+}  // namespace reservoir
