@@ -108,11 +108,14 @@ void run(const ReportArgs& args) {
           "<td>{:.1f}</td><td>{}</td><td{}>{}</td></tr>\n",
           esc(base_name(path)), esc(config_label(r->config)), esc(format_size(x.peak_requested_bytes)),
           esc(format_size(x.peak_allocated_bytes)), esc(format_size(x.peak_reserved_bytes)),
-          x.peak_allocated_bytes ? static_cast<double>(x.peak_reserved_bytes) / x.peak_allocated_bytes
+          x.peak_allocated_bytes ? static_cast<double>(x.peak_reserved_bytes) /
+                                       static_cast<double>(x.peak_allocated_bytes)
                                  : 0.0,
           args.min_capacity ? fmt::format("<td>{}</td>", esc(format_size(*r->min_capacity))) : "",
           x.device_allocs + x.device_frees,
-          x.allocations ? 1000.0 * x.device_calls / x.allocations : 0.0, x.num_alloc_retries,
+          x.allocations ? 1000.0 * static_cast<double>(x.device_calls) / static_cast<double>(x.allocations)
+                        : 0.0,
+          x.num_alloc_retries,
           x.num_ooms ? " class=\"oom\"" : "", x.num_ooms);
     }
     // Sections.
@@ -124,6 +127,7 @@ void run(const ReportArgs& args) {
                             : fmt::format("; recorded with <code>{}</code>", esc(trace.recorded_config)));
     if (runs.size() > 1) {
       std::vector<std::pair<std::string, const std::vector<std::uint64_t>*>> series;
+      series.reserve(runs.size());
       for (const auto& r : runs) series.emplace_back(config_label(r->config), &r->timeline.reserved_);
       body += "<h3>Reserved memory, every config</h3>\n";
       body += plot(series, {std::begin(kPalette), std::end(kPalette)}, runs.front()->result.ops,

@@ -47,7 +47,8 @@ void Progress::draw(bool force) {
   last_ = now;
   std::string line = label_;
   if (total_ > 0) {
-    line += fmt::format("  {:3.0f}% of {} ops", 100.0 * static_cast<double>(done_) / total_, total_);
+    line += fmt::format("  {:3.0f}% of {} ops", 100.0 * static_cast<double>(done_) / static_cast<double>(total_),
+                        total_);
   }
   if (replays_ > 1) line += fmt::format(" (replay {})", replays_);
   fmt::print(stderr, "\r\x1b[K{}", line);

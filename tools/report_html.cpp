@@ -126,6 +126,7 @@ std::string segment_map(const Trace& trace, const ReplayProgram& program, const 
   const auto& segs = run.peak.segments;
   if (segs.empty()) return "<p>No segments.</p>\n";
   std::vector<const SegmentInfo*> shown;
+  shown.reserve(segs.size());
   for (const SegmentInfo& s : segs) shown.push_back(&s);
   constexpr std::size_t kMaxRows = 200;
   std::size_t hidden = 0;
@@ -163,10 +164,10 @@ std::string segment_map(const Trace& trace, const ReplayProgram& program, const 
   std::size_t largest = 1;
   for (const SegmentInfo* s : shown) largest = std::max(largest, s->total_size);
   constexpr double W = 900, L = 150, row = 12, gap = 3;
-  const double H = static_cast<double>(rows.size()) * (row + gap) + 4;
+  const double height = static_cast<double>(rows.size()) * (row + gap) + 4;
   std::string out = fmt::format(
       "<svg class=\"segmap\" id=\"{}\" viewBox=\"0 0 {} {}\" width=\"{}\" height=\"{}\">\n", id, W,
-      H, W, H);
+      height, W, height);
   double yy = 2;
   for (const auto& [s, count] : rows) {
     const double scale = (W - L - 4) / static_cast<double>(largest);

@@ -255,7 +255,7 @@ class Parser {
 
 std::size_t AllocatorConfig::divisions_for(std::size_t size) const noexcept {
   // Interval 0 holds sizes below 2 MiB, interval 15 sizes of 32 GiB and more.
-  const int log = std::bit_width(size) - 1;
+  const int log = static_cast<int>(std::bit_width(size)) - 1;
   int index = log - 20;
   index = std::clamp(index, 0, static_cast<int>(kRoundupIntervals) - 1);
   return roundup_power2_divisions[static_cast<std::size_t>(index)];

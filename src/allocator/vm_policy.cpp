@@ -340,7 +340,8 @@ void CachingAllocator::Impl::merge_unmapped(Block* dst, Block* src) {
   BlockPool& pool = *dst->pool;
   pool.unmapped.erase(src);
   if (dst->prev == src) {
-    dst->ptr = src->ptr;
+    // src is not null here (returned above); clang's analyzer loses that.
+    dst->ptr = src->ptr;  // NOLINT(clang-analyzer-core.NullDereference)
     dst->prev = src->prev;
     if (dst->prev != nullptr) {
       dst->prev->next = dst;

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <unordered_map>
 #include <unordered_set>
@@ -61,7 +62,7 @@ class CsvReader {
     char tail = 0;
     if (std::sscanf(text.c_str(), "%2u:%2u:%lf%c", &h, &m, &sec, &tail) == 3 && h < 24 &&
         m < 60 && sec >= 0 && sec < 61) {
-      return static_cast<std::int64_t>((h * 3600.0 + m * 60.0 + sec) * 1e6 + 0.5);
+      return std::llround((h * 3600.0 + m * 60.0 + sec) * 1e6);
     }
     double seconds = 0;
     const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), seconds);
@@ -69,7 +70,7 @@ class CsvReader {
         seconds > 1e11) {
       fail(fmt::format("Time '{}' is neither HH:MM:SS.ffffff nor seconds since the epoch", field));
     }
-    return static_cast<std::int64_t>(seconds * 1e6 + 0.5);
+    return std::llround(seconds * 1e6);
   }
 
   Trace read(const std::string& text) {

@@ -54,14 +54,14 @@ struct FakeCudaVmm {};
 template <>
 std::shared_ptr<Device> make_device<FakeCudaRuntime>(std::size_t capacity) {
   testing::FakeCuda::get().reset(capacity);
-  static const CudaRuntimeApi api = testing::FakeCuda::runtime();
-  return std::make_unique<CudaRuntimeDevice>(api, 0);
+  static const CudaRuntimeApi kApi = testing::FakeCuda::runtime();
+  return std::make_unique<CudaRuntimeDevice>(kApi, 0);
 }
 template <>
 std::shared_ptr<Device> make_device<FakeCudaVmm>(std::size_t capacity) {
   testing::FakeCuda::get().reset(capacity);
-  static const CudaDriverApi api = testing::FakeCuda::driver();
-  return std::make_unique<CudaVmmDevice>(api, CudaVmmOptions{});
+  static const CudaDriverApi kApi = testing::FakeCuda::driver();
+  return std::make_unique<CudaVmmDevice>(kApi, CudaVmmOptions{});
 }
 #endif
 

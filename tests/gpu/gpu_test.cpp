@@ -163,7 +163,7 @@ TEST_P(GpuSaver, PauseReleasesGpuMemoryAndResumeRestoresEveryByte) {
   o.pinned_source = pinned.get();
   o.chunk_bytes = std::size_t{8} << 20;
   Saver saver(*d, o);
-  const std::vector<std::size_t> sizes = {4096, 3 * kMiB + 512, 100 * kMiB, 700 * 1024};
+  const std::vector<std::size_t> sizes = {4096, 3 * kMiB + 512, 100 * kMiB, std::size_t{700} * 1024};
   std::vector<std::pair<void*, std::vector<unsigned char>>> blocks;
   void* kv = nullptr;
   {

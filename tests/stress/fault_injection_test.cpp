@@ -114,7 +114,10 @@ INSTANTIATE_TEST_SUITE_P(DeviceCalls, FaultAt,
 class VmFaultAt : public ::testing::TestWithParam<std::tuple<const char*, CallKind>> {};
 
 TEST_P(VmFaultAt, EveryPositionLeavesTheAllocatorConsistent) {
-  const auto [config_text, kind] = GetParam();
+  // Plain copies: lambdas below use them (clang before 16 cannot capture a
+  // structured binding).
+  const std::string config_text = std::get<0>(GetParam());
+  const CallKind kind = std::get<1>(GetParam());
   const AllocatorConfig config = AllocatorConfig::parse(config_text);
   auto run = [&](std::uint64_t fail_at) {
     SimDeviceOptions o;

@@ -70,6 +70,7 @@ TEST(Threads, ConcurrentAllocateFreeWithHandoff) {
     for (auto& b : mine) check_and_free(b);
   };
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   for (int i = 0; i < kThreads; ++i) threads.emplace_back(worker, i);
   for (auto& t : threads) t.join();
   for (auto& b : handoff.blocks) allocator.deallocate(b.first);
@@ -93,6 +94,7 @@ TEST(Threads, StatsSnapshotsAndEmptyCacheWhileAllocating) {
     }
   });
   std::vector<std::thread> writers;
+  writers.reserve(2);
   for (int t = 0; t < 2; ++t) {
     writers.emplace_back([&, t] {
       std::mt19937_64 rng(static_cast<std::uint64_t>(t));
@@ -129,6 +131,7 @@ TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
   std::atomic<std::size_t> annotated{0};
   constexpr int kThreads = 3;
   std::vector<std::thread> workers;
+  workers.reserve(kThreads);
   for (int id = 0; id < kThreads; ++id) {
     workers.emplace_back([&, id] {
       std::mt19937_64 rng(static_cast<std::uint64_t>(id) + 7);
@@ -182,6 +185,7 @@ TEST(SaverThreads, AllocationsRaceWithPauseAndResumeOfOtherTags) {
   std::atomic<bool> stop{false};
   std::atomic<int> refused{0};
   std::vector<std::thread> workers;
+  workers.reserve(3);
   for (int t = 0; t < 3; ++t) {
     workers.emplace_back([&, t] {
       const std::string tag = t == 2 ? "paused_often" : "steady" + std::to_string(t);

@@ -62,7 +62,7 @@ TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
       });
   try {
     (void)allocator_->allocate(20 * kMiB);
-    FAIL() << "expected OutOfMemoryError";
+    ADD_FAILURE() << "expected OutOfMemoryError";
   } catch (const OutOfMemoryError& e) {
     EXPECT_EQ(std::string(e.what()),
               "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
@@ -89,7 +89,7 @@ TEST_F(Ladder, MemoryFractionLimitsReservation) {
   const DevicePtr a = alloc(40 * kMiB);
   try {
     (void)allocator_->allocate(20 * kMiB);
-    FAIL() << "expected OutOfMemoryError";
+    ADD_FAILURE() << "expected OutOfMemoryError";
   } catch (const OutOfMemoryError& e) {
     EXPECT_NE(std::string(e.what()).find("of which 60.00 MiB is free. 50.00 MiB allowed; Of the "
                                          "allocated memory 40.00 MiB"),

@@ -105,7 +105,7 @@ TEST(HostCache, OutOfMemoryEmptiesTheCacheAndRetriesOnce) {
   void* c = nullptr;
   try {
     c = cache.allocate(8192);  // refused; the cached 4096 goes back; still refused
-    FAIL() << "allocated";
+    ADD_FAILURE() << "allocated";
   } catch (const OutOfMemoryError& e) {
     EXPECT_STREQ(e.what(),
                  "host cache: cannot get 8.00 KiB of pinned host memory (8.00 KiB reserved, 8.00 "
@@ -171,7 +171,8 @@ TEST(HostCache, LockedPagesWhenAllowed) {
     std::memset(p, 7, 4096);
     EXPECT_EQ(locked.free(p), Status::ok);
   }
-  EXPECT_EQ(locked.free(p), Status::invalid_argument);
+  // A second free is refused before it reaches free(); the analyzer cannot see that.
+  EXPECT_EQ(locked.free(p), Status::invalid_argument);  // NOLINT(clang-analyzer-unix.Malloc)
 }
 
 }  // namespace

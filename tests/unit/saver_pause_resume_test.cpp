@@ -30,7 +30,7 @@ class SaverPolicies : public ::testing::TestWithParam<const char*> {};
 TEST_P(SaverPolicies, ContentsSurviveByteForByteAtTheSameAddresses) {
   HostDevice host;
   Saver saver(host, options(GetParam()));
-  const std::vector<std::size_t> sizes = {4096, 700 * 1024, 3 * kMiB + 512, 25 * kMiB, 100};
+  const std::vector<std::size_t> sizes = {4096, std::size_t{700} * 1024, 3 * kMiB + 512, 25 * kMiB, 100};
   std::vector<void*> kept;
   std::vector<void*> dropped;
   {

@@ -102,6 +102,7 @@ TEST_F(Expandable, HistoryRecordsMapsAndUnmaps) {
   release(a);
   allocator_->empty_cache();
   std::vector<TraceAction> actions;
+  actions.reserve(seen.size());
   for (const TraceEvent& e : seen) actions.push_back(e.action);
   using A = TraceAction;
   EXPECT_EQ(actions, (std::vector<A>{A::segment_map, A::alloc, A::free_requested,
@@ -189,7 +190,7 @@ TEST_F(Paging, MapsAheadWhileMemoryIsPlentiful) {
   // 4 MiB asked, 20 MiB mapped (the large-pool floor): the next four fit.
   const DevicePtr a = alloc(4 * kMiB);
   EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
-  for (int i = 1; i < 5; ++i) EXPECT_EQ(alloc(4 * kMiB), a + i * 4 * kMiB);
+  for (std::size_t i = 1; i < 5; ++i) EXPECT_EQ(alloc(4 * kMiB), a + i * 4 * kMiB);
   EXPECT_EQ(calls(CallKind::map), 1u);
 }
 
@@ -218,6 +219,7 @@ TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
   const DevicePtr whole = alloc(100 * kMiB);  // one handle of 50 pages
   release(whole);
   std::vector<DevicePtr> part;
+  part.reserve(5);
   for (int i = 0; i < 5; ++i) part.push_back(alloc(20 * kMiB));
   EXPECT_EQ(part[4], whole + 80 * kMiB);
   release(part[1]);
