@@ -4,7 +4,7 @@ BUILD ?= build
 JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
-        libcli11-dev nlohmann-json3-dev clang libclang-rt-14-dev python3 \
+        libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev python3 \
         python3-torch python3-selenium python3-pil chromium chromium-driver \
         python3-dev pybind11-dev python3-pytest
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
@@ -13,7 +13,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
-.PHONY: deps build run test no-cuda asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps build run test no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -46,12 +46,31 @@ no-cuda: build
 	python3 tests/cmake/no_cuda_check.py $(BUILD) build-nocuda
 	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS)
 
-# Sanitizer builds (used by .ci/run).
+# The layers with clang (used by .ci/run): -Wthread-safety checks the lock
+# annotations of the allocator and the saver. Configured with the tests and
+# tools too, so compile_commands.json covers every source clang-tidy checks.
+CLANG_TARGETS := reservoir_device reservoir_allocator reservoir_saver reservoir_trace \
+                 reservoir_capi reservoir_torch
+clang: deps
+	CC=clang CXX=clang++ cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+	  -DRESERVOIR_BUILD_BENCH=OFF -DRESERVOIR_BUILD_PYTHON=OFF >/dev/null
+	cmake --build build-clang -j $(JOBS) --target $(CLANG_TARGETS)
+
+# clang-tidy with the committed .clang-tidy: on the sources changed since the
+# commit in .ci/tidy-base (used by .ci/run), or on every source.
+TIDY_BASE ?= $(shell cat .ci/tidy-base)
+tidy: clang
+	python3 scripts/tidy.py build-clang $(TIDY_BASE) $(JOBS)
+tidy-all: clang
+	python3 scripts/tidy.py build-clang all $(JOBS)
+
+# Sanitizer builds (used by .ci/run). The ASan build's tests run in
+# validation mode: the validator after every call that changes an allocator.
 asan: deps
 	cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DRESERVOIR_BUILD_BENCH=OFF \
 	  -DRESERVOIR_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
-	cd build-asan && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE install
+	cd build-asan && RESERVOIR_VALIDATE=1 ctest --output-on-failure --no-tests=error -j $(JOBS) -LE install
 
 tsan: deps
 	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESERVOIR_BUILD_BENCH=OFF \
@@ -88,4 +107,4 @@ gpu-bundle-check: gpu-bundle
 	python3 tests/bundle/driver_test.py $(BUILD)/gpu-bundle
 
 clean:
-	rm -rf build build-nocuda build-asan build-tsan build-fuzz build-bundle
+	rm -rf build build-nocuda build-clang build-asan build-tsan build-fuzz build-bundle
