@@ -59,16 +59,22 @@ class CachingAllocator::Impl {
   void validate() const;
   void restore(const Snapshot& layout);
 
-  // Runs call(); in validation mode, then validate(), also when call threw.
-  template <typename Call>
-  decltype(auto) checked(Call&& call) {
-    if (!validate_each_call_.load(std::memory_order_relaxed)) return call();
+  // Calls the entry point op; in validation mode, then validate(), also
+  // when op threw. A member function, not a lambda: stacks captured for
+  // history cut the allocator's frames by name, and a lambda's frame has
+  // none where debug information is minimal.
+  template <typename Op, typename... Args>
+  auto checked(Op op, Args&&... args) -> decltype((this->*op)(std::forward<Args>(args)...)) {
+    using Result = decltype((this->*op)(std::forward<Args>(args)...));
+    if (!validate_each_call_.load(std::memory_order_relaxed)) {
+      return (this->*op)(std::forward<Args>(args)...);
+    }
     try {
-      if constexpr (std::is_void_v<decltype(call())>) {
-        call();
+      if constexpr (std::is_void_v<Result>) {
+        (this->*op)(std::forward<Args>(args)...);
         validate();
       } else {
-        decltype(auto) result = call();
+        Result result = (this->*op)(std::forward<Args>(args)...);
         validate();
         return result;
       }

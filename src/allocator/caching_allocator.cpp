@@ -15,25 +15,25 @@ CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config, int d
     : impl_(std::make_unique<Impl>(device, config, device_index)) {}
 CachingAllocator::~CachingAllocator() = default;
 void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
-  return impl_->checked([&] { return impl_->allocate(size, stream); });
+  return impl_->checked(&Impl::allocate, size, stream);
 }
 void CachingAllocator::deallocate(void* ptr) {
-  impl_->checked([&] { impl_->deallocate(ptr); });
+  impl_->checked(&Impl::deallocate, ptr);
 }
 bool CachingAllocator::try_deallocate(void* ptr) {
-  return impl_->checked([&] { return ptr == nullptr || impl_->deallocate_held(ptr); });
+  return ptr == nullptr || impl_->checked(&Impl::deallocate_held, ptr);
 }
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
-  impl_->checked([&] { impl_->record_stream(ptr, stream); });
+  impl_->checked(&Impl::record_stream, ptr, stream);
 }
 void CachingAllocator::empty_cache() {
-  impl_->checked([&] { impl_->empty_cache(); });
+  impl_->checked(&Impl::empty_cache);
 }
 void CachingAllocator::set_memory_fraction(double fraction) {
-  impl_->checked([&] { impl_->set_memory_fraction(fraction); });
+  impl_->checked(&Impl::set_memory_fraction, fraction);
 }
 void CachingAllocator::set_config(const AllocatorConfig& config) {
-  impl_->checked([&] { impl_->set_config(config); });
+  impl_->checked(&Impl::set_config, config);
 }
 AllocatorConfig CachingAllocator::config() const {
   return impl_->config();
@@ -48,13 +48,13 @@ std::map<std::string, std::int64_t> CachingAllocator::stats_map() const {
   return to_map(impl_->stats());
 }
 void CachingAllocator::reset_peak_stats() {
-  impl_->checked([&] { impl_->reset_peak_stats(); });
+  impl_->checked(&Impl::reset_peak_stats);
 }
 void CachingAllocator::reset_accumulated_stats() {
-  impl_->checked([&] { impl_->reset_accumulated_stats(); });
+  impl_->checked(&Impl::reset_accumulated_stats);
 }
 void CachingAllocator::combine_stats(std::shared_ptr<CombinedStats> combined, bool carry_peaks) {
-  impl_->checked([&] { impl_->combine_stats(std::move(combined), carry_peaks); });
+  impl_->checked(&Impl::combine_stats, std::move(combined), carry_peaks);
 }
 std::string CachingAllocator::memory_summary(bool abbreviated) const {
   return reservoir::memory_summary(stats_map(), impl_->device_index_, abbreviated);
@@ -79,23 +79,21 @@ void CachingAllocator::attach_trace_tracker(TraceTracker tracker) {
 }
 
 void CachingAllocator::record_history(const HistoryOptions& options) {
-  impl_->checked([&] { impl_->record_history(options); });
+  impl_->checked(&Impl::record_history, options);
 }
 void CachingAllocator::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
-  impl_->checked([&] { impl_->begin_allocate_to_pool(id, std::move(filter)); });
+  impl_->checked(&Impl::begin_allocate_to_pool, id, std::move(filter));
 }
 void CachingAllocator::begin_allocate_current_thread_to_pool(PoolId id) {
-  impl_->checked([&] {
-    const std::thread::id owner = std::this_thread::get_id();
-    impl_->begin_allocate_to_pool(
-        id, [owner](StreamId) { return std::this_thread::get_id() == owner; });
-  });
+  const std::thread::id owner = std::this_thread::get_id();
+  impl_->checked(&Impl::begin_allocate_to_pool, id,
+                 PoolFilter([owner](StreamId) { return std::this_thread::get_id() == owner; }));
 }
 void CachingAllocator::end_allocate_to_pool(PoolId id) {
-  impl_->checked([&] { impl_->end_allocate_to_pool(id); });
+  impl_->checked(&Impl::end_allocate_to_pool, id);
 }
 void CachingAllocator::release_pool(PoolId id) {
-  impl_->checked([&] { impl_->release_pool(id); });
+  impl_->checked(&Impl::release_pool, id);
 }
 void CachingAllocator::validate() const {
   impl_->validate();
@@ -113,7 +111,7 @@ std::size_t CachingAllocator::allocation_size(std::size_t rounded) {
   return Impl::allocation_size(rounded);
 }
 void CachingAllocator::restore(const Snapshot& layout) {
-  impl_->checked([&] { impl_->restore(layout); });
+  impl_->checked(&Impl::restore, layout);
 }
 
 }  // namespace reservoir

@@ -52,7 +52,9 @@ inline Trace record(std::uint64_t seed, int steps) {
   return t;
 }
 
-[[gnu::noinline]] inline void* allocate_in_layer(CachingAllocator& a, std::size_t size, StreamId s) {
+// Internal linkage, as in the test file itself: a stack frame named by
+// minimal debug information (-g1) too.
+[[gnu::noinline, maybe_unused]] static void* allocate_in_layer(CachingAllocator& a, std::size_t size, StreamId s) {
   void* p = a.allocate(size, s);
   asm volatile("" ::: "memory");
   return p;
@@ -60,7 +62,7 @@ inline Trace record(std::uint64_t seed, int steps) {
 
 // A recorded workload with annotations, stacks on part of it, two streams,
 // frees, empty_cache and blocks left live at the end.
-inline Trace recorded_workload(std::uint64_t seed, int steps) {
+[[maybe_unused]] static Trace recorded_workload(std::uint64_t seed, int steps) {
   SimDevice device;
   CachingAllocator allocator(device, AllocatorConfig::parse("max_split_size_mb:64"));
   allocator.record_history({.stacks = true, .max_frames = 8});
