@@ -60,6 +60,11 @@ void CachingAllocator::Impl::empty_cache() {
   release_cached_blocks();
 }
 
+void CachingAllocator::Impl::collect_garbage(std::size_t bytes) {
+  detail::LockGuard lock(mutex_);
+  if (bytes > 0) collect_garbage_locked(bytes);
+}
+
 void CachingAllocator::Impl::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw UsageError(

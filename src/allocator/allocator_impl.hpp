@@ -39,6 +39,7 @@ class CachingAllocator::Impl {
   bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
+  void collect_garbage(std::size_t bytes);
   void set_memory_fraction(double fraction);
   void set_config(const AllocatorConfig& config);
   AllocatorConfig config() const;
@@ -145,6 +146,7 @@ class CachingAllocator::Impl {
   bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_);
   void free_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void garbage_collect_cached_blocks() RESERVOIR_REQUIRES(mutex_);
+  void collect_garbage_locked(std::size_t target) RESERVOIR_REQUIRES(mutex_);
   bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool release_cached_blocks() RESERVOIR_REQUIRES(mutex_);
   void release_blocks(detail::BlockPool& pool) RESERVOIR_REQUIRES(mutex_);

@@ -19,7 +19,10 @@ void CachingAllocator::Impl::garbage_collect_cached_blocks() {
   const auto threshold = static_cast<std::size_t>(config_.garbage_collection_threshold *
                                                   static_cast<double>(allowed_memory_maximum_));
   if (total_reserved_ <= threshold) return;
-  const std::size_t target = total_reserved_ - threshold;
+  collect_garbage_locked(total_reserved_ - threshold);
+}
+
+void CachingAllocator::Impl::collect_garbage_locked(std::size_t target) {
   std::size_t reclaimed = 0;
   // Average age of the unsplit (releasable) cached large blocks.
   std::size_t total_age = 0;

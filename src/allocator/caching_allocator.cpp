@@ -29,6 +29,10 @@ void CachingAllocator::record_stream(void* ptr, StreamId stream) {
 void CachingAllocator::empty_cache() {
   impl_->checked(&Impl::empty_cache);
 }
+
+void CachingAllocator::collect_garbage(std::size_t bytes) {
+  impl_->checked(&Impl::collect_garbage, bytes);
+}
 void CachingAllocator::set_memory_fraction(double fraction) {
   impl_->checked(&Impl::set_memory_fraction, fraction);
 }

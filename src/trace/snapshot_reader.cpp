@@ -198,6 +198,8 @@ class Reader {
       fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
     if (const Value* settings = root.find("allocator_settings")) {
       trace.recorded_config = config_from_settings(*settings);
+    } else {
+      trace.settings_recorded = false;
     }
     if (const Value* contexts = root.find("contexts")) read_contexts(*contexts, trace);
     const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
@@ -205,6 +207,8 @@ class Reader {
       fail("device_traces",
            fmt::format("no device {} (the snapshot has {})", device, traces.size()));
     }
+    trace.device = device;
+    trace.device_count = traces.size();
     const std::string dpath = fmt::format("device_traces[{}]", device);
     const auto& events = list(*traces[static_cast<std::size_t>(device)], dpath);
     trace.events.reserve(events.size());

@@ -31,7 +31,7 @@ TraceFormat detect_trace_format(std::string_view bytes) noexcept {
   return TraceFormat::text;
 }
 
-Trace read_trace_file(const std::string& path) {
+Trace read_trace_file(const std::string& path, int device) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -39,11 +39,17 @@ Trace read_trace_file(const std::string& path) {
   switch (detect_trace_format(bytes)) {
     case TraceFormat::pytorch_pickle:
       return read_pytorch_snapshot(
-          std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path);
-    case TraceFormat::snapshot_json: return read_snapshot_json(bytes, path);
-    case TraceFormat::rmm_csv: return read_rmm_csv(bytes, path);
+          std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path,
+          device);
+    case TraceFormat::snapshot_json: return read_snapshot_json(bytes, path, device);
+    case TraceFormat::rmm_csv:
     case TraceFormat::text: break;
   }
+  if (device != 0) {
+    throw TraceError(fmt::format("trace {}: a {} trace holds one device; device {} was asked for",
+                                 path, to_string(detect_trace_format(bytes)), device));
+  }
+  if (detect_trace_format(bytes) == TraceFormat::rmm_csv) return read_rmm_csv(bytes, path);
   return read_text_trace(bytes, path);
 }
 

@@ -1,12 +1,14 @@
 // verify: replay a PyTorch snapshot exactly as it was recorded and compare
 // every device request and every address with the recording.
 //
-// Starting state: verify_start.cpp.
+// Starting state: verify_start.cpp. Runs of segment releases and their
+// causes: release_bursts.cpp.
 //
 // Device requests. SimDevice gives each new segment the address of the next
 // recorded segment_alloc. While the recording shows segment frees not yet
 // made, a request fails as out of memory: PyTorch releases cached segments
-// only after a failed device allocation.
+// itself only after a failed device allocation (or by garbage collection,
+// just before one).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "release_bursts.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 #include "reservoir/sim_device.hpp"
@@ -24,17 +27,30 @@
 namespace reservoir {
 namespace {
 
+using detail::ReleaseCause;
+using detail::ReleaseRun;
 using detail::StartingState;
 using detail::starting_state;
 
+using SegmentRef = std::pair<DevicePtr, std::uint64_t>;  // address, size
+
 struct Expectations {
-  std::deque<std::pair<DevicePtr, std::uint64_t>> restore;         // starting segments
-  std::deque<std::pair<DevicePtr, std::uint64_t>> segment_allocs;  // recorded, not yet made
-  std::vector<std::pair<DevicePtr, std::uint64_t>> segment_frees;  // recorded for this step
+  std::deque<SegmentRef> restore;            // starting segments
+  std::deque<SegmentRef> segment_allocs;     // recorded, not yet made
+  std::vector<SegmentRef> segment_frees;     // recorded for this step
   std::size_t frees_made = 0;
   bool oom_expected = false;
   std::string problem;  // first disagreement seen inside a device call
 };
+
+std::string_view cause_text(ReleaseCause cause) {
+  switch (cause) {
+    case ReleaseCause::empty_cache: return "the program's empty_cache()";
+    case ReleaseCause::allocator: return "the allocator's own release";
+    case ReleaseCause::undecided: break;
+  }
+  return "a release";
+}
 
 class Verifier {
  public:
@@ -58,13 +74,26 @@ class Verifier {
                       "build cannot replay",
                       trace_.name));
     }
+    if (!trace_.settings_recorded) {
+      assumption_ =
+          "the snapshot does not record its allocator settings (PyTorch records them from "
+          "2.4 on), so verify assumed PyTorch's defaults; settings made while recording "
+          "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference";
+    }
     result_.events = trace_.events.size();
+    runs_ = detail::release_runs(trace_);
+    for (std::size_t k = 0; k < runs_.size(); ++k) run_ending_at_[runs_[k].last] = k;
+    find_private_pools();
+
     StartingState start = starting_state(trace_, config_);
     result_.initial_segments = start.layout.segments.size();
     result_.initial_live_blocks = start.live_blocks;
     result_.unsplit_tails = start.unsplit_tails;
     for (const SegmentInfo& seg : start.layout.segments) {
       expect_.restore.emplace_back(seg.address, seg.total_size);
+      if (seg.blocks.size() == 1 && seg.blocks[0].state == BlockState::inactive) {
+        ++result_.initial_free_segments;
+      }
     }
 
     SimDeviceOptions options;
@@ -83,10 +112,15 @@ class Verifier {
     allocator.reset_peak_stats();
 
     for (std::size_t i = 0; i < trace_.events.size() && result_.divergence.empty(); ++i) {
+      if (i == private_stop_) {
+        cannot_verify(i, private_reason_);
+        break;
+      }
       step(allocator, device, i);
-    }
-    if (result_.divergence.empty()) {
-      finish_pending_frees(allocator, trace_.events.size());
+      if (!result_.divergence.empty()) break;
+      if (auto it = run_ending_at_.find(i); it != run_ending_at_.end()) {
+        resolve(allocator, runs_[it->second], i);
+      }
     }
     if (result_.divergence.empty() && !trace_.final_state.segments.empty()) {
       compare_final_state(allocator.snapshot());
@@ -96,6 +130,39 @@ class Verifier {
   }
 
  private:
+  // ---- private pools ----------------------------------------------------------
+
+  // Allocations routed to a private pool (CUDA graph capture, MemPool) carry
+  // nothing in the recording that says so: verify stops, with the reason, at
+  // the first event of a private pool's segment.
+  void find_private_pools() {
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      if (s.pool_id == PoolId{0, 0}) continue;
+      ++result_.private_pool_segments;
+      std::size_t first = trace_.events.size();
+      for (std::size_t i = trace_.events.size(); i-- > 0;) {
+        const TraceEvent& e = trace_.events[i];
+        if (e.action == TraceAction::segment_alloc && e.addr == s.address) {
+          first = i;  // this segment's own device request
+          break;
+        }
+        if ((e.action == TraceAction::alloc || e.action == TraceAction::free_requested) &&
+            e.addr >= s.address && e.addr < s.address + s.total_size) {
+          first = i;
+        }
+      }
+      if (first < private_stop_) {
+        private_stop_ = first;
+        private_reason_ = fmt::format(
+            "cannot verify: this {} at {:#x} is in a segment of private pool ({}, {}) "
+            "(CUDA graph capture or torch.cuda.MemPool); a recording does not say which "
+            "allocations were routed to a private pool, so they cannot be replayed",
+            to_string(trace_.events[first].action), trace_.events[first].addr, s.pool_id.first,
+            s.pool_id.second);
+      }
+    }
+  }
+
   // ---- device requests -----------------------------------------------------
 
   Status serve(std::size_t bytes, DevicePtr* addr) {
@@ -150,10 +217,22 @@ class Verifier {
     if (expect_.problem.empty()) expect_.problem = problem;
   }
 
-  void diverge(std::size_t index, const std::string& what) {
+  void diverge(std::size_t index, std::string what) {
     if (!result_.divergence.empty()) return;
+    const std::string& why = step_assumption_.empty() ? assumption_ : step_assumption_;
+    if (!why.empty()) {
+      result_.cannot_verify = true;
+      what = fmt::format("cannot verify: {}\n  {}", what, why);
+    }
     result_.divergence_event = index;
-    result_.divergence = what;
+    result_.divergence = std::move(what);
+  }
+
+  void cannot_verify(std::size_t index, const std::string& why) {
+    if (!result_.divergence.empty()) return;
+    result_.cannot_verify = true;
+    result_.divergence_event = index;
+    result_.divergence = why;
   }
 
   // Checks that a step made exactly the recorded device requests.
@@ -164,9 +243,14 @@ class Verifier {
     }
     if (expect_.frees_made < expect_.segment_frees.size()) {
       const auto& f = expect_.segment_frees[expect_.frees_made];
-      diverge(index, fmt::format("the recording frees the segment at {:#x} ({} bytes) here; "
-                                 "reservoir did not",
-                                 f.first, f.second));
+      std::string what = fmt::format(
+          "the recording frees the segment at {:#x} ({} bytes) here; reservoir did not", f.first,
+          f.second);
+      if (pending_run_ != nullptr) {
+        what += fmt::format(" (taken for {}: {})", cause_text(pending_cause_),
+                            pending_run_->evidence);
+      }
+      diverge(index, what);
       return false;
     }
     if (!expect_.segment_allocs.empty()) {
@@ -176,66 +260,92 @@ class Verifier {
                                  a.second, a.first));
       return false;
     }
+    if (pending_run_ != nullptr && pending_cause_ == ReleaseCause::allocator) {
+      ++(pending_gc_ ? result_.garbage_collections : result_.allocator_releases);
+    }
+    pending_run_ = nullptr;
+    pending_gc_ = false;
+    step_assumption_.clear();
     expect_.segment_frees.clear();
     expect_.frees_made = 0;
     return true;
   }
 
-  void finish_pending_frees(CachingAllocator& allocator, std::size_t index) {
-    if (expect_.segment_frees.empty()) return;
-    // Segment frees not followed by an allocation: the program emptied the cache.
-    allocator.empty_cache();
-    settle(index);
+  // ---- runs of releases ------------------------------------------------------
+
+  // Would empty_cache() free exactly the segments this run frees? (Every
+  // segment of the default pools with no allocated block, once the events of
+  // pending frees are synchronized.)
+  bool matches_empty_cache(const CachingAllocator& allocator) const {
+    std::vector<SegmentRef> would;
+    for (const SegmentInfo& s : allocator.snapshot().segments) {
+      if (s.pool_id != PoolId{0, 0}) continue;
+      const bool unused = std::none_of(s.blocks.begin(), s.blocks.end(), [](const BlockInfo& b) {
+        return b.state == BlockState::active_allocated;
+      });
+      if (unused) would.emplace_back(s.address, s.total_size);
+    }
+    std::vector<SegmentRef> recorded = expect_.segment_frees;
+    std::sort(would.begin(), would.end());
+    std::sort(recorded.begin(), recorded.end());
+    return would == recorded;
   }
+
+  void resolve(CachingAllocator& allocator, const ReleaseRun& run, std::size_t index) {
+    ReleaseCause cause = run.cause;
+    if (cause == ReleaseCause::undecided) {
+      // Either way the same segments go: when they are all empty_cache would
+      // free, apply it here; otherwise they are the ladder's.
+      cause = matches_empty_cache(allocator) ? ReleaseCause::empty_cache : ReleaseCause::allocator;
+    }
+    pending_run_ = &run;
+    pending_cause_ = cause;
+    if (cause == ReleaseCause::empty_cache) {
+      allocator.empty_cache();
+      if (settle(index)) ++result_.empty_cache_calls;
+      return;
+    }
+    // The allocation that follows makes them: its retry ladder (the device
+    // refuses it until they are made), or garbage collection first when the
+    // settings ask for it.
+    pending_gc_ = config_.garbage_collection_threshold > 0.0;
+  }
+
+  // Garbage collection runs only under a memory fraction, which a snapshot
+  // does not record: apply it with the recorded run's size as its target.
+  void collect_garbage(CachingAllocator& allocator) {
+    std::uint64_t large = 0;
+    for (const auto& [addr, size] : expect_.segment_frees) {
+      if (size != kSmallBuffer) large += size;
+    }
+    step_assumption_ =
+        "the settings enable garbage collection, which runs only under a memory fraction "
+        "the snapshot does not record: verify took the releases before this allocation for "
+        "garbage collection with their total as its target";
+    allocator.collect_garbage(large);
+  }
+
+  // ---- events ------------------------------------------------------------------
 
   void step(CachingAllocator& allocator, SimDevice& device, std::size_t i) {
     const TraceEvent& e = trace_.events[i];
     switch (e.action) {
       case TraceAction::segment_alloc: expect_.segment_allocs.emplace_back(e.addr, e.size); return;
       case TraceAction::segment_free: expect_.segment_frees.emplace_back(e.addr, e.size); return;
-      case TraceAction::alloc: {
-        void* got = nullptr;
-        try {
-          got = allocator.allocate(e.size, e.stream);
-        } catch (const OutOfMemoryError&) {
-          diverge(i, expect_.problem.empty()
-                         ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
-                                       "recording returned {:#x}",
-                                       e.size, e.addr)
-                         : expect_.problem);
-          return;
-        } catch (const DeviceError& err) {
-          diverge(i, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
-          return;
-        }
-        if (!settle(i)) return;
-        const auto ptr = reinterpret_cast<DevicePtr>(got);
-        if (ptr != e.addr) {
-          diverge(i, explain_alloc(allocator, e, ptr));
-          return;
-        }
-        ++result_.allocs_checked;
+      case TraceAction::segment_map:
+      case TraceAction::segment_unmap:
+        cannot_verify(i, fmt::format("cannot verify: a {} event, but the recorded settings do "
+                                     "not enable expandable segments (were they changed while "
+                                     "recording?)",
+                                     to_string(e.action)));
         return;
-      }
-      case TraceAction::oom: {
-        expect_.oom_expected = true;
-        try {
-          void* got = allocator.allocate(e.size, e.stream);
-          expect_.oom_expected = false;
-          diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
-                                 "returned {:#x}",
-                                 e.size, reinterpret_cast<DevicePtr>(got)));
-          return;
-        } catch (const OutOfMemoryError&) {
-        } catch (const DeviceError&) {
-        }
-        expect_.oom_expected = false;
-        settle(i);
-        return;
-      }
+      case TraceAction::alloc: alloc(allocator, i); return;
+      case TraceAction::oom: oom(allocator, i); return;
       case TraceAction::free_requested: {
-        finish_pending_frees(allocator, i);
-        if (!result_.divergence.empty()) return;
+        if (zero_size_.erase(e.addr) != 0) {
+          ++result_.zero_size_skipped;
+          return;
+        }
         const bool completes_now = i + 1 < trace_.events.size() &&
                                    trace_.events[i + 1].action == TraceAction::free_completed &&
                                    trace_.events[i + 1].addr == e.addr;
@@ -262,6 +372,56 @@ class Verifier {
       }
       default: return;  // snapshot markers
     }
+  }
+
+  void alloc(CachingAllocator& allocator, std::size_t i) {
+    const TraceEvent& e = trace_.events[i];
+    if (e.size == 0) {
+      // PyTorch answers a zero-byte request without its allocator; nothing to replay.
+      zero_size_.insert(e.addr);
+      ++result_.zero_size_skipped;
+      return;
+    }
+    void* got = nullptr;
+    try {
+      if (pending_gc_) collect_garbage(allocator);
+      got = allocator.allocate(e.size, e.stream);
+    } catch (const OutOfMemoryError&) {
+      diverge(i, expect_.problem.empty()
+                     ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
+                                   "recording returned {:#x}",
+                                   e.size, e.addr)
+                     : expect_.problem);
+      return;
+    } catch (const DeviceError& err) {
+      diverge(i, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
+      return;
+    }
+    if (!settle(i)) return;
+    const auto ptr = reinterpret_cast<DevicePtr>(got);
+    if (ptr != e.addr) {
+      diverge(i, explain_alloc(allocator, e, ptr));
+      return;
+    }
+    ++result_.allocs_checked;
+  }
+
+  void oom(CachingAllocator& allocator, std::size_t i) {
+    const TraceEvent& e = trace_.events[i];
+    expect_.oom_expected = true;
+    try {
+      if (pending_gc_) collect_garbage(allocator);
+      void* got = allocator.allocate(e.size, e.stream);
+      expect_.oom_expected = false;
+      diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
+                             "returned {:#x}",
+                             e.size, reinterpret_cast<DevicePtr>(got)));
+      return;
+    } catch (const OutOfMemoryError&) {
+    } catch (const DeviceError&) {
+    }
+    expect_.oom_expected = false;
+    if (settle(i)) ++result_.ooms_checked;
   }
 
   std::string explain_alloc(const CachingAllocator& allocator, const TraceEvent& e,
@@ -299,7 +459,10 @@ class Verifier {
 
   void compare_final_state(const Snapshot& ours) {
     result_.final_state_checked = true;
-    const auto& theirs = trace_.final_state.segments;
+    std::vector<const SegmentInfo*> theirs;
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      if (s.pool_id == PoolId{0, 0}) theirs.push_back(&s);
+    }
     const std::size_t n = std::max(ours.segments.size(), theirs.size());
     for (std::size_t k = 0; k < n; ++k) {
       if (k >= ours.segments.size() || k >= theirs.size()) {
@@ -309,7 +472,7 @@ class Verifier {
         return;
       }
       const SegmentInfo& a = ours.segments[k];
-      const SegmentInfo& b = theirs[k];
+      const SegmentInfo& b = *theirs[k];
       if (a.address != b.address || a.total_size != b.total_size) {
         diverge(trace_.events.size(),
                 fmt::format("final state: segment {} is {:#x} ({} bytes) in reservoir and {:#x} "
@@ -348,7 +511,17 @@ class Verifier {
   Expectations expect_;
   bool restoring_ = false;
   std::unordered_map<DevicePtr, StreamId> held_;
+  std::unordered_set<DevicePtr> zero_size_;
   std::uint64_t next_hold_ = 0;
+  std::vector<ReleaseRun> runs_;
+  std::unordered_map<std::size_t, std::size_t> run_ending_at_;  // last event -> run
+  const ReleaseRun* pending_run_ = nullptr;  // releases the next request is to make
+  ReleaseCause pending_cause_ = ReleaseCause::undecided;
+  bool pending_gc_ = false;
+  std::size_t private_stop_ = static_cast<std::size_t>(-1);
+  std::string private_reason_;
+  std::string assumption_;       // what verify assumed for the whole recording
+  std::string step_assumption_;  // ... and for the request in hand
 };
 
 }  // namespace

@@ -61,8 +61,9 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config) 
       segments.emplace(e.addr, s);
     }
   }
+  // Private pools' segments are left out: verify stops at their first event.
   for (const SegmentInfo& s : trace.final_state.segments) {
-    if (segment_seen.count(s.address) == 0) {
+    if (s.pool_id == PoolId{0, 0} && segment_seen.count(s.address) == 0) {
       SegmentInfo copy = s;
       copy.blocks.clear();
       segments.emplace(s.address, copy);
@@ -90,6 +91,7 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config) 
     }
   }
   for (const SegmentInfo& s : trace.final_state.segments) {
+    if (s.pool_id != PoolId{0, 0}) continue;
     for (const BlockInfo& bi : s.blocks) {
       if (bi.state == BlockState::inactive || touched.count(bi.address) != 0) continue;
       StartBlock b;

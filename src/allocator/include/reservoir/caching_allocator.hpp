@@ -77,6 +77,12 @@ class CachingAllocator {
   // Returns every unused cached segment to the device (after synchronizing
   // the events of pending frees).
   void empty_cache();
+  // Garbage collection with an explicit target: releases unsplit cached
+  // large blocks at least as old as the average (in cache misses since they
+  // were freed), in whole passes, until `bytes` or more are released or none
+  // is left. The allocator runs it itself on a cache miss when a memory
+  // fraction and garbage_collection_threshold are set.
+  void collect_garbage(std::size_t bytes);
   // Limits the memory this allocator reserves to fraction * device total.
   void set_memory_fraction(double fraction);
 

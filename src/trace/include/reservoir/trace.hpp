@@ -20,6 +20,11 @@ struct Trace {
   std::string format;           // to_string(TraceFormat) of the format read
   std::string recorded_config;  // allocator settings the trace was recorded with
   bool has_addresses = false;   // events carry real device addresses (snapshots)
+  // False for a snapshot that does not record its allocator settings (PyTorch
+  // before 2.4 wrote no allocator_settings): recorded_config is then a guess.
+  bool settings_recorded = true;
+  int device = 0;                // the device these events and segments are of
+  std::size_t device_count = 1;  // devices the file holds traces of
   std::vector<TraceEvent> events;
   // Segments at the end of recording (snapshots), and the contexts that
   // events and blocks refer to (final_state.contexts; [0] is the empty one).
@@ -38,13 +43,15 @@ std::string_view to_string(TraceFormat format) noexcept;
 
 // Reads a trace, choosing the reader by content: a pickle (PyTorch snapshot),
 // JSON (our snapshot export), RMM's CSV log (its header line), or our text
-// format ("reservoir-trace" header). Throws TraceError naming the file and
-// the byte offset, line or field of the problem.
-Trace read_trace_file(const std::string& path);
+// format ("reservoir-trace" header). `device` picks one device's events and
+// segments from a snapshot (Trace::device_count says how many it holds).
+// Throws TraceError naming the file and the byte offset, line or field of
+// the problem.
+Trace read_trace_file(const std::string& path, int device = 0);
 // PyTorch snapshot pickle, already in memory.
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
                             int device = 0);
-// reservoir's text format (docs/traces.md).
+// reservoir's text format (docs/replay.md).
 Trace read_text_trace(const std::string& text, const std::string& name);
 std::string write_text_trace(const Trace& trace);
 // Writes a trace as a PyTorch snapshot pickle (segments from final_state,
@@ -151,11 +158,24 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
 
 struct VerifyResult {
   bool agreed = false;
+  // Set when verify stopped not on a disagreement but on something the
+  // recording does not say enough about to check (a private pool's
+  // allocations, settings the snapshot does not record, garbage collection
+  // under an unrecorded memory fraction): `divergence` then says what and why,
+  // at divergence_event.
+  bool cannot_verify = false;
   std::uint64_t events = 0;
   std::uint64_t allocs_checked = 0;
   std::uint64_t segment_allocs_checked = 0;
   std::uint64_t segment_frees_checked = 0;
+  std::uint64_t ooms_checked = 0;          // oom events reservoir also ran out of memory at
+  std::uint64_t empty_cache_calls = 0;     // release runs applied as the program's empty_cache()
+  std::uint64_t allocator_releases = 0;    // release runs made by the retry ladder
+  std::uint64_t garbage_collections = 0;   // release runs made by garbage collection
+  std::uint64_t zero_size_skipped = 0;     // zero-byte alloc/free events (no allocator work)
+  std::uint64_t private_pool_segments = 0; // final segments of private pools, left out
   std::uint64_t initial_segments = 0;
+  std::uint64_t initial_free_segments = 0;  // of them: wholly free (cached) at the start
   std::uint64_t initial_live_blocks = 0;
   std::uint64_t unsplit_tails = 0;  // live-at-start blocks found to carry an unsplit tail
   bool final_state_checked = false;
@@ -166,7 +186,10 @@ struct VerifyResult {
 // Replays a PyTorch snapshot with the settings it was recorded with, giving
 // each new segment the recorded address, and checks every alloc address,
 // segment_alloc size and segment_free against the recording, then the final
-// segment layout. Throws TraceError when the trace cannot be verified at all.
+// segment layout. Runs of segment frees are applied as the program's
+// empty_cache() or left to the allocator's retry ladder or garbage
+// collection as docs/replay.md describes. Throws TraceError when the trace
+// cannot be verified at all (no addresses, unreadable settings).
 VerifyResult verify(const Trace& trace);
 
 }  // namespace reservoir
