@@ -31,10 +31,14 @@ int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
         name, r.events, r.initial_segments, r.initial_free_segments, r.initial_live_blocks,
         r.unsplit_tails, r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked,
         r.ooms_checked, r.final_state_checked ? "identical" : "not recorded");
-    if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections > 0) {
+    if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections +
+            r.undecided_releases >
+        0) {
       fmt::print("  segment releases: {} empty_cache() calls, {} by the retry ladder, {} by "
-                 "garbage collection\n",
-                 r.empty_cache_calls, r.allocator_releases, r.garbage_collections);
+                 "garbage collection, {} of all unused segments before a device request "
+                 "(empty_cache() or the ladder; the same either way)\n",
+                 r.empty_cache_calls, r.allocator_releases, r.garbage_collections,
+                 r.undecided_releases);
     }
     if (r.zero_size_skipped > 0) {
       fmt::print("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped);

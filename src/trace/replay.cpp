@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "release_bursts.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 #include "reservoir/sim_device.hpp"
@@ -20,6 +21,7 @@ ReplayProgram compile(const Trace& trace) {
   program.recorded_events = trace.events.size();
   std::unordered_map<DevicePtr, std::uint32_t> live;
   std::unordered_set<DevicePtr> touched;
+  std::unordered_set<DevicePtr> zero_size;
   std::vector<std::pair<DevicePtr, ReplayOp>> initial;
   // Ids are dense: the next one is the number of contexts recorded so far.
   auto new_id = [&program](std::uint32_t context) {
@@ -27,9 +29,23 @@ ReplayProgram compile(const Trace& trace) {
     return static_cast<std::uint32_t>(program.contexts.size() - 1);
   };
   program.ops.reserve(trace.events.size() / 2);
-  for (const TraceEvent& e : trace.events) {
+  // The program's empty_cache() calls, seen as runs of segment releases.
+  std::unordered_set<std::size_t> empty_cache_at;  // index of the run's last event
+  for (const detail::ReleaseRun& run : detail::release_runs(trace)) {
+    if (run.cause == detail::ReleaseCause::empty_cache) empty_cache_at.insert(run.last);
+  }
+  for (std::size_t i = 0; i < trace.events.size(); ++i) {
+    const TraceEvent& e = trace.events[i];
+    if (empty_cache_at.count(i) != 0) {
+      program.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
+      continue;
+    }
     switch (e.action) {
       case TraceAction::alloc: {
+        if (e.size == 0) {  // no allocator work, nor for its free
+          zero_size.insert(e.addr);
+          break;
+        }
         const std::uint32_t id = new_id(e.context);
         live[e.addr] = id;
         touched.insert(e.addr);
@@ -37,6 +53,7 @@ ReplayProgram compile(const Trace& trace) {
         break;
       }
       case TraceAction::free_requested: {
+        if (zero_size.erase(e.addr) != 0) break;
         touched.insert(e.addr);
         std::uint32_t id = 0;
         auto it = live.find(e.addr);

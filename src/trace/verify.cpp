@@ -102,6 +102,11 @@ class Verifier {
     device.set_address_source(
         [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
     CachingAllocator allocator(device, config_);
+    if (config_.garbage_collection_threshold > 0.0) {
+      // Block ages count only under a memory fraction; one of the whole
+      // (unlimited) device never triggers collection by itself.
+      allocator.set_memory_fraction(1.0);
+    }
     allocator.attach_trace_tracker([this](const TraceEvent& e) {
       if (e.action == TraceAction::segment_free) on_segment_free(e.addr, e.size);
     });
@@ -122,7 +127,7 @@ class Verifier {
         resolve(allocator, runs_[it->second], i);
       }
     }
-    if (result_.divergence.empty() && !trace_.final_state.segments.empty()) {
+    if (result_.divergence.empty()) {
       compare_final_state(allocator.snapshot());
     }
     result_.agreed = result_.divergence.empty();
@@ -293,16 +298,17 @@ class Verifier {
 
   void resolve(CachingAllocator& allocator, const ReleaseRun& run, std::size_t index) {
     ReleaseCause cause = run.cause;
-    if (cause == ReleaseCause::undecided) {
-      // Either way the same segments go: when they are all empty_cache would
-      // free, apply it here; otherwise they are the ladder's.
+    const bool undecided = cause == ReleaseCause::undecided;
+    if (undecided) {
+      // When they are all empty_cache() would free, the same segments go
+      // either way: apply it here. Otherwise they are the ladder's.
       cause = matches_empty_cache(allocator) ? ReleaseCause::empty_cache : ReleaseCause::allocator;
     }
     pending_run_ = &run;
     pending_cause_ = cause;
     if (cause == ReleaseCause::empty_cache) {
       allocator.empty_cache();
-      if (settle(index)) ++result_.empty_cache_calls;
+      if (settle(index)) ++(undecided ? result_.undecided_releases : result_.empty_cache_calls);
       return;
     }
     // The allocation that follows makes them: its retry ladder (the device

@@ -22,17 +22,24 @@ struct StartBlock {
 };
 
 // The unsplit tail after a large block freed before any alloc at its address.
+// An oversize request (max_split_size_mb and up) is never split: its block
+// reaches the next block, however far, unless an alloc lands in between
+// first (it lands where the free space, hence the tail's end, starts).
 std::uint64_t unsplit_tail(const Trace& trace, DevicePtr addr, const StartBlock& b, DevicePtr limit,
-                           StartingState& out) {
+                           const AllocatorConfig& config, StartingState& out) {
   const DevicePtr end = addr + b.size;
   const std::uint64_t gap = limit - end;
+  const bool oversize = b.size >= config.max_split_size;
+  const std::uint64_t reach = oversize ? gap : kSmallSize;
   std::uint64_t tail = 0;
   if (gap > 0 && gap <= kSmallSize) {
     tail = gap;  // a free large block is always larger than 1 MiB
   } else if (gap > kSmallSize) {
+    tail = oversize ? gap : 0;
     for (std::size_t i = 0; i < b.free_event; ++i) {
       const TraceEvent& e = trace.events[i];
-      if (e.action == TraceAction::alloc && e.addr >= end && e.addr <= end + kSmallSize) {
+      if (e.action == TraceAction::alloc && e.addr >= end && e.addr <= end + reach &&
+          e.addr < limit) {
         tail = e.addr - end;
         break;
       }
@@ -130,7 +137,7 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config) 
                         "overlaps what follows at {:#x}",
                         trace.name, addr, b->size, limit));
       }
-      if (!b->exact && seg.is_large) b->size += unsplit_tail(trace, addr, *b, limit, out);
+      if (!b->exact && seg.is_large) b->size += unsplit_tail(trace, addr, *b, limit, config, out);
     }
     DevicePtr cursor = base;
     auto add_free = [&](DevicePtr to) {

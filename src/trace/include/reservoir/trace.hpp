@@ -169,7 +169,11 @@ struct VerifyResult {
   std::uint64_t segment_allocs_checked = 0;
   std::uint64_t segment_frees_checked = 0;
   std::uint64_t ooms_checked = 0;          // oom events reservoir also ran out of memory at
-  std::uint64_t empty_cache_calls = 0;     // release runs applied as the program's empty_cache()
+  std::uint64_t empty_cache_calls = 0;     // release runs shown to be the program's empty_cache()
+  // Release runs before a device request that no frames explain and that
+  // freed every unused segment, as empty_cache() and the retry ladder's last
+  // rung both do: applied as empty_cache() (the same segments go either way).
+  std::uint64_t undecided_releases = 0;
   std::uint64_t allocator_releases = 0;    // release runs made by the retry ladder
   std::uint64_t garbage_collections = 0;   // release runs made by garbage collection
   std::uint64_t zero_size_skipped = 0;     // zero-byte alloc/free events (no allocator work)

@@ -1,0 +1,555 @@
+// verify on every kind of recording a user brings: empty_cache() runs
+// anywhere, the retry ladder's and garbage collection's releases, delayed
+// frees on several streams, private pools, oom events, zero-byte events,
+// several devices, ring buffers that dropped their oldest events, and
+// snapshots of older PyTorch versions. Each recording is made by the
+// allocator itself (which makes PyTorch's decisions) and read back from the
+// pickle our writer makes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <set>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/pickle.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+#include "trace_fixture.hpp"
+
+namespace reservoir {
+namespace {
+
+// Records what an allocator does from the moment `on` is set.
+struct Recorder {
+  explicit Recorder(const std::string& config, std::size_t capacity = std::size_t{1} << 40)
+      : device(options(capacity)), allocator(device, AllocatorConfig::parse(config)) {
+    trace.name = "case";
+    trace.format = "pytorch-snapshot";
+    trace.has_addresses = true;
+    trace.recorded_config = config;
+    allocator.attach_trace_tracker([this](const TraceEvent& e) {
+      if (on) trace.events.push_back(e);
+    });
+  }
+  static SimDeviceOptions options(std::size_t capacity) {
+    SimDeviceOptions o;
+    o.capacity = capacity;
+    return o;
+  }
+  void* alloc(std::size_t bytes, StreamId stream = 0) { return allocator.allocate(bytes, stream); }
+  std::size_t count(TraceAction a) const {
+    return static_cast<std::size_t>(std::count_if(trace.events.begin(), trace.events.end(),
+                                                  [a](const TraceEvent& e) { return e.action == a; }));
+  }
+  // Calls empty_cache() and returns the segments it freed.
+  std::size_t empty_cache() {
+    const std::size_t before = count(TraceAction::segment_free);
+    allocator.empty_cache();
+    return count(TraceAction::segment_free) - before;
+  }
+  std::size_t unused_segments() const {
+    std::size_t n = 0;
+    for (const SegmentInfo& s : allocator.snapshot().segments) {
+      n += std::none_of(s.blocks.begin(), s.blocks.end(), [](const BlockInfo& b) {
+        return b.state != BlockState::inactive;
+      });
+    }
+    return n;
+  }
+  Trace finish() {
+    trace.final_state = allocator.snapshot();
+    return trace;
+  }
+
+  SimDevice device;
+  CachingAllocator allocator;
+  Trace trace;
+  bool on = true;
+};
+
+Trace pickled(const Trace& t) {
+  const std::string bytes_ = write_pytorch_snapshot(t);
+  return read_pytorch_snapshot(bytes(bytes_), t.name);
+}
+
+std::size_t count(const Trace& t, TraceAction a) {
+  return static_cast<std::size_t>(std::count_if(
+      t.events.begin(), t.events.end(), [a](const TraceEvent& e) { return e.action == a; }));
+}
+
+// Gives the events [first, last] a context of one frame.
+void set_frames(Trace& t, std::size_t first, std::size_t last, std::string file, int line,
+                std::string name) {
+  Context c;
+  c.frames.push_back({std::move(file), line, std::move(name)});
+  t.final_state.contexts.push_back(c);
+  const auto id = static_cast<std::uint32_t>(t.final_state.contexts.size() - 1);
+  for (std::size_t i = first; i <= last; ++i) t.events[i].context = id;
+}
+
+std::size_t first_of(const Trace& t, TraceAction a, std::size_t from = 0) {
+  for (std::size_t i = from; i < t.events.size(); ++i) {
+    if (t.events[i].action == a) return i;
+  }
+  return t.events.size();
+}
+
+// ---- empty_cache() runs ---------------------------------------------------------
+
+// Segments cached before recording began, freed by an empty_cache() called at
+// once: they are reconstructed as wholly free segments of the pool their
+// size implies, and the run is applied as empty_cache().
+TEST(VerifyReleases, EmptyCacheAtTheStartFreesSegmentsCachedBeforeRecording) {
+  Recorder r("");
+  r.on = false;
+  std::vector<void*> warm;
+  for (std::size_t size : {kMiB / 10, kMiB * 6 / 10, 3 * kMiB, 12 * kMiB, 40 * kMiB}) {
+    warm.push_back(r.alloc(size));
+    warm.push_back(r.alloc(size, 7));
+  }
+  void* keep = r.alloc(200 * 1024);  // keeps one small segment in use
+  for (void* p : warm) r.allocator.deallocate(p);
+  // Per stream: a small segment, 20 MiB (3 and 12 MiB share it), 40 MiB; one
+  // small segment stays in use.
+  ASSERT_EQ(r.unused_segments(), 5u);
+  r.on = true;
+  EXPECT_EQ(r.empty_cache(), 5u);
+  void* a = r.alloc(100 * 1024);  // from the small segment still held: no device request
+  void* b = r.alloc(5 * kMiB);    // a new 20 MiB segment
+  r.allocator.deallocate(a);
+  r.allocator.deallocate(keep);
+  void* c = r.alloc(70 * kMiB, 7);
+  r.allocator.deallocate(c);
+  const Trace t = pickled(r.finish());
+  ASSERT_EQ(first_of(t, TraceAction::alloc), 5u);
+
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.initial_segments, 6u);
+  EXPECT_EQ(v.initial_free_segments, 5u);
+  EXPECT_EQ(v.initial_live_blocks, 1u);
+  EXPECT_EQ(v.segment_frees_checked, 5u);
+  EXPECT_EQ(v.segment_allocs_checked, 2u);
+  EXPECT_EQ(v.allocs_checked, 3u);
+  EXPECT_EQ(v.empty_cache_calls, 1u);  // no device request followed: structure tells
+  EXPECT_EQ(v.undecided_releases, 0u);
+  (void)b;
+}
+
+// The same run followed at once by a device request: frames that name
+// empty_cache decide; without frames it is the release of every unused
+// segment, the same either way.
+TEST(VerifyReleases, EmptyCacheBeforeADeviceRequestByFramesOrByEffect) {
+  Recorder r("");
+  r.on = false;
+  void* x = r.alloc(40 * kMiB);
+  void* y = r.alloc(300 * 1024);
+  r.allocator.deallocate(x);
+  r.allocator.deallocate(y);
+  r.on = true;
+  ASSERT_EQ(r.empty_cache(), 2u);
+  void* z = r.alloc(50 * kMiB);
+  r.allocator.deallocate(z);
+  Trace t = r.finish();
+  ASSERT_EQ(t.events[2].action, TraceAction::segment_alloc);
+
+  const VerifyResult plain = verify(pickled(t));
+  EXPECT_TRUE(plain.agreed) << plain.divergence;
+  EXPECT_EQ(plain.undecided_releases, 1u);
+  EXPECT_EQ(plain.empty_cache_calls, 0u);
+  EXPECT_EQ(plain.segment_frees_checked, 2u);
+
+  set_frames(t, 0, 1, "/usr/lib/python3/torch/cuda/memory.py", 222, "empty_cache");
+  const VerifyResult framed = verify(pickled(t));
+  EXPECT_TRUE(framed.agreed) << framed.divergence;
+  EXPECT_EQ(framed.empty_cache_calls, 1u);
+  EXPECT_EQ(framed.undecided_releases, 0u);
+
+  // Replay applies it where the frames show it.
+  const ReplayProgram program = compile(pickled(t));
+  ASSERT_EQ(program.ops.size(), 3u);
+  EXPECT_EQ(program.ops[0].kind, ReplayOp::Kind::empty_cache);
+  EXPECT_EQ(program.ops[1].kind, ReplayOp::Kind::alloc);
+}
+
+// empty_cache() in the middle, back to back with a free between, one that
+// frees nothing, one with a free still waiting on a stream, and one at the end.
+TEST(VerifyReleases, EmptyCacheRunsInTheMiddleBackToBackAndAtTheEnd) {
+  Recorder r("max_split_size_mb:64");
+  r.device.set_auto_complete_events(false);
+  StreamId side = 0;
+  ASSERT_EQ(r.device.create_stream(&side), Status::ok);
+  std::mt19937_64 rng(5);
+  std::vector<void*> live;
+  std::vector<std::size_t> freed_by_call;
+  auto churn = [&](int steps) {
+    for (int i = 0; i < steps; ++i) {
+      if (!live.empty() && rng() % 100 < 45) {
+        const std::size_t k = rng() % live.size();
+        r.allocator.deallocate(live[k]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        const std::size_t size = rng() % 3 == 0 ? kMiB + rng() % (80 * kMiB) : 1 + rng() % kMiB;
+        live.push_back(r.alloc(size, rng() % 4 == 0 ? side : 0));
+      }
+    }
+  };
+  churn(300);
+  freed_by_call.push_back(r.empty_cache());  // middle
+  r.allocator.deallocate(live.back());
+  live.pop_back();
+  freed_by_call.push_back(r.empty_cache());  // back to back, a free between
+  freed_by_call.push_back(r.empty_cache());  // frees nothing: leaves no event
+  churn(200);
+  // A block used on the side stream, freed while that work is pending:
+  // empty_cache() waits for it, then frees its segment.
+  void* pending = r.alloc(30 * kMiB);
+  r.allocator.record_stream(pending, side);
+  r.allocator.deallocate(pending);
+  churn(50);
+  r.device.complete_stream(side);
+  freed_by_call.push_back(r.empty_cache());
+  churn(200);
+  for (void* p : live) r.allocator.deallocate(p);
+  freed_by_call.push_back(r.empty_cache());  // at the end: every segment
+  const Trace t = pickled(r.finish());
+  const std::size_t visible = static_cast<std::size_t>(
+      std::count_if(freed_by_call.begin(), freed_by_call.end(), [](std::size_t n) { return n > 0; }));
+  EXPECT_EQ(freed_by_call[2], 0u);
+  EXPECT_GT(freed_by_call[0], 0u);
+  EXPECT_GT(freed_by_call[4], 0u);
+
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.empty_cache_calls + v.undecided_releases, visible);
+  EXPECT_EQ(v.segment_frees_checked, count(t, TraceAction::segment_free));
+  EXPECT_EQ(v.segment_allocs_checked, count(t, TraceAction::segment_alloc));
+  EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc));
+  EXPECT_TRUE(t.final_state.segments.empty());
+  EXPECT_TRUE(v.final_state_checked);
+
+  // Replay runs from an empty cache: with the recorded settings it makes the
+  // recorded device requests, empty_cache() calls included.
+  const ReplayResult rr = replay(compile(t), AllocatorConfig::parse(t.recorded_config),
+                                 t.recorded_config);
+  EXPECT_EQ(static_cast<std::size_t>(rr.device_allocs), count(t, TraceAction::segment_alloc));
+  EXPECT_EQ(static_cast<std::size_t>(rr.device_frees), count(t, TraceAction::segment_free));
+  EXPECT_EQ(rr.final_reserved_bytes, 0u);
+}
+
+// A run the recording makes but reservoir's allocator would not is reported
+// at the event where it happens.
+TEST(VerifyReleases, AnEmptyCacheThatDidNotHappenIsADivergence) {
+  Recorder r("");
+  void* x = r.alloc(40 * kMiB);
+  void* y = r.alloc(40 * kMiB);
+  r.allocator.deallocate(x);
+  r.empty_cache();
+  void* z = r.alloc(100 * 1024);
+  r.allocator.deallocate(z);
+  r.allocator.deallocate(y);
+  Trace t = r.finish();
+  const std::size_t run = first_of(t, TraceAction::segment_free);
+  ASSERT_LT(run, t.events.size());
+  t.events[run].addr = y == nullptr ? 0 : reinterpret_cast<DevicePtr>(y);  // frees the other one
+  // A device request follows: no frames tell, and as the run is not all
+  // empty_cache() would free, it is the ladder's, which frees the other
+  // segment when the request comes.
+  const std::size_t request = first_of(t, TraceAction::alloc, run);
+  const VerifyResult v = verify(pickled(t));
+  EXPECT_FALSE(v.agreed);
+  EXPECT_FALSE(v.cannot_verify);
+  EXPECT_EQ(v.divergence_event, request);
+  EXPECT_NE(v.divergence.find(fmt::format("the recording frees the one at {:#x}",
+                                          reinterpret_cast<DevicePtr>(y))),
+            std::string::npos)
+      << v.divergence;
+}
+
+// ---- the allocator's own releases ------------------------------------------------
+
+// Every unused segment freed by the ladder's last rung before the retried
+// device request: with the allocation's frames it is the ladder's.
+TEST(VerifyReleases, RetryLadderReleasesAllCachedSegments) {
+  Recorder r("", 80 * kMiB);
+  void* a = r.alloc(30 * kMiB);
+  void* b = r.alloc(30 * kMiB);
+  r.allocator.deallocate(a);
+  void* c = r.alloc(40 * kMiB);  // 30 + 30 + 40 > 80: the ladder frees a's segment
+  r.allocator.deallocate(c);
+  r.allocator.deallocate(b);
+  Trace t = r.finish();
+  const std::size_t run = first_of(t, TraceAction::segment_free);
+  ASSERT_EQ(t.events[run + 1].action, TraceAction::segment_alloc);
+  ASSERT_EQ(t.events[run + 2].action, TraceAction::alloc);
+
+  const VerifyResult plain = verify(pickled(t));
+  EXPECT_TRUE(plain.agreed) << plain.divergence;
+  EXPECT_EQ(plain.undecided_releases, 1u);
+
+  set_frames(t, run, run + 2, "train.py", 41, "forward");
+  const VerifyResult framed = verify(pickled(t));
+  EXPECT_TRUE(framed.agreed) << framed.divergence;
+  EXPECT_EQ(framed.allocator_releases, 1u);
+  EXPECT_EQ(framed.undecided_releases, 0u);
+  const ReplayProgram program = compile(pickled(t));
+  EXPECT_TRUE(std::none_of(program.ops.begin(), program.ops.end(), [](const ReplayOp& op) {
+    return op.kind == ReplayOp::Kind::empty_cache;
+  }));
+}
+
+// max_split_size_mb: the ladder's first rung frees one oversize block, not
+// every unused segment; the structure alone tells it from empty_cache().
+TEST(VerifyReleases, RetryLadderReleasesOneOversizeBlock) {
+  Recorder r("max_split_size_mb:20", 130 * kMiB);
+  void* a = r.alloc(70 * kMiB);
+  void* b = r.alloc(25 * kMiB);
+  void* s = r.alloc(kMiB);
+  r.allocator.deallocate(a);
+  r.allocator.deallocate(b);
+  void* c = r.alloc(40 * kMiB);  // frees a only; b stays cached
+  r.allocator.deallocate(c);
+  r.allocator.deallocate(s);
+  const Trace t = pickled(r.finish());
+  ASSERT_EQ(count(t, TraceAction::segment_free), 1u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.allocator_releases, 1u);
+  EXPECT_EQ(v.segment_frees_checked, 1u);
+  EXPECT_EQ(v.segment_allocs_checked, 4u);
+}
+
+// Garbage collection (a memory fraction and garbage_collection_threshold)
+// frees the older cached block before the device request.
+TEST(VerifyReleases, GarbageCollectionFreesTheOlderBlock) {
+  Recorder r("garbage_collection_threshold:0.5", 200 * kMiB);
+  r.allocator.set_memory_fraction(1.0);  // GC above 100 MiB reserved
+  void* a = r.alloc(30 * kMiB);
+  void* b = r.alloc(30 * kMiB);
+  void* e = r.alloc(32 * kMiB);
+  r.allocator.deallocate(a);
+  void* f = r.alloc(34 * kMiB);  // a cache miss: a ages
+  r.allocator.deallocate(b);
+  void* g = r.alloc(36 * kMiB);  // 126 MiB reserved: GC frees a (older), not b
+  for (void* p : {e, f, g}) r.allocator.deallocate(p);
+  const Trace t = pickled(r.finish());
+  ASSERT_EQ(count(t, TraceAction::segment_free), 1u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.garbage_collections, 1u);
+  EXPECT_EQ(v.segment_frees_checked, 1u);
+}
+
+// ---- streams, oom, private pools, zero bytes ---------------------------------------
+
+TEST(VerifyCases, OomEventsAreCheckedAndTheRecordingGoesOn) {
+  Recorder r("", 64 * kMiB);
+  void* a = r.alloc(40 * kMiB);
+  EXPECT_THROW(r.alloc(30 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(a);
+  void* b = r.alloc(30 * kMiB);  // from a's cached segment
+  r.allocator.deallocate(b);
+  const Trace t = pickled(r.finish());
+  ASSERT_EQ(count(t, TraceAction::oom), 1u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.ooms_checked, 1u);
+  EXPECT_EQ(v.allocs_checked, 2u);
+}
+
+TEST(VerifyCases, FreesDelayedByRecordStreamOnSeveralStreams) {
+  Recorder r("");
+  r.device.set_auto_complete_events(false);
+  StreamId s1 = 0;
+  StreamId s2 = 0;
+  ASSERT_EQ(r.device.create_stream(&s1), Status::ok);
+  ASSERT_EQ(r.device.create_stream(&s2), Status::ok);
+  std::mt19937_64 rng(9);
+  std::vector<void*> live;
+  for (int i = 0; i < 600; ++i) {
+    if (i % 97 == 0) r.device.complete_stream(i % 2 == 0 ? s1 : s2);
+    if (!live.empty() && rng() % 100 < 45) {
+      const std::size_t k = rng() % live.size();
+      if (rng() % 3 == 0) r.allocator.record_stream(live[k], rng() % 2 == 0 ? s1 : s2);
+      r.allocator.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const StreamId stream = rng() % 3 == 0 ? s1 : rng() % 2 == 0 ? s2 : 0;
+      live.push_back(r.alloc(rng() % 2 == 0 ? 1 + rng() % kMiB : kMiB + rng() % (40 * kMiB), stream));
+    }
+  }
+  const Trace t = pickled(r.finish());
+  std::size_t delayed = 0;
+  for (std::size_t i = 0; i + 1 < t.events.size(); ++i) {
+    delayed += t.events[i].action == TraceAction::free_requested &&
+               !(t.events[i + 1].action == TraceAction::free_completed &&
+                 t.events[i + 1].addr == t.events[i].addr);
+  }
+  EXPECT_GT(delayed, 20u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc));
+}
+
+TEST(VerifyCases, PrivatePoolsCannotBeVerifiedAndSaySoWhere) {
+  Recorder r("");
+  void* a = r.alloc(5 * kMiB);
+  r.allocator.begin_allocate_to_pool({1, 0}, [](StreamId) { return true; });
+  void* g = r.alloc(3 * kMiB);
+  r.allocator.end_allocate_to_pool({1, 0});
+  void* b = r.alloc(6 * kMiB);
+  r.allocator.deallocate(a);
+  r.allocator.deallocate(b);
+  const Trace t = pickled(r.finish());
+  const std::size_t private_segment = first_of(t, TraceAction::segment_alloc, 1);
+  ASSERT_EQ(t.events[private_segment + 1].addr, reinterpret_cast<DevicePtr>(g));
+  const VerifyResult v = verify(t);
+  EXPECT_FALSE(v.agreed);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_EQ(v.divergence_event, private_segment);
+  EXPECT_EQ(v.private_pool_segments, 1u);
+  EXPECT_NE(v.divergence.find("private pool (1, 0)"), std::string::npos) << v.divergence;
+  EXPECT_EQ(v.allocs_checked, 1u);
+}
+
+TEST(VerifyCases, ZeroByteEventsAreSkipped) {
+  Trace t = record(3, 300);
+  const std::size_t at = first_of(t, TraceAction::alloc, 50);
+  t.events.insert(t.events.begin() + static_cast<std::ptrdiff_t>(at),
+                  TraceEvent{TraceAction::alloc, 0, 0, 0});
+  t.events.insert(t.events.begin() + static_cast<std::ptrdiff_t>(at + 3),
+                  TraceEvent{TraceAction::free_requested, 0, 0, 0});
+  const Trace back = pickled(t);
+  const VerifyResult v = verify(back);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.zero_size_skipped, 2u);
+  const ReplayProgram program = compile(back);
+  EXPECT_EQ(program.ops.size(), compile(t).ops.size());
+  EXPECT_EQ(program.ops.size(), count(t, TraceAction::alloc) - 1 +
+                                    count(t, TraceAction::free_requested) - 1);
+}
+
+// ---- what a real file holds ----------------------------------------------------
+
+// The ring buffer keeps the latest max_entries events: the recording then
+// starts anywhere, inside a run of releases too.
+TEST(VerifyCases, RingBufferThatDroppedItsOldestEvents) {
+  for (std::size_t entries : {40u, 333u, 1000u, 2500u}) {
+    SimDevice device;
+    CachingAllocator allocator(device, AllocatorConfig::parse("max_split_size_mb:64"));
+    allocator.record_history({.max_entries = entries});
+    std::mt19937_64 rng(entries);
+    std::vector<void*> live;
+    for (int i = 0; i < 3000; ++i) {
+      if (!live.empty() && (rng() % 100 < 45 || live.size() > 60)) {
+        const std::size_t k = rng() % live.size();
+        allocator.deallocate(live[k]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        const std::size_t size = rng() % 4 == 0 ? kMiB + rng() % (90 * kMiB) : 1 + rng() % kMiB;
+        live.push_back(allocator.allocate(size, rng() % 5 == 0 ? 1 : 0));
+      }
+      if (i % 150 == 149) allocator.empty_cache();
+    }
+    const Trace t = pickled(to_trace(allocator.snapshot(), "ring", "max_split_size_mb:64"));
+    ASSERT_LE(t.events.size(), entries + 1);
+    const VerifyResult v = verify(t);
+    EXPECT_TRUE(v.agreed) << entries << ": " << v.divergence;
+    EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc)) << entries;
+    EXPECT_EQ(v.segment_frees_checked, count(t, TraceAction::segment_free)) << entries;
+  }
+}
+
+using pickle::Document;
+using pickle::Kind;
+using pickle::Value;
+
+// A copy of `v` without the dict keys in `drop`, with `edit` applied to each dict.
+const Value* copy(Document& doc, const Value& v, const std::set<std::string>& drop,
+                  const std::function<void(Document&, Value&)>& edit = {}) {
+  Value* out = doc.make(v.kind);
+  *out = v;
+  out->items.clear();
+  out->entries.clear();
+  for (const Value* item : v.items) out->items.push_back(copy(doc, *item, drop, edit));
+  for (const auto& [k, x] : v.entries) {
+    if (k->kind == Kind::string && drop.count(k->text) != 0) continue;
+    out->entries.emplace_back(copy(doc, *k, drop, edit), copy(doc, *x, drop, edit));
+  }
+  if (v.kind == Kind::dict && edit) edit(doc, *out);
+  return out;
+}
+
+// PyTorch 2.1-2.3 snapshots: no allocator_settings, no time_us, no
+// is_expandable, no requested_size.
+TEST(VerifyCases, OlderSnapshotsWithoutTheNewerFields) {
+  auto old = [](const Trace& t) {
+    const std::string full = write_pytorch_snapshot(t);
+    const Document in = pickle::decode(bytes(full));
+    Document out;
+    out.set_root(copy(out, in.root(),
+                      {"allocator_settings", "time_us", "is_expandable", "requested_size"}));
+    const std::string stripped = pickle::encode(out.root());
+    return read_pytorch_snapshot(bytes(stripped), "old.pickle");
+  };
+  const Trace plain = old(record(4, 2000));
+  EXPECT_FALSE(plain.settings_recorded);
+  const VerifyResult v = verify(plain);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+
+  // Recorded with max_split_size_mb:64, which the file no longer says: a
+  // difference is not a divergence but a recording verify cannot check.
+  const Trace tuned = old(recorded_workload(6, 3000));
+  const VerifyResult w = verify(tuned);
+  EXPECT_FALSE(w.agreed);
+  EXPECT_TRUE(w.cannot_verify);
+  EXPECT_NE(w.divergence.find("does not record its allocator settings"), std::string::npos)
+      << w.divergence;
+}
+
+// A snapshot of two devices: each is read and verified on its own.
+TEST(VerifyCases, SeveralDevices) {
+  const Trace t0 = record(21, 800);
+  const Trace t1 = record(22, 900);
+  const Document d0 = pickle::decode(bytes(write_pytorch_snapshot(t0)));
+  const Document d1 = pickle::decode(bytes(write_pytorch_snapshot(t1)));
+  Document out;
+  Value* root = out.make(Kind::dict);
+  *root = d0.root();
+  auto on_device_1 = [](Document& doc, Value& dict) {
+    for (auto& [k, x] : dict.entries) {
+      if (k->kind == Kind::string && k->text == "device") {
+        Value* one = doc.make(Kind::integer);
+        one->integer = 1;
+        x = one;
+      }
+    }
+  };
+  Value* segments = out.make(Kind::list);
+  for (const Value* s : d0.root().find("segments")->items) segments->items.push_back(s);
+  for (const Value* s : d1.root().find("segments")->items) {
+    segments->items.push_back(copy(out, *s, {}, on_device_1));
+  }
+  Value* traces = out.make(Kind::list);
+  traces->items = {d0.root().find("device_traces")->items[0],
+                   d1.root().find("device_traces")->items[0]};
+  for (auto& [k, x] : root->entries) {
+    if (k->text == "segments") x = segments;
+    if (k->text == "device_traces") x = traces;
+  }
+  out.set_root(root);
+  const std::string both = pickle::encode(out.root());
+  for (int device : {0, 1}) {
+    const Trace t = read_pytorch_snapshot(bytes(both), "two.pickle", device);
+    EXPECT_EQ(t.device_count, 2u);
+    EXPECT_EQ(t.device, device);
+    EXPECT_EQ(t.events.size(), (device == 0 ? t0 : t1).events.size());
+    const VerifyResult v = verify(t);
+    EXPECT_TRUE(v.agreed) << "device " << device << ": " << v.divergence;
+    EXPECT_TRUE(v.final_state_checked);
+  }
+}
+
+}  // namespace
+}  // namespace reservoir
