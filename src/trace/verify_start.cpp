@@ -51,7 +51,8 @@ std::uint64_t unsplit_tail(const Trace& trace, DevicePtr addr, const StartBlock&
 
 }  // namespace
 
-StartingState starting_state(const Trace& trace, const AllocatorConfig& config) {
+StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
+                             bool first_alloc_made_its_segment) {
   StartingState out;
   const auto& events = trace.events;
   std::map<DevicePtr, SegmentInfo> segments;
@@ -77,16 +78,38 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config) 
     }
   }
 
+  if (first_alloc_made_its_segment && !events.empty() &&
+      events[0].action == TraceAction::alloc) {
+    auto it = segments.find(events[0].addr);
+    if (it != segments.end()) {
+      out.made_by_first_alloc = std::make_pair(it->first, it->second.total_size);
+      segments.erase(it);
+    }
+  }
+
   std::map<DevicePtr, StartBlock> blocks;
   std::unordered_set<DevicePtr> live;
   std::unordered_set<DevicePtr> touched;
+  std::unordered_set<DevicePtr> requested;  // freed, waiting for free_completed
   for (std::size_t i = 0; i < events.size(); ++i) {
     const TraceEvent& e = events[i];
     if (e.action == TraceAction::alloc) {
       live.insert(e.addr);
       touched.insert(e.addr);
+    } else if (e.action == TraceAction::free_completed) {
+      if (requested.erase(e.addr) != 0 || touched.count(e.addr) != 0) continue;
+      // Freed before the recording began, its stream work still pending.
+      touched.insert(e.addr);
+      StartBlock b;
+      b.size = CachingAllocator::round_size(e.size, config);
+      b.requested = e.size;
+      b.stream = e.stream;
+      b.free_event = i;
+      blocks.emplace(e.addr, b);
+      out.pending_frees.push_back(e.addr);
     } else if (e.action == TraceAction::free_requested) {
       touched.insert(e.addr);
+      requested.insert(e.addr);
       if (live.erase(e.addr) == 0) {
         StartBlock b;
         b.size = CachingAllocator::round_size(e.size, config);

@@ -10,10 +10,16 @@
 // free event does not show: a gap of 1 MiB or less after it must be such a
 // tail (a free large block is always larger), and otherwise the first alloc
 // into the gap, before the block is freed, lands where the gap really starts.
+// An oversize block (max_split_size_mb and up) is never split, so with no
+// such alloc its tail is the whole gap. A block whose first event is a
+// free_completed was freed before the recording, its stream work pending.
 //
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "reservoir/config.hpp"
 #include "reservoir/snapshot.hpp"
@@ -25,10 +31,23 @@ struct StartingState {
   Snapshot layout;              // the segments live at the start, their blocks placed
   std::size_t live_blocks = 0;  // blocks live at the start
   std::size_t unsplit_tails = 0;
+  // Blocks (allocated in `layout`) the program had freed before the recording
+  // began whose stream work was still pending: their first event is a
+  // free_completed. verify frees them at once, held until that event.
+  std::vector<DevicePtr> pending_frees;
+  // The segment the first event's alloc got from the device, its
+  // segment_alloc lost to the start of the recording: (address, size), or
+  // (0, 0).
+  std::pair<DevicePtr, std::uint64_t> made_by_first_alloc{0, 0};
 };
 
+// A recording that starts with an alloc may have lost that allocation's
+// segment_alloc to its start (a ring buffer's cut): with
+// first_alloc_made_its_segment, the segment at that address is taken as
+// made by the alloc rather than present at the start.
 // Throws TraceError when the recording contradicts itself (a block in no
 // segment, overlapping blocks).
-StartingState starting_state(const Trace& trace, const AllocatorConfig& config);
+StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
+                             bool first_alloc_made_its_segment = false);
 
 }  // namespace reservoir::detail

@@ -461,6 +461,87 @@ TEST(VerifyCases, RingBufferThatDroppedItsOldestEvents) {
   }
 }
 
+// A ring buffer's cut can fall between an allocation's segment_alloc and
+// its alloc, and between a free and its free_completed.
+TEST(VerifyCases, CutsInsideOneAllocationAndInsideADelayedFree) {
+  Recorder r("max_split_size_mb:64");
+  r.device.set_auto_complete_events(false);
+  StreamId side = 0;
+  ASSERT_EQ(r.device.create_stream(&side), Status::ok);
+  void* big = r.alloc(63 * kMiB + 5000);  // a 64 MiB segment, oversize when cached
+  void* held = r.alloc(3 * kMiB);
+  r.allocator.record_stream(held, side);
+  r.allocator.deallocate(held);
+  void* other = r.alloc(3 * kMiB);  // cannot reuse `held` yet
+  r.device.complete_stream(side);
+  void* again = r.alloc(3 * kMiB);  // now it can
+  EXPECT_EQ(again, held);
+  for (void* p : {big, other, again}) r.allocator.deallocate(p);
+  r.empty_cache();
+  const Trace full = pickled(r.finish());
+  ASSERT_EQ(full.events[0].action, TraceAction::segment_alloc);
+  ASSERT_EQ(full.events[1].action, TraceAction::alloc);
+
+  Trace from_alloc = full;  // the 64 MiB segment_alloc lost
+  from_alloc.events.erase(from_alloc.events.begin());
+  const VerifyResult a = verify(from_alloc);
+  EXPECT_TRUE(a.agreed) << a.divergence;
+  EXPECT_EQ(a.initial_segments, 0u);
+  EXPECT_EQ(a.segment_allocs_checked, count(full, TraceAction::segment_alloc));
+
+  Trace from_pending = full;  // starts after `held` was freed, its work pending
+  const std::size_t freed = first_of(full, TraceAction::free_requested);
+  ASSERT_NE(full.events[freed + 1].action, TraceAction::free_completed);
+  from_pending.events.erase(from_pending.events.begin(),
+                            from_pending.events.begin() + static_cast<std::ptrdiff_t>(freed + 1));
+  const VerifyResult b = verify(from_pending);
+  EXPECT_TRUE(b.agreed) << b.divergence;
+  EXPECT_EQ(b.initial_live_blocks, 2u);  // big, and held while pending
+  EXPECT_EQ(b.allocs_checked, 2u);
+}
+
+// Random programs under random settings, cut at random points: every one
+// verifies (no false divergence, whatever the cut).
+TEST(VerifyCases, RandomRecordingsCutAnywhereAllVerify) {
+  const char* configs[] = {"", "max_split_size_mb:64", "roundup_power2_divisions:4",
+                           "max_split_size_mb:32,roundup_power2_divisions:2"};
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const std::string config = configs[seed % 4];
+    Recorder r(config);
+    r.device.set_auto_complete_events(false);
+    StreamId side = 0;
+    ASSERT_EQ(r.device.create_stream(&side), Status::ok);
+    std::mt19937_64 rng(seed);
+    std::vector<void*> live;
+    for (int i = 0; i < 1500; ++i) {
+      const std::uint64_t dice = rng() % 1000;
+      if (dice < 4) {
+        r.allocator.empty_cache();
+      } else if (dice < 12) {
+        r.device.complete_stream(side);
+      } else if (!live.empty() && (dice < 450 || live.size() > 70)) {
+        const std::size_t k = rng() % live.size();
+        if (rng() % 8 == 0) r.allocator.record_stream(live[k], side);
+        r.allocator.deallocate(live[k]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        const std::size_t size = rng() % 4 == 0 ? kMiB + rng() % (100 * kMiB) : 1 + rng() % kMiB;
+        live.push_back(r.alloc(size, rng() % 6 == 0 ? side : 0));
+      }
+    }
+    const Trace full = pickled(r.finish());
+    for (int cut = 0; cut < 6; ++cut) {
+      Trace t = full;
+      const std::size_t drop = cut == 0 ? 0 : rng() % t.events.size();
+      t.events.erase(t.events.begin(), t.events.begin() + static_cast<std::ptrdiff_t>(drop));
+      const VerifyResult v = verify(t);
+      EXPECT_TRUE(v.agreed) << "seed " << seed << " (" << config << "), first " << drop
+                            << " events dropped: " << v.divergence;
+      EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc));
+    }
+  }
+}
+
 using pickle::Document;
 using pickle::Kind;
 using pickle::Value;
