@@ -92,6 +92,7 @@ Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* v
   if (Status s = enter(CallKind::reserve); s != Status::ok) return s;
   if (va == nullptr) return Status::invalid_argument;
   return ledger_.reserve(bytes, alignment, va, [&](DevicePtr* out) {
+    if (reservation_source_) return reservation_source_(bytes, out);
     *out = next_address(bytes, std::max(alignment, options_.granularity));
     return Status::ok;
   });
@@ -112,6 +113,9 @@ Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noe
   }
   if (handle == nullptr) return Status::invalid_argument;
   return ledger_.create(bytes, handle, [&] {
+    if (physical_gate_) {
+      if (Status s = physical_gate_(bytes); s != Status::ok) return s;
+    }
     return bytes > options_.capacity - std::min(used(), options_.capacity) ? Status::out_of_memory
                                                                             : Status::ok;
   });
@@ -249,6 +253,16 @@ void SimDevice::set_capacity(std::size_t bytes) {
 void SimDevice::set_address_source(AddressSource source) {
   std::lock_guard lock(mutex_);
   address_source_ = std::move(source);
+}
+
+void SimDevice::set_reservation_source(AddressSource source) {
+  std::lock_guard lock(mutex_);
+  reservation_source_ = std::move(source);
+}
+
+void SimDevice::set_physical_gate(PhysicalGate gate) {
+  std::lock_guard lock(mutex_);
+  physical_gate_ = std::move(gate);
 }
 
 void SimDevice::fail_nth(CallKind kind, std::uint64_t n, Status status) {

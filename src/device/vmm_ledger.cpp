@@ -14,8 +14,12 @@ Status VmmLedger::check_reserve(std::size_t bytes, std::size_t alignment) const 
 Status VmmLedger::check_unreserve(DevicePtr va, std::size_t bytes) const noexcept {
   auto it = reservations_.find(va);
   if (it == reservations_.end() || it->second != bytes) return Status::invalid_argument;
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.end() && m->first < va + bytes) return Status::invalid_argument;
+  // A mapping belongs to the reservation with the greatest base at or below
+  // it (reservations never overlap on a device; a simulation may let them).
+  for (auto m = mappings_.lower_bound(va); m != mappings_.end() && m->first < va + bytes; ++m) {
+    auto owner = reservations_.upper_bound(m->first);
+    if (std::prev(owner)->first == va) return Status::invalid_argument;
+  }
   return Status::ok;
 }
 

@@ -37,6 +37,7 @@ using SegmentRef = std::pair<DevicePtr, std::uint64_t>;  // address, size
 struct Expectations {
   std::deque<SegmentRef> restore;            // starting segments
   std::deque<SegmentRef> segment_allocs;     // recorded, not yet made
+  std::deque<SegmentRef> maps;               // expandable segments: recorded maps not yet made
   std::vector<SegmentRef> segment_frees;     // recorded for this step
   std::size_t frees_made = 0;
   bool oom_expected = false;
@@ -69,12 +70,6 @@ class Verifier {
     } catch (const ConfigError& e) {
       throw TraceError(fmt::format("verify {}: recorded settings: {}", trace_.name, e.what()));
     }
-    if (config_.expandable_segments) {
-      throw TraceError(
-          fmt::format("verify {}: recorded with expandable_segments:True, which this "
-                      "build cannot replay",
-                      trace_.name));
-    }
     if (!trace_.settings_recorded) {
       assumption_ =
           "the snapshot does not record its allocator settings (PyTorch records them from "
@@ -82,6 +77,13 @@ class Verifier {
           "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference";
     }
     result_.events = trace_.events.size();
+    vm_ = config_.expandable_segments;
+    if (vm_) {
+      if (auto [index, why] = expandable_state_before(); !why.empty()) {
+        cannot_verify(index, why);
+        return result_;
+      }
+    }
     runs_ = detail::release_runs(trace_);
     for (std::size_t k = 0; k < runs_.size(); ++k) run_ending_at_[runs_[k].last] = k;
     find_private_pools();
@@ -105,6 +107,9 @@ class Verifier {
     SimDevice device(options);
     device.set_address_source(
         [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
+    device.set_reservation_source(
+        [this](std::size_t bytes, DevicePtr* va) { return serve_reservation(bytes, va); });
+    device.set_physical_gate([this](std::size_t bytes) { return serve_physical(bytes); });
     CachingAllocator allocator(device, config_);
     if (config_.garbage_collection_threshold > 0.0) {
       // Block ages count only under a memory fraction; one of the whole
@@ -112,7 +117,11 @@ class Verifier {
       allocator.set_memory_fraction(1.0);
     }
     allocator.attach_trace_tracker([this](const TraceEvent& e) {
-      if (e.action == TraceAction::segment_free) on_segment_free(e.addr, e.size);
+      if (e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap) {
+        on_release(e.action, e.addr, e.size);
+      } else if (e.action == TraceAction::segment_map) {
+        on_map(e.addr, e.size);
+      }
     });
     restoring_ = true;
     allocator.restore(start.layout);
@@ -206,21 +215,149 @@ class Verifier {
     return Status::invalid_argument;
   }
 
-  void on_segment_free(DevicePtr addr, std::uint64_t size) {
+  // A segment freed, or (expandable segments) pages unmapped.
+  void on_release(TraceAction action, DevicePtr addr, std::uint64_t size) {
+    const bool unmap = action == TraceAction::segment_unmap;
+    const char* did = unmap ? "unmapped the pages" : "freed the segment";
+    const char* does = unmap ? "unmaps" : "frees";
     const std::size_t k = expect_.frees_made++;
     if (k >= expect_.segment_frees.size()) {
-      note(
-          fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees no "
-                      "segment here",
-                      addr, size));
+      note(fmt::format("reservoir {} at {:#x} ({} bytes); the recording {} nothing here", did,
+                       addr, size, does));
     } else if (expect_.segment_frees[k] != std::make_pair(addr, size)) {
-      note(
-          fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees the "
-                      "one at {:#x} ({} bytes)",
-                      addr, size, expect_.segment_frees[k].first, expect_.segment_frees[k].second));
+      note(fmt::format("reservoir {} at {:#x} ({} bytes); the recording {} {:#x} ({} bytes)", did,
+                       addr, size, does, expect_.segment_frees[k].first,
+                       expect_.segment_frees[k].second));
     } else {
-      ++result_.segment_frees_checked;
+      ++(unmap ? result_.segment_unmaps_checked : result_.segment_frees_checked);
     }
+  }
+
+  // ---- expandable segments ---------------------------------------------------
+
+  // A new reservation's first mapping is at its start: the next recorded map.
+  Status serve_reservation(std::size_t bytes, DevicePtr* va) {
+    if (expect_.maps.empty()) {
+      note(fmt::format("reservoir reserved address space for a new expandable segment ({} "
+                       "bytes); the recording maps no memory here",
+                       bytes));
+      return Status::invalid_argument;
+    }
+    const DevicePtr base = expect_.maps.front().first;
+    if (!reservations_.insert(base).second) {
+      note(fmt::format("reservoir reserved a new expandable segment at {:#x}, where one is "
+                       "already reserved",
+                       base));
+      return Status::invalid_argument;
+    }
+    *va = base;
+    ++result_.reservations_checked;
+    return Status::ok;
+  }
+
+  Status serve_physical(std::size_t bytes) {
+    if (expect_.frees_made < expect_.segment_frees.size()) return Status::out_of_memory;
+    if (!expect_.maps.empty()) return Status::ok;
+    if (expect_.oom_expected) return Status::out_of_memory;
+    note(fmt::format("reservoir mapped {} more bytes; the recording maps no memory here", bytes));
+    return Status::invalid_argument;
+  }
+
+  void on_map(DevicePtr addr, std::uint64_t size) {
+    if (expect_.maps.empty()) {
+      note(fmt::format("reservoir mapped {} bytes at {:#x}; the recording maps nothing here", size,
+                       addr));
+      return;
+    }
+    const SegmentRef want = expect_.maps.front();
+    expect_.maps.pop_front();
+    if (want != std::make_pair(addr, size)) {
+      note(fmt::format("reservoir mapped {} bytes at {:#x}; the recording maps {} bytes at {:#x}",
+                       size, addr, want.second, want.first));
+    } else {
+      ++result_.segment_maps_checked;
+    }
+  }
+
+  // Expandable segments mapped before the recording began need their
+  // reservations' bases, which no snapshot records. Returns the first event
+  // (or the end, for the final segments) that shows such memory, and why.
+  std::pair<std::size_t, std::string> expandable_state_before() const {
+    std::map<DevicePtr, std::uint64_t> mapped;  // ranges mapped within the recording
+    auto covered = [&](DevicePtr a, std::uint64_t n) {
+      auto it = mapped.upper_bound(a);
+      if (it == mapped.begin()) return false;
+      --it;
+      // Ranges mapped back to back are one: walk them.
+      DevicePtr end = it->first + it->second;
+      while (end < a + n) {
+        auto next = mapped.find(end);
+        if (next == mapped.end()) return false;
+        end += next->second;
+      }
+      return a >= it->first;
+    };
+    std::unordered_set<DevicePtr> live;
+    auto before = [&](std::size_t i, const char* what) {
+      const TraceEvent& e = trace_.events[i];
+      return std::make_pair(
+          i, fmt::format("cannot verify: this {} at {:#x} is in an expandable segment mapped "
+                         "before the recording began ({}); rebuilding one needs the base of its "
+                         "address-space reservation, which a snapshot does not record",
+                         to_string(e.action), e.addr, what));
+    };
+    for (std::size_t i = 0; i < trace_.events.size(); ++i) {
+      const TraceEvent& e = trace_.events[i];
+      switch (e.action) {
+        case TraceAction::segment_map: mapped[e.addr] = e.size; break;
+        case TraceAction::segment_unmap: {
+          if (!covered(e.addr, e.size)) return before(i, "its pages were mapped earlier");
+          // Split the mapped ranges around the unmapped one.
+          auto it = std::prev(mapped.upper_bound(e.addr));
+          std::vector<std::pair<DevicePtr, std::uint64_t>> keep;
+          const DevicePtr lo = e.addr;
+          const DevicePtr hi = e.addr + e.size;
+          while (it != mapped.end() && it->first < hi) {
+            const DevicePtr s = it->first;
+            const DevicePtr t = s + it->second;
+            if (s < lo) keep.emplace_back(s, lo - s);
+            if (t > hi) keep.emplace_back(hi, t - hi);
+            it = mapped.erase(it);
+          }
+          for (auto& [s, n] : keep) mapped[s] = n;
+          break;
+        }
+        case TraceAction::alloc:
+          if (e.size == 0) break;
+          if (!covered(e.addr, 1)) return before(i, "no segment_map in the recording covers it");
+          live.insert(e.addr);
+          break;
+        case TraceAction::free_requested:
+          if (e.size != 0 && live.erase(e.addr) == 0) {
+            return before(i, "the block was allocated before the recording");
+          }
+          break;
+        case TraceAction::segment_alloc:
+        case TraceAction::segment_free:
+          return std::make_pair(
+              i, fmt::format("cannot verify: a {} event in a recording made with expandable "
+                             "segments (were the settings changed while recording?)",
+                             to_string(e.action)));
+        default: break;
+      }
+    }
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      if (s.pool_id != PoolId{0, 0}) continue;
+      if (!covered(s.address, s.total_size)) {
+        return std::make_pair(
+            trace_.events.size(),
+            fmt::format("cannot verify: the final segment at {:#x} ({} bytes) was mapped before "
+                        "the recording began; rebuilding it needs the base of its "
+                        "address-space reservation, which a snapshot does not record",
+                        s.address, s.total_size));
+      }
+    }
+    return {0, std::string()};
   }
 
   void note(const std::string& problem) {
@@ -253,9 +390,9 @@ class Verifier {
     }
     if (expect_.frees_made < expect_.segment_frees.size()) {
       const auto& f = expect_.segment_frees[expect_.frees_made];
-      std::string what = fmt::format(
-          "the recording frees the segment at {:#x} ({} bytes) here; reservoir did not", f.first,
-          f.second);
+      std::string what = fmt::format("the recording {} at {:#x} ({} bytes) here; reservoir did not",
+                                     vm_ ? "unmaps the pages" : "frees the segment", f.first,
+                                     f.second);
       if (pending_run_ != nullptr) {
         what += fmt::format(" (taken for {}: {})", cause_text(pending_cause_),
                             pending_run_->evidence);
@@ -268,6 +405,13 @@ class Verifier {
       diverge(index, fmt::format("the recording allocates a segment of {} bytes at {:#x} here; "
                                  "reservoir served the request from its cache",
                                  a.second, a.first));
+      return false;
+    }
+    if (!expect_.maps.empty()) {
+      const auto& m = expect_.maps.front();
+      diverge(index, fmt::format("the recording maps {} bytes at {:#x} here; reservoir served "
+                                 "the request from memory already mapped",
+                                 m.second, m.first));
       return false;
     }
     if (pending_run_ != nullptr && pending_cause_ == ReleaseCause::allocator) {
@@ -290,6 +434,27 @@ class Verifier {
     std::vector<SegmentRef> would;
     for (const SegmentInfo& s : allocator.snapshot().segments) {
       if (s.pool_id != PoolId{0, 0}) continue;
+      if (s.is_expandable) {
+        // The whole pages inside each free block (a mapped range starts on a page).
+        // Blocks pending free are free once empty_cache() synchronizes: a
+        // run of them and free blocks is one block then.
+        const std::uint64_t page = s.is_large ? kLargeBuffer : kSmallBuffer;
+        for (std::size_t j = 0; j < s.blocks.size();) {
+          if (s.blocks[j].state == BlockState::active_allocated) {
+            ++j;
+            continue;
+          }
+          const DevicePtr lo = s.blocks[j].address;
+          DevicePtr hi = lo;
+          for (; j < s.blocks.size() && s.blocks[j].state != BlockState::active_allocated; ++j) {
+            hi = s.blocks[j].address + s.blocks[j].size;
+          }
+          const std::uint64_t first = (lo - s.address + page - 1) / page;
+          const std::uint64_t end = (hi - s.address) / page;
+          if (first < end) would.emplace_back(s.address + first * page, (end - first) * page);
+        }
+        continue;
+      }
       const bool unused = std::none_of(s.blocks.begin(), s.blocks.end(), [](const BlockInfo& b) {
         return b.state == BlockState::active_allocated;
       });
@@ -312,7 +477,12 @@ class Verifier {
     pending_run_ = &run;
     pending_cause_ = cause;
     if (cause == ReleaseCause::empty_cache) {
-      allocator.empty_cache();
+      try {
+        allocator.empty_cache();
+      } catch (const DeviceError& err) {
+        diverge(index, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
+        return;
+      }
       if (settle(index)) ++(undecided ? result_.undecided_releases : result_.empty_cache_calls);
       return;
     }
@@ -345,10 +515,16 @@ class Verifier {
       case TraceAction::segment_free: expect_.segment_frees.emplace_back(e.addr, e.size); return;
       case TraceAction::segment_map:
       case TraceAction::segment_unmap:
-        cannot_verify(i, fmt::format("cannot verify: a {} event, but the recorded settings do "
-                                     "not enable expandable segments (were they changed while "
-                                     "recording?)",
-                                     to_string(e.action)));
+        if (!vm_) {
+          cannot_verify(i, fmt::format("cannot verify: a {} event, but the recorded settings do "
+                                       "not enable expandable segments (were they changed while "
+                                       "recording?)",
+                                       to_string(e.action)));
+        } else if (e.action == TraceAction::segment_map) {
+          expect_.maps.emplace_back(e.addr, e.size);
+        } else {
+          expect_.segment_frees.emplace_back(e.addr, e.size);
+        }
         return;
       case TraceAction::alloc: alloc(allocator, i); return;
       case TraceAction::oom: oom(allocator, i); return;
@@ -529,6 +705,8 @@ class Verifier {
   VerifyResult result_;
   Expectations expect_;
   bool restoring_ = false;
+  bool vm_ = false;                        // recorded with expandable segments
+  std::unordered_set<DevicePtr> reservations_;
   std::unordered_map<DevicePtr, StreamId> held_;
   std::unordered_set<DevicePtr> zero_size_;
   std::uint64_t next_hold_ = 0;

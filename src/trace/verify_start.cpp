@@ -70,8 +70,9 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
     }
   }
   // Private pools' segments are left out: verify stops at their first event.
+  // Expandable ones are all mapped within the recording (verify checks).
   for (const SegmentInfo& s : trace.final_state.segments) {
-    if (s.pool_id == PoolId{0, 0} && segment_seen.count(s.address) == 0) {
+    if (s.pool_id == PoolId{0, 0} && !s.is_expandable && segment_seen.count(s.address) == 0) {
       SegmentInfo copy = s;
       copy.blocks.clear();
       segments.emplace(s.address, copy);
@@ -121,7 +122,7 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
     }
   }
   for (const SegmentInfo& s : trace.final_state.segments) {
-    if (s.pool_id != PoolId{0, 0}) continue;
+    if (s.pool_id != PoolId{0, 0} || s.is_expandable) continue;
     for (const BlockInfo& bi : s.blocks) {
       if (bi.state == BlockState::inactive || touched.count(bi.address) != 0) continue;
       StartBlock b;

@@ -542,6 +542,86 @@ TEST(VerifyCases, RandomRecordingsCutAnywhereAllVerify) {
   }
 }
 
+// ---- expandable segments ------------------------------------------------------
+// No real recording made with expandable_segments:True is at hand: these
+// recordings are the allocator's own (its expandable policy makes PyTorch's
+// decisions), written and read back as snapshots.
+
+Trace expandable_workload(std::uint64_t seed, std::size_t capacity, int steps) {
+  Recorder r("expandable_segments:True", capacity);
+  std::mt19937_64 rng(seed);
+  std::vector<void*> live;
+  for (int i = 0; i < steps; ++i) {
+    if (i % 211 == 210) r.allocator.empty_cache();
+    if (!live.empty() && (rng() % 100 < 45 || live.size() > 50)) {
+      const std::size_t k = rng() % live.size();
+      r.allocator.deallocate(live[k]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const std::size_t size = rng() % 3 == 0 ? kMiB + rng() % (60 * kMiB) : 1 + rng() % kMiB;
+      try {
+        live.push_back(r.alloc(size, rng() % 5 == 0 ? 1 : 0));
+      } catch (const OutOfMemoryError&) {
+      }
+    }
+  }
+  return pickled(r.finish());
+}
+
+TEST(VerifyExpandable, ReservationsMapsAndUnmapsAreChecked) {
+  const Trace t = expandable_workload(3, std::size_t{1} << 40, 1500);
+  ASSERT_GT(count(t, TraceAction::segment_unmap), 5u);
+  ASSERT_TRUE(std::any_of(t.final_state.segments.begin(), t.final_state.segments.end(),
+                          [](const SegmentInfo& s) { return s.is_expandable; }));
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.reservations_checked, 4u);  // small and large, streams 0 and 1
+  EXPECT_EQ(v.segment_maps_checked, count(t, TraceAction::segment_map));
+  EXPECT_EQ(v.segment_unmaps_checked, count(t, TraceAction::segment_unmap));
+  EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc));
+  EXPECT_EQ(v.empty_cache_calls, 7u);  // every 211 steps, each unmapping something
+  EXPECT_TRUE(v.final_state_checked);
+}
+
+// A device too small for the program: the ladder unmaps cached pages before
+// retrying, and some allocations still run out of memory.
+TEST(VerifyExpandable, TheLadderUnmapsAndOomsAreChecked) {
+  const Trace t = expandable_workload(8, 400 * kMiB, 1500);
+  ASSERT_GT(count(t, TraceAction::oom), 0u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.ooms_checked, count(t, TraceAction::oom));
+  EXPECT_GT(v.allocator_releases + v.undecided_releases, 0u);
+  EXPECT_EQ(v.segment_unmaps_checked, count(t, TraceAction::segment_unmap));
+}
+
+TEST(VerifyExpandable, AMappingThatDiffersIsADivergence) {
+  Trace t = expandable_workload(3, std::size_t{1} << 40, 400);
+  const std::size_t second = first_of(t, TraceAction::segment_map, first_of(t, TraceAction::alloc));
+  ASSERT_LT(second, t.events.size());
+  t.events[second].size += kLargeBuffer;
+  const VerifyResult v = verify(t);
+  EXPECT_FALSE(v.agreed);
+  EXPECT_FALSE(v.cannot_verify);
+  EXPECT_NE(v.divergence.find(fmt::format("the recording maps {} bytes", t.events[second].size)),
+            std::string::npos)
+      << v.divergence;
+}
+
+// Segments mapped before the recording began: their reservations' bases are
+// not in the snapshot, and verify says so where it first meets one.
+TEST(VerifyExpandable, SegmentsMappedBeforeTheRecordingCannotBeVerified) {
+  Trace t = expandable_workload(3, std::size_t{1} << 40, 1500);
+  const std::size_t cut = t.events.size() / 2;
+  t.events.erase(t.events.begin(), t.events.begin() + static_cast<std::ptrdiff_t>(cut));
+  const VerifyResult v = verify(t);
+  EXPECT_FALSE(v.agreed);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_NE(v.divergence.find("mapped before the recording began"), std::string::npos)
+      << v.divergence;
+  EXPECT_LT(v.divergence_event, t.events.size());
+}
+
 using pickle::Document;
 using pickle::Kind;
 using pickle::Value;

@@ -88,6 +88,12 @@ class SimDevice final : public Device {
   // ---- test and replay controls -------------------------------------------
   void set_capacity(std::size_t bytes);
   void set_address_source(AddressSource source);
+  // The same for reserved address space (virtual-memory policies).
+  void set_reservation_source(AddressSource source);
+  // Asked before each create_physical (bytes): a status other than ok fails
+  // the call with it, as a device out of memory would.
+  using PhysicalGate = std::function<Status(std::size_t bytes)>;
+  void set_physical_gate(PhysicalGate gate);
   // Fail the nth (1-based) call of `kind` counted from now with `status`.
   void fail_nth(CallKind kind, std::uint64_t n, Status status = Status::out_of_memory);
   // Fail each call of `kind` with probability `fraction` (seeded, repeatable).
@@ -129,6 +135,8 @@ class SimDevice final : public Device {
   SimDeviceOptions options_;
   mutable std::mutex mutex_;
   AddressSource address_source_;
+  AddressSource reservation_source_;
+  PhysicalGate physical_gate_;
   DevicePtr next_address_;
   std::size_t segment_bytes_ = 0;
   std::unordered_map<DevicePtr, std::size_t> segments_;

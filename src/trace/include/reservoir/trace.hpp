@@ -168,6 +168,9 @@ struct VerifyResult {
   std::uint64_t allocs_checked = 0;
   std::uint64_t segment_allocs_checked = 0;
   std::uint64_t segment_frees_checked = 0;
+  std::uint64_t segment_maps_checked = 0;    // expandable segments: pages mapped
+  std::uint64_t segment_unmaps_checked = 0;  // ... and unmapped
+  std::uint64_t reservations_checked = 0;    // ... and new address-space reservations
   std::uint64_t ooms_checked = 0;          // oom events reservoir also ran out of memory at
   std::uint64_t empty_cache_calls = 0;     // release runs shown to be the program's empty_cache()
   // Release runs before a device request that no frames explain and that
