@@ -261,7 +261,7 @@ TEST(VerifyReleases, AnEmptyCacheThatDidNotHappenIsADivergence) {
   EXPECT_FALSE(v.agreed);
   EXPECT_FALSE(v.cannot_verify);
   EXPECT_EQ(v.divergence_event, request);
-  EXPECT_NE(v.divergence.find(fmt::format("the recording frees the one at {:#x}",
+  EXPECT_NE(v.divergence.find(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees {:#x}", reinterpret_cast<DevicePtr>(x), 40 * kMiB,
                                           reinterpret_cast<DevicePtr>(y))),
             std::string::npos)
       << v.divergence;
