@@ -58,7 +58,7 @@ class CachingAllocator::Impl {
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);
   void validate() const;
-  void restore(const Snapshot& layout);
+  void restore(const Snapshot& layout, const std::vector<ExpandableReservation>& reservations);
 
   // Calls the entry point op; in validation mode, then validate(), also
   // when op threw. A member function, not a lambda: stacks captured for
@@ -273,6 +273,9 @@ class CachingAllocator::Impl {
   void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void validate_vm_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
   void restore_locked(const Snapshot& layout) RESERVOIR_REQUIRES(mutex_);
+  void restore_vm_locked(const Snapshot& layout,
+                         const std::vector<ExpandableReservation>& reservations)
+      RESERVOIR_REQUIRES(mutex_);
   void drop_all_locked() noexcept RESERVOIR_REQUIRES(mutex_);
 
   Device& device_;

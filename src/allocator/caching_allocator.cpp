@@ -114,8 +114,9 @@ std::size_t CachingAllocator::round_size(std::size_t size, const AllocatorConfig
 std::size_t CachingAllocator::allocation_size(std::size_t rounded) {
   return Impl::allocation_size(rounded);
 }
-void CachingAllocator::restore(const Snapshot& layout) {
-  impl_->checked(&Impl::restore, layout);
+void CachingAllocator::restore(const Snapshot& layout,
+                               const std::vector<ExpandableReservation>& reservations) {
+  impl_->checked(&Impl::restore, layout, reservations);
 }
 
 }  // namespace reservoir

@@ -1,6 +1,8 @@
 // Restoring a recorded segment layout into an empty allocator.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "allocator_impl.hpp"
 #include "reservoir/errors.hpp"
 
@@ -10,13 +12,15 @@ using detail::Block;
 using detail::BlockPool;
 using detail::Segment;
 
-void CachingAllocator::Impl::restore(const Snapshot& layout) {
+void CachingAllocator::Impl::restore(const Snapshot& layout,
+                                    const std::vector<ExpandableReservation>& reservations) {
   detail::LockGuard lock(mutex_);
   if (!segments_.empty() || allocated_.size() != 0) {
     throw UsageError("restore: the allocator already holds memory; restore needs an empty one");
   }
   try {
     restore_locked(layout);
+    restore_vm_locked(layout, reservations);
   } catch (...) {
     drop_all_locked();
     throw;
@@ -36,7 +40,11 @@ void withdraw_all(DeviceStats& stats, CombinedStats::Section& section) {
 
 void CachingAllocator::Impl::drop_all_locked() noexcept {
   for (auto& [base, seg] : segments_) {
-    (void)device_.free_segment(base);
+    if (seg->vm) {
+      drop_vm_segment_locked(*seg);
+    } else {
+      (void)device_.free_segment(base);
+    }
     for (Block* b = seg->head; b != nullptr;) {
       Block* next = b->next;
       arena_.recycle(b);
@@ -47,6 +55,9 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   allocated_.clear();
   large_.blocks.clear();
   small_.blocks.clear();
+  large_.unmapped.clear();
+  small_.unmapped.clear();
+  vm_segments_ = 0;
   total_reserved_ = 0;
   if (combined_) {
     withdraw_all(stats_, section_);
@@ -62,7 +73,7 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
     const std::string where = fmt::format("restore: segment at {:#x}", info.address);
     if (info.address < previous_end) throw UsageError(where + " overlaps the one before it");
     if (info.pool_id != PoolId{0, 0}) throw UsageError(where + " belongs to a private pool");
-    if (info.is_expandable) throw UsageError(where + " is an expandable segment");
+    if (info.is_expandable) continue;  // restore_vm_locked's
     if (info.blocks.empty()) throw UsageError(where + " has no blocks");
     BlockPool& pool = info.is_large ? large_ : small_;
     DevicePtr got = 0;
@@ -126,6 +137,109 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
                                    info.total_size));
     }
     previous_end = info.address + info.total_size;
+  }
+}
+
+void CachingAllocator::Impl::restore_vm_locked(
+    const Snapshot& layout, const std::vector<ExpandableReservation>& reservations) {
+  const bool any = std::any_of(layout.segments.begin(), layout.segments.end(),
+                               [](const SegmentInfo& s) { return s.is_expandable; });
+  if (!any && reservations.empty()) return;
+  if (vm_mode_ != VmMode::expandable) {
+    throw UsageError("restore: expandable segments need an allocator with expandable_segments:True");
+  }
+  std::vector<bool> placed(layout.segments.size(), false);
+  // A range belongs to the reservation with the greatest base at or below it.
+  auto owner = [&](DevicePtr a) {
+    DevicePtr best = 0;
+    for (const ExpandableReservation& r : reservations) {
+      if (r.base <= a && r.base >= best) best = r.base;
+    }
+    return best;
+  };
+  for (const ExpandableReservation& r : reservations) {
+    const std::string where = fmt::format("restore: expandable segment at {:#x}", r.base);
+    AllocParams p{};
+    p.stream = r.stream;
+    p.pool = r.is_large ? &large_ : &small_;
+    Block* head = new_vm_segment(p);
+    if (head == nullptr) throw UsageError(where + ": the device has no address space for it");
+    Segment& seg = *head->segment;
+    if (seg.base != r.base) {
+      throw UsageError(fmt::format("{}: the device reserved {:#x}", where, seg.base));
+    }
+    const std::size_t page = seg.vm->page;
+    for (std::size_t k = 0; k < layout.segments.size(); ++k) {
+      const SegmentInfo& info = layout.segments[k];
+      if (!info.is_expandable || info.address < seg.base ||
+          info.address >= seg.base + seg.size || owner(info.address) != seg.base) {
+        continue;
+      }
+      const std::string range = fmt::format("{}: mapped range at {:#x} ({} bytes)", where,
+                                            info.address, info.total_size);
+      if (info.stream != r.stream || info.is_large != r.is_large) {
+        throw UsageError(range + " is of another stream or pool");
+      }
+      if ((info.address - seg.base) % page != 0 || info.total_size % page != 0 ||
+          info.total_size == 0 || info.address + info.total_size > seg.base + seg.size) {
+        throw UsageError(fmt::format("{} is not whole {}-byte pages of the reservation", range,
+                                     page));
+      }
+      // The unmapped block holding the range; the pages before it stay unmapped.
+      Block* u = seg.head;
+      while (u != nullptr && u->ptr + u->size <= info.address) u = u->next;
+      if (u == nullptr || u->mapped || u->ptr + u->size < info.address + info.total_size) {
+        throw UsageError(range + " overlaps another");
+      }
+      if (u->ptr < info.address) {
+        BlockPool& pool = *u->pool;
+        pool.unmapped.erase(u);
+        Block* rest = make_block(info.address, u->ptr + u->size - info.address, u->stream, &pool,
+                                 &seg);
+        rest->mapped = false;
+        rest->prev = u;
+        rest->next = u->next;
+        if (u->next != nullptr) u->next->prev = rest;
+        u->next = rest;
+        u->size = info.address - u->ptr;
+        pool.unmapped.insert(u);
+        pool.unmapped.insert(rest);
+        u = rest;
+      }
+      if (!map_block(u, info.total_size)) {
+        throw DeviceError(CallKind::create_physical, Status::out_of_memory,
+                          range + ": mapping its pages");
+      }
+      // Carve the recorded blocks out of the mapped (free) range.
+      DevicePtr cursor = info.address;
+      for (const BlockInfo& bi : info.blocks) {
+        if (bi.address != cursor || bi.size == 0 || bi.size % kMinBlockSize != 0 ||
+            bi.address + bi.size > info.address + info.total_size) {
+          throw UsageError(fmt::format("{}: block at {:#x} of {} bytes does not tile it", range,
+                                       bi.address, bi.size));
+        }
+        cursor += bi.size;
+        if (bi.state == BlockState::inactive) continue;
+        if (bi.state == BlockState::active_pending_free) {
+          throw UsageError(fmt::format("{}: block at {:#x} is pending free", range, bi.address));
+        }
+        Block* f = seg.head;
+        while (f->ptr + f->size <= bi.address) f = f->next;
+        Block* b = carve(f, bi.address, bi.size);
+        count_allocation(b, bi.requested_size);
+      }
+      if (cursor != info.address + info.total_size) {
+        throw UsageError(fmt::format("{}: its blocks cover {} bytes", range,
+                                     cursor - info.address));
+      }
+      placed[k] = true;
+    }
+  }
+  for (std::size_t k = 0; k < layout.segments.size(); ++k) {
+    if (layout.segments[k].is_expandable && !placed[k]) {
+      throw UsageError(fmt::format("restore: expandable segment at {:#x} lies in no reservation",
+                                   layout.segments[k].address));
+    }
   }
 }
 

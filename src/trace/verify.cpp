@@ -38,6 +38,7 @@ struct Expectations {
   std::deque<SegmentRef> restore;            // starting segments
   std::deque<SegmentRef> segment_allocs;     // recorded, not yet made
   std::deque<SegmentRef> maps;               // expandable segments: recorded maps not yet made
+  std::deque<DevicePtr> restore_reservations;  // bases of those live at the start
   std::vector<SegmentRef> segment_frees;     // recorded for this step
   std::size_t frees_made = 0;
   bool oom_expected = false;
@@ -78,17 +79,27 @@ class Verifier {
     }
     result_.events = trace_.events.size();
     vm_ = config_.expandable_segments;
-    if (vm_) {
-      if (auto [index, why] = expandable_state_before(); !why.empty()) {
-        cannot_verify(index, why);
-        return result_;
-      }
-    }
     runs_ = detail::release_runs(trace_);
     for (std::size_t k = 0; k < runs_.size(); ++k) run_ending_at_[runs_[k].last] = k;
     find_private_pools();
 
-    StartingState start = starting_state(trace_, config_, first_alloc_made_its_segment_);
+    StartingState start;
+    if (vm_) {
+      try {
+        start = detail::expandable_starting_state(trace_, config_);
+      } catch (const TraceError& e) {
+        cannot_verify(0, fmt::format("cannot verify: the expandable segments mapped at the "
+                                     "start cannot be rebuilt: {}",
+                                     e.what()));
+        return result_;
+      }
+      result_.initial_reservations = start.reservations.size();
+      for (const ExpandableReservation& r : start.reservations) {
+        expect_.restore_reservations.push_back(r.base);
+      }
+    } else {
+      start = starting_state(trace_, config_, first_alloc_made_its_segment_);
+    }
     if (start.made_by_first_alloc.second != 0) {
       expect_.segment_allocs.push_back(start.made_by_first_alloc);
     }
@@ -124,7 +135,16 @@ class Verifier {
       }
     });
     restoring_ = true;
-    allocator.restore(start.layout);
+    try {
+      allocator.restore(start.layout, start.reservations);
+    } catch (const Error& e) {
+      if (!vm_) throw;
+      cannot_verify(0, fmt::format("cannot verify: the expandable segments mapped at the start "
+                                   "cannot be rebuilt (their reservations' bases are inferred: "
+                                   "a snapshot does not record them): {}",
+                                   e.what()));
+      return result_;
+    }
     restoring_ = false;
     for (const DevicePtr addr : start.pending_frees) hold_and_free(allocator, addr);
     allocator.reset_accumulated_stats();
@@ -237,6 +257,13 @@ class Verifier {
 
   // A new reservation's first mapping is at its start: the next recorded map.
   Status serve_reservation(std::size_t bytes, DevicePtr* va) {
+    if (restoring_) {
+      if (expect_.restore_reservations.empty()) return Status::invalid_argument;
+      *va = expect_.restore_reservations.front();
+      expect_.restore_reservations.pop_front();
+      reservations_.insert(*va);
+      return Status::ok;
+    }
     if (expect_.maps.empty()) {
       note(fmt::format("reservoir reserved address space for a new expandable segment ({} "
                        "bytes); the recording maps no memory here",
@@ -256,6 +283,7 @@ class Verifier {
   }
 
   Status serve_physical(std::size_t bytes) {
+    if (restoring_) return Status::ok;
     if (expect_.frees_made < expect_.segment_frees.size()) return Status::out_of_memory;
     if (!expect_.maps.empty()) return Status::ok;
     if (expect_.oom_expected) return Status::out_of_memory;
@@ -264,6 +292,7 @@ class Verifier {
   }
 
   void on_map(DevicePtr addr, std::uint64_t size) {
+    if (restoring_) return;
     if (expect_.maps.empty()) {
       note(fmt::format("reservoir mapped {} bytes at {:#x}; the recording maps nothing here", size,
                        addr));
@@ -277,87 +306,6 @@ class Verifier {
     } else {
       ++result_.segment_maps_checked;
     }
-  }
-
-  // Expandable segments mapped before the recording began need their
-  // reservations' bases, which no snapshot records. Returns the first event
-  // (or the end, for the final segments) that shows such memory, and why.
-  std::pair<std::size_t, std::string> expandable_state_before() const {
-    std::map<DevicePtr, std::uint64_t> mapped;  // ranges mapped within the recording
-    auto covered = [&](DevicePtr a, std::uint64_t n) {
-      auto it = mapped.upper_bound(a);
-      if (it == mapped.begin()) return false;
-      --it;
-      // Ranges mapped back to back are one: walk them.
-      DevicePtr end = it->first + it->second;
-      while (end < a + n) {
-        auto next = mapped.find(end);
-        if (next == mapped.end()) return false;
-        end += next->second;
-      }
-      return a >= it->first;
-    };
-    std::unordered_set<DevicePtr> live;
-    auto before = [&](std::size_t i, const char* what) {
-      const TraceEvent& e = trace_.events[i];
-      return std::make_pair(
-          i, fmt::format("cannot verify: this {} at {:#x} is in an expandable segment mapped "
-                         "before the recording began ({}); rebuilding one needs the base of its "
-                         "address-space reservation, which a snapshot does not record",
-                         to_string(e.action), e.addr, what));
-    };
-    for (std::size_t i = 0; i < trace_.events.size(); ++i) {
-      const TraceEvent& e = trace_.events[i];
-      switch (e.action) {
-        case TraceAction::segment_map: mapped[e.addr] = e.size; break;
-        case TraceAction::segment_unmap: {
-          if (!covered(e.addr, e.size)) return before(i, "its pages were mapped earlier");
-          // Split the mapped ranges around the unmapped one.
-          auto it = std::prev(mapped.upper_bound(e.addr));
-          std::vector<std::pair<DevicePtr, std::uint64_t>> keep;
-          const DevicePtr lo = e.addr;
-          const DevicePtr hi = e.addr + e.size;
-          while (it != mapped.end() && it->first < hi) {
-            const DevicePtr s = it->first;
-            const DevicePtr t = s + it->second;
-            if (s < lo) keep.emplace_back(s, lo - s);
-            if (t > hi) keep.emplace_back(hi, t - hi);
-            it = mapped.erase(it);
-          }
-          for (auto& [s, n] : keep) mapped[s] = n;
-          break;
-        }
-        case TraceAction::alloc:
-          if (e.size == 0) break;
-          if (!covered(e.addr, 1)) return before(i, "no segment_map in the recording covers it");
-          live.insert(e.addr);
-          break;
-        case TraceAction::free_requested:
-          if (e.size != 0 && live.erase(e.addr) == 0) {
-            return before(i, "the block was allocated before the recording");
-          }
-          break;
-        case TraceAction::segment_alloc:
-        case TraceAction::segment_free:
-          return std::make_pair(
-              i, fmt::format("cannot verify: a {} event in a recording made with expandable "
-                             "segments (were the settings changed while recording?)",
-                             to_string(e.action)));
-        default: break;
-      }
-    }
-    for (const SegmentInfo& s : trace_.final_state.segments) {
-      if (s.pool_id != PoolId{0, 0}) continue;
-      if (!covered(s.address, s.total_size)) {
-        return std::make_pair(
-            trace_.events.size(),
-            fmt::format("cannot verify: the final segment at {:#x} ({} bytes) was mapped before "
-                        "the recording began; rebuilding it needs the base of its "
-                        "address-space reservation, which a snapshot does not record",
-                        s.address, s.total_size));
-      }
-    }
-    return {0, std::string()};
   }
 
   void note(const std::string& problem) {
@@ -511,8 +459,19 @@ class Verifier {
   void step(CachingAllocator& allocator, SimDevice& device, std::size_t i) {
     const TraceEvent& e = trace_.events[i];
     switch (e.action) {
-      case TraceAction::segment_alloc: expect_.segment_allocs.emplace_back(e.addr, e.size); return;
-      case TraceAction::segment_free: expect_.segment_frees.emplace_back(e.addr, e.size); return;
+      case TraceAction::segment_alloc:
+      case TraceAction::segment_free:
+        if (vm_) {
+          cannot_verify(i, fmt::format("cannot verify: a {} event in a recording made with "
+                                       "expandable segments (were the settings changed while "
+                                       "recording?)",
+                                       to_string(e.action)));
+        } else if (e.action == TraceAction::segment_alloc) {
+          expect_.segment_allocs.emplace_back(e.addr, e.size);
+        } else {
+          expect_.segment_frees.emplace_back(e.addr, e.size);
+        }
+        return;
       case TraceAction::segment_map:
       case TraceAction::segment_unmap:
         if (!vm_) {

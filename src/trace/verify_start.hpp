@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "reservoir/caching_allocator.hpp"
 #include "reservoir/config.hpp"
 #include "reservoir/snapshot.hpp"
 #include "reservoir/trace.hpp"
@@ -39,6 +40,9 @@ struct StartingState {
   // segment_alloc lost to the start of the recording: (address, size), or
   // (0, 0).
   std::pair<DevicePtr, std::uint64_t> made_by_first_alloc{0, 0};
+  // Expandable segments: the reservations live at the start (layout holds
+  // their mapped ranges, is_expandable).
+  std::vector<ExpandableReservation> reservations;
 };
 
 // A recording that starts with an alloc may have lost that allocation's
@@ -49,5 +53,15 @@ struct StartingState {
 // segment, overlapping blocks).
 StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
                              bool first_alloc_made_its_segment = false);
+
+// The same for a recording made with expandable segments. The ranges mapped
+// at the start are the final segments' with the recording's maps and unmaps
+// undone, last first. Each belongs to the reservation of its stream and pool
+// (the pool from the final segment, the sizes of the blocks and maps in it);
+// a reservation's base, which no snapshot records, is taken as the lowest
+// address the recording maps in it before it may have been released (wholly
+// unmapped). Blocks are never split unevenly there, so sizes are exact.
+// Throws TraceError when the recording contradicts itself.
+StartingState expandable_starting_state(const Trace& trace, const AllocatorConfig& config);
 
 }  // namespace reservoir::detail

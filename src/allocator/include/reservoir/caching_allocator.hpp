@@ -41,6 +41,14 @@ inline constexpr std::size_t kLargeBuffer = 20971520;    // 1..10 MiB requests s
 inline constexpr std::size_t kMinLargeAlloc = 10485760;  // from 10 MiB, a segment of its own
 inline constexpr std::size_t kRoundLarge = 2097152;      // large segments round to 2 MiB
 
+// The address-space reservation of an expandable segment, for restore: its
+// base, and the stream and pool (large or small) whose segment it is.
+struct ExpandableReservation {
+  DevicePtr base = 0;
+  StreamId stream = 0;
+  bool is_large = true;
+};
+
 // Called when an allocation is about to fail: (device, bytes tried, bytes
 // allowed or device total, device free bytes).
 using OomObserver = std::function<void(int, std::size_t, std::size_t, std::size_t)>;
@@ -130,9 +138,13 @@ class CachingAllocator {
   // Recreates a recorded layout in an empty allocator: each segment is asked
   // of the device (whose address source must give the recorded address), then
   // carved into the recorded blocks; active_allocated blocks become live
-  // allocations with their requested sizes. All or nothing: throws UsageError
-  // (and holds nothing) if the allocator is not empty or the layout is invalid.
-  void restore(const Snapshot& layout);
+  // allocations with their requested sizes. With expandable segments on, the
+  // layout's expandable segments (mapped ranges) are rebuilt inside
+  // `reservations` (whose address space the device must give at their bases):
+  // each range's pages are mapped, then carved into its blocks. All or
+  // nothing: throws UsageError (and holds nothing) if the allocator is not
+  // empty or the layout is invalid.
+  void restore(const Snapshot& layout, const std::vector<ExpandableReservation>& reservations = {});
 
   // Checks every invariant (blocks tile segments, free blocks in exactly one
   // pool, no two free neighbours, stats equal a recount, pointer map and

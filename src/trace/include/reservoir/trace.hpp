@@ -181,7 +181,8 @@ struct VerifyResult {
   std::uint64_t garbage_collections = 0;   // release runs made by garbage collection
   std::uint64_t zero_size_skipped = 0;     // zero-byte alloc/free events (no allocator work)
   std::uint64_t private_pool_segments = 0; // final segments of private pools, left out
-  std::uint64_t initial_segments = 0;
+  std::uint64_t initial_segments = 0;       // segments (expandable: mapped ranges) at the start
+  std::uint64_t initial_reservations = 0;   // expandable segments' reservations at the start
   std::uint64_t initial_free_segments = 0;  // of them: wholly free (cached) at the start
   std::uint64_t initial_live_blocks = 0;
   std::uint64_t unsplit_tails = 0;  // live-at-start blocks found to carry an unsplit tail
