@@ -60,6 +60,11 @@ void CachingAllocator::Impl::empty_cache() {
   release_cached_blocks();
 }
 
+void CachingAllocator::Impl::process_completed_frees() {
+  detail::LockGuard lock(mutex_);
+  process_events();
+}
+
 void CachingAllocator::Impl::collect_garbage(std::size_t bytes) {
   detail::LockGuard lock(mutex_);
   if (bytes > 0) collect_garbage_locked(bytes);

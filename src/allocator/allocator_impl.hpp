@@ -39,6 +39,7 @@ class CachingAllocator::Impl {
   bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
+  void process_completed_frees();
   void collect_garbage(std::size_t bytes);
   void set_memory_fraction(double fraction);
   void set_config(const AllocatorConfig& config);

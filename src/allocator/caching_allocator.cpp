@@ -26,6 +26,10 @@ bool CachingAllocator::try_deallocate(void* ptr) {
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   impl_->checked(&Impl::record_stream, ptr, stream);
 }
+void CachingAllocator::process_completed_frees() {
+  impl_->checked(&Impl::process_completed_frees);
+}
+
 void CachingAllocator::empty_cache() {
   impl_->checked(&Impl::empty_cache);
 }

@@ -507,10 +507,16 @@ class Verifier {
         return;
       }
       case TraceAction::free_completed: {
+        // PyTorch records free_completed as it returns the block to the cache.
         auto it = held_.find(e.addr);
         if (it != held_.end()) {
           device.complete_stream(it->second);
           held_.erase(it);
+          try {
+            allocator.process_completed_frees();
+          } catch (const DeviceError& err) {
+            diverge(i, err.what());
+          }
         }
         return;
       }

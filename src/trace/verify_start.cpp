@@ -18,7 +18,7 @@ struct StartBlock {
   std::uint64_t size = 0;
   std::uint64_t requested = 0;
   StreamId stream = 0;
-  std::size_t free_event = 0;  // index of its free_requested event
+  std::size_t free_event = 0;  // index of the event that returned it to the cache
   bool exact = false;          // size known exactly (from the final snapshot)
 };
 
@@ -61,13 +61,24 @@ std::map<DevicePtr, StartBlock> start_blocks(const Trace& trace, const Allocator
   std::unordered_set<DevicePtr> live;
   std::unordered_set<DevicePtr> touched;
   std::unordered_set<DevicePtr> requested;  // freed, waiting for free_completed
+  std::unordered_set<DevicePtr> reused;     // allocated within the recording
   for (std::size_t i = 0; i < events.size(); ++i) {
     const TraceEvent& e = events[i];
     if (e.action == TraceAction::alloc) {
       live.insert(e.addr);
       touched.insert(e.addr);
+      reused.insert(e.addr);
     } else if (e.action == TraceAction::free_completed) {
-      if (requested.erase(e.addr) != 0 || touched.count(e.addr) != 0) continue;
+      if (requested.erase(e.addr) != 0) {
+        // A delayed free: the block is in use until now, which is what
+        // bounds its unsplit tail.
+        auto it = blocks.find(e.addr);
+        if (it != blocks.end() && !it->second.exact && reused.count(e.addr) == 0) {
+          it->second.free_event = i;
+        }
+        continue;
+      }
+      if (touched.count(e.addr) != 0) continue;
       // Freed before the recording began, its stream work still pending.
       touched.insert(e.addr);
       StartBlock b;
@@ -93,6 +104,14 @@ std::map<DevicePtr, StartBlock> start_blocks(const Trace& trace, const Allocator
   for (const SegmentInfo& s : trace.final_state.segments) {
     if (s.pool_id != PoolId{0, 0} || s.is_expandable != expandable) continue;
     for (const BlockInfo& bi : s.blocks) {
+      // Still pending free at the end, never allocated again: its exact size.
+      if (bi.state == BlockState::active_pending_free && reused.count(bi.address) == 0) {
+        auto it = blocks.find(bi.address);
+        if (it != blocks.end() && !it->second.exact) {
+          it->second.size = bi.size;
+          it->second.exact = true;
+        }
+      }
       if (bi.state == BlockState::inactive || touched.count(bi.address) != 0) continue;
       StartBlock b;
       b.size = bi.size;

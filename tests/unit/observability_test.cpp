@@ -176,5 +176,84 @@ TEST_F(Observability, RestoreRebuildsALayoutAndRefusesBadOnes) {
   release(b);
 }
 
+// Expandable segments: the mapped ranges are rebuilt inside reservations at
+// the given bases, stats and all; a bad layout leaves nothing behind.
+TEST(Restore, RebuildsExpandableSegmentsInsideTheirReservations) {
+  SimDevice device;
+  CachingAllocator original(device, AllocatorConfig::parse("expandable_segments:True"));
+  std::vector<void*> kept;
+  std::vector<void*> freed;
+  for (int i = 0; i < 12; ++i) {
+    kept.push_back(original.allocate(std::size_t{3} << 20, i % 2 == 0 ? 0 : 5));
+    freed.push_back(original.allocate(std::size_t{25} << 20, 0));
+    kept.push_back(original.allocate(70000 + 512 * i, 0));
+  }
+  for (void* p : freed) original.deallocate(p);
+  original.empty_cache();  // unmaps the freed pages: the ranges have holes
+  const Snapshot layout = original.snapshot();
+  ASSERT_GT(layout.segments.size(), 3u);
+
+  // Reservations: one per stream and pool, at the lowest mapped address.
+  std::vector<ExpandableReservation> reservations;
+  for (const SegmentInfo& s : layout.segments) {
+    auto it = std::find_if(reservations.begin(), reservations.end(), [&](const auto& r) {
+      return r.stream == s.stream && r.is_large == s.is_large;
+    });
+    if (it == reservations.end()) {
+      reservations.push_back({s.address, s.stream, s.is_large});
+    } else {
+      it->base = std::min(it->base, s.address);
+    }
+  }
+  std::sort(reservations.begin(), reservations.end(),
+            [](const auto& a, const auto& b) { return a.base < b.base; });
+  ASSERT_EQ(reservations.size(), 3u);  // large 0 and 5, small 0
+
+  SimDevice copy_device;
+  std::size_t next = 0;
+  copy_device.set_reservation_source([&](std::size_t, DevicePtr* va) {
+    *va = reservations[next++].base;
+    return Status::ok;
+  });
+  CachingAllocator copy(copy_device, AllocatorConfig::parse("expandable_segments:True"));
+  copy.restore(layout, reservations);
+  copy.validate();
+  const Snapshot back = copy.snapshot();
+  ASSERT_EQ(back.segments.size(), layout.segments.size());
+  for (std::size_t i = 0; i < back.segments.size(); ++i) {
+    SegmentInfo a = back.segments[i];
+    SegmentInfo b = layout.segments[i];
+    for (auto& blk : a.blocks) blk.context = 0;
+    for (auto& blk : b.blocks) blk.context = 0;
+    EXPECT_EQ(a, b) << "segment " << i;
+  }
+  for (const char* key : {"allocated_bytes.all.current", "reserved_bytes.all.current",
+                          "requested_bytes.all.current", "active.all.current"}) {
+    EXPECT_EQ(copy.stats_map().at(key), original.stats_map().at(key)) << key;
+  }
+  EXPECT_EQ(copy_device.live_reservations(), 3u);
+  for (void* p : kept) copy.deallocate(p);
+  copy.empty_cache();
+  copy.validate();
+  EXPECT_EQ(copy_device.live_reservations(), 0u);
+  EXPECT_EQ(copy_device.live_physical(), 0u);
+
+  // A range outside every reservation: refused, nothing held.
+  SimDevice bad_device;
+  next = 0;
+  bad_device.set_reservation_source([&](std::size_t, DevicePtr* va) {
+    *va = reservations[next++].base;
+    return Status::ok;
+  });
+  CachingAllocator bad(bad_device, AllocatorConfig::parse("expandable_segments:True"));
+  std::vector<ExpandableReservation> missing(reservations.begin() + 1, reservations.end());
+  next = 1;
+  EXPECT_THROW(bad.restore(layout, missing), UsageError);
+  EXPECT_EQ(bad_device.live_reservations(), 0u);
+  EXPECT_EQ(bad_device.live_physical(), 0u);
+  bad.validate();
+  for (void* p : kept) original.deallocate(p);
+}
+
 }  // namespace
 }  // namespace reservoir::testing

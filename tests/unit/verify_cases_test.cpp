@@ -504,9 +504,10 @@ TEST(VerifyCases, CutsInsideOneAllocationAndInsideADelayedFree) {
 // verifies (no false divergence, whatever the cut).
 TEST(VerifyCases, RandomRecordingsCutAnywhereAllVerify) {
   const char* configs[] = {"", "max_split_size_mb:64", "roundup_power2_divisions:4",
-                           "max_split_size_mb:32,roundup_power2_divisions:2"};
-  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
-    const std::string config = configs[seed % 4];
+                           "max_split_size_mb:32,roundup_power2_divisions:2",
+                           "expandable_segments:True"};
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    const std::string config = configs[seed % 5];
     Recorder r(config);
     r.device.set_auto_complete_events(false);
     StreamId side = 0;

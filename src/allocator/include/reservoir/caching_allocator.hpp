@@ -82,6 +82,10 @@ class CachingAllocator {
   // Marks the block as used on `stream`, so its memory is not reused before
   // the work queued there at deallocation completes.
   void record_stream(void* ptr, StreamId stream);
+  // Returns to the cache the blocks freed after record_stream whose streams'
+  // work has completed. Every allocation does this first; a replay that knows
+  // when a completion was seen calls it then.
+  void process_completed_frees();
   // Returns every unused cached segment to the device (after synchronizing
   // the events of pending frees).
   void empty_cache();
