@@ -119,6 +119,54 @@ check(bad.returncode == 2 and bad.stderr.strip() == (
     ": line 4: Pointer 0x7f8a40000000 is freed with Size 4096 but was allocated with 1048576 "
     "(line 2)"), bad.stderr)
 
+# verify: exit 0 agreed, 1 diverged, 3 cannot verify; devices one by one.
+import pickle
+exported = os.path.join(work, "verify_me.pickle")
+run("export", transformer, "-c", "", "-o", exported)
+with open(exported, "rb") as fh:
+    snap = pickle.load(fh)
+
+
+def verify(*paths):
+    return subprocess.run([binary, "verify", *paths], capture_output=True, text=True)
+
+
+def write(name, data):
+    path = os.path.join(work, name)
+    with open(path, "wb") as fh:
+        pickle.dump(data, fh, protocol=4)
+    return path
+
+
+ok = verify(exported)
+check(ok.returncode == 0 and "agrees with the recording" in ok.stdout, ok.stdout + ok.stderr)
+two = dict(snap)
+two["device_traces"] = [snap["device_traces"][0], snap["device_traces"][0]]
+two["segments"] = snap["segments"] + [{**s, "device": 1} for s in snap["segments"]]
+both = verify(write("two_devices.pickle", two))
+check(both.returncode == 0 and (exported.replace("verify_me", "two_devices") +
+                               " (device 1): agrees") in both.stdout, both.stdout + both.stderr)
+events = snap["device_traces"][0]
+# Verified as if recorded with max_split_size_mb:20: an oversize cached block
+# no longer serves a smaller request, so a new segment is asked for.
+moved = dict(snap)
+moved["allocator_settings"] = {**snap["allocator_settings"], "max_split_size": 20 << 20}
+wrong = write("diverges.pickle", moved)
+diverged = verify(wrong)
+check(diverged.returncode == 1 and "DIVERGES at event" in diverged.stdout,
+      diverged.stdout + diverged.stderr)
+# A private pool: its segment's first event is where verify stops.
+pooled = dict(snap)
+target = next(e["addr"] for e in events if e["action"] == "segment_alloc")
+pooled["segments"] = [{**s, "segment_pool_id": (1, 0)} if s["address"] == target else s
+                      for s in snap["segments"]]
+private = write("private_pool.pickle", pooled)
+cannot = verify(private)
+check(cannot.returncode == 3 and "CANNOT VERIFY at event" in cannot.stdout and
+      "private pool (1, 0)" in cannot.stdout, cannot.stdout + cannot.stderr)
+worst = verify(private, wrong)
+check(worst.returncode == 1, f"a divergence outranks: exit {worst.returncode}")
+
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)
