@@ -85,7 +85,7 @@ fuzz: deps
 	  -DRESERVOIR_BUILD_FUZZ=ON -DRESERVOIR_BUILD_TESTS=OFF -DRESERVOIR_BUILD_BENCH=OFF \
 	  -DRESERVOIR_BUILD_TOOLS=OFF >/dev/null
 	cmake --build build-fuzz -j $(JOBS)
-	for t in config pickle text_trace snapshot_json rmm_csv; do \
+	for t in config pickle text_trace snapshot_json rmm_csv verify; do \
 	  mkdir -p build-fuzz/corpus-$$t && \
 	  build-fuzz/bin/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
 	    build-fuzz/corpus-$$t tests/fuzz/corpus/$$t || exit 1; \

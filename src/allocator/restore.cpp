@@ -105,6 +105,10 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
                         "allocated or inactive blocks",
                         where, bi.address));
       }
+      if (bi.requested_size > bi.size) {
+        throw UsageError(fmt::format("{}: block at {:#x} of {} bytes was requested as {} bytes",
+                                     where, bi.address, bi.size, bi.requested_size));
+      }
       Block* b = make_block(bi.address, bi.size, info.stream, &pool, seg);
       b->prev = prev;
       if (prev != nullptr) {
@@ -222,6 +226,10 @@ void CachingAllocator::Impl::restore_vm_locked(
         if (bi.state == BlockState::inactive) continue;
         if (bi.state == BlockState::active_pending_free) {
           throw UsageError(fmt::format("{}: block at {:#x} is pending free", range, bi.address));
+        }
+        if (bi.requested_size > bi.size) {
+          throw UsageError(fmt::format("{}: block at {:#x} of {} bytes was requested as {} bytes",
+                                       range, bi.address, bi.size, bi.requested_size));
         }
         Block* f = seg.head;
         while (f->ptr + f->size <= bi.address) f = f->next;

@@ -190,7 +190,7 @@ class Verifier {
           first = i;
         }
       }
-      if (first < private_stop_) {
+      if (first < trace_.events.size() && first < private_stop_) {
         private_stop_ = first;
         private_reason_ = fmt::format(
             "cannot verify: this {} at {:#x} is in a segment of private pool ({}, {}) "

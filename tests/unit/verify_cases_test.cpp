@@ -413,6 +413,25 @@ TEST(VerifyCases, PrivatePoolsCannotBeVerifiedAndSaySoWhere) {
   EXPECT_EQ(v.allocs_checked, 1u);
 }
 
+// A private pool's segment no event touches is left out, and the rest verifies.
+TEST(VerifyCases, APrivatePoolOutsideTheRecordingIsLeftOut) {
+  Recorder r("");
+  r.on = false;
+  r.allocator.begin_allocate_to_pool({2, 0}, [](StreamId) { return true; });
+  void* g = r.alloc(3 * kMiB);
+  r.allocator.end_allocate_to_pool({2, 0});
+  r.on = true;
+  void* a = r.alloc(5 * kMiB);
+  r.allocator.deallocate(a);
+  const Trace t = pickled(r.finish());
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.private_pool_segments, 1u);
+  EXPECT_EQ(v.allocs_checked, 1u);
+  EXPECT_TRUE(v.final_state_checked);
+  (void)g;
+}
+
 TEST(VerifyCases, ZeroByteEventsAreSkipped) {
   Trace t = record(3, 300);
   const std::size_t at = first_of(t, TraceAction::alloc, 50);
