@@ -140,6 +140,9 @@ def write(name, data):
 
 ok = verify(exported)
 check(ok.returncode == 0 and "agrees with the recording" in ok.stdout, ok.stdout + ok.stderr)
+# A snapshot our export writes from an expandable replay: every map and unmap checked.
+ok = verify(expandable)
+check(ok.returncode == 0 and "agrees with the recording" in ok.stdout, ok.stdout + ok.stderr)
 two = dict(snap)
 two["device_traces"] = [snap["device_traces"][0], snap["device_traces"][0]]
 two["segments"] = snap["segments"] + [{**s, "device": 1} for s in snap["segments"]]
