@@ -31,6 +31,14 @@ int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
         name, r.events, r.initial_segments, r.initial_free_segments, r.initial_live_blocks,
         r.unsplit_tails, r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked,
         r.ooms_checked, r.final_state_checked ? "identical" : "not recorded");
+    if (r.reservations_checked + r.segment_maps_checked + r.segment_unmaps_checked +
+            r.initial_reservations >
+        0) {
+      fmt::print("  expandable segments: {} reservations at the start, {} new reservations, {} "
+                 "segment_map and {} segment_unmap checked\n",
+                 r.initial_reservations, r.reservations_checked, r.segment_maps_checked,
+                 r.segment_unmaps_checked);
+    }
     if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections +
             r.undecided_releases >
         0) {

@@ -603,6 +603,33 @@ TEST(VerifyExpandable, ReservationsMapsAndUnmapsAreChecked) {
   EXPECT_TRUE(v.final_state_checked);
 }
 
+// empty_cache() unmaps everything and releases the reservation; the driver
+// gives the same address space back for the next one.
+TEST(VerifyExpandable, AReleasedReservationsAddressComesBack) {
+  Recorder r("expandable_segments:True");
+  r.device.set_reservation_source([](std::size_t, DevicePtr* va) {
+    *va = DevicePtr{0x900000000000};
+    return Status::ok;
+  });
+  for (int round = 0; round < 3; ++round) {
+    void* a = r.alloc(30 * kMiB);
+    void* b = r.alloc(50 * kMiB);
+    r.allocator.deallocate(a);
+    r.allocator.deallocate(b);
+    EXPECT_EQ(r.device.live_reservations(), 1u);
+    r.allocator.empty_cache();
+    EXPECT_EQ(r.device.live_reservations(), 0u);
+  }
+  const Trace t = pickled(r.finish());
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.reservations_checked, 3u);
+  // The first two come right before a device request, with no frames: undecided.
+  EXPECT_EQ(v.undecided_releases, 2u);
+  EXPECT_EQ(v.empty_cache_calls, 1u);
+  EXPECT_EQ(v.segment_unmaps_checked, 3u);
+}
+
 // A device too small for the program: the ladder unmaps cached pages before
 // retrying, and some allocations still run out of memory.
 TEST(VerifyExpandable, TheLadderUnmapsAndOomsAreChecked) {
