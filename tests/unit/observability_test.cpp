@@ -71,7 +71,7 @@ TEST(MemorySummary, MatchesPyTorchsLayout) {
         std::int64_t base = 1;
         for (int k = 0; k < f; ++k) base *= counts ? 1000 : 1024;
         stats[std::string(names[n]) + "." + types[t] + "." + fields[f]] =
-            std::int64_t{(n + 1) * (t + 1) * (f + 1)} * base + std::int64_t{7} * f;
+            std::int64_t{n + 1} * (t + 1) * (f + 1) * base + std::int64_t{7} * f;
       }
     }
   }

@@ -69,8 +69,8 @@ struct Recorder {
 };
 
 Trace pickled(const Trace& t) {
-  const std::string bytes_ = write_pytorch_snapshot(t);
-  return read_pytorch_snapshot(bytes(bytes_), t.name);
+  const std::string data = write_pytorch_snapshot(t);
+  return read_pytorch_snapshot(bytes(data), t.name);
 }
 
 std::size_t count(const Trace& t, TraceAction a) {
@@ -108,14 +108,14 @@ TEST(VerifyReleases, EmptyCacheAtTheStartFreesSegmentsCachedBeforeRecording) {
     warm.push_back(r.alloc(size));
     warm.push_back(r.alloc(size, 7));
   }
-  void* keep = r.alloc(200 * 1024);  // keeps one small segment in use
+  void* keep = r.alloc(std::size_t{200} * 1024);  // keeps one small segment in use
   for (void* p : warm) r.allocator.deallocate(p);
   // Per stream: a small segment, 20 MiB (3 and 12 MiB share it), 40 MiB; one
   // small segment stays in use.
   ASSERT_EQ(r.unused_segments(), 5u);
   r.on = true;
   EXPECT_EQ(r.empty_cache(), 5u);
-  void* a = r.alloc(100 * 1024);  // from the small segment still held: no device request
+  void* a = r.alloc(std::size_t{100} * 1024);  // from the small segment still held: no device request
   void* b = r.alloc(5 * kMiB);    // a new 20 MiB segment
   r.allocator.deallocate(a);
   r.allocator.deallocate(keep);
@@ -144,7 +144,7 @@ TEST(VerifyReleases, EmptyCacheBeforeADeviceRequestByFramesOrByEffect) {
   Recorder r("");
   r.on = false;
   void* x = r.alloc(40 * kMiB);
-  void* y = r.alloc(300 * 1024);
+  void* y = r.alloc(std::size_t{300} * 1024);
   r.allocator.deallocate(x);
   r.allocator.deallocate(y);
   r.on = true;
@@ -246,7 +246,7 @@ TEST(VerifyReleases, AnEmptyCacheThatDidNotHappenIsADivergence) {
   void* y = r.alloc(40 * kMiB);
   r.allocator.deallocate(x);
   r.empty_cache();
-  void* z = r.alloc(100 * 1024);
+  void* z = r.alloc(std::size_t{100} * 1024);
   r.allocator.deallocate(z);
   r.allocator.deallocate(y);
   Trace t = r.finish();
