@@ -34,26 +34,27 @@ int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
     if (r.reservations_checked + r.segment_maps_checked + r.segment_unmaps_checked +
             r.initial_reservations >
         0) {
-      fmt::print("  expandable segments: {} reservations at the start, {} new reservations, {} "
-                 "segment_map and {} segment_unmap checked\n",
-                 r.initial_reservations, r.reservations_checked, r.segment_maps_checked,
-                 r.segment_unmaps_checked);
+      fmt::print(
+          "  expandable segments: {} reservations at the start, {} new reservations, {} "
+          "segment_map and {} segment_unmap checked\n",
+          r.initial_reservations, r.reservations_checked, r.segment_maps_checked,
+          r.segment_unmaps_checked);
     }
-    if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections +
-            r.undecided_releases >
+    if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections + r.undecided_releases >
         0) {
-      fmt::print("  segment releases: {} empty_cache() calls, {} by the retry ladder, {} by "
-                 "garbage collection, {} of all unused segments before a device request "
-                 "(empty_cache() or the ladder; the same either way)\n",
-                 r.empty_cache_calls, r.allocator_releases, r.garbage_collections,
-                 r.undecided_releases);
+      fmt::print(
+          "  segment releases: {} empty_cache() calls, {} by the retry ladder, {} by "
+          "garbage collection, {} of all unused segments before a device request "
+          "(empty_cache() or the ladder; the same either way)\n",
+          r.empty_cache_calls, r.allocator_releases, r.garbage_collections, r.undecided_releases);
     }
     if (r.zero_size_skipped > 0) {
       fmt::print("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped);
     }
     if (!trace.settings_recorded) {
-      fmt::print("  note: the snapshot records no allocator settings; PyTorch's defaults were "
-                 "assumed\n");
+      fmt::print(
+          "  note: the snapshot records no allocator settings; PyTorch's defaults were "
+          "assumed\n");
     }
     return 0;
   }

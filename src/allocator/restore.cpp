@@ -13,7 +13,7 @@ using detail::BlockPool;
 using detail::Segment;
 
 void CachingAllocator::Impl::restore(const Snapshot& layout,
-                                    const std::vector<ExpandableReservation>& reservations) {
+                                     const std::vector<ExpandableReservation>& reservations) {
   detail::LockGuard lock(mutex_);
   if (!segments_.empty() || allocated_.size() != 0) {
     throw UsageError("restore: the allocator already holds memory; restore needs an empty one");
@@ -150,7 +150,8 @@ void CachingAllocator::Impl::restore_vm_locked(
                                [](const SegmentInfo& s) { return s.is_expandable; });
   if (!any && reservations.empty()) return;
   if (vm_mode_ != VmMode::expandable) {
-    throw UsageError("restore: expandable segments need an allocator with expandable_segments:True");
+    throw UsageError(
+        "restore: expandable segments need an allocator with expandable_segments:True");
   }
   std::vector<bool> placed(layout.segments.size(), false);
   // A range belongs to the reservation with the greatest base at or below it.
@@ -175,19 +176,19 @@ void CachingAllocator::Impl::restore_vm_locked(
     const std::size_t page = seg.vm->page;
     for (std::size_t k = 0; k < layout.segments.size(); ++k) {
       const SegmentInfo& info = layout.segments[k];
-      if (!info.is_expandable || info.address < seg.base ||
-          info.address >= seg.base + seg.size || owner(info.address) != seg.base) {
+      if (!info.is_expandable || info.address < seg.base || info.address >= seg.base + seg.size ||
+          owner(info.address) != seg.base) {
         continue;
       }
-      const std::string range = fmt::format("{}: mapped range at {:#x} ({} bytes)", where,
-                                            info.address, info.total_size);
+      const std::string range =
+          fmt::format("{}: mapped range at {:#x} ({} bytes)", where, info.address, info.total_size);
       if (info.stream != r.stream || info.is_large != r.is_large) {
         throw UsageError(range + " is of another stream or pool");
       }
       if ((info.address - seg.base) % page != 0 || info.total_size % page != 0 ||
           info.total_size == 0 || info.address + info.total_size > seg.base + seg.size) {
-        throw UsageError(fmt::format("{} is not whole {}-byte pages of the reservation", range,
-                                     page));
+        throw UsageError(
+            fmt::format("{} is not whole {}-byte pages of the reservation", range, page));
       }
       // The unmapped block holding the range; the pages before it stay unmapped.
       Block* u = seg.head;
@@ -198,8 +199,8 @@ void CachingAllocator::Impl::restore_vm_locked(
       if (u->ptr < info.address) {
         BlockPool& pool = *u->pool;
         pool.unmapped.erase(u);
-        Block* rest = make_block(info.address, u->ptr + u->size - info.address, u->stream, &pool,
-                                 &seg);
+        Block* rest =
+            make_block(info.address, u->ptr + u->size - info.address, u->stream, &pool, &seg);
         rest->mapped = false;
         rest->prev = u;
         rest->next = u->next;
@@ -237,8 +238,8 @@ void CachingAllocator::Impl::restore_vm_locked(
         count_allocation(b, bi.requested_size);
       }
       if (cursor != info.address + info.total_size) {
-        throw UsageError(fmt::format("{}: its blocks cover {} bytes", range,
-                                     cursor - info.address));
+        throw UsageError(
+            fmt::format("{}: its blocks cover {} bytes", range, cursor - info.address));
       }
       placed[k] = true;
     }

@@ -12,7 +12,9 @@ bool is_release(TraceAction a) {
 }
 
 bool names(std::string_view name, std::string_view word) {
-  auto lower = [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); };
+  auto lower = [](char c) {
+    return static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  };
   return std::search(name.begin(), name.end(), word.begin(), word.end(),
                      [&](char a, char b) { return lower(a) == lower(b); }) != name.end();
 }
@@ -85,8 +87,9 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
       run.evidence = "its frames name empty_cache";
     } else if (!device_request) {
       run.cause = ReleaseCause::empty_cache;
-      run.evidence = "no device request follows it, as one follows every release of the "
-                     "allocator's own";
+      run.evidence =
+          "no device request follows it, as one follows every release of the "
+          "allocator's own";
     } else if (allocator_frames) {
       run.cause = ReleaseCause::allocator;
       run.evidence = "its frames name the allocator's malloc";

@@ -29,17 +29,17 @@ namespace {
 
 using detail::ReleaseCause;
 using detail::ReleaseRun;
-using detail::StartingState;
 using detail::starting_state;
+using detail::StartingState;
 
 using SegmentRef = std::pair<DevicePtr, std::uint64_t>;  // address, size
 
 struct Expectations {
-  std::deque<SegmentRef> restore;            // starting segments
-  std::deque<SegmentRef> segment_allocs;     // recorded, not yet made
-  std::deque<SegmentRef> maps;               // expandable segments: recorded maps not yet made
+  std::deque<SegmentRef> restore;              // starting segments
+  std::deque<SegmentRef> segment_allocs;       // recorded, not yet made
+  std::deque<SegmentRef> maps;                 // expandable segments: recorded maps not yet made
   std::deque<DevicePtr> restore_reservations;  // bases of those live at the start
-  std::vector<SegmentRef> segment_frees;     // recorded for this step
+  std::vector<SegmentRef> segment_frees;       // recorded for this step
   std::size_t frees_made = 0;
   bool oom_expected = false;
   std::string problem;  // first disagreement seen inside a device call
@@ -242,8 +242,8 @@ class Verifier {
     const char* does = unmap ? "unmaps" : "frees";
     const std::size_t k = expect_.frees_made++;
     if (k >= expect_.segment_frees.size()) {
-      note(fmt::format("reservoir {} at {:#x} ({} bytes); the recording {} nothing here", did,
-                       addr, size, does));
+      note(fmt::format("reservoir {} at {:#x} ({} bytes); the recording {} nothing here", did, addr,
+                       size, does));
     } else if (expect_.segment_frees[k] != std::make_pair(addr, size)) {
       note(fmt::format("reservoir {} at {:#x} ({} bytes); the recording {} {:#x} ({} bytes)", did,
                        addr, size, does, expect_.segment_frees[k].first,
@@ -264,9 +264,10 @@ class Verifier {
       return Status::ok;
     }
     if (expect_.maps.empty()) {
-      note(fmt::format("reservoir reserved address space for a new expandable segment ({} "
-                       "bytes); the recording maps no memory here",
-                       bytes));
+      note(
+          fmt::format("reservoir reserved address space for a new expandable segment ({} "
+                      "bytes); the recording maps no memory here",
+                      bytes));
       return Status::invalid_argument;
     }
     // (A base may come back: the driver reuses address space once released.)
@@ -331,12 +332,12 @@ class Verifier {
     }
     if (expect_.frees_made < expect_.segment_frees.size()) {
       const auto& f = expect_.segment_frees[expect_.frees_made];
-      std::string what = fmt::format("the recording {} at {:#x} ({} bytes) here; reservoir did not",
-                                     vm_ ? "unmaps the pages" : "frees the segment", f.first,
-                                     f.second);
+      std::string what =
+          fmt::format("the recording {} at {:#x} ({} bytes) here; reservoir did not",
+                      vm_ ? "unmaps the pages" : "frees the segment", f.first, f.second);
       if (pending_run_ != nullptr) {
-        what += fmt::format(" (taken for {}: {})", cause_text(pending_cause_),
-                            pending_run_->evidence);
+        what +=
+            fmt::format(" (taken for {}: {})", cause_text(pending_cause_), pending_run_->evidence);
       }
       diverge(index, what);
       return false;
@@ -455,10 +456,7 @@ class Verifier {
       case TraceAction::segment_alloc:
       case TraceAction::segment_free:
         if (vm_) {
-          cannot_verify(i, fmt::format("cannot verify: a {} event in a recording made with "
-                                       "expandable segments (were the settings changed while "
-                                       "recording?)",
-                                       to_string(e.action)));
+          settings_changed(i);
         } else if (e.action == TraceAction::segment_alloc) {
           expect_.segment_allocs.emplace_back(e.addr, e.size);
         } else {
@@ -468,10 +466,7 @@ class Verifier {
       case TraceAction::segment_map:
       case TraceAction::segment_unmap:
         if (!vm_) {
-          cannot_verify(i, fmt::format("cannot verify: a {} event, but the recorded settings do "
-                                       "not enable expandable segments (were they changed while "
-                                       "recording?)",
-                                       to_string(e.action)));
+          settings_changed(i);
         } else if (e.action == TraceAction::segment_map) {
           expect_.maps.emplace_back(e.addr, e.size);
         } else {
@@ -524,6 +519,14 @@ class Verifier {
     allocator.record_stream(reinterpret_cast<void*>(addr), hold);
     held_[addr] = hold;
     allocator.deallocate(reinterpret_cast<void*>(addr));
+  }
+
+  // A classic segment event with expandable settings, or the other way round.
+  void settings_changed(std::size_t i) {
+    cannot_verify(
+        i, fmt::format("cannot verify: a {} event, but the recorded settings {} "
+                       "expandable segments (were they changed while recording?)",
+                       to_string(trace_.events[i].action), vm_ ? "enable" : "do not enable"));
   }
 
   void alloc(CachingAllocator& allocator, std::size_t i) {

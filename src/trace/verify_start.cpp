@@ -62,6 +62,15 @@ std::map<DevicePtr, StartBlock> start_blocks(const Trace& trace, const Allocator
   std::unordered_set<DevicePtr> touched;
   std::unordered_set<DevicePtr> requested;  // freed, waiting for free_completed
   std::unordered_set<DevicePtr> reused;     // allocated within the recording
+  // A block live at the start, known from its free event `i`.
+  auto add_freed = [&](const TraceEvent& e, std::size_t i) {
+    StartBlock b;
+    b.size = CachingAllocator::round_size(e.size, config);
+    b.requested = e.size;
+    b.stream = e.stream;
+    b.free_event = i;
+    blocks.emplace(e.addr, b);
+  };
   for (std::size_t i = 0; i < events.size(); ++i) {
     const TraceEvent& e = events[i];
     if (e.action == TraceAction::alloc) {
@@ -81,24 +90,12 @@ std::map<DevicePtr, StartBlock> start_blocks(const Trace& trace, const Allocator
       if (touched.count(e.addr) != 0) continue;
       // Freed before the recording began, its stream work still pending.
       touched.insert(e.addr);
-      StartBlock b;
-      b.size = CachingAllocator::round_size(e.size, config);
-      b.requested = e.size;
-      b.stream = e.stream;
-      b.free_event = i;
-      blocks.emplace(e.addr, b);
+      add_freed(e, i);
       out.pending_frees.push_back(e.addr);
     } else if (e.action == TraceAction::free_requested) {
       touched.insert(e.addr);
       requested.insert(e.addr);
-      if (live.erase(e.addr) == 0) {
-        StartBlock b;
-        b.size = CachingAllocator::round_size(e.size, config);
-        b.requested = e.size;
-        b.stream = e.stream;
-        b.free_event = i;
-        blocks.emplace(e.addr, b);
-      }
+      if (live.erase(e.addr) == 0) add_freed(e, i);
     }
   }
   for (const SegmentInfo& s : trace.final_state.segments) {
@@ -155,8 +152,7 @@ StartingState starting_state(const Trace& trace, const AllocatorConfig& config,
     }
   }
 
-  if (first_alloc_made_its_segment && !events.empty() &&
-      events[0].action == TraceAction::alloc) {
+  if (first_alloc_made_its_segment && !events.empty() && events[0].action == TraceAction::alloc) {
     auto it = segments.find(events[0].addr);
     if (it != segments.end()) {
       out.made_by_first_alloc = std::make_pair(it->first, it->second.total_size);
@@ -293,15 +289,17 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
     const TraceEvent& e = events[i];
     if (e.action == TraceAction::segment_map) {
       if (!remove_range(mapped, e.addr, e.addr + e.size)) {
-        fail(fmt::format("event {}: segment_map at {:#x} ({} bytes) maps pages the recording "
-                         "unmaps again, or maps twice",
-                         i, e.addr, e.size));
+        fail(
+            fmt::format("event {}: segment_map at {:#x} ({} bytes) maps pages the recording "
+                        "unmaps again, or maps twice",
+                        i, e.addr, e.size));
       }
     } else if (e.action == TraceAction::segment_unmap) {
       if (!add_range(mapped, e.addr, e.addr + e.size, e.stream, pool_of_mapping(e.size))) {
-        fail(fmt::format("event {}: segment_unmap at {:#x} ({} bytes) unmaps pages that are "
-                         "mapped again later without an unmap",
-                         i, e.addr, e.size));
+        fail(
+            fmt::format("event {}: segment_unmap at {:#x} ({} bytes) unmaps pages that are "
+                        "mapped again later without an unmap",
+                        i, e.addr, e.size));
       }
     }
   }
@@ -389,9 +387,10 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
     for (; block_it != blocks.end() && block_it->first < end; ++block_it) {
       const auto& [addr, b] = *block_it;
       if (addr < cursor || addr + b.size > end) {
-        fail(fmt::format("the block live at the start at {:#x} ({} bytes) is not inside the "
-                         "memory mapped then",
-                         addr, b.size));
+        fail(
+            fmt::format("the block live at the start at {:#x} ({} bytes) is not inside the "
+                        "memory mapped then",
+                        addr, b.size));
       }
       if (addr > cursor) seg.blocks.push_back({cursor, addr - cursor, 0, BlockState::inactive});
       seg.blocks.push_back({addr, b.size, b.requested, BlockState::active_allocated});

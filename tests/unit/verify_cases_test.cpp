@@ -39,8 +39,9 @@ struct Recorder {
   }
   void* alloc(std::size_t bytes, StreamId stream = 0) { return allocator.allocate(bytes, stream); }
   std::size_t count(TraceAction a) const {
-    return static_cast<std::size_t>(std::count_if(trace.events.begin(), trace.events.end(),
-                                                  [a](const TraceEvent& e) { return e.action == a; }));
+    return static_cast<std::size_t>(
+        std::count_if(trace.events.begin(), trace.events.end(),
+                      [a](const TraceEvent& e) { return e.action == a; }));
   }
   // Calls empty_cache() and returns the segments it freed.
   std::size_t empty_cache() {
@@ -51,9 +52,8 @@ struct Recorder {
   std::size_t unused_segments() const {
     std::size_t n = 0;
     for (const SegmentInfo& s : allocator.snapshot().segments) {
-      n += std::none_of(s.blocks.begin(), s.blocks.end(), [](const BlockInfo& b) {
-        return b.state != BlockState::inactive;
-      });
+      n += std::none_of(s.blocks.begin(), s.blocks.end(),
+                        [](const BlockInfo& b) { return b.state != BlockState::inactive; });
     }
     return n;
   }
@@ -115,8 +115,9 @@ TEST(VerifyReleases, EmptyCacheAtTheStartFreesSegmentsCachedBeforeRecording) {
   ASSERT_EQ(r.unused_segments(), 5u);
   r.on = true;
   EXPECT_EQ(r.empty_cache(), 5u);
-  void* a = r.alloc(std::size_t{100} * 1024);  // from the small segment still held: no device request
-  void* b = r.alloc(5 * kMiB);    // a new 20 MiB segment
+  void* a =
+      r.alloc(std::size_t{100} * 1024);  // from the small segment still held: no device request
+  void* b = r.alloc(5 * kMiB);           // a new 20 MiB segment
   r.allocator.deallocate(a);
   r.allocator.deallocate(keep);
   void* c = r.alloc(70 * kMiB, 7);
@@ -214,8 +215,8 @@ TEST(VerifyReleases, EmptyCacheRunsInTheMiddleBackToBackAndAtTheEnd) {
   for (void* p : live) r.allocator.deallocate(p);
   freed_by_call.push_back(r.empty_cache());  // at the end: every segment
   const Trace t = pickled(r.finish());
-  const std::size_t visible = static_cast<std::size_t>(
-      std::count_if(freed_by_call.begin(), freed_by_call.end(), [](std::size_t n) { return n > 0; }));
+  const std::size_t visible = static_cast<std::size_t>(std::count_if(
+      freed_by_call.begin(), freed_by_call.end(), [](std::size_t n) { return n > 0; }));
   EXPECT_EQ(freed_by_call[2], 0u);
   EXPECT_GT(freed_by_call[0], 0u);
   EXPECT_GT(freed_by_call[4], 0u);
@@ -231,8 +232,8 @@ TEST(VerifyReleases, EmptyCacheRunsInTheMiddleBackToBackAndAtTheEnd) {
 
   // Replay runs from an empty cache: with the recorded settings it makes the
   // recorded device requests, empty_cache() calls included.
-  const ReplayResult rr = replay(compile(t), AllocatorConfig::parse(t.recorded_config),
-                                 t.recorded_config);
+  const ReplayResult rr =
+      replay(compile(t), AllocatorConfig::parse(t.recorded_config), t.recorded_config);
   EXPECT_EQ(static_cast<std::size_t>(rr.device_allocs), count(t, TraceAction::segment_alloc));
   EXPECT_EQ(static_cast<std::size_t>(rr.device_frees), count(t, TraceAction::segment_free));
   EXPECT_EQ(rr.final_reserved_bytes, 0u);
@@ -261,8 +262,9 @@ TEST(VerifyReleases, AnEmptyCacheThatDidNotHappenIsADivergence) {
   EXPECT_FALSE(v.agreed);
   EXPECT_FALSE(v.cannot_verify);
   EXPECT_EQ(v.divergence_event, request);
-  EXPECT_NE(v.divergence.find(fmt::format("reservoir freed the segment at {:#x} ({} bytes); the recording frees {:#x}", reinterpret_cast<DevicePtr>(x), 40 * kMiB,
-                                          reinterpret_cast<DevicePtr>(y))),
+  EXPECT_NE(v.divergence.find(fmt::format(
+                "reservoir freed the segment at {:#x} ({} bytes); the recording frees {:#x}",
+                reinterpret_cast<DevicePtr>(x), 40 * kMiB, reinterpret_cast<DevicePtr>(y))),
             std::string::npos)
       << v.divergence;
 }
@@ -376,7 +378,8 @@ TEST(VerifyCases, FreesDelayedByRecordStreamOnSeveralStreams) {
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
     } else {
       const StreamId stream = rng() % 3 == 0 ? s1 : rng() % 2 == 0 ? s2 : 0;
-      live.push_back(r.alloc(rng() % 2 == 0 ? 1 + rng() % kMiB : kMiB + rng() % (40 * kMiB), stream));
+      live.push_back(
+          r.alloc(rng() % 2 == 0 ? 1 + rng() % kMiB : kMiB + rng() % (40 * kMiB), stream));
     }
   }
   const Trace t = pickled(r.finish());
@@ -445,8 +448,8 @@ TEST(VerifyCases, ZeroByteEventsAreSkipped) {
   EXPECT_EQ(v.zero_size_skipped, 2u);
   const ReplayProgram program = compile(back);
   EXPECT_EQ(program.ops.size(), compile(t).ops.size());
-  EXPECT_EQ(program.ops.size(), count(t, TraceAction::alloc) - 1 +
-                                    count(t, TraceAction::free_requested) - 1);
+  EXPECT_EQ(program.ops.size(),
+            count(t, TraceAction::alloc) - 1 + count(t, TraceAction::free_requested) - 1);
 }
 
 // ---- what a real file holds ----------------------------------------------------
@@ -718,8 +721,8 @@ TEST(VerifyCases, OlderSnapshotsWithoutTheNewerFields) {
     const std::string full = write_pytorch_snapshot(t);
     const Document in = pickle::decode(bytes(full));
     Document out;
-    out.set_root(copy(out, in.root(),
-                      {"allocator_settings", "time_us", "is_expandable", "requested_size"}));
+    out.set_root(
+        copy(out, in.root(), {"allocator_settings", "time_us", "is_expandable", "requested_size"}));
     const std::string stripped = pickle::encode(out.root());
     return read_pytorch_snapshot(bytes(stripped), "old.pickle");
   };
