@@ -46,8 +46,7 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
     ReleaseRun run;
     run.first = i;
     run.last = i;
-    std::size_t j = i + 1;
-    for (; j < n; ++j) {
+    for (std::size_t j = i + 1; j < n; ++j) {
       const TraceAction a = events[j].action;
       if (is_release(a)) {
         run.last = j;
@@ -67,7 +66,6 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
         break;
       }
     }
-    run.next_request = k;
     if (k < n && events[k].action == TraceAction::oom) device_request = true;
 
     bool empty_cache_frames = false;
@@ -104,6 +102,14 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
     i = runs.back().last;
   }
   return runs;
+}
+
+std::unordered_set<std::size_t> empty_cache_points(const Trace& trace) {
+  std::unordered_set<std::size_t> at;
+  for (const ReleaseRun& run : release_runs(trace)) {
+    if (run.cause == ReleaseCause::empty_cache) at.insert(run.last);
+  }
+  return at;
 }
 
 }  // namespace reservoir::detail

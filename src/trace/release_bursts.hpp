@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "reservoir/trace.hpp"
@@ -37,12 +38,14 @@ struct ReleaseRun {
   std::size_t last = 0;   // index of the last release event
   ReleaseCause cause = ReleaseCause::undecided;
   std::string evidence;  // why: "frames name empty_cache", ...
-  // Index of the allocation or oom event the run precedes (events.size() when none).
-  std::size_t next_request = 0;
 };
 
 // Every run of segment_free / segment_unmap events (free_completed events
 // inside a run belong to it), in order.
 std::vector<ReleaseRun> release_runs(const Trace& trace);
+
+// The program's empty_cache() calls: the index of the last event of each
+// run whose cause is empty_cache (replay and text export apply them there).
+std::unordered_set<std::size_t> empty_cache_points(const Trace& trace);
 
 }  // namespace reservoir::detail

@@ -2,8 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <functional>
 #include <chrono>
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -30,10 +30,7 @@ ReplayProgram compile(const Trace& trace) {
   };
   program.ops.reserve(trace.events.size() / 2);
   // The program's empty_cache() calls, seen as runs of segment releases.
-  std::unordered_set<std::size_t> empty_cache_at;  // index of the run's last event
-  for (const detail::ReleaseRun& run : detail::release_runs(trace)) {
-    if (run.cause == detail::ReleaseCause::empty_cache) empty_cache_at.insert(run.last);
-  }
+  const std::unordered_set<std::size_t> empty_cache_at = detail::empty_cache_points(trace);
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     const TraceEvent& e = trace.events[i];
     if (empty_cache_at.count(i) != 0) {
@@ -108,15 +105,13 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   std::uint64_t op_index = 0;
   std::uint64_t reserved = 0;
   allocator.attach_trace_tracker([&](const TraceEvent& e) {
-    if (e.action == TraceAction::segment_alloc ||
-        e.action == TraceAction::segment_map) {
+    if (e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map) {
       reserved += e.size;
       if (reserved > result.peak_reserved_bytes) {
         result.peak_reserved_bytes = reserved;
         result.peak_reserved_op = op_index;
       }
-    } else if (e.action == TraceAction::segment_free ||
-               e.action == TraceAction::segment_unmap) {
+    } else if (e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap) {
       reserved -= e.size;
     }
   });
@@ -127,7 +122,9 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   const auto start = std::chrono::steady_clock::now();
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
-      case ReplayOp::Kind::alloc: ++result.allocations; try {
+      case ReplayOp::Kind::alloc:
+        ++result.allocations;
+        try {
           pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
           if (result.first_oom.empty()) {

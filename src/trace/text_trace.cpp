@@ -13,9 +13,9 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "release_bursts.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
-#include "release_bursts.hpp"
 #include "reservoir/trace.hpp"
 
 namespace reservoir {
@@ -120,10 +120,7 @@ std::string write_text_trace(const Trace& trace) {
   std::string out = "reservoir-trace 1\n";
   if (!trace.recorded_config.empty()) out += "config " + trace.recorded_config + "\n";
   // The program's empty_cache() calls, seen in a snapshot as runs of releases.
-  std::unordered_set<std::size_t> empty_cache_at;
-  for (const detail::ReleaseRun& run : detail::release_runs(trace)) {
-    if (run.cause == detail::ReleaseCause::empty_cache) empty_cache_at.insert(run.last);
-  }
+  const std::unordered_set<std::size_t> empty_cache_at = detail::empty_cache_points(trace);
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     const TraceEvent& e = trace.events[i];
     if (empty_cache_at.count(i) != 0) out += "empty_cache\n";
