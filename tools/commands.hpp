@@ -11,5 +11,6 @@ void add_export(CLI::App& app);
 void add_summary(CLI::App& app);
 void add_compare(CLI::App& app);
 void add_report(CLI::App& app);
+void add_advise(CLI::App& app);
 
 }  // namespace reservoir::tools

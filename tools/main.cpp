@@ -6,7 +6,7 @@
 #include "reservoir/errors.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"reservoir: replay, verify, export, summarize, compare and report GPU allocation traces"};
+  CLI::App app{"reservoir: replay, verify, export, summarize, compare, report and advise on GPU allocation traces"};
   app.require_subcommand(1);
   reservoir::tools::add_replay(app);
   reservoir::tools::add_verify(app);
@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   reservoir::tools::add_summary(app);
   reservoir::tools::add_compare(app);
   reservoir::tools::add_report(app);
+  reservoir::tools::add_advise(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -28,6 +28,8 @@ std::string block_label(const Trace& trace, const ReplayProgram& program, const 
   return context_label(trace, program.contexts[it->second]);
 }
 
+}  // namespace
+
 std::string frames_html(const Context& c) {
   std::string out;
   if (!c.annotations.empty()) {
@@ -43,8 +45,6 @@ std::string frames_html(const Context& c) {
   out += "</ol></details>";
   return out;
 }
-
-}  // namespace
 
 std::string esc(std::string_view s) {
   std::string out;

@@ -56,6 +56,8 @@ struct Run {
 
 // HTML-escaped text.
 std::string esc(std::string_view s);
+// A context's annotations and frames (the telling frame shown, the rest folded).
+std::string frames_html(const Context& context);
 // A step plot of one or more series over the op index.
 std::string plot(const std::vector<std::pair<std::string, const std::vector<std::uint64_t>*>>& series,
                  const std::vector<std::string>& colors, std::uint64_t ops, bool fill_first,

@@ -15,7 +15,7 @@
 
 namespace reservoir {
 
-ReplayProgram compile(const Trace& trace) {
+ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
   ReplayProgram program;
   program.name = trace.name;
   program.recorded_events = trace.events.size();
@@ -69,6 +69,15 @@ ReplayProgram compile(const Trace& trace) {
       case TraceAction::empty_cache:
         program.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
         break;
+      case TraceAction::oom: {
+        if (!options.failed_requests || e.size == 0) break;
+        const std::uint32_t id = new_id(e.context);
+        program.failed_request_ops.push_back(program.ops.size());
+        program.failed_request_events.push_back(i);
+        program.ops.push_back({ReplayOp::Kind::alloc, id, e.size, e.stream});
+        program.ops.push_back({ReplayOp::Kind::free, id, 0, e.stream});
+        break;
+      }
       default: break;  // device-side and bookkeeping events are the allocator's to decide
     }
   }

@@ -56,8 +56,8 @@ std::string_view cause_text(ReleaseCause cause) {
 
 class Verifier {
  public:
-  Verifier(const Trace& trace, bool first_alloc_made_its_segment)
-      : trace_(trace), first_alloc_made_its_segment_(first_alloc_made_its_segment) {}
+  Verifier(const Trace& trace, bool first_alloc_made_its_segment, const VerifyWatch* watch)
+      : trace_(trace), first_alloc_made_its_segment_(first_alloc_made_its_segment), watch_(watch) {}
 
   VerifyResult run() {
     if (!trace_.has_addresses) {
@@ -160,6 +160,7 @@ class Verifier {
       if (auto it = run_ending_at_.find(i); it != run_ending_at_.end()) {
         resolve(allocator, runs_[it->second], i);
       }
+      if (watch_ != nullptr && result_.divergence.empty()) (*watch_)(i, allocator);
     }
     if (result_.divergence.empty()) {
       compare_final_state(allocator.snapshot());
@@ -662,6 +663,7 @@ class Verifier {
 
   const Trace& trace_;
   const bool first_alloc_made_its_segment_;
+  const VerifyWatch* watch_;
   AllocatorConfig config_;
   VerifyResult result_;
   Expectations expect_;
@@ -683,14 +685,17 @@ class Verifier {
 
 }  // namespace
 
-VerifyResult verify(const Trace& trace) {
-  VerifyResult r = Verifier(trace, false).run();
+VerifyResult verify(const Trace& trace) { return verify(trace, VerifyWatch{}); }
+
+VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
+  const VerifyWatch* w = watch ? &watch : nullptr;
+  VerifyResult r = Verifier(trace, false, w).run();
   // A recording may start between an allocation's segment_alloc and its
   // alloc (a ring buffer's cut): the segment then looks present at the start.
   // If that reading fails at once, take the segment as the alloc's.
   if (!r.agreed && r.divergence_event == 0 && !trace.events.empty() &&
       trace.events[0].action == TraceAction::alloc) {
-    VerifyResult other = Verifier(trace, true).run();
+    VerifyResult other = Verifier(trace, true, w).run();
     if (other.agreed || other.divergence_event > 0) return other;
   }
   return r;

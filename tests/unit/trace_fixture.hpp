@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <random>
 #include <span>
 #include <string>
@@ -15,6 +16,7 @@
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/history.hpp"
+#include "reservoir/pickle.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 
@@ -135,6 +137,59 @@ inline void expect_same_replay(const Trace& a, const Trace& b) {
   EXPECT_EQ(x.device_allocs, y.device_allocs);
   EXPECT_EQ(x.device_frees, y.device_frees);
   EXPECT_EQ(x.device_calls, y.device_calls);
+}
+
+// Records what an allocator does from the moment `on` is set.
+struct Recorder {
+  explicit Recorder(const std::string& config, std::size_t capacity = std::size_t{1} << 40)
+      : device(options(capacity)), allocator(device, AllocatorConfig::parse(config)) {
+    trace.name = "case";
+    trace.format = "pytorch-snapshot";
+    trace.has_addresses = true;
+    trace.recorded_config = config;
+    allocator.attach_trace_tracker([this](const TraceEvent& e) {
+      if (on) trace.events.push_back(e);
+    });
+  }
+  static SimDeviceOptions options(std::size_t capacity) {
+    SimDeviceOptions o;
+    o.capacity = capacity;
+    return o;
+  }
+  void* alloc(std::size_t bytes, StreamId stream = 0) { return allocator.allocate(bytes, stream); }
+  std::size_t count(TraceAction a) const {
+    return static_cast<std::size_t>(
+        std::count_if(trace.events.begin(), trace.events.end(),
+                      [a](const TraceEvent& e) { return e.action == a; }));
+  }
+  // Calls empty_cache() and returns the segments it freed.
+  std::size_t empty_cache() {
+    const std::size_t before = count(TraceAction::segment_free);
+    allocator.empty_cache();
+    return count(TraceAction::segment_free) - before;
+  }
+  std::size_t unused_segments() const {
+    std::size_t n = 0;
+    for (const SegmentInfo& s : allocator.snapshot().segments) {
+      n += std::none_of(s.blocks.begin(), s.blocks.end(),
+                        [](const BlockInfo& b) { return b.state != BlockState::inactive; });
+    }
+    return n;
+  }
+  Trace finish() {
+    trace.final_state = allocator.snapshot();
+    return trace;
+  }
+
+  SimDevice device;
+  CachingAllocator allocator;
+  Trace trace;
+  bool on = true;
+};
+
+inline Trace pickled(const Trace& t) {
+  const std::string data = write_pytorch_snapshot(t);
+  return read_pytorch_snapshot(bytes(data), t.name);
 }
 
 }  // namespace reservoir

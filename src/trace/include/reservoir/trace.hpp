@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -88,10 +89,20 @@ struct ReplayProgram {
   // Per id: the context of its recorded alloc event (the trace's contexts;
   // 0 when none or when the block was live before recording began).
   std::vector<std::uint32_t> contexts;
+  // With CompileOptions::failed_requests: the index in `ops` of each request
+  // that ran out of memory in the recording, and of its oom event.
+  std::vector<std::uint64_t> failed_request_ops;
+  std::vector<std::uint64_t> failed_request_events;
+};
+struct CompileOptions {
+  // Make each request that ran out of memory in the recording (its oom
+  // event) an alloc, freed at once: a setting that fits serves it, beside
+  // everything alive then. Off, the program is what the recording served.
+  bool failed_requests = false;
 };
 // Blocks live at the start are those freed before any alloc at their address,
 // plus those still allocated at the end that no event touches.
-ReplayProgram compile(const Trace& trace);
+ReplayProgram compile(const Trace& trace, const CompileOptions& options = {});
 
 // Sees a replay as it runs: reports, summaries and progress build on it.
 class ReplayObserver {
@@ -199,5 +210,9 @@ struct VerifyResult {
 // collection as docs/replay.md describes. Throws TraceError when the trace
 // cannot be verified at all (no addresses, unreadable settings).
 VerifyResult verify(const Trace& trace);
+// The same, calling `watch` after each recorded event verify has checked and
+// agreed with (index into trace.events, and the allocator in that state).
+using VerifyWatch = std::function<void(std::size_t event, const CachingAllocator& allocator)>;
+VerifyResult verify(const Trace& trace, const VerifyWatch& watch);
 
 }  // namespace reservoir

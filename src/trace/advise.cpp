@@ -1,0 +1,483 @@
+// Advice from one recording: the diagnosis at the moment that matters and a
+// sweep of allocator settings, each replayed to its minimum capacity.
+#include "reservoir/advise.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+
+namespace reservoir {
+namespace {
+
+constexpr std::size_t kWorstSegments = 5;
+constexpr std::size_t kPinsPerSegment = 8;
+
+// The event after which the recorded reserved memory is highest (the first
+// such), from the segment events: the starting level is a constant offset.
+std::size_t reserved_peak_event(const Trace& trace) {
+  std::int64_t level = 0;
+  std::int64_t best = 0;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < trace.events.size(); ++i) {
+    const TraceEvent& e = trace.events[i];
+    const auto size = static_cast<std::int64_t>(e.size);
+    if (e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map) {
+      level += size;
+    } else if (e.action == TraceAction::segment_free || e.action == TraceAction::segment_unmap) {
+      level -= size;
+    }
+    if (level > best) {
+      best = level;
+      at = i;
+    }
+  }
+  return at;
+}
+
+// The allocator's state just before global op `before` of a replay (after
+// op before-1; the empty state when before is 0), with each live block's id.
+class StateCapture : public ReplayObserver {
+ public:
+  explicit StateCapture(std::uint64_t before) : before_(before) {}
+  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override {
+    allocator_ = &allocator;
+    ptrs_.assign(program.id_count, 0);
+    if (before_ == 0) take();
+  }
+  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override {
+    if (op.kind == ReplayOp::Kind::alloc && ptr != nullptr) {
+      ptrs_[op.id] = reinterpret_cast<DevicePtr>(ptr);
+    } else if (op.kind == ReplayOp::Kind::free) {
+      ptrs_[op.id] = 0;
+    }
+    if (index + 1 == before_) take();
+  }
+  bool taken = false;
+  Snapshot snapshot;
+  std::unordered_map<DevicePtr, std::uint32_t> id_at;
+
+ private:
+  void take() {
+    snapshot = allocator_->snapshot();
+    for (std::uint32_t id = 0; id < ptrs_.size(); ++id) {
+      if (ptrs_[id] != 0) id_at[ptrs_[id]] = id;
+    }
+    taken = true;
+  }
+  std::uint64_t before_;
+  CachingAllocator* allocator_ = nullptr;
+  std::vector<DevicePtr> ptrs_;
+};
+
+AllocatorConfig recorded_settings(const Trace& trace) {
+  try {
+    return AllocatorConfig::parse(trace.recorded_config);
+  } catch (const ConfigError& e) {
+    throw TraceError(fmt::format("advise {}: recorded settings: {}", trace.name, e.what()));
+  }
+}
+
+std::string pool_name(bool large) { return large ? "large" : "small"; }
+
+// Sorts out reserved-but-unallocated memory, the segments that hold the most
+// of it, and (at an oom) why no block could serve the request.
+void analyze(Diagnosis& d, const AllocatorConfig& config,
+             const std::unordered_map<DevicePtr, std::uint32_t>& context_at) {
+  std::vector<FreeGroup> groups;
+  auto group = [&groups](bool large, StreamId stream) -> FreeGroup& {
+    for (FreeGroup& g : groups) {
+      if (g.large == large && g.stream == stream) return g;
+    }
+    groups.push_back(FreeGroup{large, stream, 0, 0, 0});
+    return groups.back();
+  };
+  std::vector<PinnedSegment> pinned;
+  for (const SegmentInfo& s : d.segments.segments) {
+    std::uint64_t live = 0;
+    std::uint64_t free = 0;
+    std::uint64_t largest = 0;
+    for (const BlockInfo& b : s.blocks) {
+      if (b.state == BlockState::active_allocated) {
+        live += b.size;
+      } else if (b.state == BlockState::active_pending_free) {
+        d.pending_free_bytes += b.size;
+        ++d.pending_free_blocks;
+      } else {
+        free += b.size;
+        largest = std::max<std::uint64_t>(largest, b.size);
+      }
+    }
+    d.reserved_bytes += s.total_size;
+    d.allocated_bytes += live;
+    const bool whole_free = s.blocks.size() == 1 && s.blocks[0].state == BlockState::inactive;
+    if (whole_free) {
+      d.cached_segment_bytes += s.total_size;
+      ++d.cached_segments;
+      continue;
+    }
+    if (free == 0) continue;
+    d.split_free_bytes += free;
+    FreeGroup& g = group(s.is_large, s.stream);
+    g.bytes += free;
+    g.largest = std::max(g.largest, largest);
+    for (const BlockInfo& b : s.blocks) g.blocks += b.state == BlockState::inactive ? 1 : 0;
+    PinnedSegment p{s.address, s.total_size, free, largest, s.stream, s.is_large, {}};
+    for (const BlockInfo& b : s.blocks) {
+      if (b.state != BlockState::active_allocated) continue;
+      auto it = context_at.find(b.address);
+      p.live.push_back({b.address, b.size, it == context_at.end() ? 0 : it->second});
+    }
+    std::stable_sort(p.live.begin(), p.live.end(),
+                     [](const PinningBlock& a, const PinningBlock& b) { return a.size > b.size; });
+    if (p.live.size() > kPinsPerSegment) p.live.resize(kPinsPerSegment);
+    pinned.push_back(std::move(p));
+  }
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const FreeGroup& a, const FreeGroup& b) { return a.bytes > b.bytes; });
+  d.split_free = std::move(groups);
+  std::stable_sort(pinned.begin(), pinned.end(), [](const PinnedSegment& a, const PinnedSegment& b) {
+    return a.free_bytes > b.free_bytes;
+  });
+  if (pinned.size() > kWorstSegments) pinned.resize(kWorstSegments);
+  d.worst_segments = std::move(pinned);
+
+  if (!d.request) return;
+  FailedRequest& r = *d.request;
+  r.rounded = CachingAllocator::round_size(r.size, config);
+  r.large = r.rounded > kSmallSize;
+  r.segment_size = CachingAllocator::allocation_size(r.rounded);
+  std::uint64_t largest_same_any = 0;  // ignoring the max_split_size rules
+  for (const SegmentInfo& s : d.segments.segments) {
+    if (s.is_large != r.large) continue;
+    for (const BlockInfo& b : s.blocks) {
+      if (b.state != BlockState::inactive) continue;
+      if (s.stream == r.stream) {
+        largest_same_any = std::max<std::uint64_t>(largest_same_any, b.size);
+      } else {
+        r.largest_other_stream = std::max<std::uint64_t>(r.largest_other_stream, b.size);
+      }
+    }
+  }
+  r.largest_same_stream = largest_same_any;
+  const std::string where = fmt::format("the {} pool of stream {:#x}", pool_name(r.large), r.stream);
+  const std::string need =
+      r.rounded == r.size ? format_size(r.rounded)
+                          : fmt::format("{} (rounded from {})", format_size(r.rounded), format_size(r.size));
+  if (largest_same_any < r.rounded) {
+    r.reasons.push_back(
+        largest_same_any == 0
+            ? fmt::format("No block of {} was free; the request needs {}.", where, need)
+            : fmt::format("No free block of {} was large enough: the largest was {}, the request "
+                          "needs {}.",
+                          where, format_size(largest_same_any), need));
+  } else if (r.rounded < config.max_split_size && largest_same_any >= config.max_split_size) {
+    r.reasons.push_back(fmt::format(
+        "The free blocks of {} large enough ({} the largest) are of max_split_size_mb ({}) or "
+        "more, which serve only requests of that size or more.",
+        where, format_size(largest_same_any), format_size(config.max_split_size)));
+  } else if (r.rounded >= config.max_split_size &&
+             largest_same_any >= r.rounded + config.max_non_split_rounding_size) {
+    r.reasons.push_back(fmt::format(
+        "The free blocks of {} large enough ({} the largest) exceed the request by "
+        "max_non_split_rounding_mb ({}) or more, and are not split for it.",
+        where, format_size(largest_same_any), format_size(config.max_non_split_rounding_size)));
+  }
+  if (r.largest_other_stream >= r.rounded) {
+    r.reasons.push_back(fmt::format(
+        "A free block of {} on another stream could hold it, but a block serves only the "
+        "stream it was allocated on.",
+        format_size(r.largest_other_stream)));
+  }
+  const std::uint64_t unusable = d.reserved_bytes - d.allocated_bytes;
+  if (d.split_free_bytes >= r.rounded) {
+    r.reasons.push_back(fmt::format(
+        "{} was free inside split segments ({:.1f}x the request), in pieces of at most {}: "
+        "fragmentation.",
+        format_size(d.split_free_bytes),
+        static_cast<double>(d.split_free_bytes) / static_cast<double>(r.rounded),
+        format_size(d.split_free.empty() ? 0 : std::max_element(d.split_free.begin(), d.split_free.end(),
+                                                                [](const FreeGroup& a, const FreeGroup& b) {
+                                                                  return a.largest < b.largest;
+                                                                })->largest)));
+  } else if (unusable >= r.rounded) {
+    r.reasons.push_back(fmt::format("{} was reserved but unallocated, more than the request.",
+                                    format_size(unusable)));
+  }
+  if (r.ladder_released > 0) {
+    r.reasons.push_back(fmt::format(
+        "The retry ladder first gave {} of cached segments back to the device; still not enough.",
+        format_size(r.ladder_released)));
+  } else if (d.cached_segments == 0) {
+    r.reasons.push_back("No whole segment was cached for the retry ladder to give back.");
+  }
+  if (d.device_free_bytes) {
+    std::string outside;
+    if (d.outside_bytes && *d.outside_bytes > 0) {
+      outside = fmt::format(", with {} of the device held outside this allocator",
+                            format_size(*d.outside_bytes));
+    }
+    r.reasons.push_back(fmt::format("A new segment needed {}; the device had {} free{}.",
+                                    format_size(r.segment_size), format_size(*d.device_free_bytes),
+                                    outside));
+  }
+}
+
+}  // namespace
+
+Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
+  const AllocatorConfig config = recorded_settings(trace);
+  Diagnosis d;
+  std::size_t oom_at = trace.events.size();
+  for (std::size_t i = 0; i < trace.events.size(); ++i) {
+    if (trace.events[i].action == TraceAction::oom && trace.events[i].size > 0) {
+      oom_at = i;
+      break;
+    }
+  }
+  const bool at_oom = oom_at < trace.events.size();
+  d.moment = at_oom ? "oom" : "peak_reserved";
+  d.event = at_oom ? oom_at : reserved_peak_event(trace);
+  if (!at_oom) {
+    // The state after the allocation that the peak's segment was made for.
+    for (std::size_t i = d.event; i < trace.events.size(); ++i) {
+      if (trace.events[i].action == TraceAction::alloc) {
+        d.event = i;
+        break;
+      }
+    }
+  }
+  if (at_oom) {
+    const TraceEvent& e = trace.events[oom_at];
+    FailedRequest r;
+    r.size = e.size;
+    r.stream = e.stream;
+    r.context = e.context;
+    // The releases just before it are the retry ladder's for this request.
+    for (std::size_t k = oom_at; k-- > 0;) {
+      const TraceEvent& p = trace.events[k];
+      if (p.action == TraceAction::segment_free || p.action == TraceAction::segment_unmap) {
+        r.ladder_released += p.size;
+      } else if (p.action != TraceAction::free_completed) {
+        break;
+      }
+    }
+    d.request = r;
+    d.device_free_bytes = e.addr;  // PyTorch records the device's free memory there
+  }
+
+  std::unordered_map<DevicePtr, std::uint32_t> context_at;
+  bool captured = false;
+  if (trace.events.empty()) {
+    d.segments = trace.final_state;
+    d.source = "recorded";
+    captured = true;
+  } else if (trace.has_addresses) {
+    const VerifyResult v = verify(trace, [&](std::size_t i, const CachingAllocator& allocator) {
+      if (i == d.event) {
+        d.segments = allocator.snapshot();
+        captured = true;
+      }
+    });
+    if (captured) {
+      d.source = "verified";
+    } else {
+      d.source_note = v.divergence.empty()
+                          ? "verify did not reach the moment"
+                          : fmt::format("verify stopped at event {}: {}", v.divergence_event, v.divergence);
+    }
+  } else {
+    d.source_note = fmt::format("a {} trace has no recorded addresses", trace.format);
+  }
+  if (captured && d.source == "verified") {
+    // Each block's context: its recorded alloc, else the final state's.
+    for (const SegmentInfo& s : trace.final_state.segments) {
+      for (const BlockInfo& b : s.blocks) {
+        if (b.state != BlockState::inactive) context_at[b.address] = b.context;
+      }
+    }
+    for (std::size_t i = 0; i <= d.event && i < trace.events.size(); ++i) {
+      const TraceEvent& e = trace.events[i];
+      if (e.action == TraceAction::alloc) context_at[e.addr] = e.context;
+    }
+  } else if (!captured) {
+    // Replay under the recorded settings, as the sweep does.
+    const ReplayProgram program = compile(trace, CompileOptions{true});
+    std::uint64_t before = 0;
+    if (at_oom && !program.failed_request_ops.empty()) {
+      before = program.initial.size() + program.failed_request_ops.front();
+    } else {
+      const ReplayResult first = replay(program, config, trace.recorded_config);
+      before = first.peak_reserved_op + 1;
+    }
+    StateCapture capture(before);
+    ReplayOptions options;
+    options.observer = &capture;
+    (void)replay(program, config, trace.recorded_config, options);
+    d.segments = std::move(capture.snapshot);
+    for (const auto& [addr, id] : capture.id_at) {
+      context_at[addr] = id < program.contexts.size() ? program.contexts[id] : 0;
+    }
+    d.source = "replayed";
+  }
+  if (capacity && d.device_free_bytes) {
+    std::uint64_t reserved = 0;
+    for (const SegmentInfo& s : d.segments.segments) reserved += s.total_size;
+    if (*capacity >= reserved + *d.device_free_bytes) {
+      d.outside_bytes = *capacity - reserved - *d.device_free_bytes;
+    }
+  }
+  analyze(d, config, context_at);
+  return d;
+}
+
+std::vector<std::string> default_sweep() {
+  std::vector<std::string> out{""};
+  for (const int mb : {20, 32, 64, 128, 256, 512, 1024, 2048}) {
+    out.push_back(fmt::format("max_split_size_mb:{}", mb));
+  }
+  for (const int d : {1, 2, 4, 8, 16}) out.push_back(fmt::format("roundup_power2_divisions:{}", d));
+  out.emplace_back("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]");
+  out.emplace_back("garbage_collection_threshold:0.6,max_split_size_mb:128");
+  out.emplace_back("garbage_collection_threshold:0.8,max_split_size_mb:512");
+  out.emplace_back("max_split_size_mb:128,roundup_power2_divisions:4");
+  out.emplace_back("max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]");
+  out.emplace_back("expandable_segments:True");
+  out.emplace_back("expandable_segments:True,roundup_power2_divisions:4");
+  out.emplace_back("policy:paging");
+  return out;
+}
+
+std::string env_line(const Candidate& candidate) {
+  if (candidate.config.empty()) return "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)";
+  if (candidate.reservoir_only) return "RESERVOIR_ALLOC_CONF=" + candidate.config;
+  return "PYTORCH_CUDA_ALLOC_CONF=" + candidate.config;
+}
+
+Advice advise(const Trace& trace, const AdviseOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  Advice advice;
+  advice.trace = trace.name;
+  advice.recorded_config = trace.recorded_config;
+  const AllocatorConfig recorded = recorded_settings(trace);
+  const ReplayProgram program = compile(trace, CompileOptions{true});
+  if (program.initial.empty() && program.ops.empty()) {
+    throw TraceError(fmt::format("advise {}: the trace holds no allocations to replay", trace.name));
+  }
+  advice.diagnosis = diagnose(trace, options.capacity);
+  const Diagnosis& d = advice.diagnosis;
+  if (options.capacity) {
+    advice.capacity_bytes = options.capacity;
+    advice.capacity_source = "given";
+  } else if (d.device_free_bytes) {
+    advice.capacity_bytes = d.reserved_bytes + *d.device_free_bytes;
+    advice.capacity_source = "oom event";
+  }
+
+  // The settings, parsed before any replay; the recorded ones among them.
+  std::vector<std::string> texts = options.configs.empty() ? default_sweep() : options.configs;
+  std::vector<AllocatorConfig> configs;
+  configs.reserve(texts.size() + 1);
+  for (const std::string& t : texts) configs.push_back(AllocatorConfig::parse(t));
+  bool have_recorded = false;
+  for (std::size_t i = 0; i < configs.size(); ++i) have_recorded |= configs[i] == recorded;
+  if (!have_recorded && options.configs.empty()) {
+    texts.push_back(trace.recorded_config);
+    configs.push_back(recorded);
+  }
+  advice.candidates.resize(texts.size());
+  for (std::size_t i = 0; i < texts.size(); ++i) {
+    Candidate& c = advice.candidates[i];
+    c.config = texts[i];
+    c.reservoir_only = configs[i].policy == Policy::paging;
+    c.recorded = configs[i] == recorded;
+    if (configs[i].garbage_collection_threshold > 0.0) c.memory_fraction = 1.0;
+  }
+
+  // Each setting replayed to its minimum capacity, then at the capacity, on
+  // every core. Replays share nothing but the program.
+  std::vector<std::uint64_t> peak_requested(texts.size(), 0);
+  std::atomic<std::size_t> next{0};
+  std::mutex mutex;
+  std::size_t done = 0;
+  std::exception_ptr failure;
+  auto work = [&] {
+    for (std::size_t i = next++; i < texts.size(); i = next++) {
+      try {
+        Candidate& c = advice.candidates[i];
+        ReplayOptions o;
+        o.memory_fraction = c.memory_fraction;
+        const MinCapacityResult m = min_capacity(program, configs[i], texts[i], o);
+        const ReplayResult unlimited = replay(program, configs[i], texts[i], o);
+        o.capacity = advice.capacity_bytes;
+        const ReplayResult measured =
+            advice.capacity_bytes ? replay(program, configs[i], texts[i], o) : unlimited;
+        c.min_capacity_bytes = m.bytes;
+        c.replays = m.replays + (advice.capacity_bytes ? 2 : 1);
+        c.peak_reserved_bytes = unlimited.peak_reserved_bytes;
+        peak_requested[i] = unlimited.peak_requested_bytes;
+        c.min_capacity_over_requested =
+            unlimited.peak_requested_bytes
+                ? static_cast<double>(m.bytes) / static_cast<double>(unlimited.peak_requested_bytes)
+                : 1.0;
+        c.device_calls_per_1000_allocs =
+            measured.allocations ? 1000.0 * static_cast<double>(measured.device_calls) /
+                                       static_cast<double>(measured.allocations)
+                                 : 0.0;
+        c.device_call_seconds = measured.device_call_seconds;
+        if (advice.capacity_bytes) c.ooms_at_capacity = measured.num_ooms;
+        const std::lock_guard<std::mutex> lock(mutex);
+        ++done;
+        if (options.progress) options.progress(done, texts.size());
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(mutex);
+        if (!failure) failure = std::current_exception();
+        next = texts.size();
+      }
+    }
+  };
+  unsigned threads = options.threads != 0 ? options.threads : std::thread::hardware_concurrency();
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(texts.size())));
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
+
+  advice.peak_requested_bytes = *std::max_element(peak_requested.begin(), peak_requested.end());
+  for (const Candidate& c : advice.candidates) advice.replays += c.replays;
+  // Smallest minimum capacity; ties to fewer device calls, then list order.
+  auto better = [](const Candidate& a, const Candidate& b) {
+    if (a.min_capacity_bytes != b.min_capacity_bytes) return a.min_capacity_bytes < b.min_capacity_bytes;
+    return a.device_calls_per_1000_allocs < b.device_calls_per_1000_allocs;
+  };
+  for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
+    const Candidate& c = advice.candidates[i];
+    if (!c.reservoir_only &&
+        (!advice.best_pytorch || better(c, advice.candidates[*advice.best_pytorch]))) {
+      advice.best_pytorch = i;
+    }
+    if (i == 0 || better(c, advice.candidates[advice.best_reservoir])) advice.best_reservoir = i;
+  }
+  if (advice.capacity_bytes) {
+    const Candidate& best = advice.candidates[advice.best_pytorch.value_or(advice.best_reservoir)];
+    advice.fits = best.min_capacity_bytes <= *advice.capacity_bytes;
+    if (advice.peak_requested_bytes > *advice.capacity_bytes) {
+      advice.shrink_bytes = advice.peak_requested_bytes - *advice.capacity_bytes;
+    }
+  }
+  advice.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return advice;
+}
+
+}  // namespace reservoir

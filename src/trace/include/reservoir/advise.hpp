@@ -1,0 +1,154 @@
+// Advice from one recording: why a job ran out of memory (or where its
+// reserved memory peaked), and which allocator setting makes it fit, found by
+// replaying the recording under each candidate setting on a simulated device.
+// `reservoir advise` prints it; docs/tools.md documents the figures.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+
+// Free memory of one pool and stream inside segments that also hold live
+// blocks: memory the allocator cannot give back, usable only by requests
+// that fit in its pieces.
+struct FreeGroup {
+  bool large = true;
+  StreamId stream = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t blocks = 0;
+  std::uint64_t largest = 0;
+};
+
+// A live block of a segment that holds unusable free memory.
+struct PinningBlock {
+  DevicePtr address = 0;
+  std::uint64_t size = 0;
+  std::uint32_t context = 0;  // index into the trace's contexts; 0 when unknown
+};
+
+struct PinnedSegment {
+  DevicePtr address = 0;
+  std::uint64_t total = 0;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t largest_free = 0;
+  StreamId stream = 0;
+  bool large = true;
+  std::vector<PinningBlock> live;  // largest first
+};
+
+// The request that ran out of memory, and why nothing could serve it.
+struct FailedRequest {
+  std::uint64_t size = 0;          // as requested
+  std::uint64_t rounded = 0;       // as the recorded settings round it
+  std::uint64_t segment_size = 0;  // the device allocation a new segment would need
+  StreamId stream = 0;
+  bool large = true;
+  std::uint32_t context = 0;
+  std::uint64_t largest_same_stream = 0;   // largest free block of its pool and stream
+  std::uint64_t largest_other_stream = 0;  // ... of its pool on other streams
+  std::uint64_t ladder_released = 0;       // cached memory the retry ladder gave back first
+  std::vector<std::string> reasons;        // each a sentence, in the order they apply
+};
+
+struct Diagnosis {
+  // "oom": at the recording's first out-of-memory error; "peak_reserved":
+  // where reserved memory peaked (the recording has no oom event).
+  std::string moment;
+  std::uint64_t event = 0;  // index into the recorded events
+  // "verified": the state of an exact replay of the recording (verify's);
+  // "replayed": of a replay under the recorded settings (verify could not
+  // reach the moment: text traces, private pools, divergences).
+  std::string source;
+  std::string source_note;  // why the replay was used, when it was
+  std::uint64_t allocated_bytes = 0;
+  std::uint64_t reserved_bytes = 0;
+  // reserved - allocated, by cause: free pieces of split segments, whole
+  // cached segments, blocks waiting on other streams' work (record_stream).
+  std::uint64_t split_free_bytes = 0;
+  std::vector<FreeGroup> split_free;  // per pool and stream, most bytes first
+  std::uint64_t cached_segment_bytes = 0;
+  std::uint64_t cached_segments = 0;
+  std::uint64_t pending_free_bytes = 0;
+  std::uint64_t pending_free_blocks = 0;
+  std::optional<std::uint64_t> device_free_bytes;  // recorded with the oom
+  // Device memory neither this allocator's nor free: capacity - reserved -
+  // device free, when a capacity was given and the oom recorded the free memory.
+  std::optional<std::uint64_t> outside_bytes;
+  std::optional<FailedRequest> request;  // with moment "oom"
+  std::vector<PinnedSegment> worst_segments;  // most unusable free memory first
+  Snapshot segments;                          // the allocator's segments at the moment
+};
+
+// One allocator setting, replayed.
+struct Candidate {
+  std::string config;         // PYTORCH_CUDA_ALLOC_CONF syntax; "" for the defaults
+  bool reservoir_only = false;  // a reservoir policy stock PyTorch does not have
+  bool recorded = false;        // the settings the recording was made with
+  // The replays run under this memory fraction (garbage collection runs only
+  // under one): the program must call set_per_process_memory_fraction too.
+  std::optional<double> memory_fraction;
+  std::uint64_t min_capacity_bytes = 0;
+  double min_capacity_over_requested = 0.0;
+  std::uint64_t peak_reserved_bytes = 0;  // with no capacity limit
+  // Of the replay at the capacity when one is known, else with no limit.
+  double device_calls_per_1000_allocs = 0.0;
+  double device_call_seconds = 0.0;
+  std::optional<std::int64_t> ooms_at_capacity;
+  std::uint64_t replays = 0;
+};
+
+struct Advice {
+  std::string trace;
+  std::string recorded_config;
+  std::uint64_t peak_requested_bytes = 0;
+  // The memory the allocator may have: --capacity, else what the oom event
+  // shows it had (reserved + device free); empty when neither is known.
+  std::optional<std::uint64_t> capacity_bytes;
+  std::string capacity_source;  // "given", "oom event", or ""
+  Diagnosis diagnosis;
+  std::vector<Candidate> candidates;
+  // Indexes into candidates: the best of stock PyTorch's settings (none when
+  // only reservoir policies were swept), and the best of all, on reservoir.
+  std::optional<std::size_t> best_pytorch;
+  std::size_t best_reservoir = 0;
+  // With a capacity: whether the best PyTorch setting (else the best of all)
+  // fits, and, when even
+  // peak requested memory exceeds it, by how much the program must shrink.
+  std::optional<bool> fits;
+  std::optional<std::uint64_t> shrink_bytes;
+  std::uint64_t replays = 0;
+  double seconds = 0.0;
+};
+
+struct AdviseOptions {
+  std::optional<std::uint64_t> capacity;
+  // Settings to sweep; empty: default_sweep() plus the recorded settings.
+  std::vector<std::string> configs;
+  unsigned threads = 0;  // 0: every core
+  // Called after each candidate is done (from worker threads, serialized).
+  std::function<void(std::size_t done, std::size_t total)> progress;
+};
+
+// The settings swept by default: PyTorch's defaults; max_split_size_mb from
+// 20 MiB to 2 GiB; roundup_power2_divisions 1 to 16 and a bucketed form;
+// garbage_collection_threshold with max_split_size_mb; expandable segments;
+// combinations; and reservoir's policy:paging.
+std::vector<std::string> default_sweep();
+
+// The state at the moment that matters, read from the recording.
+Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity = std::nullopt);
+
+// Diagnosis and sweep. Throws TraceError for a trace with nothing to replay
+// and ConfigError for a bad setting in options.configs.
+Advice advise(const Trace& trace, const AdviseOptions& options = {});
+
+// PYTORCH_CUDA_ALLOC_CONF=<config>, or the advice to leave it unset.
+std::string env_line(const Candidate& candidate);
+
+}  // namespace reservoir

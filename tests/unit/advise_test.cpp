@@ -1,0 +1,319 @@
+// advise: the diagnosis at the moment that matters, the sweep of settings and
+// the recommendation, on recordings the allocator makes (it makes PyTorch's
+// decisions) read back through the pickle, on the bundled traces and on the
+// shared real ones.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "reservoir/advise.hpp"
+#include "reservoir/errors.hpp"
+#include "shared_traces.hpp"
+#include "trace_fixture.hpp"
+
+namespace reservoir {
+namespace {
+
+std::size_t count(const Trace& t, TraceAction a) {
+  return static_cast<std::size_t>(std::count_if(
+      t.events.begin(), t.events.end(), [a](const TraceEvent& e) { return e.action == a; }));
+}
+
+const Candidate& find(const Advice& a, const std::string& config) {
+  for (const Candidate& c : a.candidates) {
+    if (c.config == config) return c;
+  }
+  throw std::runtime_error("no candidate " + config);
+}
+
+// A 256 MiB segment holding 28 MiB allocated, 100 MiB free, 28 MiB
+// allocated, 100 MiB free; then a 160 MiB request on a 300 MiB device.
+Trace classic() {
+  Recorder r("", 300 * kMiB);
+  r.allocator.deallocate(r.alloc(256 * kMiB));
+  void* a = r.alloc(28 * kMiB);
+  void* hole1 = r.alloc(100 * kMiB);
+  void* b = r.alloc(28 * kMiB);
+  void* hole2 = r.alloc(100 * kMiB);
+  EXPECT_EQ(static_cast<char*>(hole2) - static_cast<char*>(a), static_cast<std::ptrdiff_t>(156 * kMiB));
+  r.allocator.deallocate(hole1);
+  r.allocator.deallocate(hole2);
+  EXPECT_THROW(r.alloc(160 * kMiB), OutOfMemoryError);
+  (void)b;
+  return pickled(r.finish());
+}
+
+TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
+  const Trace t = classic();
+  ASSERT_EQ(count(t, TraceAction::oom), 1u);
+  const Advice a = advise(t);
+  const Diagnosis& d = a.diagnosis;
+  EXPECT_EQ(d.moment, "oom");
+  EXPECT_EQ(d.source, "verified");
+  EXPECT_EQ(d.event, t.events.size() - 1);
+  EXPECT_EQ(d.allocated_bytes, 56 * kMiB);
+  EXPECT_EQ(d.reserved_bytes, 256 * kMiB);
+  EXPECT_EQ(d.split_free_bytes, 200 * kMiB);
+  ASSERT_EQ(d.split_free.size(), 1u);
+  EXPECT_TRUE(d.split_free[0].large);
+  EXPECT_EQ(d.split_free[0].stream, 0u);
+  EXPECT_EQ(d.split_free[0].blocks, 2u);
+  EXPECT_EQ(d.split_free[0].largest, 100 * kMiB);
+  EXPECT_EQ(d.cached_segment_bytes, 0u);
+  EXPECT_EQ(d.pending_free_bytes, 0u);
+  ASSERT_TRUE(d.device_free_bytes.has_value());
+  EXPECT_EQ(*d.device_free_bytes, 44 * kMiB);
+  EXPECT_FALSE(d.outside_bytes.has_value());  // no device total given
+  // The request, and why nothing served it: the holes are 100 MiB each.
+  ASSERT_TRUE(d.request.has_value());
+  EXPECT_EQ(d.request->size, 160 * kMiB);
+  EXPECT_EQ(d.request->rounded, 160 * kMiB);
+  EXPECT_EQ(d.request->segment_size, 160 * kMiB);
+  EXPECT_EQ(d.request->largest_same_stream, 100 * kMiB);
+  EXPECT_EQ(d.request->ladder_released, 0u);
+  ASSERT_EQ(d.request->reasons.size(), 4u);
+  EXPECT_EQ(d.request->reasons[0],
+            "No free block of the large pool of stream 0x0 was large enough: the largest was "
+            "100.00 MiB, the request needs 160.00 MiB.");
+  EXPECT_EQ(d.request->reasons[1],
+            "200.00 MiB was free inside split segments (1.2x the request), in pieces of at most "
+            "100.00 MiB: fragmentation.");
+  EXPECT_EQ(d.request->reasons[3], "A new segment needed 160.00 MiB; the device had 44.00 MiB free.");
+  // The segment holding them, pinned by the two 28 MiB blocks.
+  ASSERT_EQ(d.worst_segments.size(), 1u);
+  EXPECT_EQ(d.worst_segments[0].total, 256 * kMiB);
+  EXPECT_EQ(d.worst_segments[0].free_bytes, 200 * kMiB);
+  EXPECT_EQ(d.worst_segments[0].largest_free, 100 * kMiB);
+  ASSERT_EQ(d.worst_segments[0].live.size(), 2u);
+  EXPECT_EQ(d.worst_segments[0].live[0].size, 28 * kMiB);
+  EXPECT_EQ(d.worst_segments[0].live[1].address, d.worst_segments[0].address + 128 * kMiB);
+  int holes = 0;
+  for (const BlockInfo& b : d.segments.segments.at(0).blocks) {
+    holes += b.state == BlockState::inactive && b.size == 100 * kMiB;
+  }
+  EXPECT_EQ(holes, 2);
+
+  // The capacity the allocator had: reserved + the device's free memory.
+  ASSERT_TRUE(a.capacity_bytes.has_value());
+  EXPECT_EQ(*a.capacity_bytes, 300 * kMiB);
+  EXPECT_EQ(a.capacity_source, "oom event");
+  // Peak requested: the 256 MiB block, or 28 + 28 + the failed 160 MiB.
+  EXPECT_EQ(a.peak_requested_bytes, 256 * kMiB);
+  // The defaults need a second segment beside the split one: 416 MiB.
+  const Candidate& defaults = find(a, "");
+  EXPECT_TRUE(defaults.recorded);
+  EXPECT_EQ(defaults.min_capacity_bytes, 416 * kMiB);
+  EXPECT_EQ(defaults.ooms_at_capacity, 1);
+  // A max_split_size_mb below 28 MiB keeps the big block whole, so the
+  // retry ladder can give it back: the job fits at its peak request.
+  EXPECT_EQ(find(a, "max_split_size_mb:20").min_capacity_bytes, 256 * kMiB);
+  EXPECT_EQ(find(a, "max_split_size_mb:20").ooms_at_capacity, 0);
+  EXPECT_EQ(find(a, "max_split_size_mb:512").min_capacity_bytes, 416 * kMiB);
+  // Expandable segments map the large pool in 20 MiB pages: 256 MiB takes 13.
+  EXPECT_EQ(find(a, "expandable_segments:True").min_capacity_bytes, 260 * kMiB);
+  EXPECT_EQ(find(a, "policy:paging").min_capacity_bytes, 256 * kMiB);
+  ASSERT_TRUE(a.best_pytorch.has_value());
+  const Candidate& best = a.candidates[*a.best_pytorch];
+  EXPECT_FALSE(best.reservoir_only);
+  EXPECT_EQ(best.min_capacity_bytes, 256 * kMiB);
+  EXPECT_EQ(best.ooms_at_capacity, 0);
+  EXPECT_EQ(env_line(best).rfind("PYTORCH_CUDA_ALLOC_CONF=", 0), 0u);
+  EXPECT_EQ(a.candidates[a.best_reservoir].min_capacity_bytes, 256 * kMiB);
+  ASSERT_TRUE(a.fits.has_value());
+  EXPECT_TRUE(*a.fits);
+  EXPECT_FALSE(a.shrink_bytes.has_value());
+  // Ties go to fewer device calls.
+  for (const Candidate& c : a.candidates) {
+    if (c.reservoir_only || c.min_capacity_bytes != best.min_capacity_bytes) continue;
+    EXPECT_LE(best.device_calls_per_1000_allocs, c.device_calls_per_1000_allocs) << c.config;
+  }
+}
+
+TEST(Advise, GivenCapacityCountsMemoryOutsideTheAllocator) {
+  const Trace t = classic();
+  AdviseOptions o;
+  o.capacity = 1024 * kMiB;  // the device's total: 724 MiB were someone else's
+  o.configs = {"", "max_split_size_mb:20"};
+  const Advice a = advise(t, o);
+  ASSERT_TRUE(a.diagnosis.outside_bytes.has_value());
+  EXPECT_EQ(*a.diagnosis.outside_bytes, 724 * kMiB);
+  EXPECT_EQ(a.capacity_source, "given");
+  EXPECT_EQ(a.candidates.size(), 2u);  // the configs given, nothing added
+  EXPECT_EQ(a.candidates[0].ooms_at_capacity, 0);
+  EXPECT_TRUE(*a.fits);
+  EXPECT_EQ(a.diagnosis.request->reasons.back(),
+            "A new segment needed 160.00 MiB; the device had 44.00 MiB free, with 724.00 MiB of "
+            "the device held outside this allocator.");
+}
+
+TEST(Advise, WithoutAddressesTheDiagnosisComesFromAReplay) {
+  Trace t = classic();
+  t.has_addresses = false;  // as a text trace: verify cannot place the state
+  const Diagnosis d = diagnose(t);
+  EXPECT_EQ(d.source, "replayed");
+  EXPECT_NE(d.source_note.find("no recorded addresses"), std::string::npos);
+  EXPECT_EQ(d.allocated_bytes, 56 * kMiB);
+  EXPECT_EQ(d.reserved_bytes, 256 * kMiB);
+  EXPECT_EQ(d.split_free_bytes, 200 * kMiB);
+  EXPECT_EQ(d.request->largest_same_stream, 100 * kMiB);
+}
+
+TEST(Advise, ATraceThatCannotFitSaysHowMuchToShrink) {
+  Recorder r("", 300 * kMiB);
+  void* a = r.alloc(150 * kMiB);
+  void* b = r.alloc(150 * kMiB);
+  EXPECT_THROW(r.alloc(50 * kMiB), OutOfMemoryError);
+  (void)a;
+  (void)b;
+  const Trace t = pickled(r.finish());
+  const Advice adv = advise(t);
+  EXPECT_EQ(adv.diagnosis.allocated_bytes, 300 * kMiB);
+  EXPECT_EQ(adv.diagnosis.reserved_bytes, 300 * kMiB);
+  EXPECT_EQ(*adv.diagnosis.device_free_bytes, 0u);
+  EXPECT_EQ(adv.diagnosis.request->reasons[0],
+            "No block of the large pool of stream 0x0 was free; the request needs 50.00 MiB.");
+  EXPECT_EQ(adv.peak_requested_bytes, 350 * kMiB);
+  EXPECT_EQ(*adv.capacity_bytes, 300 * kMiB);
+  EXPECT_FALSE(*adv.fits);
+  ASSERT_TRUE(adv.shrink_bytes.has_value());
+  EXPECT_EQ(*adv.shrink_bytes, 50 * kMiB);
+  for (const Candidate& c : adv.candidates) {
+    EXPECT_GE(c.min_capacity_bytes, 350 * kMiB) << c.config;
+    EXPECT_GE(*c.ooms_at_capacity, 1) << c.config;
+  }
+}
+
+TEST(Advise, WithoutAnOomTheDiagnosisIsAtThePeakOfReserved) {
+  Recorder r("");
+  void* a = r.alloc(64 * kMiB);
+  void* b = r.alloc(8 * kMiB);  // a 20 MiB segment
+  r.allocator.deallocate(a);
+  void* c = r.alloc(30 * kMiB);  // split from the 64 MiB block
+  r.allocator.deallocate(b);
+  r.allocator.empty_cache();  // the 20 MiB segment goes: the peak was before
+  (void)c;
+  const Trace t = pickled(r.finish());
+  const Advice adv = advise(t);
+  const Diagnosis& d = adv.diagnosis;
+  EXPECT_EQ(d.moment, "peak_reserved");
+  EXPECT_EQ(d.source, "verified");
+  // The state after the allocation its peak segment was made for: a and b
+  // live, b's 20 MiB segment split.
+  EXPECT_EQ(t.events[d.event].action, TraceAction::alloc);
+  EXPECT_EQ(t.events[d.event].size, 8 * kMiB);
+  EXPECT_EQ(d.reserved_bytes, 84 * kMiB);
+  EXPECT_EQ(d.allocated_bytes, 72 * kMiB);
+  EXPECT_EQ(d.cached_segment_bytes, 0u);
+  EXPECT_EQ(d.split_free_bytes, 12 * kMiB);
+  ASSERT_EQ(d.worst_segments.size(), 1u);
+  EXPECT_EQ(d.worst_segments[0].total, 20 * kMiB);
+  EXPECT_FALSE(d.request.has_value());
+  EXPECT_FALSE(d.device_free_bytes.has_value());
+  EXPECT_FALSE(adv.capacity_bytes.has_value());
+  EXPECT_FALSE(adv.fits.has_value());
+  for (const Candidate& cand : adv.candidates) EXPECT_FALSE(cand.ooms_at_capacity.has_value());
+}
+
+TEST(Advise, RecordStreamBlocksAreCountedAsWaiting) {
+  Recorder r("");
+  void* a = r.alloc(4 * kMiB, 1);
+  void* keep = r.alloc(4 * kMiB, 1);
+  r.allocator.record_stream(a, 2);
+  r.allocator.deallocate(a);
+  // The peak: a new segment while a waits on stream 2's work.
+  void* big = r.alloc(64 * kMiB, 1);
+  (void)keep;
+  (void)big;
+  const Trace t = pickled(r.finish());
+  const Diagnosis d = diagnose(t);
+  EXPECT_EQ(d.moment, "peak_reserved");
+  EXPECT_EQ(d.pending_free_blocks, 1u);
+  EXPECT_EQ(d.pending_free_bytes, 4 * kMiB);
+  EXPECT_EQ(d.reserved_bytes - d.allocated_bytes,
+            d.split_free_bytes + d.cached_segment_bytes + d.pending_free_bytes);
+}
+
+TEST(Advise, BadInputIsRefusedWithTheReason) {
+  Trace empty;
+  empty.name = "empty.pickle";
+  EXPECT_EQ(testing::error_of<TraceError>([&] { (void)advise(empty); }),
+            "advise empty.pickle: the trace holds no allocations to replay");
+  const Trace t = classic();
+  AdviseOptions o;
+  o.configs = {"max_split_size_mb:banana"};
+  EXPECT_THROW((void)advise(t, o), ConfigError);
+  Trace bad = t;
+  bad.recorded_config = "no_such_key:1";
+  EXPECT_NE(testing::error_of<TraceError>([&] { (void)advise(bad); }).find("recorded settings"),
+            std::string::npos);
+}
+
+TEST(Advise, TheDefaultSweepCoversPyTorchsSettingsAndPaging) {
+  const std::vector<std::string> s = default_sweep();
+  EXPECT_EQ(s.front(), "");
+  for (const char* c : {"max_split_size_mb:20", "max_split_size_mb:2048", "roundup_power2_divisions:1",
+                        "roundup_power2_divisions:16", "expandable_segments:True", "policy:paging"}) {
+    EXPECT_NE(std::find(s.begin(), s.end(), c), s.end()) << c;
+  }
+  for (const std::string& c : s) EXPECT_NO_THROW((void)AllocatorConfig::parse(c)) << c;
+}
+
+// The search's own claim: at each candidate's minimum capacity the replay
+// has no out-of-memory error, and 2 MiB less has at least one.
+void check_claim(const Trace& t) {
+  const Advice a = advise(t);
+  const ReplayProgram program = compile(t, CompileOptions{true});
+  for (const Candidate& c : a.candidates) {
+    ReplayOptions o;
+    o.memory_fraction = c.memory_fraction;
+    o.capacity = c.min_capacity_bytes;
+    const AllocatorConfig config = AllocatorConfig::parse(c.config);
+    EXPECT_EQ(replay(program, config, c.config, o).num_ooms, 0) << t.name << " " << c.config;
+    o.capacity = c.min_capacity_bytes - 2 * kMiB;
+    EXPECT_GE(replay(program, config, c.config, o).num_ooms, 1) << t.name << " " << c.config;
+    EXPECT_GE(c.min_capacity_bytes, a.peak_requested_bytes) << t.name << " " << c.config;
+  }
+}
+
+TEST(Advise, MinimumCapacitiesHoldOnGeneratedTraces) {
+  check_claim(classic());
+  for (std::uint64_t seed : {3u, 11u}) {
+    Trace t = record(seed, 600);
+    t.name = fmt::format("random {}", seed);
+    check_claim(t);
+  }
+}
+
+TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
+  const std::filesystem::path dir = std::filesystem::path(RESERVOIR_SOURCE_DIR) / "examples" / "traces";
+  check_claim(read_trace_file((dir / "gpt_training.pickle").string()));
+  check_claim(read_trace_file((dir / "transformer_training.trace").string()));
+  const auto shared = testing::shared_traces();
+  if (!shared.empty()) check_claim(read_trace_file(shared.front().string()));
+}
+
+TEST(Advise, ParallelAndSerialSweepsAgree) {
+  const Trace t = classic();
+  AdviseOptions serial;
+  serial.threads = 1;
+  AdviseOptions parallel;
+  parallel.threads = 4;
+  std::size_t calls = 0;
+  parallel.progress = [&](std::size_t done, std::size_t total) {
+    ++calls;
+    EXPECT_LE(done, total);
+  };
+  const Advice x = advise(t, serial);
+  const Advice y = advise(t, parallel);
+  EXPECT_EQ(calls, y.candidates.size());
+  ASSERT_EQ(x.candidates.size(), y.candidates.size());
+  for (std::size_t i = 0; i < x.candidates.size(); ++i) {
+    EXPECT_EQ(x.candidates[i].min_capacity_bytes, y.candidates[i].min_capacity_bytes);
+    EXPECT_EQ(x.candidates[i].device_calls_per_1000_allocs, y.candidates[i].device_calls_per_1000_allocs);
+  }
+  EXPECT_EQ(x.best_pytorch, y.best_pytorch);
+  EXPECT_EQ(x.best_reservoir, y.best_reservoir);
+}
+
+}  // namespace
+}  // namespace reservoir

@@ -1,0 +1,474 @@
+#include "advice_view.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "report_html.hpp"
+#include "reservoir/format.hpp"
+#include "support.hpp"
+
+namespace reservoir::tools {
+namespace {
+
+std::string pool(bool large) { return large ? "large" : "small"; }
+
+std::string moment_text(const Diagnosis& d) {
+  return d.moment == "oom" ? fmt::format("at the first out-of-memory error (event {})", d.event)
+                           : fmt::format("where reserved memory peaked (event {})", d.event);
+}
+
+std::string source_text(const Diagnosis& d) {
+  if (d.source == "verified") return "the state of a replay verified against the recording";
+  if (d.source == "recorded") return "the recorded segments";
+  return fmt::format("the state of a replay under the recorded settings ({})", d.source_note);
+}
+
+std::string config_cell(const Candidate& c) {
+  std::string s = config_label(c.config);
+  if (c.recorded) s += " (recorded)";
+  return s;
+}
+
+std::string headroom_text(const Advice& a, const Candidate& c) {
+  if (!a.capacity_bytes) return "";
+  const std::uint64_t cap = *a.capacity_bytes;
+  if (c.min_capacity_bytes <= cap) {
+    return fmt::format("; {} of headroom on {}", format_size(cap - c.min_capacity_bytes),
+                       format_size(cap));
+  }
+  return fmt::format("; {} more than the {} there is", format_size(c.min_capacity_bytes - cap),
+                     format_size(cap));
+}
+
+std::string fraction_text(const Candidate& c) {
+  return c.memory_fraction
+             ? fmt::format(", with torch.cuda.set_per_process_memory_fraction({}) (garbage "
+                           "collection runs only under a memory fraction)",
+                           *c.memory_fraction)
+             : "";
+}
+
+nlohmann::json opt(const std::optional<std::uint64_t>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& index) {
+  if (!index) return nullptr;
+  const Candidate& c = a.candidates[*index];
+  nlohmann::json j{{"config", c.config},
+                   {"env", env_line(c)},
+                   {"min_capacity_bytes", c.min_capacity_bytes},
+                   {"memory_fraction", c.memory_fraction ? nlohmann::json(*c.memory_fraction)
+                                                         : nlohmann::json(nullptr)}};
+  if (a.capacity_bytes) {
+    j["headroom_bytes"] = static_cast<std::int64_t>(*a.capacity_bytes) -
+                          static_cast<std::int64_t>(c.min_capacity_bytes);
+  } else {
+    j["headroom_bytes"] = nullptr;
+  }
+  return j;
+}
+
+}  // namespace
+
+std::string advice_text(const Trace& trace, const Advice& a) {
+  const Diagnosis& d = a.diagnosis;
+  std::string out = fmt::format(
+      "{} ({}, recorded with {}): {} events; {} settings replayed to their minimum capacity in "
+      "{:.2f} s ({} replays)\n\n",
+      trace.name, trace.format, config_label(trace.recorded_config), trace.events.size(),
+      a.candidates.size(), a.seconds, a.replays);
+  out += fmt::format("Diagnosis, {}, from {}\n", moment_text(d), source_text(d));
+  if (d.request) {
+    const FailedRequest& r = *d.request;
+    out += fmt::format("  failed request        {} on stream {:#x}, {} pool (rounded to {}; a new "
+                       "segment needs {}){}\n",
+                       format_size(r.size), r.stream, pool(r.large), format_size(r.rounded),
+                       format_size(r.segment_size),
+                       r.context != 0 ? "\n    at " + context_label(trace, r.context) : "");
+  }
+  out += fmt::format("  allocated             {}\n  reserved              {}\n", format_size(d.allocated_bytes),
+                     format_size(d.reserved_bytes));
+  out += fmt::format("  reserved, unallocated {}\n", format_size(d.reserved_bytes - d.allocated_bytes));
+  out += fmt::format("    free in split segments   {}\n", format_size(d.split_free_bytes));
+  for (const FreeGroup& g : d.split_free) {
+    out += fmt::format("      {} pool, stream {:#x}: {} in {} blocks, the largest {}\n", pool(g.large),
+                       g.stream, format_size(g.bytes), g.blocks, format_size(g.largest));
+  }
+  out += fmt::format("    cached whole segments    {} ({} segments)\n",
+                     format_size(d.cached_segment_bytes), d.cached_segments);
+  out += fmt::format("    waiting on streams       {} ({} blocks freed, their streams' work pending)\n",
+                     format_size(d.pending_free_bytes), d.pending_free_blocks);
+  if (d.device_free_bytes) {
+    out += fmt::format("  device free           {} (recorded with the oom)\n",
+                       format_size(*d.device_free_bytes));
+    out += d.outside_bytes
+               ? fmt::format("  outside this allocator {} (capacity - reserved - device free)\n",
+                             format_size(*d.outside_bytes))
+               : "  outside this allocator unknown (--capacity gives the device's total)\n";
+  }
+  if (d.request) {
+    out += "  why no block could serve it:\n";
+    for (const std::string& reason : d.request->reasons) out += "    - " + reason + "\n";
+  }
+  if (!d.worst_segments.empty()) {
+    out += "  segments holding the most unusable free memory, and the allocations pinning them:\n";
+    for (const PinnedSegment& s : d.worst_segments) {
+      out += fmt::format("    {:#x}  {} segment, {} free (largest piece {}), {} pool, stream {:#x}\n",
+                         s.address, format_size(s.total), format_size(s.free_bytes),
+                         format_size(s.largest_free), pool(s.large), s.stream);
+      for (const PinningBlock& b : s.live) {
+        out += fmt::format("      {:>12} at {:#x}  {}\n", format_size(b.size), b.address,
+                           context_label(trace, b.context));
+      }
+    }
+  }
+
+  out += fmt::format("\nSweep: minimum capacity per setting{}\n",
+                     a.capacity_bytes ? fmt::format(" (capacity {}, {})", format_size(*a.capacity_bytes),
+                                                    a.capacity_source)
+                                      : " (no capacity known: give --capacity for OOMs at it)");
+  out += fmt::format("  {:<62} {:>13} {:>8} {:>9} {:>10} {:>5}\n", "setting", "min capacity",
+                     "min/req", "calls/1k", "call time", "OOMs");
+  for (std::size_t i = 0; i < a.candidates.size(); ++i) {
+    const Candidate& c = a.candidates[i];
+    const char* mark = i == a.best_pytorch ? "*" : (i == a.best_reservoir ? "+" : " ");
+    out += fmt::format("{} {:<62} {:>13} {:>8.4f} {:>9.1f} {:>8.1f}ms {:>5}\n", mark, config_cell(c),
+                       format_size(c.min_capacity_bytes), c.min_capacity_over_requested,
+                       c.device_calls_per_1000_allocs, c.device_call_seconds * 1e3,
+                       c.ooms_at_capacity ? fmt::format("{}", *c.ooms_at_capacity) : "-");
+  }
+  out += fmt::format("  (* best with stock PyTorch, + best with reservoir; peak requested {})\n",
+                     format_size(a.peak_requested_bytes));
+
+  out += "\nRecommendation\n";
+  if (a.best_pytorch) {
+    const Candidate& c = a.candidates[*a.best_pytorch];
+    out += fmt::format("  With PyTorch:   {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
+                       env_line(c), fraction_text(c), format_size(c.min_capacity_bytes),
+                       c.min_capacity_over_requested, headroom_text(a, c));
+  }
+  const Candidate& best = a.candidates[a.best_reservoir];
+  out += fmt::format("  With reservoir: {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
+                     env_line(best), fraction_text(best), format_size(best.min_capacity_bytes),
+                     best.min_capacity_over_requested, headroom_text(a, best));
+  if (a.shrink_bytes) {
+    out += fmt::format(
+        "  No allocator setting can fit: the program itself holds {} at its peak, more than the "
+        "{} there is. Its own memory must shrink by at least {} (smaller batches, activation "
+        "checkpointing, lower precision).\n",
+        format_size(a.peak_requested_bytes), format_size(*a.capacity_bytes), format_size(*a.shrink_bytes));
+  } else if (a.fits && !*a.fits) {
+    out += "  No stock PyTorch setting fits in the capacity";
+    out += best.min_capacity_bytes <= *a.capacity_bytes ? "; reservoir's does.\n" : "; nor does reservoir's.\n";
+  }
+  return out;
+}
+
+nlohmann::json advice_json(const Trace& trace, const Advice& a) {
+  const Diagnosis& d = a.diagnosis;
+  nlohmann::json groups = nlohmann::json::array();
+  for (const FreeGroup& g : d.split_free) {
+    groups.push_back({{"pool", pool(g.large)}, {"stream", g.stream}, {"bytes", g.bytes},
+                      {"blocks", g.blocks}, {"largest_bytes", g.largest}});
+  }
+  nlohmann::json worst = nlohmann::json::array();
+  for (const PinnedSegment& s : d.worst_segments) {
+    nlohmann::json live = nlohmann::json::array();
+    for (const PinningBlock& b : s.live) {
+      live.push_back({{"address", b.address}, {"size_bytes", b.size},
+                      {"context", context_label(trace, b.context)}});
+    }
+    worst.push_back({{"address", s.address}, {"total_bytes", s.total}, {"free_bytes", s.free_bytes},
+                     {"largest_free_bytes", s.largest_free}, {"pool", pool(s.large)},
+                     {"stream", s.stream}, {"live", live}});
+  }
+  nlohmann::json request = nullptr;
+  if (d.request) {
+    const FailedRequest& r = *d.request;
+    request = {{"size_bytes", r.size},
+               {"rounded_bytes", r.rounded},
+               {"segment_bytes", r.segment_size},
+               {"stream", r.stream},
+               {"pool", pool(r.large)},
+               {"context", context_label(trace, r.context)},
+               {"largest_free_same_stream_bytes", r.largest_same_stream},
+               {"largest_free_other_streams_bytes", r.largest_other_stream},
+               {"ladder_released_bytes", r.ladder_released},
+               {"reasons", r.reasons}};
+  }
+  nlohmann::json diagnosis{{"moment", d.moment},
+                           {"event", d.event},
+                           {"source", d.source},
+                           {"source_note", d.source_note},
+                           {"allocated_bytes", d.allocated_bytes},
+                           {"reserved_bytes", d.reserved_bytes},
+                           {"unallocated_bytes", d.reserved_bytes - d.allocated_bytes},
+                           {"split_free_bytes", d.split_free_bytes},
+                           {"split_free", groups},
+                           {"cached_segment_bytes", d.cached_segment_bytes},
+                           {"cached_segments", d.cached_segments},
+                           {"pending_free_bytes", d.pending_free_bytes},
+                           {"pending_free_blocks", d.pending_free_blocks},
+                           {"device_free_bytes", opt(d.device_free_bytes)},
+                           {"outside_allocator_bytes", opt(d.outside_bytes)},
+                           {"request", request},
+                           {"worst_segments", worst}};
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const Candidate& c : a.candidates) {
+    candidates.push_back(
+        {{"config", c.config},
+         {"reservoir_only", c.reservoir_only},
+         {"recorded", c.recorded},
+         {"memory_fraction",
+          c.memory_fraction ? nlohmann::json(*c.memory_fraction) : nlohmann::json(nullptr)},
+         {"min_capacity_bytes", c.min_capacity_bytes},
+         {"min_capacity_over_requested", c.min_capacity_over_requested},
+         {"peak_reserved_bytes", c.peak_reserved_bytes},
+         {"device_calls_per_1000_allocs", c.device_calls_per_1000_allocs},
+         {"device_call_seconds", c.device_call_seconds},
+         {"ooms_at_capacity",
+          c.ooms_at_capacity ? nlohmann::json(*c.ooms_at_capacity) : nlohmann::json(nullptr)}});
+  }
+  return {{"trace", a.trace},
+          {"recorded_config", a.recorded_config},
+          {"peak_requested_bytes", a.peak_requested_bytes},
+          {"capacity_bytes", opt(a.capacity_bytes)},
+          {"capacity_source", a.capacity_source},
+          {"fits", a.fits ? nlohmann::json(*a.fits) : nlohmann::json(nullptr)},
+          {"diagnosis", diagnosis},
+          {"candidates", candidates},
+          {"recommendation",
+           {{"pytorch", choice_json(a, a.best_pytorch)},
+            {"reservoir", choice_json(a, a.best_reservoir)},
+            {"shrink_bytes", opt(a.shrink_bytes)}}},
+          {"replays", a.replays},
+          {"seconds", a.seconds}};
+}
+
+namespace {
+
+// The segments at the moment, one row each, blocks to scale; the failed
+// request drawn on the same scale above them. Segments with the most free
+// memory inside them first.
+std::string segments_svg(const Trace& trace, const Diagnosis& d, const std::string& id) {
+  std::vector<const SegmentInfo*> rows;
+  for (const SegmentInfo& s : d.segments.segments) rows.push_back(&s);
+  auto free_in = [](const SegmentInfo* s) {
+    std::uint64_t f = 0;
+    for (const BlockInfo& b : s->blocks) f += b.state == BlockState::inactive ? b.size : 0;
+    return f;
+  };
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](const SegmentInfo* a, const SegmentInfo* b) { return free_in(a) > free_in(b); });
+  constexpr std::size_t kMaxRows = 40;
+  const std::size_t total = rows.size();
+  if (rows.size() > kMaxRows) rows.resize(kMaxRows);
+  std::uint64_t largest = d.request ? d.request->rounded : 1;
+  for (const SegmentInfo* s : rows) largest = std::max<std::uint64_t>(largest, s->total_size);
+  constexpr double W = 900, L = 170, row = 14, gap = 4;
+  const double scale = (W - L - 8) / static_cast<double>(std::max<std::uint64_t>(largest, 1));
+  const std::size_t n = rows.size() + (d.request ? 1 : 0);
+  const double height = static_cast<double>(n) * (row + gap) + (d.request ? 8 : 0) + 4;
+  std::string out = fmt::format(
+      "<svg class=\"advice-segments\" id=\"{}\" viewBox=\"0 0 {} {:.0f}\" width=\"{}\" "
+      "height=\"{:.0f}\" role=\"img\">\n",
+      id, W, height, W, height);
+  double y = 2;
+  if (d.request) {
+    const FailedRequest& r = *d.request;
+    out += fmt::format(
+        "<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">failed request</text>\n"
+        "<rect class=\"request\" x=\"{}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"none\" "
+        "stroke=\"#c00\" stroke-width=\"2\" stroke-dasharray=\"5 3\"><title>the request that ran "
+        "out of memory: {} (rounded), stream {:#x}</title></rect>\n"
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\" fill=\"#c00\">{}</text>\n",
+        L - 6, y + row - 3, L, y, static_cast<double>(r.rounded) * scale, row,
+        esc(format_size(r.rounded)), r.stream, L + 4, y + row - 3, esc(format_size(r.rounded)));
+    y += row + gap + 8;
+  }
+  for (const SegmentInfo* s : rows) {
+    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{}{} s{:#x}</text>\n",
+                       L - 6, y + row - 3, esc(format_size(s->total_size)), s->is_large ? "" : " small",
+                       s->stream);
+    const bool whole_free = s->blocks.size() == 1 && s->blocks[0].state == BlockState::inactive;
+    double x = L;
+    for (const BlockInfo& b : s->blocks) {
+      const double w = std::max(0.5, static_cast<double>(b.size) * scale);
+      std::string cls = "live";
+      std::string fill = "#4e79a7";
+      std::string what = "allocated";
+      if (b.state == BlockState::active_pending_free) {
+        cls = "pending";
+        fill = "#edc948";
+        what = "freed, waiting on other streams";
+      } else if (b.state == BlockState::inactive) {
+        cls = whole_free ? "cached" : "hole";
+        fill = whole_free ? "#bab0ac" : "#f28e2b";
+        what = whole_free ? "cached whole segment" : "free hole in a split segment";
+      }
+      out += fmt::format(
+          "<rect class=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"{}\" "
+          "stroke=\"#fff\" stroke-width=\"0.5\"><title>{} {} at {:#x}</title></rect>\n",
+          cls, x, y, w, row, fill, esc(format_size(b.size)), what, b.address);
+      x += static_cast<double>(b.size) * scale;
+    }
+    y += row + gap;
+  }
+  out += "</svg>\n<div class=\"legend\"><span><i style=\"background:#4e79a7\"></i>allocated</span>"
+         "<span><i style=\"background:#f28e2b\"></i>free hole in a split segment</span>"
+         "<span><i style=\"background:#bab0ac\"></i>cached whole segment</span>"
+         "<span><i style=\"background:#edc948\"></i>waiting on other streams</span>";
+  if (d.request) out += "<span><i style=\"border:2px dashed #c00\"></i>the failed request</span>";
+  out += "</div>\n";
+  if (total > rows.size()) {
+    out += fmt::format("<p class=\"note\">The {} segments with the most free memory of {} are shown.</p>\n",
+                       rows.size(), total);
+  }
+  (void)trace;
+  return out;
+}
+
+// Minimum capacity per setting, as horizontal bars, with the peak of
+// requested memory and the capacity marked.
+std::string sweep_svg(const Advice& a, const std::string& id) {
+  constexpr double W = 900, L = 360, R = 90, row = 16, gap = 4, T = 18;
+  std::uint64_t top = a.peak_requested_bytes;
+  for (const Candidate& c : a.candidates) top = std::max(top, c.min_capacity_bytes);
+  if (a.capacity_bytes) top = std::max(top, *a.capacity_bytes);
+  // Bars start at 90% of the smallest figure, so that differences of a few
+  // percent show; the axis says where.
+  std::uint64_t low = a.peak_requested_bytes;
+  for (const Candidate& c : a.candidates) low = std::min(low, c.min_capacity_bytes);
+  if (a.capacity_bytes) low = std::min(low, *a.capacity_bytes);
+  const double x0 = static_cast<double>(low) * 0.9;
+  const double span = std::max(1.0, static_cast<double>(top) * 1.02 - x0);
+  auto x = [&](std::uint64_t v) { return L + (W - L - R) * (static_cast<double>(v) - x0) / span; };
+  const double height = T + static_cast<double>(a.candidates.size()) * (row + gap) + 24;
+  std::string out = fmt::format(
+      "<svg class=\"advice-sweep\" id=\"{}\" viewBox=\"0 0 {} {:.0f}\" width=\"{}\" height=\"{:.0f}\" "
+      "role=\"img\">\n",
+      id, W, height, W, height);
+  double y = T;
+  for (std::size_t i = 0; i < a.candidates.size(); ++i) {
+    const Candidate& c = a.candidates[i];
+    const bool best = i == a.best_pytorch || i == a.best_reservoir;
+    const std::string fill = c.reservoir_only ? "#59a14f" : "#4e79a7";
+    out += fmt::format(
+        "<text x=\"{}\" y=\"{:.1f}\" class=\"tick{}\" text-anchor=\"end\">{}</text>\n"
+        "<rect class=\"bar{}\" data-config=\"{}\" x=\"{}\" y=\"{:.1f}\" width=\"{:.2f}\" "
+        "height=\"{}\" fill=\"{}\"><title>{}: minimum capacity {} ({:.4f}x peak requested), "
+        "{:.1f} device calls per 1,000 allocations</title></rect>\n"
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n",
+        L - 6, y + row - 4, best ? " best" : "", esc(config_cell(c)), best ? " best" : "",
+        esc(c.config), L, y, std::max(1.0, x(c.min_capacity_bytes) - L), row, fill,
+        esc(config_cell(c)), esc(format_size(c.min_capacity_bytes)), c.min_capacity_over_requested,
+        c.device_calls_per_1000_allocs, x(c.min_capacity_bytes) + 4, y + row - 4,
+        esc(format_size(c.min_capacity_bytes)));
+    y += row + gap;
+  }
+  auto mark = [&](std::uint64_t v, const char* cls, const char* color, const std::string& label) {
+    return fmt::format(
+        "<line class=\"{}\" x1=\"{:.1f}\" x2=\"{:.1f}\" y1=\"{}\" y2=\"{:.1f}\" stroke=\"{}\" "
+        "stroke-width=\"1.5\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
+        "class=\"tick\" fill=\"{}\" text-anchor=\"middle\">{}</text>\n",
+        cls, x(v), x(v), T - 4, y, color, x(v), cls == std::string("capacity") ? y + 14 : T - 6,
+        color, esc(label));
+  };
+  out += mark(a.peak_requested_bytes, "requested", "#555",
+              "peak requested " + format_size(a.peak_requested_bytes));
+  if (a.capacity_bytes) {
+    out += mark(*a.capacity_bytes, "capacity", "#c00", "capacity " + format_size(*a.capacity_bytes));
+  }
+  out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\">axis from {}</text>\n", L,
+                     height - 2, esc(format_size(static_cast<std::uint64_t>(x0))));
+  out += "</svg>\n<div class=\"legend\"><span><i style=\"background:#4e79a7\"></i>stock PyTorch "
+         "setting</span><span><i style=\"background:#59a14f\"></i>reservoir policy</span></div>\n";
+  return out;
+}
+
+}  // namespace
+
+std::string advice_html(const Trace& trace, const Advice& a, const std::string& id) {
+  const Diagnosis& d = a.diagnosis;
+  std::string out = fmt::format("<section class=\"advice\" id=\"{}\">\n<h3>Why it ran out of memory, "
+                                "and which setting fits</h3>\n",
+                                id);
+  out += fmt::format("<p>Diagnosis {}, from {}.</p>\n", esc(moment_text(d)), esc(source_text(d)));
+  out += "<table class=\"diagnosis\">\n";
+  auto row = [&](const std::string& k, const std::string& v) {
+    out += fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", esc(k), v);
+  };
+  if (d.request) {
+    const FailedRequest& r = *d.request;
+    row("failed request", esc(fmt::format("{} on stream {:#x}, {} pool (rounded to {}; a new segment needs {})",
+                                          format_size(r.size), r.stream, pool(r.large),
+                                          format_size(r.rounded), format_size(r.segment_size))) +
+                              (r.context != 0 ? frames_html(trace.context(r.context)) : ""));
+  }
+  row("allocated", esc(format_size(d.allocated_bytes)));
+  row("reserved", esc(format_size(d.reserved_bytes)));
+  std::string groups;
+  for (const FreeGroup& g : d.split_free) {
+    groups += esc(fmt::format("; {} pool, stream {:#x}: {} in {} blocks, the largest {}", pool(g.large),
+                              g.stream, format_size(g.bytes), g.blocks, format_size(g.largest)));
+  }
+  row("free in split segments", esc(format_size(d.split_free_bytes)) + groups);
+  row("cached whole segments",
+      esc(fmt::format("{} ({} segments)", format_size(d.cached_segment_bytes), d.cached_segments)));
+  row("waiting on other streams",
+      esc(fmt::format("{} ({} blocks)", format_size(d.pending_free_bytes), d.pending_free_blocks)));
+  if (d.device_free_bytes) row("device free", esc(format_size(*d.device_free_bytes)));
+  if (d.outside_bytes) row("outside this allocator", esc(format_size(*d.outside_bytes)));
+  out += "</table>\n";
+  if (d.request && !d.request->reasons.empty()) {
+    out += "<ul class=\"reasons\">";
+    for (const std::string& r : d.request->reasons) out += "<li>" + esc(r) + "</li>";
+    out += "</ul>\n";
+  }
+  out += segments_svg(trace, d, id + "-segments");
+  if (!d.worst_segments.empty()) {
+    out += "<h4>Segments holding the most unusable free memory</h4>\n<table class=\"pinned\"><tr>"
+           "<th>segment</th><th>size</th><th>free</th><th>largest piece</th><th>live allocations "
+           "pinning it</th></tr>\n";
+    for (const PinnedSegment& s : d.worst_segments) {
+      std::string live;
+      for (const PinningBlock& b : s.live) {
+        live += fmt::format("<div>{} at <code>{:#x}</code> {}</div>", esc(format_size(b.size)), b.address,
+                            b.context != 0 ? frames_html(trace.context(b.context))
+                                           : "<span class=\"none\">(no context)</span>");
+      }
+      out += fmt::format("<tr><td><code>{:#x}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+                         s.address, esc(format_size(s.total)), esc(format_size(s.free_bytes)),
+                         esc(format_size(s.largest_free)), live);
+    }
+    out += "</table>\n";
+  }
+  out += fmt::format("<h4>Minimum capacity per setting{}</h4>\n",
+                     a.capacity_bytes ? esc(fmt::format(" (capacity {}, {})", format_size(*a.capacity_bytes),
+                                                        a.capacity_source))
+                                      : "");
+  out += sweep_svg(a, id + "-sweep");
+  out += "<div class=\"recommendation\">";
+  if (a.best_pytorch) {
+    const Candidate& c = a.candidates[*a.best_pytorch];
+    out += fmt::format("<p>With PyTorch: <code class=\"env\">{}</code>{}: minimum capacity {}{}.</p>",
+                       esc(env_line(c)), esc(fraction_text(c)), esc(format_size(c.min_capacity_bytes)),
+                       esc(headroom_text(a, c)));
+  }
+  const Candidate& best = a.candidates[a.best_reservoir];
+  out += fmt::format("<p>With reservoir: <code class=\"env\">{}</code>{}: minimum capacity {}{}.</p>",
+                     esc(env_line(best)), esc(fraction_text(best)), esc(format_size(best.min_capacity_bytes)),
+                     esc(headroom_text(a, best)));
+  if (a.shrink_bytes) {
+    out += fmt::format("<p class=\"oom\">No allocator setting can fit: the program's own memory must "
+                       "shrink by at least {}.</p>",
+                       esc(format_size(*a.shrink_bytes)));
+  }
+  out += "</div>\n</section>\n";
+  return out;
+}
+
+}  // namespace reservoir::tools

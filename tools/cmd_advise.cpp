@@ -1,0 +1,108 @@
+// reservoir advise TRACE... [--capacity SIZE] [--config C]... [--json] [-o advice.html]
+#include <fmt/format.h>
+
+#include <ctime>
+#include <fstream>
+#include <memory>
+
+#include "advice_view.hpp"
+#include "commands.hpp"
+#include "progress.hpp"
+#include "report_html.hpp"
+#include "reservoir/advise.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "support.hpp"
+
+namespace reservoir::tools {
+namespace {
+
+struct AdviseArgs {
+  std::vector<std::string> traces;
+  std::vector<std::string> configs;
+  std::string capacity;
+  std::string output;
+  bool json = false;
+  unsigned threads = 0;
+};
+
+void run(const AdviseArgs& args) {
+  AdviseOptions options;
+  if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+  options.configs = args.configs;
+  options.threads = args.threads;
+  for (const std::string& c : args.configs) (void)AllocatorConfig::parse(c);  // fail before replaying
+  Progress progress;
+  std::string label;
+  options.progress = [&](std::size_t done, std::size_t total) {
+    progress.task(fmt::format("{}: {}/{} settings swept", label, done, total));
+  };
+  nlohmann::json all = nlohmann::json::array();
+  std::string text;
+  std::string sections;
+  for (std::size_t i = 0; i < args.traces.size(); ++i) {
+    const std::string& path = args.traces[i];
+    label = base_name(path);
+    progress.task(fmt::format("{}: reading and diagnosing", label));
+    const Trace trace = read_trace_file(path);
+    const Advice advice = advise(trace, options);
+    all.push_back(advice_json(trace, advice));
+    if (!text.empty()) text += "\n";
+    text += advice_text(trace, advice);
+    if (!args.output.empty()) {
+      sections += fmt::format("<h2>{}</h2>\n<p class=\"note\">{} ({}), {} recorded events{}.</p>\n",
+                              esc(base_name(path)), esc(path), esc(trace.format), trace.events.size(),
+                              trace.recorded_config.empty()
+                                  ? ""
+                                  : fmt::format("; recorded with <code>{}</code>",
+                                                esc(trace.recorded_config)));
+      sections += advice_html(trace, advice, fmt::format("advice{}", i));
+    }
+  }
+  progress.clear();
+  if (!args.output.empty()) {
+    char when[64];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+    const std::string html = fmt::format(
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width\">\n<title>reservoir advise</title>\n"
+        "<style>{}</style></head><body>\n<h1>reservoir advise</h1>\n<p class=\"note\">{} trace(s), "
+        "each replayed on a simulated device under every setting swept, {}.</p>\n{}</body></html>\n",
+        kStyle, args.traces.size(), when, sections);
+    std::ofstream out(args.output, std::ios::binary);
+    if (!out) throw UsageError(fmt::format("advise: cannot write '{}'", args.output));
+    out << html;
+    out.close();
+    if (!out) throw UsageError(fmt::format("advise: writing '{}' failed", args.output));
+  }
+  if (args.json) {
+    fmt::print("{}\n", (all.size() == 1 ? all.front() : all).dump(2));
+  } else {
+    fmt::print("{}", text);
+    if (!args.output.empty()) fmt::print("\n{}: written\n", args.output);
+  }
+}
+
+}  // namespace
+
+void add_advise(CLI::App& app) {
+  auto args = std::make_shared<AdviseArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "advise", "Why a recording ran out of memory (or where it peaked), and which allocator "
+                "setting makes it fit: every setting replayed to its minimum capacity");
+  cmd->add_option("traces", args->traces, "PyTorch snapshots (or any trace replay reads)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--capacity", args->capacity,
+                  "memory the allocator may have, e.g. 80GiB (default: what the recording's "
+                  "out-of-memory event shows it had)");
+  cmd->add_option("--config,-c", args->configs,
+                  "sweep these settings instead of the default list (repeatable; '' = defaults)");
+  cmd->add_flag("--json", args->json, "print the advice as JSON (keys: docs/tools.md)");
+  cmd->add_option("-o,--output", args->output, "also write the advice as an HTML page");
+  cmd->add_option("--threads", args->threads, "replays run in parallel (default: every core)");
+  cmd->callback([args] { run(*args); });
+}
+
+}  // namespace reservoir::tools
