@@ -44,7 +44,7 @@ std::string headroom_text(const Advice& a, const Candidate& c) {
 
 std::string fraction_text(const Candidate& c) {
   return c.memory_fraction
-             ? fmt::format(", with torch.cuda.set_per_process_memory_fraction({}) (garbage "
+             ? fmt::format(", with torch.cuda.set_per_process_memory_fraction({:.1f}) (garbage "
                            "collection runs only under a memory fraction)",
                            *c.memory_fraction)
              : "";
@@ -54,11 +54,12 @@ nlohmann::json opt(const std::optional<std::uint64_t>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
-nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& index) {
+nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& index,
+                           bool on_reservoir) {
   if (!index) return nullptr;
   const Candidate& c = a.candidates[*index];
   nlohmann::json j{{"config", c.config},
-                   {"env", env_line(c)},
+                   {"env", env_line(c, on_reservoir)},
                    {"min_capacity_bytes", c.min_capacity_bytes},
                    {"memory_fraction", c.memory_fraction ? nlohmann::json(*c.memory_fraction)
                                                          : nlohmann::json(nullptr)}};
@@ -130,12 +131,14 @@ std::string advice_text(const Trace& trace, const Advice& a) {
                      a.capacity_bytes ? fmt::format(" (capacity {}, {})", format_size(*a.capacity_bytes),
                                                     a.capacity_source)
                                       : " (no capacity known: give --capacity for OOMs at it)");
-  out += fmt::format("  {:<62} {:>13} {:>8} {:>9} {:>10} {:>5}\n", "setting", "min capacity",
+  out += fmt::format("  {:<72} {:>13} {:>8} {:>9} {:>10} {:>5}\n", "setting", "min capacity",
                      "min/req", "calls/1k", "call time", "OOMs");
   for (std::size_t i = 0; i < a.candidates.size(); ++i) {
     const Candidate& c = a.candidates[i];
-    const char* mark = i == a.best_pytorch ? "*" : (i == a.best_reservoir ? "+" : " ");
-    out += fmt::format("{} {:<62} {:>13} {:>8.4f} {:>9.1f} {:>8.1f}ms {:>5}\n", mark, config_cell(c),
+    const bool py = i == a.best_pytorch;
+    const bool res = i == a.best_reservoir;
+    const char* mark = py && res ? "*+" : py ? "* " : res ? "+ " : "  ";
+    out += fmt::format("{}{:<72} {:>13} {:>8.4f} {:>9.1f} {:>8.1f}ms {:>5}\n", mark, config_cell(c),
                        format_size(c.min_capacity_bytes), c.min_capacity_over_requested,
                        c.device_calls_per_1000_allocs, c.device_call_seconds * 1e3,
                        c.ooms_at_capacity ? fmt::format("{}", *c.ooms_at_capacity) : "-");
@@ -152,7 +155,7 @@ std::string advice_text(const Trace& trace, const Advice& a) {
   }
   const Candidate& best = a.candidates[a.best_reservoir];
   out += fmt::format("  With reservoir: {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
-                     env_line(best), fraction_text(best), format_size(best.min_capacity_bytes),
+                     env_line(best, true), fraction_text(best), format_size(best.min_capacity_bytes),
                      best.min_capacity_over_requested, headroom_text(a, best));
   if (a.shrink_bytes) {
     out += fmt::format(
@@ -241,8 +244,8 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
           {"diagnosis", diagnosis},
           {"candidates", candidates},
           {"recommendation",
-           {{"pytorch", choice_json(a, a.best_pytorch)},
-            {"reservoir", choice_json(a, a.best_reservoir)},
+           {{"pytorch", choice_json(a, a.best_pytorch, false)},
+            {"reservoir", choice_json(a, a.best_reservoir, true)},
             {"shrink_bytes", opt(a.shrink_bytes)}}},
           {"replays", a.replays},
           {"seconds", a.seconds}};
@@ -338,13 +341,15 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
   std::uint64_t top = a.peak_requested_bytes;
   for (const Candidate& c : a.candidates) top = std::max(top, c.min_capacity_bytes);
   if (a.capacity_bytes) top = std::max(top, *a.capacity_bytes);
-  // Bars start at 90% of the smallest figure, so that differences of a few
-  // percent show; the axis says where.
+  // Bars start below the smallest figure by as much again as the figures
+  // spread (at least 5% of it), so that differences of a percent show; the
+  // axis says where.
   std::uint64_t low = a.peak_requested_bytes;
   for (const Candidate& c : a.candidates) low = std::min(low, c.min_capacity_bytes);
   if (a.capacity_bytes) low = std::min(low, *a.capacity_bytes);
-  const double x0 = static_cast<double>(low) * 0.9;
-  const double span = std::max(1.0, static_cast<double>(top) * 1.02 - x0);
+  const double spread = static_cast<double>(top - low);
+  const double x0 = std::max(0.0, static_cast<double>(low) - std::max(spread, static_cast<double>(low) * 0.05));
+  const double span = std::max(1.0, static_cast<double>(top) + spread * 0.02 - x0);
   auto x = [&](std::uint64_t v) { return L + (W - L - R) * (static_cast<double>(v) - x0) / span; };
   const double height = T + static_cast<double>(a.candidates.size()) * (row + gap) + 24;
   std::string out = fmt::format(
@@ -356,14 +361,17 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
     const Candidate& c = a.candidates[i];
     const bool best = i == a.best_pytorch || i == a.best_reservoir;
     const std::string fill = c.reservoir_only ? "#59a14f" : "#4e79a7";
+    std::string label = config_cell(c);
+    if (label.size() > 52) label = label.substr(0, 49) + "...";
     out += fmt::format(
         "<text x=\"{}\" y=\"{:.1f}\" class=\"tick{}\" text-anchor=\"end\">{}</text>\n"
         "<rect class=\"bar{}\" data-config=\"{}\" x=\"{}\" y=\"{:.1f}\" width=\"{:.2f}\" "
-        "height=\"{}\" fill=\"{}\"><title>{}: minimum capacity {} ({:.4f}x peak requested), "
+        "height=\"{}\" fill=\"{}\"{}><title>{}: minimum capacity {} ({:.4f}x peak requested), "
         "{:.1f} device calls per 1,000 allocations</title></rect>\n"
         "<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n",
-        L - 6, y + row - 4, best ? " best" : "", esc(config_cell(c)), best ? " best" : "",
+        L - 6, y + row - 4, best ? " best" : "", esc(label), best ? " best" : "",
         esc(c.config), L, y, std::max(1.0, x(c.min_capacity_bytes) - L), row, fill,
+        best ? " stroke=\"#222\" stroke-width=\"2\"" : "",
         esc(config_cell(c)), esc(format_size(c.min_capacity_bytes)), c.min_capacity_over_requested,
         c.device_calls_per_1000_allocs, x(c.min_capacity_bytes) + 4, y + row - 4,
         esc(format_size(c.min_capacity_bytes)));
@@ -385,7 +393,8 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
   out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\">axis from {}</text>\n", L,
                      height - 2, esc(format_size(static_cast<std::uint64_t>(x0))));
   out += "</svg>\n<div class=\"legend\"><span><i style=\"background:#4e79a7\"></i>stock PyTorch "
-         "setting</span><span><i style=\"background:#59a14f\"></i>reservoir policy</span></div>\n";
+         "setting</span><span><i style=\"background:#59a14f\"></i>reservoir policy</span><span><i "
+         "style=\"border:2px solid #222\"></i>recommended</span></div>\n";
   return out;
 }
 
@@ -393,9 +402,10 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
 
 std::string advice_html(const Trace& trace, const Advice& a, const std::string& id) {
   const Diagnosis& d = a.diagnosis;
-  std::string out = fmt::format("<section class=\"advice\" id=\"{}\">\n<h3>Why it ran out of memory, "
-                                "and which setting fits</h3>\n",
-                                id);
+  std::string out = fmt::format(
+      "<section class=\"advice\" id=\"{}\">\n<h3>{}</h3>\n", id,
+      d.moment == "oom" ? "Why it ran out of memory, and which setting fits"
+                        : "Where reserved memory peaked, and which setting needs the least");
   out += fmt::format("<p>Diagnosis {}, from {}.</p>\n", esc(moment_text(d)), esc(source_text(d)));
   out += "<table class=\"diagnosis\">\n";
   auto row = [&](const std::string& k, const std::string& v) {
@@ -460,7 +470,7 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
   }
   const Candidate& best = a.candidates[a.best_reservoir];
   out += fmt::format("<p>With reservoir: <code class=\"env\">{}</code>{}: minimum capacity {}{}.</p>",
-                     esc(env_line(best)), esc(fraction_text(best)), esc(format_size(best.min_capacity_bytes)),
+                     esc(env_line(best, true)), esc(fraction_text(best)), esc(format_size(best.min_capacity_bytes)),
                      esc(headroom_text(a, best)));
   if (a.shrink_bytes) {
     out += fmt::format("<p class=\"oom\">No allocator setting can fit: the program's own memory must "

@@ -3,7 +3,7 @@
 // One self-contained HTML file (inline CSS and SVG, no scripts, nothing
 // fetched): per trace and config, memory over time, the segment map when
 // reserved memory peaked, the largest allocations alive then with their
-// context, and a summary table. The plots are SVG written here because they
+// context, a summary table, and each trace's advice (as `reservoir advise`). The plots are SVG written here because they
 // are simple step lines and rectangles: a charting library would have to be
 // inlined into every report, while the browser draws SVG natively.
 #include <fmt/format.h>
@@ -14,9 +14,11 @@
 #include <memory>
 #include <unordered_map>
 
+#include "advice_view.hpp"
 #include "commands.hpp"
 #include "progress.hpp"
 #include "report_html.hpp"
+#include "reservoir/advise.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
 #include "support.hpp"
@@ -30,6 +32,7 @@ struct ReportArgs {
   std::string capacity;
   std::string output = "report.html";
   bool min_capacity = false;
+  bool advice = true;
   std::size_t top = 25;
 };
 
@@ -151,6 +154,14 @@ void run(const ReportArgs& args) {
       body += "<h4>Largest allocations alive at that moment</h4>\n";
       body += largest_table(trace, program, *r, args.top);
     }
+    if (args.advice) {
+      AdviseOptions advise_options;
+      advise_options.capacity = options.capacity;
+      advise_options.progress = [&](std::size_t done, std::size_t total) {
+        progress.task(fmt::format("{}: advice, {}/{} settings swept", base_name(path), done, total));
+      };
+      body += advice_html(trace, advise(trace, advise_options), fmt::format("advice{}", plot_id++));
+    }
   }
   progress.clear();
   char when[64];
@@ -190,6 +201,8 @@ void add_report(CLI::App& app) {
   cmd->add_option("--config,-c", args->configs, "allocator config (repeatable; '' = defaults)");
   cmd->add_option("--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_flag("--min-capacity", args->min_capacity, "also find each config's minimum capacity");
+  cmd->add_flag("!--no-advice", args->advice,
+                "leave out each trace's advice (diagnosis and sweep of settings, as `advise`)");
   cmd->add_option("--top", args->top, "largest allocations listed (default 25)");
   cmd->add_option("-o,--output", args->output, "HTML file to write (default report.html)");
   cmd->callback([args] { run(*args); });

@@ -259,6 +259,8 @@ th{background:#f4f4f4}td:last-child{text-align:left}table.summary td:first-child
 .note{color:#666;font-size:12px}.ann{color:#7a4;font-weight:600}.none{color:#999}
 details summary{cursor:pointer}details ol{margin:4px 0;padding-left:20px;font-size:12px;text-align:left}
 code{font-size:12px}.oom{color:#c00;font-weight:600}
+.tick.best{font-weight:700;fill:#222}table.diagnosis th{text-align:right;width:190px}table.diagnosis td{text-align:left}
+.recommendation code.env{background:#eef4ea;padding:2px 6px;font-size:13px}ul.reasons li{margin:2px 0}
 )";
 
 }  // namespace reservoir::tools

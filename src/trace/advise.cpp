@@ -317,6 +317,9 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
     } else {
       const ReplayResult first = replay(program, config, trace.recorded_config);
       before = first.peak_reserved_op + 1;
+      if (first.peak_reserved_op >= program.initial.size()) {
+        d.event = program.op_events[first.peak_reserved_op - program.initial.size()];
+      }
     }
     StateCapture capture(before);
     ReplayOptions options;
@@ -356,9 +359,9 @@ std::vector<std::string> default_sweep() {
   return out;
 }
 
-std::string env_line(const Candidate& candidate) {
+std::string env_line(const Candidate& candidate, bool on_reservoir) {
+  if (on_reservoir || candidate.reservoir_only) return "RESERVOIR_ALLOC_CONF=" + candidate.config;
   if (candidate.config.empty()) return "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)";
-  if (candidate.reservoir_only) return "RESERVOIR_ALLOC_CONF=" + candidate.config;
   return "PYTORCH_CUDA_ALLOC_CONF=" + candidate.config;
 }
 

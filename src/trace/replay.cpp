@@ -32,6 +32,7 @@ ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
   // The program's empty_cache() calls, seen as runs of segment releases.
   const std::unordered_set<std::size_t> empty_cache_at = detail::empty_cache_points(trace);
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
+    program.op_events.resize(program.ops.size(), i == 0 ? 0 : i - 1);
     const TraceEvent& e = trace.events[i];
     if (empty_cache_at.count(i) != 0) {
       program.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
@@ -81,6 +82,7 @@ ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
       default: break;  // device-side and bookkeeping events are the allocator's to decide
     }
   }
+  program.op_events.resize(program.ops.size(), trace.events.empty() ? 0 : trace.events.size() - 1);
   // Blocks allocated before recording and never touched by it.
   for (const SegmentInfo& s : trace.final_state.segments) {
     for (const BlockInfo& b : s.blocks) {

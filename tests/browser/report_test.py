@@ -6,7 +6,10 @@ Writes a report for the traces under two configs, opens it in headless
 chromium and checks that it loads without console errors and without
 fetching anything, that every plot is drawn (series with their points,
 non-empty boxes), that the segment maps and tables are there, and that the
-screenshot shows the plot colours. The screenshot is kept in OUTPUT_DIR.
+screenshot shows the plot colours. Then each trace's advice section, and the
+page `reservoir advise -o` writes for a recording that ran out of memory: the
+two free holes drawn beside the failed request, to scale, and the sweep's
+bars. The screenshots are kept in OUTPUT_DIR.
 """
 import os
 import subprocess
@@ -108,6 +111,64 @@ try:
             failures.append(f"screenshot shows {n} pixels of the {name} series (< 300)")
     print(f"plots {len(plots)}, segment maps {len(maps)}, summary rows {rows}, "
           f"screenshot pixels {counts}, screenshot at {shot}")
+
+    # Each trace's advice: the segments at its moment, and one bar per setting.
+    sections = driver.execute_script("""
+      return Array.from(document.querySelectorAll('section.advice')).map(sec => ({
+        segments: sec.querySelectorAll('svg.advice-segments rect').length,
+        bars: Array.from(sec.querySelectorAll('svg.advice-sweep rect.bar')).map(
+                r => r.getBBox().width),
+        best: sec.querySelectorAll('svg.advice-sweep rect.bar.best').length,
+        env: Array.from(sec.querySelectorAll('code.env')).map(c => c.textContent)}));""")
+    if len(sections) != len(traces):
+        failures.append(f"{len(sections)} advice sections, expected {len(traces)}")
+    for sec in sections:
+        if sec["segments"] == 0 or len(sec["bars"]) < 20 or min(sec["bars"]) <= 0:
+            failures.append(f"advice section drawn as {sec}")
+        if sec["best"] < 1 or len(sec["env"]) != 2:
+            failures.append(f"advice section without its recommendation: {sec}")
+
+    # advise -o on the classic case: a 256 MiB segment with two 100 MiB holes
+    # and a 160 MiB request that ran out of memory on a 300 MiB device.
+    MiB = 1 << 20
+    text = os.path.join(out_dir, "classic.trace")
+    with open(text, "w") as fh:
+        fh.write("reservoir-trace 1\n")
+        for line in (f"alloc 0 {256 * MiB}", "free 0", f"alloc 1 {28 * MiB}",
+                     f"alloc 2 {100 * MiB}", f"alloc 3 {28 * MiB}", f"alloc 4 {100 * MiB}",
+                     "free 2", "free 4", f"alloc 5 {160 * MiB}", "free 5"):
+            fh.write(line + "\n")
+    classic = os.path.join(out_dir, "classic_oom.pickle")
+    subprocess.run([binary, "export", text, "-c", "", "--capacity", "300MiB", "-o", classic],
+                   check=True, capture_output=True)
+    page = os.path.join(out_dir, "advice.html")
+    subprocess.run([binary, "advise", classic, "-o", page], check=True, capture_output=True,
+                   env={**os.environ, "RESERVOIR_PROGRESS": "0"})
+    driver.get("file://" + os.path.abspath(page))
+    errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    if errors:
+        failures.append(f"advice page console errors: {errors}")
+    drawn = driver.execute_script("""
+      const w = sel => Array.from(document.querySelectorAll(sel)).map(r => r.getBBox().width);
+      return {request: w('svg.advice-segments rect.request'), holes: w('svg.advice-segments rect.hole'),
+              live: w('svg.advice-segments rect.live'), bars: w('svg.advice-sweep rect.bar').length,
+              capacity: document.querySelectorAll('svg.advice-sweep line.capacity').length,
+              reasons: document.querySelectorAll('ul.reasons li').length};""")
+    if len(drawn["request"]) != 1 or len(drawn["holes"]) != 2 or len(drawn["live"]) != 2:
+        failures.append(f"classic case drawn as {drawn}")
+    elif abs(drawn["request"][0] / drawn["holes"][0] - 1.6) > 0.01:
+        failures.append(f"the 160 MiB request is not drawn to the 100 MiB holes' scale: {drawn}")
+    if drawn["bars"] < 20 or drawn["capacity"] != 1 or drawn["reasons"] != 4:
+        failures.append(f"classic sweep or reasons drawn as {drawn}")
+    advice_shot = os.path.join(out_dir, "advice_screenshot.png")
+    driver.execute_script("document.querySelector('svg.advice-segments').scrollIntoView()")
+    driver.save_screenshot(advice_shot)
+    img = Image.open(advice_shot).convert("RGB")
+    holes = sum(1 for px in img.getdata() if all(abs(a - b) <= 12 for a, b in zip(px, (0xf2, 0x8e, 0x2b))))
+    dashes = sum(1 for px in img.getdata() if all(abs(a - b) <= 20 for a, b in zip(px, (0xcc, 0, 0))))
+    if holes < 2000 or dashes < 200:
+        failures.append(f"advice screenshot shows {holes} hole pixels, {dashes} request pixels")
+    print(f"advice sections {len(sections)}, classic case {drawn}, screenshot at {advice_shot}")
 finally:
     driver.quit()
 

@@ -170,6 +170,68 @@ check(cannot.returncode == 3 and "CANNOT VERIFY at event" in cannot.stdout and
 worst = verify(private, wrong)
 check(worst.returncode == 1, f"a divergence outranks: exit {worst.returncode}")
 
+# advise: the classic fragmentation case, recorded by an export under a
+# 300 MiB device: two 100 MiB holes in a 256 MiB segment, a 160 MiB request.
+MiB = 1 << 20
+classic_text = os.path.join(work, "classic.trace")
+with open(classic_text, "w") as fh:
+    fh.write("reservoir-trace 1\n")
+    for line in (f"alloc 0 {256 * MiB}", "free 0", f"alloc 1 {28 * MiB}", f"alloc 2 {100 * MiB}",
+                 f"alloc 3 {28 * MiB}", f"alloc 4 {100 * MiB}", "free 2", "free 4",
+                 f"alloc 5 {160 * MiB}", "free 5"):
+        fh.write(line + "\n")
+classic = os.path.join(work, "classic_oom.pickle")
+exported_oom = subprocess.run([binary, "export", classic_text, "-c", "", "--capacity", "300MiB",
+                               "-o", classic], capture_output=True, text=True)
+check(exported_oom.returncode == 0 and "1 out-of-memory errors" in exported_oom.stderr,
+      exported_oom.stderr)
+advice = json.loads(run("advise", classic, "--json").stdout)
+for key in ("trace", "peak_requested_bytes", "capacity_bytes", "fits", "diagnosis", "candidates",
+            "recommendation"):
+    check(key in advice, f"advise --json has no '{key}'")
+for c in advice["candidates"]:
+    for key in ("config", "min_capacity_bytes", "min_capacity_over_requested",
+                "device_calls_per_1000_allocs", "device_call_seconds", "ooms_at_capacity"):
+        check(key in c, f"candidate {c.get('config')!r} has no '{key}'")
+d = advice["diagnosis"]
+check(d["moment"] == "oom" and d["source"] == "verified", d)
+check(d["request"]["size_bytes"] == 160 * MiB and d["device_free_bytes"] == 44 * MiB, d)
+check(d["split_free"] == [{"pool": "large", "stream": 0, "bytes": 200 * MiB, "blocks": 2,
+                           "largest_bytes": 100 * MiB}], d["split_free"])
+check(advice["capacity_bytes"] == 300 * MiB and advice["fits"] is True, advice["capacity_bytes"])
+py = advice["recommendation"]["pytorch"]
+check(py["min_capacity_bytes"] == 256 * MiB and py["env"].startswith("PYTORCH_CUDA_ALLOC_CONF=") and
+      py["headroom_bytes"] == 44 * MiB, py)
+check(advice["recommendation"]["reservoir"]["env"].startswith("RESERVOIR_ALLOC_CONF="),
+      advice["recommendation"]["reservoir"])
+check(advice["recommendation"]["shrink_bytes"] is None, advice["recommendation"])
+text = run("advise", classic).stdout
+check("the largest was 100.00 MiB, the request needs 160.00 MiB" in text and
+      "fragmentation" in text and "With PyTorch:   PYTORCH_CUDA_ALLOC_CONF=" in text,
+      text)
+# A capacity too small for the program itself: how much it must shrink.
+small = json.loads(run("advise", classic, "--capacity", "200MiB", "--json", "-c", "").stdout)
+check(small["fits"] is False and small["recommendation"]["shrink_bytes"] == 56 * MiB, small)
+# Several traces: a JSON list; a page written.
+page = os.path.join(work, "advice.html")
+both = json.loads(run("advise", classic, transformer, "--json", "-o", page).stdout)
+check(isinstance(both, list) and len(both) == 2 and both[1]["diagnosis"]["source"] == "replayed",
+      "two traces advised")
+check(os.path.getsize(page) > 1000, "advise -o wrote no page")
+# Bad input: an unknown setting and a trace with nothing to replay.
+bad = subprocess.run([binary, "advise", classic, "-c", "max_split_size_mb:x"], capture_output=True,
+                     text=True)
+check(bad.returncode == 2 and "max_split_size_mb" in bad.stderr, bad.stderr)
+empty = os.path.join(work, "empty.trace")
+with open(empty, "w") as fh:
+    fh.write("reservoir-trace 1\n")
+nothing = subprocess.run([binary, "advise", empty], capture_output=True, text=True)
+check(nothing.returncode == 2 and "no allocations to replay" in nothing.stderr, nothing.stderr)
+tty = run_on_terminal("advise", classic)
+check("classic_oom.pickle: 22/22 settings swept" in tty,
+      f"no advise progress on the terminal: {tty!r}")
+check(tty.endswith("\r\x1b[K"), f"advise's progress line is not erased: {tty[-40:]!r}")
+
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)

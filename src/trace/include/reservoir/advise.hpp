@@ -148,7 +148,9 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity = s
 // and ConfigError for a bad setting in options.configs.
 Advice advise(const Trace& trace, const AdviseOptions& options = {});
 
-// PYTORCH_CUDA_ALLOC_CONF=<config>, or the advice to leave it unset.
-std::string env_line(const Candidate& candidate);
+// The line that selects the candidate: PYTORCH_CUDA_ALLOC_CONF=<config> (or
+// the advice to leave it unset) for stock PyTorch; RESERVOIR_ALLOC_CONF=<config>
+// for reservoir's allocator (which reads it first) and its own policies.
+std::string env_line(const Candidate& candidate, bool on_reservoir = false);
 
 }  // namespace reservoir

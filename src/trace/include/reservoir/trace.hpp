@@ -84,6 +84,7 @@ struct ReplayProgram {
   std::string name;
   std::vector<ReplayOp> initial;  // blocks live when recording began, in address order
   std::vector<ReplayOp> ops;      // then the recorded requests, in order
+  std::vector<std::uint64_t> op_events;  // per op in `ops`: the recorded event it came from
   std::uint32_t id_count = 0;
   std::uint64_t recorded_events = 0;
   // Per id: the context of its recorded alloc event (the trace's contexts;
