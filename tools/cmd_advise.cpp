@@ -40,23 +40,30 @@ void run(const AdviseArgs& args) {
   nlohmann::json all = nlohmann::json::array();
   std::string text;
   std::string sections;
-  for (std::size_t i = 0; i < args.traces.size(); ++i) {
-    const std::string& path = args.traces[i];
+  std::size_t section = 0;
+  for (const std::string& path : args.traces) {
     label = base_name(path);
     progress.task(fmt::format("{}: reading and diagnosing", label));
-    const Trace trace = read_trace_file(path);
-    const Advice advice = advise(trace, options);
-    all.push_back(advice_json(trace, advice));
-    if (!text.empty()) text += "\n";
-    text += advice_text(trace, advice);
-    if (!args.output.empty()) {
+    Trace trace = read_trace_file(path);
+    const std::size_t devices = trace.device_count;
+    for (std::size_t dev = 0; dev < devices; ++dev) {
+      // A snapshot of several devices: each device's recording is advised on.
+      if (dev > 0) trace = read_trace_file(path, static_cast<int>(dev));
+      if (devices > 1 && trace.events.empty() && trace.final_state.segments.empty()) continue;
+      if (devices > 1) trace.name = fmt::format("{} (device {})", path, dev);
+      const Advice advice = advise(trace, options);
+      all.push_back(advice_json(trace, advice));
+      if (!text.empty()) text += "\n";
+      text += advice_text(trace, advice);
+      if (args.output.empty()) continue;
       sections += fmt::format("<h2>{}</h2>\n<p class=\"note\">{} ({}), {} recorded events{}.</p>\n",
-                              esc(base_name(path)), esc(path), esc(trace.format), trace.events.size(),
+                              esc(base_name(trace.name)), esc(trace.name), esc(trace.format),
+                              trace.events.size(),
                               trace.recorded_config.empty()
                                   ? ""
                                   : fmt::format("; recorded with <code>{}</code>",
                                                 esc(trace.recorded_config)));
-      sections += advice_html(trace, advice, fmt::format("advice{}", i));
+      sections += advice_html(trace, advice, fmt::format("advice{}", section++));
     }
   }
   progress.clear();
