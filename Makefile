@@ -31,6 +31,8 @@ run: build
 	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
 	$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
 	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
+	$(BUILD)/bin/reservoir advise $(firstword $(SHARED_TRACES) examples/traces/gpt_training.pickle) \
+	  -o $(BUILD)/advice.html
 	$(BUILD)/bin/reservoir report $(TRACES) $(POLICIES) --min-capacity -o $(BUILD)/report.html
 
 test: build

@@ -1,9 +1,12 @@
-// Replay throughput: recorded events per second on a simulated device.
+// Replay throughput: recorded events per second on a simulated device; and
+// the whole of `advise` (diagnosis and the sweep of every default setting to
+// its minimum capacity) on one core and on every core.
 // Run: build/bin/replay_bench (uses ../shared/traces when present too)
 #include <benchmark/benchmark.h>
 
 #include <filesystem>
 
+#include "reservoir/advise.hpp"
 #include "reservoir/trace.hpp"
 
 namespace {
@@ -22,6 +25,21 @@ void replay_file(benchmark::State& state, const std::string& path) {
                          benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The whole of advise, as the command runs it: reading the file included.
+void advise_file(benchmark::State& state, const std::string& path, unsigned threads) {
+  reservoir::AdviseOptions options;
+  options.threads = threads;
+  std::uint64_t replays = 0;
+  for (auto _ : state) {
+    const reservoir::Trace trace = reservoir::read_trace_file(path);
+    const reservoir::Advice advice = reservoir::advise(trace, options);
+    replays = advice.replays;
+    benchmark::DoNotOptimize(advice.best_reservoir);
+  }
+  state.counters["settings"] = static_cast<double>(reservoir::default_sweep().size());
+  state.counters["replays"] = static_cast<double>(replays);
+}
+
 int register_all() {
   const std::filesystem::path root(RESERVOIR_SOURCE_DIR);
   for (const auto& dir : {root / "examples" / "traces", root / ".." / "shared" / "traces"}) {
@@ -33,6 +51,15 @@ int register_all() {
       benchmark::RegisterBenchmark(("replay/" + entry.path().filename().string()).c_str(),
                                    [path](benchmark::State& s) { replay_file(s, path); })
           ->Unit(benchmark::kMillisecond);
+      for (const unsigned threads : {1u, 0u}) {
+        const std::string name = "advise/" + entry.path().filename().string() +
+                                 (threads == 1 ? "/one_core" : "/every_core");
+        benchmark::RegisterBenchmark(name.c_str(), [path, threads](benchmark::State& s) {
+          advise_file(s, path, threads);
+        })
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
     }
   }
   return 0;

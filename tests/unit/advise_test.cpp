@@ -325,28 +325,5 @@ TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
   }
 }
 
-TEST(Advise, ParallelAndSerialSweepsAgree) {
-  const Trace t = classic();
-  AdviseOptions serial;
-  serial.threads = 1;
-  AdviseOptions parallel;
-  parallel.threads = 4;
-  std::size_t calls = 0;
-  parallel.progress = [&](std::size_t done, std::size_t total) {
-    ++calls;
-    EXPECT_LE(done, total);
-  };
-  const Advice x = advise(t, serial);
-  const Advice y = advise(t, parallel);
-  EXPECT_EQ(calls, y.candidates.size());
-  ASSERT_EQ(x.candidates.size(), y.candidates.size());
-  for (std::size_t i = 0; i < x.candidates.size(); ++i) {
-    EXPECT_EQ(x.candidates[i].min_capacity_bytes, y.candidates[i].min_capacity_bytes);
-    EXPECT_EQ(x.candidates[i].device_calls_per_1000_allocs, y.candidates[i].device_calls_per_1000_allocs);
-  }
-  EXPECT_EQ(x.best_pytorch, y.best_pytorch);
-  EXPECT_EQ(x.best_reservoir, y.best_reservoir);
-}
-
 }  // namespace
 }  // namespace reservoir
