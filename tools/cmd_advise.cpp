@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <ctime>
-#include <fstream>
 #include <memory>
 
 #include "advice_view.hpp"
@@ -77,11 +76,7 @@ void run(const AdviseArgs& args) {
         "<style>{}</style></head><body>\n<h1>reservoir advise</h1>\n<p class=\"note\">{} trace(s), "
         "each replayed on a simulated device under every setting swept, {}.</p>\n{}</body></html>\n",
         kStyle, args.traces.size(), when, sections);
-    std::ofstream out(args.output, std::ios::binary);
-    if (!out) throw UsageError(fmt::format("advise: cannot write '{}'", args.output));
-    out << html;
-    out.close();
-    if (!out) throw UsageError(fmt::format("advise: writing '{}' failed", args.output));
+    write_file(args.output, html, "advise");
   }
   if (args.json) {
     fmt::print("{}\n", (all.size() == 1 ? all.front() : all).dump(2));

@@ -10,9 +10,7 @@
 
 #include <algorithm>
 #include <ctime>
-#include <fstream>
 #include <memory>
-#include <unordered_map>
 
 #include "advice_view.hpp"
 #include "commands.hpp"
@@ -34,36 +32,6 @@ struct ReportArgs {
   bool min_capacity = false;
   bool advice = true;
   std::size_t top = 25;
-};
-
-// The allocator's segments at one op, with each live block's request id.
-class PeakCapture : public ReplayObserver {
- public:
-  explicit PeakCapture(std::uint64_t at) : at_(at) {}
-  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override {
-    allocator_ = &allocator;
-    ptrs_.assign(program.id_count, 0);
-  }
-  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override {
-    if (op.kind == ReplayOp::Kind::alloc && ptr != nullptr) {
-      ptrs_[op.id] = reinterpret_cast<DevicePtr>(ptr);
-    } else if (op.kind == ReplayOp::Kind::free) {
-      ptrs_[op.id] = 0;
-    }
-    if (index == at_) {
-      snapshot_ = allocator_->snapshot();
-      for (std::uint32_t id = 0; id < ptrs_.size(); ++id) {
-        if (ptrs_[id] != 0) id_at_[ptrs_[id]] = id;
-      }
-    }
-  }
-  Snapshot snapshot_;
-  std::unordered_map<DevicePtr, std::uint32_t> id_at_;
-
- private:
-  std::uint64_t at_;
-  CachingAllocator* allocator_ = nullptr;
-  std::vector<DevicePtr> ptrs_;
 };
 
 void run(const ReportArgs& args) {
@@ -92,11 +60,11 @@ void run(const ReportArgs& args) {
       ReplayOptions o = options;
       o.observer = &r->timeline;
       r->result = replay(program, config, config_text, o);
-      PeakCapture capture(r->result.peak_reserved_op);
+      ReplayStateCapture capture(r->result.peak_reserved_op + 1);  // after the peak's op
       o.observer = &capture;
       (void)replay(program, config, config_text, o);
-      r->peak = std::move(capture.snapshot_);
-      r->peak_ids = std::move(capture.id_at_);
+      r->peak = std::move(capture.snapshot);
+      r->peak_ids = std::move(capture.id_at);
       if (args.min_capacity) {
         o.observer = &progress;
         r->min_capacity = min_capacity(program, config, config_text, o).bytes;
@@ -179,11 +147,7 @@ void run(const ReportArgs& args) {
       kStyle, args.traces.size(),
       args.capacity.empty() ? "" : fmt::format(" of {}", esc(args.capacity)), configs.size(), when,
       args.min_capacity ? "<th>min capacity</th>" : "", summary, body);
-  std::ofstream out(args.output, std::ios::binary);
-  if (!out) throw UsageError(fmt::format("report: cannot write '{}'", args.output));
-  out << html;
-  out.close();
-  if (!out) throw UsageError(fmt::format("report: writing '{}' failed", args.output));
+  write_file(args.output, html, "report");
   fmt::print("{}: {} for {} trace(s) x {} config(s)\n", args.output, format_size(html.size()),
              args.traces.size(), configs.size());
 }

@@ -3,11 +3,22 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <fstream>
 #include <limits>
+
+#include "reservoir/errors.hpp"
 
 namespace reservoir::tools {
 
 std::string base_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
+
+void write_file(const std::string& path, const std::string& content, const std::string& command) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) throw UsageError(fmt::format("{}: cannot write '{}'", command, path));
+  out << content;
+  out.close();
+  if (!out) throw UsageError(fmt::format("{}: writing '{}' failed", command, path));
+}
 
 std::string config_label(const std::string& config) {
   return config.empty() ? "native defaults" : config;

@@ -22,6 +22,9 @@ std::string context_label(const Trace& trace, std::uint32_t context);
 // The file name of a path, for tables.
 std::string base_name(const std::string& path);
 
+// Writes `content` to `path`; UsageError naming the command when it cannot.
+void write_file(const std::string& path, const std::string& content, const std::string& command);
+
 // A config string for people: "native defaults" for the empty one.
 std::string config_label(const std::string& config);
 

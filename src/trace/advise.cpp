@@ -43,41 +43,6 @@ std::size_t reserved_peak_event(const Trace& trace) {
   return at;
 }
 
-// The allocator's state just before global op `before` of a replay (after
-// op before-1; the empty state when before is 0), with each live block's id.
-class StateCapture : public ReplayObserver {
- public:
-  explicit StateCapture(std::uint64_t before) : before_(before) {}
-  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override {
-    allocator_ = &allocator;
-    ptrs_.assign(program.id_count, 0);
-    if (before_ == 0) take();
-  }
-  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override {
-    if (op.kind == ReplayOp::Kind::alloc && ptr != nullptr) {
-      ptrs_[op.id] = reinterpret_cast<DevicePtr>(ptr);
-    } else if (op.kind == ReplayOp::Kind::free) {
-      ptrs_[op.id] = 0;
-    }
-    if (index + 1 == before_) take();
-  }
-  bool taken = false;
-  Snapshot snapshot;
-  std::unordered_map<DevicePtr, std::uint32_t> id_at;
-
- private:
-  void take() {
-    snapshot = allocator_->snapshot();
-    for (std::uint32_t id = 0; id < ptrs_.size(); ++id) {
-      if (ptrs_[id] != 0) id_at[ptrs_[id]] = id;
-    }
-    taken = true;
-  }
-  std::uint64_t before_;
-  CachingAllocator* allocator_ = nullptr;
-  std::vector<DevicePtr> ptrs_;
-};
-
 AllocatorConfig recorded_settings(const Trace& trace) {
   try {
     return AllocatorConfig::parse(trace.recorded_config);
@@ -321,7 +286,7 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
         d.event = program.op_events[first.peak_reserved_op - program.initial.size()];
       }
     }
-    StateCapture capture(before);
+    ReplayStateCapture capture(before);
     ReplayOptions options;
     options.observer = &capture;
     (void)replay(program, config, trace.recorded_config, options);

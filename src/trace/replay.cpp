@@ -175,6 +175,31 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   return result;
 }
 
+void ReplayStateCapture::on_start(CachingAllocator& allocator, const ReplayProgram& program) {
+  allocator_ = &allocator;
+  ptrs_.assign(program.id_count, 0);
+  taken = false;
+  if (before_ == 0) take();
+}
+
+void ReplayStateCapture::on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) {
+  if (op.kind == ReplayOp::Kind::alloc && ptr != nullptr) {
+    ptrs_[op.id] = reinterpret_cast<DevicePtr>(ptr);
+  } else if (op.kind == ReplayOp::Kind::free) {
+    ptrs_[op.id] = 0;
+  }
+  if (index + 1 == before_) take();
+}
+
+void ReplayStateCapture::take() {
+  snapshot = allocator_->snapshot();
+  id_at.clear();
+  for (std::uint32_t id = 0; id < ptrs_.size(); ++id) {
+    if (ptrs_[id] != 0) id_at[ptrs_[id]] = id;
+  }
+  taken = true;
+}
+
 namespace {
 
 // The smallest multiple of `step` in (lo, hi] for which fits() holds, given

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "reservoir/caching_allocator.hpp"
@@ -114,6 +115,26 @@ class ReplayObserver {
   // an alloc returned (null when it ran out of memory), else null.
   virtual void on_op(std::uint64_t /*index*/, const ReplayOp& /*op*/, const void* /*ptr*/) {}
   virtual void on_finish(CachingAllocator& /*allocator*/) {}
+};
+
+// Captures the allocator's segments just before global op `before` of a
+// replay (after op before-1; the state at the start when before is 0), with
+// the request id of each live block.
+class ReplayStateCapture : public ReplayObserver {
+ public:
+  explicit ReplayStateCapture(std::uint64_t before) : before_(before) {}
+  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override;
+  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override;
+
+  bool taken = false;
+  Snapshot snapshot;
+  std::unordered_map<DevicePtr, std::uint32_t> id_at;  // live block address -> request id
+
+ private:
+  void take();
+  std::uint64_t before_;
+  CachingAllocator* allocator_ = nullptr;
+  std::vector<DevicePtr> ptrs_;
 };
 
 struct ReplayOptions {
