@@ -1,7 +1,6 @@
 // reservoir advise TRACE... [--capacity SIZE] [--config C]... [--json] [-o advice.html]
 #include <fmt/format.h>
 
-#include <ctime>
 #include <memory>
 
 #include "advice_view.hpp"
@@ -67,15 +66,11 @@ void run(const AdviseArgs& args) {
   }
   progress.clear();
   if (!args.output.empty()) {
-    char when[64];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-    const std::string html = fmt::format(
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
-        "<meta name=\"viewport\" content=\"width=device-width\">\n<title>reservoir advise</title>\n"
-        "<style>{}</style></head><body>\n<h1>reservoir advise</h1>\n<p class=\"note\">{} trace(s), "
-        "each replayed on a simulated device under every setting swept, {}.</p>\n{}</body></html>\n",
-        kStyle, args.traces.size(), when, sections);
+    const std::string html = html_page(
+        "reservoir advise",
+        fmt::format("<p class=\"note\">{} trace(s), each replayed on a simulated device under "
+                    "every setting swept, {}.</p>\n{}",
+                    args.traces.size(), utc_now(), sections));
     write_file(args.output, html, "advise");
   }
   if (args.json) {

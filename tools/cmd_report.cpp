@@ -9,7 +9,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <ctime>
 #include <memory>
 
 #include "advice_view.hpp"
@@ -132,21 +131,17 @@ void run(const ReportArgs& args) {
     }
   }
   progress.clear();
-  char when[64];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  std::string html = fmt::format(
-      "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
-      "<meta name=\"viewport\" content=\"width=device-width\">\n<title>reservoir report</title>\n"
-      "<style>{}</style></head><body>\n<h1>reservoir report</h1>\n<p class=\"note\">{} trace(s) "
-      "replayed on a simulated device{} under {} config(s), {}.</p>\n"
-      "<h2>Summary</h2>\n<div class=\"wide\"><table class=\"summary\"><tr><th>trace</th><th>config</th>"
-      "<th>peak requested</th><th>peak allocated</th><th>peak reserved</th><th>reserved / "
-      "allocated</th>{}<th>segment allocs + frees</th><th>device calls / 1k allocs</th>"
-      "<th>retries</th><th>OOMs</th></tr>\n{}</table></div>\n{}</body></html>\n",
-      kStyle, args.traces.size(),
-      args.capacity.empty() ? "" : fmt::format(" of {}", esc(args.capacity)), configs.size(), when,
-      args.min_capacity ? "<th>min capacity</th>" : "", summary, body);
+  const std::string html = html_page(
+      "reservoir report",
+      fmt::format(
+          "<p class=\"note\">{} trace(s) replayed on a simulated device{} under {} config(s), "
+          "{}.</p>\n<h2>Summary</h2>\n<div class=\"wide\"><table class=\"summary\"><tr><th>trace</th>"
+          "<th>config</th><th>peak requested</th><th>peak allocated</th><th>peak reserved</th>"
+          "<th>reserved / allocated</th>{}<th>segment allocs + frees</th><th>device calls / 1k "
+          "allocs</th><th>retries</th><th>OOMs</th></tr>\n{}</table></div>\n{}",
+          args.traces.size(), args.capacity.empty() ? "" : fmt::format(" of {}", esc(args.capacity)),
+          configs.size(), utc_now(), args.min_capacity ? "<th>min capacity</th>" : "", summary,
+          body));
   write_file(args.output, html, "report");
   fmt::print("{}: {} for {} trace(s) x {} config(s)\n", args.output, format_size(html.size()),
              args.traces.size(), configs.size());

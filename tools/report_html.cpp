@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <ctime>
 #include <unordered_set>
 
 #include "reservoir/format.hpp"
@@ -247,6 +248,21 @@ std::string largest_table(const Trace& trace, const ReplayProgram& program, cons
     out += fmt::format("<p class=\"note\">{} of {} live allocations shown.</p>\n", top, live.size());
   }
   return out;
+}
+
+std::string html_page(const std::string& title, const std::string& body) {
+  return fmt::format(
+      "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+      "<meta name=\"viewport\" content=\"width=device-width\">\n<title>{}</title>\n"
+      "<style>{}</style></head><body>\n<h1>{}</h1>\n{}</body></html>\n",
+      esc(title), kStyle, esc(title), body);
+}
+
+std::string utc_now() {
+  char when[64];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  return when;
 }
 
 const char* const kStyle = R"(

@@ -70,5 +70,9 @@ std::string largest_table(const Trace& trace, const ReplayProgram& program, cons
                           std::size_t top);
 // The page's style sheet.
 extern const char* const kStyle;
+// A whole self-contained page: title, style sheet, an h1, then `body`.
+std::string html_page(const std::string& title, const std::string& body);
+// The time now, as pages print it ("2026-11-23 18:54 UTC").
+std::string utc_now();
 
 }  // namespace reservoir::tools

@@ -56,7 +56,8 @@ std::string pool_name(bool large) { return large ? "large" : "small"; }
 // Sorts out reserved-but-unallocated memory, the segments that hold the most
 // of it, and (at an oom) why no block could serve the request.
 void analyze(Diagnosis& d, const AllocatorConfig& config,
-             const std::unordered_map<DevicePtr, std::uint32_t>& context_at) {
+             const std::unordered_map<DevicePtr, std::uint32_t>& context_at,
+             std::optional<std::uint64_t> capacity) {
   std::vector<FreeGroup> groups;
   auto group = [&groups](bool large, StreamId stream) -> FreeGroup& {
     for (FreeGroup& g : groups) {
@@ -114,6 +115,9 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
   });
   if (pinned.size() > kWorstSegments) pinned.resize(kWorstSegments);
   d.worst_segments = std::move(pinned);
+  if (capacity && d.device_free_bytes && *capacity >= d.reserved_bytes + *d.device_free_bytes) {
+    d.outside_bytes = *capacity - d.reserved_bytes - *d.device_free_bytes;
+  }
 
   if (!d.request) return;
   FailedRequest& r = *d.request;
@@ -196,9 +200,10 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
   }
 }
 
-}  // namespace
-
-Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
+// diagnose(), replaying `compiled` (the trace compiled with its failed
+// requests) when verify cannot reach the moment; compiles it when null.
+Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacity,
+                        const ReplayProgram* compiled) {
   const AllocatorConfig config = recorded_settings(trace);
   Diagnosis d;
   std::size_t oom_at = trace.events.size();
@@ -275,7 +280,9 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
     }
   } else if (!captured) {
     // Replay under the recorded settings, as the sweep does.
-    const ReplayProgram program = compile(trace, CompileOptions{true});
+    std::optional<ReplayProgram> own;
+    if (compiled == nullptr) own = compile(trace, CompileOptions{true});
+    const ReplayProgram& program = compiled != nullptr ? *compiled : *own;
     std::uint64_t before = 0;
     if (at_oom && !program.failed_request_ops.empty()) {
       before = program.initial.size() + program.failed_request_ops.front();
@@ -296,15 +303,14 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
     }
     d.source = "replayed";
   }
-  if (capacity && d.device_free_bytes) {
-    std::uint64_t reserved = 0;
-    for (const SegmentInfo& s : d.segments.segments) reserved += s.total_size;
-    if (*capacity >= reserved + *d.device_free_bytes) {
-      d.outside_bytes = *capacity - reserved - *d.device_free_bytes;
-    }
-  }
-  analyze(d, config, context_at);
+  analyze(d, config, context_at, capacity);
   return d;
+}
+
+}  // namespace
+
+Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
+  return diagnose_with(trace, capacity, nullptr);
 }
 
 std::vector<std::string> default_sweep() {
@@ -340,7 +346,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   if (program.initial.empty() && program.ops.empty()) {
     throw TraceError(fmt::format("advise {}: the trace holds no allocations to replay", trace.name));
   }
-  advice.diagnosis = diagnose(trace, options.capacity);
+  advice.diagnosis = diagnose_with(trace, options.capacity, &program);
   const Diagnosis& d = advice.diagnosis;
   if (options.capacity) {
     advice.capacity_bytes = options.capacity;
