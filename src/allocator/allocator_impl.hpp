@@ -257,8 +257,13 @@ class CachingAllocator::Impl {
   // Puts a block back in its pool, merged with cached neighbours.
   void recache(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   static detail::Block* block_at(detail::Segment& seg, DevicePtr addr);
-  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes)
+  // Paging: how much to map for `bytes` of growth serving `request`.
+  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes, std::size_t request)
       RESERVOIR_REQUIRES(mutex_);
+  static constexpr std::size_t kMapAheadDivisor = 16;
+  static constexpr std::size_t kMapAheadMin = std::size_t{20} << 20;
+  static constexpr std::size_t kMapAheadMax = std::size_t{160} << 20;
+  static constexpr std::size_t kLargeRequest = std::size_t{128} << 20;
   // Paging: unmaps whole free handles, largest first, until `bytes` are
   // released; leaves `keep` alone. True when anything was released.
   bool release_free_handles(std::size_t bytes, const detail::Block* keep)

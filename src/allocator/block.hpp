@@ -154,6 +154,7 @@ struct VmState {
   std::vector<std::uint32_t> page_handle;  // per page up to the highest mapped: handle or kNone
   std::vector<Handle> handles;
   std::vector<std::uint32_t> free_slots;  // reusable entries of handles
+  std::size_t mapped_pages = 0;           // pages with a handle behind them
 
   std::uint32_t add(PhysicalHandle h, std::size_t first, std::size_t pages) {
     std::uint32_t slot;
@@ -165,6 +166,7 @@ struct VmState {
       free_slots.pop_back();
     }
     handles[slot] = Handle{h, first, pages, true};
+    mapped_pages += pages;
     if (page_handle.size() < first + pages) page_handle.resize(first + pages, kNone);
     for (std::size_t i = first; i < first + pages; ++i) page_handle[i] = slot;
     return slot;
@@ -174,6 +176,7 @@ struct VmState {
   }
   void remove(std::uint32_t slot) {
     Handle& rec = handles[slot];
+    mapped_pages -= rec.pages;
     for (std::size_t i = rec.first_page; i < rec.first_page + rec.pages; ++i) {
       page_handle[i] = kNone;
     }

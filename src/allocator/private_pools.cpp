@@ -20,6 +20,9 @@ BlockPool& CachingAllocator::Impl::pool_for(std::size_t size, StreamId stream) {
       return size <= kSmallSize ? pool.small : pool.large;
     }
   }
+  // Paging keeps one arena per stream: small requests share pages with large
+  // ones rather than holding 2 MiB pages of their own.
+  if (vm_mode_ == VmMode::paging) return large_;
   return size <= kSmallSize ? small_ : large_;
 }
 
