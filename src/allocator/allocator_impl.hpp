@@ -240,9 +240,21 @@ class CachingAllocator::Impl {
   // Unmaps the fully free pages (paging: the fully free handles) of a cached
   // block, after synchronizing its stream.
   void unmap_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
-  // Unmaps pages [first, end) of a cached block (whole handles).
-  void unmap_pages(detail::Block* block, std::size_t first, std::size_t end)
+  // A physical handle unmapped to be mapped again elsewhere.
+  struct Recycled {
+    PhysicalHandle handle;
+    std::size_t bytes;
+  };
+  // Unmaps pages [first, end) of a cached block (whole handles); their
+  // handles are released, or appended to `kept` when given.
+  void unmap_pages(detail::Block* block, std::size_t first, std::size_t end,
+                   std::vector<Recycled>* kept = nullptr) RESERVOIR_REQUIRES(mutex_);
+  // Paging: unmaps whole free handles of paging arenas (largest first, at
+  // most kMaxRecycledHandles, fitting in to_map) until `bytes` are covered,
+  // for map_block to map at to_map instead of creating memory.
+  std::vector<Recycled> recycle_free_handles(const detail::Block* to_map, std::size_t bytes)
       RESERVOIR_REQUIRES(mutex_);
+  static constexpr std::size_t kMaxRecycledHandles = 4;
   bool try_alloc_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Paging's last resort: a new range mapped onto free pages of this
   // stream's segments (plus fresh memory for the rest).
@@ -319,6 +331,7 @@ class CachingAllocator::Impl {
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
+  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);

@@ -151,8 +151,20 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
 bool CachingAllocator::Impl::alloc_vm_block(AllocParams& p) {
   if (try_alloc_vm_block(p)) return true;
   if (vm_mode_ != VmMode::paging) return false;
-  // Paging under pressure: give back just enough whole free handles (largest
-  // first) elsewhere, then try once more; the retry ladder follows if not.
+  // Paging under pressure: map whole free handles from elsewhere (any
+  // stream's, once it has synchronized) where the arena grows; then give
+  // back just enough of them (largest first) and try once more; the retry
+  // ladder follows if not.
+  recycling_ = true;
+  bool moved = false;
+  try {
+    moved = try_alloc_vm_block(p);
+  } catch (...) {
+    recycling_ = false;
+    throw;
+  }
+  recycling_ = false;
+  if (moved) return true;
   Block* candidate = find_vm_candidate(p);
   if (candidate == nullptr) return false;
   // Ask for the whole unmapped blocks the request reaches into.
@@ -260,37 +272,108 @@ bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block
   return released > 0;
 }
 
+std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_free_handles(
+    const Block* to_map, std::size_t bytes) {
+  // Whole handles lying in cached blocks of paging arenas, this stream's and
+  // the others' (their pages are safe to reuse once their stream has
+  // synchronized, which unmapping does): mapped where the arena grows, they
+  // serve it with no new memory. The blocks next to `to_map` stay (their
+  // unmapping would merge into it).
+  std::vector<Recycled> taken;
+  if (bytes == 0) return taken;
+  struct Victim {
+    Segment* seg;
+    std::size_t first;
+    std::size_t end;
+  };
+  const std::size_t page = to_map->segment->vm->page;
+  std::vector<Victim> victims;
+  for (auto& [base, seg] : segments_) {
+    if (!seg->vm || !seg->vm->paging || seg->vm->stitched || seg->vm->page != page) continue;
+    const VmState& vm = *seg->vm;
+    for (Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->is_free() || b == to_map->prev || b == to_map->next) continue;
+      auto [i, end] = inner_pages(*seg, b);
+      while (i < end) {
+        const auto& h = vm.handles[vm.at(i)];
+        if (h.first_page >= i && h.first_page + h.pages <= end) {
+          victims.push_back({seg.get(), h.first_page, h.first_page + h.pages});
+        }
+        i = h.first_page + h.pages;
+      }
+    }
+  }
+  if (victims.empty()) return taken;
+  // Fewest handles: the largest first, none that would map more than asked.
+  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+    return a.end - a.first > b.end - b.first;
+  });
+  std::size_t covered = 0;
+  for (const Victim& v : victims) {
+    if (covered >= bytes || taken.size() >= kMaxRecycledHandles) break;
+    const std::size_t size = (v.end - v.first) * page;
+    if (covered + size > std::min(bytes, to_map->size)) continue;
+    Segment& seg = *v.seg;
+    // Unmapping a handle may have split its block: find it again by address.
+    Block* b = block_at(seg, seg.base + v.first * page);
+    if (b == nullptr || !b->is_free()) continue;
+    const std::size_t before = taken.size();
+    try {
+      unmap_pages(b, v.first, v.end, &taken);
+    } catch (...) {
+      for (const Recycled& r : taken) {
+        if (device_.release_physical(r.handle) != Status::ok) unreleased_.push_back(r.handle);
+      }
+      throw;
+    }
+    for (std::size_t k = before; k < taken.size(); ++k) covered += taken[k].bytes;
+  }
+  return taken;
+}
+
 bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   Segment& seg = *to_map->segment;
   VmState& vm = *seg.vm;
   BlockPool& pool = *to_map->pool;
   const std::size_t page = vm.page;
   const std::size_t first = (to_map->ptr - seg.base) / page;
-  const std::size_t end = (to_map->ptr - seg.base + bytes + page - 1) / page;
-  const std::size_t mapped_bytes = (end - first) * page;
+  std::size_t end = (to_map->ptr - seg.base + bytes + page - 1) / page;
+  std::size_t mapped_bytes = (end - first) * page;
   const DevicePtr va = seg.base + first * page;
-  if (vm.paging && set_fraction_ && total_reserved_ + mapped_bytes > allowed_memory_maximum_) {
-    return false;
-  }
-  const std::size_t pages_per_handle = vm.paging ? end - first : 1;
+  // The pieces mapped in order from va: whole free handles taken from
+  // elsewhere first (paging), then fresh memory for the rest (paging: one
+  // handle; expandable segments: one per page).
+  std::vector<Recycled> pieces;
+  if (vm.paging && recycling_) pieces = recycle_free_handles(to_map, mapped_bytes);
+  std::size_t recycled_bytes = 0;
+  for (const Recycled& r : pieces) recycled_bytes += r.bytes;
+  mapped_bytes = std::max(mapped_bytes, recycled_bytes);
+  end = first + mapped_bytes / page;
+  const std::size_t fresh_pages = end - first - recycled_bytes / page;
+  const std::size_t pages_per_handle = vm.paging ? fresh_pages : 1;
   const std::size_t handle_bytes = pages_per_handle * page;
-  const std::size_t count = (end - first) / pages_per_handle;
+  const std::size_t count = pages_per_handle == 0 ? 0 : fresh_pages / pages_per_handle;
 
-  // Undo: unmap what was mapped, release what was created. Failures here are
-  // kept for a later release attempt rather than hidden.
-  std::vector<PhysicalHandle> created;
-  created.reserve(count);
+  // Undo: unmap what was mapped, release what was created or taken (taken
+  // handles were already counted out of reserved memory where they were).
+  // Failures here are kept for a later release attempt rather than hidden.
   std::size_t mapped_count = 0;
   auto undo = [&]() RESERVOIR_REQUIRES(mutex_) {
+    DevicePtr at = va;
     for (std::size_t k = 0; k < mapped_count; ++k) {
-      if (device_.unmap(va + k * handle_bytes, handle_bytes) != Status::ok) {
-        stuck_mappings_.emplace_back(va + k * handle_bytes, handle_bytes);
+      if (device_.unmap(at, pieces[k].bytes) != Status::ok) {
+        stuck_mappings_.emplace_back(at, pieces[k].bytes);
       }
+      at += pieces[k].bytes;
     }
-    for (PhysicalHandle h : created) {
-      if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    for (const Recycled& r : pieces) {
+      if (device_.release_physical(r.handle) != Status::ok) unreleased_.push_back(r.handle);
     }
   };
+  if (vm.paging && set_fraction_ && total_reserved_ + mapped_bytes > allowed_memory_maximum_) {
+    undo();  // the taken handles go back to the device: the ladder carries on
+    return false;
+  }
   for (std::size_t k = 0; k < count; ++k) {
     PhysicalHandle h = 0;
     const Status st = device_.create_physical(handle_bytes, &h);
@@ -299,19 +382,19 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
       if (st == Status::out_of_memory) return false;
       throw DeviceError(CallKind::create_physical, st,
                         fmt::format("creating {} bytes of physical memory for {:#x}", handle_bytes,
-                                    va + k * handle_bytes));
+                                    va + recycled_bytes + k * handle_bytes));
     }
-    created.push_back(h);
+    pieces.push_back({h, handle_bytes});
   }
-  for (std::size_t k = 0; k < count; ++k) {
-    const Status st = device_.map(va + k * handle_bytes, handle_bytes, created[k], 0);
+  DevicePtr at = va;
+  for (const Recycled& r : pieces) {
+    const Status st = device_.map(at, r.bytes, r.handle, 0);
     if (st != Status::ok) {
       undo();
-      throw DeviceError(
-          CallKind::map, st,
-          fmt::format("mapping {} bytes at {:#x}", handle_bytes, va + k * handle_bytes));
+      throw DeviceError(CallKind::map, st, fmt::format("mapping {} bytes at {:#x}", r.bytes, at));
     }
     ++mapped_count;
+    at += r.bytes;
   }
   const Status access = device_.set_access(va, mapped_bytes);
   if (access != Status::ok) {
@@ -319,8 +402,10 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
     throw DeviceError(CallKind::set_access, access,
                       fmt::format("setting access to {} bytes at {:#x}", mapped_bytes, va));
   }
-  for (std::size_t k = 0; k < count; ++k) {
-    vm.add(created[k], first + k * pages_per_handle, pages_per_handle);
+  std::size_t page_at = first;
+  for (const Recycled& r : pieces) {
+    vm.add(r.handle, page_at, r.bytes / page);
+    page_at += r.bytes / page;
   }
 
   pool.unmapped.erase(to_map);
@@ -389,7 +474,8 @@ void CachingAllocator::Impl::unmap_block(Block* block) {
   unmap_pages(block, first, end);
 }
 
-void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::size_t end) {
+void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::size_t end,
+                                         std::vector<Recycled>* kept) {
   Segment& seg = *block->segment;
   VmState& vm = *seg.vm;
   const std::size_t page = vm.page;
@@ -414,6 +500,10 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     }
     vm.remove(slot);
     done = h.first_page + h.pages;
+    if (kept != nullptr) {
+      kept->push_back({h.handle, h.pages * page});  // mapped again elsewhere
+      continue;
+    }
     const Status rel = device_.release_physical(h.handle);
     if (rel != Status::ok) {
       unreleased_.push_back(h.handle);

@@ -144,6 +144,34 @@ INSTANTIATE_TEST_SUITE_P(Policies, HostVm,
                            return std::string(info.param[0] == 'e' ? "expandable" : "paging");
                          });
 
+TEST(HostVm, AMovedHandleServesTheGrowingArenaAndTheNeighboursKeepTheirBytes) {
+  HostDeviceOptions options;
+  options.capacity = 80 * kMiB;
+  HostDevice d(options);
+  CachingAllocator allocator(d, AllocatorConfig::parse("policy:paging"));
+  std::vector<unsigned char*> blocks;
+  for (int i = 0; i < 3; ++i) {
+    blocks.push_back(static_cast<unsigned char*>(allocator.allocate(20 * kMiB)));
+    std::memset(blocks.back(), 0x20 + i, 20 * kMiB);
+  }
+  allocator.deallocate(blocks[1]);
+  // The device has 20 MiB left: the freed handle is unmapped and mapped again
+  // under the new block, with 20 MiB of new memory after it.
+  auto* moved = static_cast<unsigned char*>(allocator.allocate(40 * kMiB));
+  std::memset(moved, 0xee, 40 * kMiB);
+  EXPECT_EQ(d.used_bytes(), 80 * kMiB);
+  for (int i : {0, 2}) {
+    for (std::size_t k = 0; k < 20 * kMiB; k += 4096) ASSERT_EQ(blocks[i][k], 0x20 + i) << k;
+  }
+  EXPECT_EQ(moved[40 * kMiB - 1], 0xee);
+  allocator.validate();
+  allocator.deallocate(moved);
+  allocator.deallocate(blocks[0]);
+  allocator.deallocate(blocks[2]);
+  allocator.empty_cache();
+  EXPECT_EQ(d.used_bytes(), 0u);
+}
+
 TEST(HostVm, AStitchedBlockIsTheLendersMemoryAndReleasedPagesLeaveRss) {
   HostDeviceOptions options;
   options.capacity = 100 * kMiB;

@@ -194,7 +194,58 @@ TEST_F(Paging, MapsAheadWhileMemoryIsPlentiful) {
   EXPECT_EQ(calls(CallKind::map), 1u);
 }
 
-TEST_F(Paging, AFreeHandleIsReturnedWhileItsNeighboursStayInUse) {
+TEST_F(Paging, SmallAndLargeRequestsShareOneArenaPerStream) {
+  const DevicePtr s = alloc(1000);
+  const DevicePtr l = alloc(4 * kMiB);
+  EXPECT_EQ(l, s + 1024);  // right after the small block, in the same pages
+  EXPECT_EQ(calls(CallKind::reserve), 1u);
+  EXPECT_EQ(calls(CallKind::map), 1u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 20 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.small_pool.current"), 0);
+  EXPECT_EQ(stat("allocated_bytes.large_pool.current"), static_cast<std::int64_t>(4 * kMiB + 1024));
+  // Another stream has an arena of its own.
+  const DevicePtr t = alloc(1000, 1);
+  EXPECT_EQ(calls(CallKind::reserve), 2u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 40 * kMiB);
+  release(s);
+  release(l);
+  release(t);
+}
+
+TEST_F(Paging, MapAheadFollowsWhatTheArenaHolds) {
+  // Sixteen 100 MiB blocks: each maps just itself (a sixteenth of the arena
+  // stays under 100 MiB), and nothing is left over.
+  for (int i = 0; i < 16; ++i) alloc(100 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 1600 * kMiB);
+  EXPECT_EQ(calls(CallKind::map), 16u);
+  // Then a sixteenth of 1600 MiB: 100 MiB for a 10 MiB request...
+  alloc(10 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 1700 * kMiB);
+  alloc(90 * kMiB);  // ...which the next request uses
+  EXPECT_EQ(calls(CallKind::map), 17u);
+  // A request of 128 MiB or more brings room for half another like it.
+  alloc(2000 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 4700 * kMiB);
+  alloc(1000 * kMiB);
+  EXPECT_EQ(calls(CallKind::map), 18u);
+  // And the chunk stops at 160 MiB however large the arena grows.
+  alloc(10 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 4860 * kMiB);
+  EXPECT_EQ(calls(CallKind::create_physical), 19u);
+  EXPECT_EQ(calls(CallKind::set_access), 19u);
+}
+
+TEST_F(Paging, NearTheLimitOnlyWhatIsAskedIsMapped) {
+  make("policy:paging", 64 * kMiB);
+  alloc(40 * kMiB);
+  // 4 MiB asked of the 24 MiB left: rather than the 20 MiB chunk, 4 MiB and
+  // an eighth of the other 20 (2.5 MiB), rounded up to the page.
+  alloc(4 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 48 * kMiB);
+}
+
+TEST_F(Paging, AFreeHandleMovesWhereTheArenaGrowsWhileItsNeighboursStayInUse) {
   make("policy:paging", 80 * kMiB);
   const DevicePtr a = alloc(20 * kMiB);
   const DevicePtr b = alloc(20 * kMiB);
@@ -203,15 +254,27 @@ TEST_F(Paging, AFreeHandleIsReturnedWhileItsNeighboursStayInUse) {
   EXPECT_EQ(c, a + 40 * kMiB);
   EXPECT_EQ(calls(CallKind::create_physical), 3u);
   release(b);
-  // 40 MiB more than the 80 MiB device holds: b's handle alone goes back.
+  // 40 MiB more than the 80 MiB device holds: b's handle alone is unmapped
+  // and mapped again where the new block grows, beside 20 MiB of new memory.
   // (The first reservation is 90 MiB, 1 1/8 of the device: d starts a second.)
   const DevicePtr d = alloc(40 * kMiB);
   EXPECT_EQ(d, a + 90 * kMiB);
   EXPECT_EQ(calls(CallKind::unmap), 1u);
-  EXPECT_EQ(calls(CallKind::release_physical), 1u);
-  EXPECT_EQ(stat("num_alloc_retries"), 0);  // no full flush was needed
+  EXPECT_EQ(calls(CallKind::release_physical), 0u);
+  EXPECT_EQ(calls(CallKind::create_physical), 5u);  // the first 40 MiB was refused
+  EXPECT_EQ(calls(CallKind::map), 5u);
+  EXPECT_EQ(calls(CallKind::synchronize_stream), 1u);  // before b's pages moved
+  EXPECT_EQ(stat("num_alloc_retries"), 0);             // no full flush was needed
   EXPECT_EQ(stat("reserved_bytes.all.current"), 80 * kMiB);
   EXPECT_EQ(device_->used_bytes(), 80 * kMiB);
+  EXPECT_EQ(device_->live_physical(), 4u);
+  // Freed and the cache emptied, everything goes back.
+  release(a);
+  release(c);
+  release(d);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->used_bytes(), 0u);
+  EXPECT_EQ(device_->live_physical(), 0u);
 }
 
 TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
@@ -264,6 +327,68 @@ TEST_F(Paging, ATrainingLoopMakesNoDeviceCallsAfterItsFirstStep) {
   for (CallKind k : kMemoryCallKinds) after_all += calls(k);
   EXPECT_EQ(after_all, after_first);
 }
+
+TEST_F(Paging, UnderPressureAnotherStreamsFreeHandleMovesAfterItsStreamSynchronizes) {
+  make("policy:paging", 60 * kMiB);
+  const DevicePtr x = alloc(20 * kMiB, 1);
+  release(x);  // cached on stream 1: a whole free handle
+  const DevicePtr a = alloc(20 * kMiB, 0);
+  const std::uint64_t syncs = calls(CallKind::synchronize_stream);
+  const DevicePtr b = alloc(40 * kMiB, 0);  // 20 MiB free on the device, 20 cached on stream 1
+  EXPECT_EQ(b, a + 20 * kMiB);
+  EXPECT_EQ(calls(CallKind::synchronize_stream), syncs + 1);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(calls(CallKind::release_physical), 0u);
+  EXPECT_EQ(device_->used_bytes(), 60 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 60 * kMiB);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  // Stream 1 gets memory again, and all of it goes back at the end.
+  release(b);
+  const DevicePtr y = alloc(20 * kMiB, 1);
+  release(y);
+  release(a);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->used_bytes(), 0u);
+  EXPECT_EQ(device_->live_physical(), 0u);
+}
+
+// Moving a free handle fails at each of its device calls: a clear error, and
+// the allocator stays whole (the handle stays where it was, or goes back to
+// the device, and is counted either way).
+class PagingMoveFails : public AllocatorTest,
+                        public ::testing::WithParamInterface<CallKind> {};
+
+TEST_P(PagingMoveFails, TheErrorLeavesTheAllocatorConsistent) {
+  make("policy:paging", 80 * kMiB);
+  const DevicePtr a = alloc(20 * kMiB);
+  const DevicePtr b = alloc(20 * kMiB);
+  const DevicePtr c = alloc(20 * kMiB);
+  release(b);
+  const CallKind kind = GetParam();
+  // The next call of the kind fails: for map, the moved handle's.
+  device_->fail_nth(kind, 1, Status::device_error);
+  EXPECT_THROW((void)allocator_->allocate(40 * kMiB), DeviceError);
+  allocator_->validate();
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 40 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"),
+            static_cast<std::int64_t>(device_->used_bytes()));
+  // A failure before the unmap keeps b's handle cached; after, it is gone.
+  const bool before_unmap = kind == CallKind::synchronize_stream || kind == CallKind::unmap;
+  EXPECT_EQ(device_->used_bytes(), before_unmap ? 60 * kMiB : 40 * kMiB);
+  const DevicePtr d = alloc(40 * kMiB);  // and the request can be made again
+  EXPECT_EQ(device_->used_bytes(), 80 * kMiB);
+  release(a);
+  release(c);
+  release(d);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->used_bytes(), 0u);
+  EXPECT_EQ(device_->live_physical(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Calls, PagingMoveFails,
+                         ::testing::Values(CallKind::synchronize_stream, CallKind::unmap,
+                                           CallKind::map, CallKind::set_access),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST_F(Paging, StitchingBorrowsFromAnotherStreamAfterSynchronizingIt) {
   make("policy:paging", 60 * kMiB);
