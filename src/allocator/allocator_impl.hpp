@@ -280,6 +280,9 @@ class CachingAllocator::Impl {
   // released; leaves `keep` alone. True when anything was released.
   bool release_free_handles(std::size_t bytes, const detail::Block* keep)
       RESERVOIR_REQUIRES(mutex_);
+  // Paging with paging_release_threshold_mb: after a free, whole free
+  // handles beyond the threshold of cached memory go back to the device.
+  void release_above_threshold() RESERVOIR_REQUIRES(mutex_);
   void release_vm_segment(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   // empty_cache's part for cached VM blocks: stitched ones dissolved, the
   // others' pages unmapped and segments left empty given back.
@@ -332,6 +335,8 @@ class CachingAllocator::Impl {
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
   bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure
+  // Cached bytes at the last look that found no whole handle to release.
+  std::size_t release_floor_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);

@@ -60,6 +60,11 @@ class Parser {
       parse_value(config, key.text);
       if (pos_ < tokens_.size()) expect_separator(key.text);
     }
+    if (config.paging_release_threshold != AllocatorConfig{}.paging_release_threshold &&
+        config.policy != Policy::paging) {
+      fail("key 'paging_release_threshold_mb' applies to policy:paging only; add policy:paging "
+           "or leave the key out");
+    }
     return config;
   }
 
@@ -130,6 +135,10 @@ class Parser {
       }
       mb = std::min(mb, std::numeric_limits<std::size_t>::max() / kMiB);
       (key == "max_split_size_mb" ? c.max_split_size : c.max_non_split_rounding_size) = mb * kMiB;
+    } else if (key == "paging_release_threshold_mb") {
+      std::size_t mb = unsigned_value(key, "a whole number of MiB (0: keep no cached memory)");
+      mb = std::min(mb, std::numeric_limits<std::size_t>::max() / kMiB - 1);
+      c.paging_release_threshold = mb * kMiB;
     } else if (key == "garbage_collection_threshold") {
       const std::string v = value_token(key, "a number in (0.0, 1.0)");
       char* end = nullptr;
@@ -185,7 +194,8 @@ class Parser {
           "unknown key '{}'; accepted keys: max_split_size_mb, max_non_split_rounding_mb, "
           "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, "
           "release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
-          "pinned_num_register_threads, pinned_use_background_threads, backend, policy",
+          "pinned_num_register_threads, pinned_use_background_threads, backend, policy, "
+          "paging_release_threshold_mb",
           key));
     }
   }
@@ -302,6 +312,10 @@ std::string AllocatorConfig::to_string() const {
     parts.push_back(fmt::format("pinned_num_register_threads:{}", pinned_num_register_threads));
   }
   if (pinned_use_background_threads) parts.push_back("pinned_use_background_threads:True");
+  if (paging_release_threshold != defaults.paging_release_threshold) {
+    parts.push_back(
+        fmt::format("paging_release_threshold_mb:{}", paging_release_threshold / kMiB));
+  }
   return fmt::format("{}", fmt::join(parts, ","));
 }
 

@@ -231,6 +231,26 @@ bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p) {
   return true;
 }
 
+void CachingAllocator::Impl::release_above_threshold() {
+  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
+  const std::size_t cached = total_reserved_ > allocated ? total_reserved_ - allocated : 0;
+  if (cached <= config_.paging_release_threshold) {
+    release_floor_ = 0;
+    return;
+  }
+  // Cached memory in pieces of handles that still hold live blocks cannot
+  // go: look again only once more has been freed since a fruitless look.
+  if (cached <= release_floor_) return;
+  bool released = false;
+  try {
+    released = release_free_handles(cached - config_.paging_release_threshold, nullptr);
+  } catch (const DeviceError&) {
+    // A handle that would not go stays cached (and counted); the next free,
+    // empty_cache() or shortage tries again. The caller's free succeeded.
+  }
+  if (!released) release_floor_ = cached;
+}
+
 bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
   // Whole handles inside cached blocks of paging segments, outside `keep`.
   struct Victim {
@@ -255,8 +275,11 @@ bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block
       }
     }
   }
-  std::sort(victims.begin(), victims.end(),
-            [](const Victim& a, const Victim& b) { return a.end - a.first > b.end - b.first; });
+  // Largest first; among equals the highest address, so low addresses stay.
+  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+    if (a.end - a.first != b.end - b.first) return a.end - a.first > b.end - b.first;
+    return a.seg->base + a.first * a.seg->vm->page > b.seg->base + b.first * b.seg->vm->page;
+  });
   // Unmapping one handle may split its block: find the block again by address.
   std::size_t released = 0;
   for (const Victim& v : victims) {
@@ -306,7 +329,8 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
   if (victims.empty()) return taken;
   // Fewest handles: the largest first, none that would map more than asked.
   std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
-    return a.end - a.first > b.end - b.first;
+    if (a.end - a.first != b.end - b.first) return a.end - a.first > b.end - b.first;
+    return a.seg->base + a.first * a.seg->vm->page > b.seg->base + b.first * b.seg->vm->page;
   });
   std::size_t covered = 0;
   for (const Victim& v : victims) {

@@ -112,7 +112,8 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "allocator config \"foo:123\": unknown key 'foo'; accepted keys: max_split_size_mb, "
             "max_non_split_rounding_mb, garbage_collection_threshold, roundup_power2_divisions, "
             "expandable_segments, release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
-            "pinned_num_register_threads, pinned_use_background_threads, backend, policy");
+            "pinned_num_register_threads, pinned_use_background_threads, backend, policy, "
+            "paging_release_threshold_mb");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
@@ -121,6 +122,26 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "allocator config \"pinned_num_register_threads:3\": key "
             "'pinned_num_register_threads': value '3' is not accepted; accepted: a power of two "
             "from 1 to 128");
+}
+
+TEST(Config, PagingReleaseThreshold) {
+  EXPECT_EQ(AllocatorConfig::parse("policy:paging").paging_release_threshold,
+            std::numeric_limits<std::size_t>::max());
+  const AllocatorConfig c = AllocatorConfig::parse("policy:paging,paging_release_threshold_mb:512");
+  EXPECT_EQ(c.paging_release_threshold, 512 * kMiB);
+  EXPECT_EQ(c.to_string(), "policy:paging,paging_release_threshold_mb:512");
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+  EXPECT_EQ(AllocatorConfig::parse("paging_release_threshold_mb:0,policy:paging")
+                .paging_release_threshold,
+            0u);
+  EXPECT_EQ(error_of("paging_release_threshold_mb:64"),
+            "allocator config \"paging_release_threshold_mb:64\": key "
+            "'paging_release_threshold_mb' applies to policy:paging only; add policy:paging or "
+            "leave the key out");
+  EXPECT_EQ(error_of("policy:paging,paging_release_threshold_mb:-1"),
+            "allocator config \"policy:paging,paging_release_threshold_mb:-1\": key "
+            "'paging_release_threshold_mb': value '-1' is not a whole number; accepted: a whole "
+            "number of MiB (0: keep no cached memory)");
 }
 
 TEST(Config, EnvironmentPrefersOursOverPyTorchs) {

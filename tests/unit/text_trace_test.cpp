@@ -61,7 +61,7 @@ TEST(TextTrace, ErrorsNameTheLine) {
             "max_split_size_mb, max_non_split_rounding_mb, garbage_collection_threshold, "
             "roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, "
             "pinned_use_cuda_host_register, pinned_num_register_threads, "
-            "pinned_use_background_threads, backend, policy");
+            "pinned_use_background_threads, backend, policy, paging_release_threshold_mb");
 }
 
 }  // namespace

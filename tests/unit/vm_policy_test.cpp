@@ -390,6 +390,47 @@ INSTANTIATE_TEST_SUITE_P(Calls, PagingMoveFails,
                                            CallKind::map, CallKind::set_access),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+TEST_F(Paging, AReleaseThresholdGivesBackWholeFreeHandlesBeyondIt) {
+  make("policy:paging,paging_release_threshold_mb:150");
+  const DevicePtr a = alloc(100 * kMiB);
+  const DevicePtr b = alloc(100 * kMiB);
+  const DevicePtr c = alloc(100 * kMiB);
+  EXPECT_EQ(calls(CallKind::create_physical), 3u);
+  release(a);  // 100 MiB cached: under the threshold, kept
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 300 * kMiB);
+  EXPECT_EQ(calls(CallKind::release_physical), 0u);
+  release(b);  // 200 MiB cached: one whole handle goes, 100 MiB stay
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 200 * kMiB);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(calls(CallKind::release_physical), 1u);
+  EXPECT_EQ(device_->used_bytes(), 200 * kMiB);
+  EXPECT_EQ(alloc(100 * kMiB), a);  // the cached one serves with no device call
+  EXPECT_EQ(calls(CallKind::create_physical), 3u);
+  release(a);
+  release(c);
+}
+
+TEST_F(Paging, AtAZeroThresholdAHandleGoesWhenItsLastBlockIsFreed) {
+  make("policy:paging,paging_release_threshold_mb:0");
+  const DevicePtr a = alloc(4 * kMiB);  // both in one 20 MiB handle
+  const DevicePtr b = alloc(4 * kMiB);
+  release(a);  // the handle still holds b: nothing can go
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
+  EXPECT_EQ(calls(CallKind::unmap), 0u);
+  release(b);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  EXPECT_EQ(calls(CallKind::release_physical), 1u);
+  EXPECT_EQ(device_->used_bytes(), 0u);
+  // A failing unmap leaves the handle cached, and the free itself succeeds.
+  const DevicePtr c = alloc(4 * kMiB);
+  device_->fail_nth(CallKind::unmap, 1, Status::device_error);
+  release(c);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 0);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->used_bytes(), 0u);
+}
+
 TEST_F(Paging, StitchingBorrowsFromAnotherStreamAfterSynchronizingIt) {
   make("policy:paging", 60 * kMiB);
   const DevicePtr a = alloc(60 * kMiB, 1);  // one handle on stream 1

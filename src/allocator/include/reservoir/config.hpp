@@ -37,6 +37,11 @@ struct AllocatorConfig {
   std::size_t pinned_num_register_threads = 1;
   bool pinned_use_background_threads = false;
   Policy policy = Policy::native;
+  // policy:paging: cached memory (reserved minus allocated) kept after a
+  // free; whole free handles beyond it go back to the device at once rather
+  // than when memory runs short or empty_cache() is called. Default:
+  // unlimited (PyTorch's caching: nothing goes back unasked).
+  std::size_t paging_release_threshold = std::numeric_limits<std::size_t>::max();
 
   // The division count for a (rounded) request size.
   std::size_t divisions_for(std::size_t size) const noexcept;
