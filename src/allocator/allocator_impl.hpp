@@ -249,9 +249,10 @@ class CachingAllocator::Impl {
   // handles are released, or appended to `kept` when given.
   void unmap_pages(detail::Block* block, std::size_t first, std::size_t end,
                    std::vector<Recycled>* kept = nullptr) RESERVOIR_REQUIRES(mutex_);
-  // Paging: unmaps whole free handles of paging arenas (largest first, at
-  // most kMaxRecycledHandles, fitting in to_map) until `bytes` are covered,
-  // for map_block to map at to_map instead of creating memory.
+  // Paging: unmaps whole free handles of paging arenas for map_block to map
+  // at to_map instead of creating memory: under pressure, the largest first
+  // (at most kMaxRecycledHandles) until `bytes` are covered; otherwise one
+  // handle of `bytes` to twice that, if there is one.
   std::vector<Recycled> recycle_free_handles(const detail::Block* to_map, std::size_t bytes)
       RESERVOIR_REQUIRES(mutex_);
   static constexpr std::size_t kMaxRecycledHandles = 4;
@@ -334,7 +335,7 @@ class CachingAllocator::Impl {
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
-  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure
+  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure: move all it takes
   // Cached bytes at the last look that found no whole handle to release.
   std::size_t release_floor_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =

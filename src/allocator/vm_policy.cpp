@@ -300,10 +300,17 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
   // Whole handles lying in cached blocks of paging arenas, this stream's and
   // the others' (their pages are safe to reuse once their stream has
   // synchronized, which unmapping does): mapped where the arena grows, they
-  // serve it with no new memory. The blocks next to `to_map` stay (their
-  // unmapping would merge into it).
+  // serve it with no new memory. Under pressure, as many as it takes (up to
+  // kMaxRecycledHandles). Otherwise one, and only a handle as large as the
+  // mapping planned and at most twice it: moving it costs the same three
+  // calls as creating one (unmap, map, set access), so no workload pays in
+  // calls for the memory it saves, and caches are not stripped for small
+  // needs. The blocks next to `to_map` stay (their unmapping would merge
+  // into it).
   std::vector<Recycled> taken;
   if (bytes == 0) return taken;
+  const std::size_t room = std::min(to_map->size, recycling_ ? bytes : 2 * bytes);
+  const std::size_t most = recycling_ ? kMaxRecycledHandles : 1;
   struct Victim {
     Segment* seg;
     std::size_t first;
@@ -327,16 +334,16 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
     }
   }
   if (victims.empty()) return taken;
-  // Fewest handles: the largest first, none that would map more than asked.
+  // Fewest handles: the largest first that fits the room.
   std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
     if (a.end - a.first != b.end - b.first) return a.end - a.first > b.end - b.first;
     return a.seg->base + a.first * a.seg->vm->page > b.seg->base + b.first * b.seg->vm->page;
   });
   std::size_t covered = 0;
   for (const Victim& v : victims) {
-    if (covered >= bytes || taken.size() >= kMaxRecycledHandles) break;
+    if (covered >= bytes || taken.size() >= most) break;
     const std::size_t size = (v.end - v.first) * page;
-    if (covered + size > std::min(bytes, to_map->size)) continue;
+    if (covered + size > room || (!recycling_ && size < bytes)) continue;
     Segment& seg = *v.seg;
     // Unmapping a handle may have split its block: find it again by address.
     Block* b = block_at(seg, seg.base + v.first * page);
@@ -368,7 +375,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   // elsewhere first (paging), then fresh memory for the rest (paging: one
   // handle; expandable segments: one per page).
   std::vector<Recycled> pieces;
-  if (vm.paging && recycling_) pieces = recycle_free_handles(to_map, mapped_bytes);
+  if (vm.paging) pieces = recycle_free_handles(to_map, mapped_bytes);
   std::size_t recycled_bytes = 0;
   for (const Recycled& r : pieces) recycled_bytes += r.bytes;
   mapped_bytes = std::max(mapped_bytes, recycled_bytes);

@@ -328,14 +328,43 @@ TEST_F(Paging, ATrainingLoopMakesNoDeviceCallsAfterItsFirstStep) {
   EXPECT_EQ(after_all, after_first);
 }
 
+TEST_F(Paging, AFreeHandleOfTheSizeAboutToBeCreatedMovesInstead) {
+  make("policy:paging", 1024 * kMiB);
+  const DevicePtr x = alloc(20 * kMiB, 1);
+  release(x);  // cached on stream 1: a whole free 20 MiB handle
+  const std::uint64_t syncs = calls(CallKind::synchronize_stream);
+  const DevicePtr a = alloc(20 * kMiB, 0);  // stream 0 would create 20 MiB: x's moves
+  EXPECT_EQ(calls(CallKind::create_physical), 1u);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(calls(CallKind::map), 2u);
+  EXPECT_EQ(calls(CallKind::synchronize_stream), syncs + 1);  // stream 1's work done first
+  EXPECT_EQ(device_->used_bytes(), 20 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);
+  // A free handle smaller than the mapping planned stays where it is...
+  const DevicePtr y = alloc(20 * kMiB, 1);
+  release(y);
+  const DevicePtr b = alloc(100 * kMiB, 0);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(device_->used_bytes(), 140 * kMiB);
+  // ...and so does one more than twice as large.
+  release(b);
+  const DevicePtr c = alloc(20 * kMiB, 1);  // stream 1 reuses y; then would create 20
+  const DevicePtr d = alloc(20 * kMiB, 1);
+  EXPECT_EQ(c, y);
+  EXPECT_EQ(calls(CallKind::unmap), 1u);
+  EXPECT_EQ(device_->used_bytes(), 160 * kMiB);
+  for (DevicePtr p : {a, c, d}) release(p);
+}
+
 TEST_F(Paging, UnderPressureAnotherStreamsFreeHandleMovesAfterItsStreamSynchronizes) {
   make("policy:paging", 60 * kMiB);
   const DevicePtr x = alloc(20 * kMiB, 1);
-  release(x);  // cached on stream 1: a whole free handle
-  const DevicePtr a = alloc(20 * kMiB, 0);
+  release(x);  // cached on stream 1: smaller than the 30 MiB mappings below
+  const DevicePtr a = alloc(30 * kMiB, 0);
+  EXPECT_EQ(calls(CallKind::unmap), 0u);
   const std::uint64_t syncs = calls(CallKind::synchronize_stream);
-  const DevicePtr b = alloc(40 * kMiB, 0);  // 20 MiB free on the device, 20 cached on stream 1
-  EXPECT_EQ(b, a + 20 * kMiB);
+  const DevicePtr b = alloc(30 * kMiB, 0);  // 10 MiB free on the device, 20 cached on stream 1
+  EXPECT_EQ(b, a + 30 * kMiB);
   EXPECT_EQ(calls(CallKind::synchronize_stream), syncs + 1);
   EXPECT_EQ(calls(CallKind::unmap), 1u);
   EXPECT_EQ(calls(CallKind::release_physical), 0u);
