@@ -121,6 +121,12 @@ TEST(PagingFrugality, TenStreamsShareTheirFreeMemory) {
       replay(program, AllocatorConfig::parse("expandable_segments:True"), "expandable");
   const ReplayResult paging =
       replay(program, AllocatorConfig::parse("policy:paging"), "policy:paging");
+  ::testing::Test::RecordProperty("native_peak_reserved_mib",
+                                  std::to_string(native.peak_reserved_bytes / kMiB));
+  ::testing::Test::RecordProperty("expandable_peak_reserved_mib",
+                                  std::to_string(expandable.peak_reserved_bytes / kMiB));
+  ::testing::Test::RecordProperty("paging_peak_reserved_mib",
+                                  std::to_string(paging.peak_reserved_bytes / kMiB));
   EXPECT_LT(paging.peak_reserved_bytes, expandable.peak_reserved_bytes);
   EXPECT_LT(paging.peak_reserved_bytes, native.peak_reserved_bytes);
   EXPECT_LT(paging.device_call_seconds, native.device_call_seconds);
