@@ -334,10 +334,10 @@ class CachingAllocator::Impl {
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
-  bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
-  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure: move all it takes
   // Cached bytes at the last look that found no whole handle to release.
   std::size_t release_floor_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
+  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure: move all it takes
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);
