@@ -240,6 +240,17 @@ class CachingAllocator::Impl {
   // Unmaps the fully free pages (paging: the fully free handles) of a cached
   // block, after synchronizing its stream.
   void unmap_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  // A whole handle of a paging arena lying in a cached block: pages [first, end).
+  struct FreeHandle {
+    detail::Segment* seg;
+    std::size_t first;
+    std::size_t end;
+  };
+  // Every such handle outside the blocks `skip` and `skip_too`, largest first
+  // (among equals the highest address).
+  std::vector<FreeHandle> whole_free_handles(const detail::Block* skip,
+                                             const detail::Block* skip_too)
+      RESERVOIR_REQUIRES(mutex_);
   // A physical handle unmapped to be mapped again elsewhere.
   struct Recycled {
     PhysicalHandle handle;

@@ -251,43 +251,41 @@ void CachingAllocator::Impl::release_above_threshold() {
   if (!released) release_floor_ = cached;
 }
 
-bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
-  // Whole handles inside cached blocks of paging segments, outside `keep`.
-  struct Victim {
-    Segment* seg;
-    std::size_t first;
-    std::size_t end;
-  };
-  dissolve_cached_stitched();  // their pages go back to the lenders first
-  std::vector<Victim> victims;
+std::vector<CachingAllocator::Impl::FreeHandle> CachingAllocator::Impl::whole_free_handles(
+    const Block* skip, const Block* skip_too) {
+  std::vector<FreeHandle> found;
   for (auto& [base, seg] : segments_) {
     if (!seg->vm || !seg->vm->paging || seg->vm->stitched) continue;
     const VmState& vm = *seg->vm;
     for (Block* b = seg->head; b != nullptr; b = b->next) {
-      if (!b->is_free() || b == keep) continue;
+      if (!b->is_free() || b == skip || b == skip_too) continue;
       auto [i, end] = inner_pages(*seg, b);
       while (i < end) {
         const auto& h = vm.handles[vm.at(i)];
         if (h.first_page >= i && h.first_page + h.pages <= end) {
-          victims.push_back({seg.get(), h.first_page, h.first_page + h.pages});
+          found.push_back({seg.get(), h.first_page, h.first_page + h.pages});
         }
         i = h.first_page + h.pages;
       }
     }
   }
   // Largest first; among equals the highest address, so low addresses stay.
-  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+  std::sort(found.begin(), found.end(), [](const FreeHandle& a, const FreeHandle& b) {
     if (a.end - a.first != b.end - b.first) return a.end - a.first > b.end - b.first;
     return a.seg->base + a.first * a.seg->vm->page > b.seg->base + b.first * b.seg->vm->page;
   });
+  return found;
+}
+
+bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
+  dissolve_cached_stitched();  // their pages go back to the lenders first
+  const std::vector<FreeHandle> victims = whole_free_handles(keep, nullptr);
   // Unmapping one handle may split its block: find the block again by address.
   std::size_t released = 0;
-  for (const Victim& v : victims) {
+  for (const FreeHandle& v : victims) {
     if (released >= bytes) break;
     Segment& seg = *v.seg;
-    const DevicePtr at = seg.base + v.first * seg.vm->page;
-    Block* b = seg.head;
-    while (b != nullptr && b->ptr + b->size <= at) b = b->next;
+    Block* b = block_at(seg, seg.base + v.first * seg.vm->page);
     if (b == nullptr || !b->is_free()) continue;
     unmap_pages(b, v.first, v.end);
     released += (v.end - v.first) * seg.vm->page;
@@ -311,36 +309,12 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
   if (bytes == 0) return taken;
   const std::size_t room = std::min(to_map->size, recycling_ ? bytes : 2 * bytes);
   const std::size_t most = recycling_ ? kMaxRecycledHandles : 1;
-  struct Victim {
-    Segment* seg;
-    std::size_t first;
-    std::size_t end;
-  };
   const std::size_t page = to_map->segment->vm->page;
-  std::vector<Victim> victims;
-  for (auto& [base, seg] : segments_) {
-    if (!seg->vm || !seg->vm->paging || seg->vm->stitched || seg->vm->page != page) continue;
-    const VmState& vm = *seg->vm;
-    for (Block* b = seg->head; b != nullptr; b = b->next) {
-      if (!b->is_free() || b == to_map->prev || b == to_map->next) continue;
-      auto [i, end] = inner_pages(*seg, b);
-      while (i < end) {
-        const auto& h = vm.handles[vm.at(i)];
-        if (h.first_page >= i && h.first_page + h.pages <= end) {
-          victims.push_back({seg.get(), h.first_page, h.first_page + h.pages});
-        }
-        i = h.first_page + h.pages;
-      }
-    }
-  }
+  const std::vector<FreeHandle> victims = whole_free_handles(to_map->prev, to_map->next);
   if (victims.empty()) return taken;
   // Fewest handles: the largest first that fits the room.
-  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
-    if (a.end - a.first != b.end - b.first) return a.end - a.first > b.end - b.first;
-    return a.seg->base + a.first * a.seg->vm->page > b.seg->base + b.first * b.seg->vm->page;
-  });
   std::size_t covered = 0;
-  for (const Victim& v : victims) {
+  for (const FreeHandle& v : victims) {
     if (covered >= bytes || taken.size() >= most) break;
     const std::size_t size = (v.end - v.first) * page;
     if (covered + size > room || (!recycling_ && size < bytes)) continue;

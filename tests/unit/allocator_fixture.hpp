@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <memory>
 
 #include "reservoir/caching_allocator.hpp"
@@ -35,6 +36,14 @@ class AllocatorTest : public ::testing::Test {
   void release(DevicePtr p) {
     allocator_->deallocate(reinterpret_cast<void*>(p));
     allocator_->validate();
+  }
+  // Frees the blocks and empties the cache: the device must hold nothing.
+  void release_all(std::initializer_list<DevicePtr> blocks) {
+    for (DevicePtr p : blocks) release(p);
+    allocator_->empty_cache();
+    allocator_->validate();
+    EXPECT_EQ(device_->used_bytes(), 0u);
+    EXPECT_EQ(device_->live_physical(), 0u);
   }
   std::int64_t stat(const std::string& key) const { return allocator_->stats_map().at(key); }
 

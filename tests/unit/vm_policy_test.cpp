@@ -268,13 +268,7 @@ TEST_F(Paging, AFreeHandleMovesWhereTheArenaGrowsWhileItsNeighboursStayInUse) {
   EXPECT_EQ(stat("reserved_bytes.all.current"), 80 * kMiB);
   EXPECT_EQ(device_->used_bytes(), 80 * kMiB);
   EXPECT_EQ(device_->live_physical(), 4u);
-  // Freed and the cache emptied, everything goes back.
-  release(a);
-  release(c);
-  release(d);
-  allocator_->empty_cache();
-  EXPECT_EQ(device_->used_bytes(), 0u);
-  EXPECT_EQ(device_->live_physical(), 0u);
+  release_all({a, c, d});  // freed and the cache emptied, everything goes back
 }
 
 TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
@@ -374,11 +368,7 @@ TEST_F(Paging, UnderPressureAnotherStreamsFreeHandleMovesAfterItsStreamSynchroni
   // Stream 1 gets memory again, and all of it goes back at the end.
   release(b);
   const DevicePtr y = alloc(20 * kMiB, 1);
-  release(y);
-  release(a);
-  allocator_->empty_cache();
-  EXPECT_EQ(device_->used_bytes(), 0u);
-  EXPECT_EQ(device_->live_physical(), 0u);
+  release_all({y, a});
 }
 
 // Moving a free handle fails at each of its device calls: a clear error, and
@@ -406,12 +396,7 @@ TEST_P(PagingMoveFails, TheErrorLeavesTheAllocatorConsistent) {
   EXPECT_EQ(device_->used_bytes(), before_unmap ? 60 * kMiB : 40 * kMiB);
   const DevicePtr d = alloc(40 * kMiB);  // and the request can be made again
   EXPECT_EQ(device_->used_bytes(), 80 * kMiB);
-  release(a);
-  release(c);
-  release(d);
-  allocator_->empty_cache();
-  EXPECT_EQ(device_->used_bytes(), 0u);
-  EXPECT_EQ(device_->live_physical(), 0u);
+  release_all({a, c, d});
 }
 
 INSTANTIATE_TEST_SUITE_P(Calls, PagingMoveFails,
