@@ -295,6 +295,8 @@ class CachingAllocator::Impl {
   // Paging with paging_release_threshold_mb: after a free, whole free
   // handles beyond the threshold of cached memory go back to the device.
   void release_above_threshold() RESERVOIR_REQUIRES(mutex_);
+  // Reserved memory not allocated: cached blocks, and pages lent or pending.
+  std::size_t cached_bytes() const RESERVOIR_REQUIRES(mutex_);
   void release_vm_segment(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   // empty_cache's part for cached VM blocks: stitched ones dissolved, the
   // others' pages unmapped and segments left empty given back.

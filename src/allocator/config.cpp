@@ -60,7 +60,7 @@ class Parser {
       parse_value(config, key.text);
       if (pos_ < tokens_.size()) expect_separator(key.text);
     }
-    if (config.paging_release_threshold != AllocatorConfig{}.paging_release_threshold &&
+    if (config.paging_release_threshold != kNoReleaseThreshold &&
         config.policy != Policy::paging) {
       fail("key 'paging_release_threshold_mb' applies to policy:paging only; add policy:paging "
            "or leave the key out");
@@ -312,7 +312,7 @@ std::string AllocatorConfig::to_string() const {
     parts.push_back(fmt::format("pinned_num_register_threads:{}", pinned_num_register_threads));
   }
   if (pinned_use_background_threads) parts.push_back("pinned_use_background_threads:True");
-  if (paging_release_threshold != defaults.paging_release_threshold) {
+  if (paging_release_threshold != kNoReleaseThreshold) {
     parts.push_back(
         fmt::format("paging_release_threshold_mb:{}", paging_release_threshold / kMiB));
   }

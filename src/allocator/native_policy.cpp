@@ -329,8 +329,7 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
     if (!routes_.empty()) deferred_event_blocks_.push_back(block);
   } else {
     free_block(block);
-    if (vm_mode_ == VmMode::paging &&
-        config_.paging_release_threshold != AllocatorConfig{}.paging_release_threshold) {
+    if (vm_mode_ == VmMode::paging && config_.paging_release_threshold != kNoReleaseThreshold) {
       release_above_threshold();
     }
   }

@@ -231,9 +231,13 @@ bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p) {
   return true;
 }
 
-void CachingAllocator::Impl::release_above_threshold() {
+std::size_t CachingAllocator::Impl::cached_bytes() const {
   const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
-  const std::size_t cached = total_reserved_ > allocated ? total_reserved_ - allocated : 0;
+  return total_reserved_ > allocated ? total_reserved_ - allocated : 0;
+}
+
+void CachingAllocator::Impl::release_above_threshold() {
+  const std::size_t cached = cached_bytes();
   if (cached <= config_.paging_release_threshold) {
     release_floor_ = 0;
     return;
@@ -306,7 +310,9 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
   // needs. The blocks next to `to_map` stay (their unmapping would merge
   // into it).
   std::vector<Recycled> taken;
-  if (bytes == 0) return taken;
+  // Outside pressure a handle must hold `bytes`: with less cached, none does
+  // (and the scan of every arena is spared on each growth).
+  if (bytes == 0 || (!recycling_ && cached_bytes() < bytes)) return taken;
   const std::size_t room = std::min(to_map->size, recycling_ ? bytes : 2 * bytes);
   const std::size_t most = recycling_ ? kMaxRecycledHandles : 1;
   const std::size_t page = to_map->segment->vm->page;

@@ -18,6 +18,9 @@ inline constexpr std::size_t kRoundupIntervals = 16;  // 1 MiB .. 64 GiB, powers
 
 enum class Policy { native, expandable, paging };
 
+// paging_release_threshold's default: keep all cached memory.
+inline constexpr std::size_t kNoReleaseThreshold = std::numeric_limits<std::size_t>::max();
+
 struct AllocatorConfig {
   // Blocks of this size or more are never split (default: unlimited).
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
@@ -41,7 +44,7 @@ struct AllocatorConfig {
   // free; whole free handles beyond it go back to the device at once rather
   // than when memory runs short or empty_cache() is called. Default:
   // unlimited (PyTorch's caching: nothing goes back unasked).
-  std::size_t paging_release_threshold = std::numeric_limits<std::size_t>::max();
+  std::size_t paging_release_threshold = kNoReleaseThreshold;
 
   // The division count for a (rounded) request size.
   std::size_t divisions_for(std::size_t size) const noexcept;
