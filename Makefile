@@ -6,14 +6,15 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
         libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev python3 \
         python3-torch python3-selenium python3-pil chromium chromium-driver \
-        python3-dev pybind11-dev python3-pytest
+        python3-dev pybind11-dev python3-pytest \
+        python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
 SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
-.PHONY: deps build run test no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps build run test wheel no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -40,13 +41,15 @@ test: build
 
 # As on a machine without CUDA's headers (used by .ci/run): the same tests,
 # less the CUDA backends' and the interposer's, are registered and pass.
-# Unoptimized, to build quickly; -g1 for the tests of symbolized stacks.
+# Unoptimized, to build quickly; -g1 for the tests of symbolized stacks. The
+# wheel's tests build from the sources, not from this build, so `make test`
+# has run them already.
 no-cuda: build
 	cmake -S . -B build-nocuda -G Ninja -DCMAKE_BUILD_TYPE=None -DCMAKE_C_FLAGS=-g1 -DCMAKE_CXX_FLAGS=-g1 \
 	  -DRESERVOIR_CUDA=OFF -DRESERVOIR_BUILD_BENCH=OFF >/dev/null
 	cmake --build build-nocuda -j $(JOBS)
 	python3 tests/cmake/no_cuda_check.py $(BUILD) build-nocuda
-	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS)
+	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE wheel
 
 # The layers with clang (used by .ci/run): -Wthread-safety checks the lock
 # annotations of the allocator and the saver. Configured with the tests and
@@ -107,6 +110,12 @@ gpu-bundle: deps
 gpu-bundle-check: gpu-bundle
 	python3 tests/bundle/check_bundle.py $(BUILD)/gpu-bundle
 	python3 tests/bundle/driver_test.py $(BUILD)/gpu-bundle
+
+# The Python package's wheel (pyproject.toml) in build/dist, for Debian's
+# python3 (PYTHON=... for another interpreter with setuptools and wheel).
+PYTHON ?= /usr/bin/python3
+wheel: deps
+	$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -w $(BUILD)/dist
 
 clean:
 	rm -rf build build-nocuda build-clang build-asan build-tsan build-fuzz build-bundle

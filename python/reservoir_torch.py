@@ -6,8 +6,8 @@
     print(reservoir_torch.memory_summary())
     reservoir_torch.dump_snapshot("snap.pickle")           # opens in pytorch.org/memory_viz
 
-install() loads libreservoir_torch.so (RESERVOIR_TORCH_LIB, else next to
-this file, else the build tree) through torch.cuda.memory.
+install() loads libreservoir_torch.so (RESERVOIR_TORCH_LIB, else the one in
+the reservoir package, else one next to this file) through torch.cuda.memory.
 CUDAPluggableAllocator (PyTorch 2.0 and later) and makes it the current
 allocator. The config uses PYTORCH_CUDA_ALLOC_CONF's syntax and reservoir's
 policies (policy:paging); expandable and paging run on CUDA's virtual-memory
@@ -15,6 +15,7 @@ API. The other functions read the library directly, so they work with or
 without PyTorch.
 """
 import ctypes
+import importlib.util
 import json
 import os
 
@@ -25,12 +26,16 @@ def library_path():
     env = os.environ.get("RESERVOIR_TORCH_LIB")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    for candidate in (os.path.join(here, "libreservoir_torch.so"),
-                      os.path.join(here, "..", "build", "lib", "libreservoir_torch.so")):
+    candidates = []
+    spec = importlib.util.find_spec("reservoir")  # finds the package without importing it
+    if spec is not None and spec.origin:
+        candidates.append(os.path.join(os.path.dirname(spec.origin), "lib", "libreservoir_torch.so"))
+    candidates.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "libreservoir_torch.so"))
+    for candidate in candidates:
         if os.path.exists(candidate):
             return os.path.abspath(candidate)
-    raise FileNotFoundError("libreservoir_torch.so not found: set RESERVOIR_TORCH_LIB")
+    raise FileNotFoundError("libreservoir_torch.so not found (looked at " + ", ".join(candidates) +
+                            "): install reservoir (pip install .) or set RESERVOIR_TORCH_LIB")
 
 
 def library():

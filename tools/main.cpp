@@ -4,10 +4,12 @@
 
 #include "commands.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/version.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"reservoir: replay, verify, export, summarize, compare, report and advise on GPU allocation traces"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", "reservoir " RESERVOIR_VERSION_STRING);
   reservoir::tools::add_replay(app);
   reservoir::tools::add_verify(app);
   reservoir::tools::add_export(app);

@@ -20,6 +20,13 @@ With PyTorch (CUDA)::
 
 The module-level functions act on default_saver(device), the saver PyTorch
 allocates from. reservoir.memory_saver is a drop-in for torch_memory_saver.
+
+The package holds its native files itself (pip install . puts them there, and
+the CMake build tree's build/python/reservoir has the same layout):
+torch_library_path() is PyTorch's pluggable allocator for ctypes users
+(reservoir_torch), preload_library_path() the LD_PRELOAD interposer for any
+CUDA program, cli_path() the `reservoir` command-line tool (also installed as
+the `reservoir` command, and run by `python -m reservoir`).
 """
 import os
 
@@ -39,6 +46,7 @@ from ._core import (  # noqa: F401
     SimDevice,
     TraceError,
     UsageError,
+    __version__,
     default_saver,
     open_device,
     rss_bytes,
@@ -46,9 +54,40 @@ from ._core import (  # noqa: F401
 from . import _core
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_file(relative, what):
+    path = os.path.join(_PACKAGE_DIR, relative)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{what} is not in this reservoir package: {path} does not exist "
+            f"(reservoir {__version__} at {_PACKAGE_DIR})")
+    return path
+
+
 def library_path():
     """The file PyTorch's CUDAPluggableAllocator loads (this module's own)."""
     return os.path.abspath(_core.__file__)
+
+
+def torch_library_path():
+    """libreservoir_torch.so: the pluggable allocator as a library of its own."""
+    return _package_file(os.path.join("lib", "libreservoir_torch.so"), "libreservoir_torch.so")
+
+
+def preload_library_path():
+    """libreservoir_preload.so: LD_PRELOAD it to serve a CUDA program's allocations.
+
+    Built only where CUDA's headers were found when the package was built.
+    """
+    return _package_file(os.path.join("lib", "libreservoir_preload.so"),
+                         "libreservoir_preload.so (built only where CUDA's headers are found)")
+
+
+def cli_path():
+    """The `reservoir` command-line tool (replay, verify, export, advise...)."""
+    return _package_file(os.path.join("bin", "reservoir"), "the reservoir command-line tool")
 
 
 def install_torch(config=None, device_kind=None):

@@ -22,6 +22,7 @@
 #include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
+#include "reservoir/version.hpp"
 #include "torch_saver.hpp"
 
 namespace py = pybind11;
@@ -102,6 +103,7 @@ py::object snapshot_dict(const Saver& saver) {
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "reservoir: GPU memory management (caching allocator, pause/resume of tagged memory)";
+  m.attr("__version__") = RESERVOIR_VERSION_STRING;
 
   auto error = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
   py::register_exception<ConfigError>(m, "ConfigError", error.ptr());

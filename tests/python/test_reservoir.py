@@ -3,6 +3,9 @@ contents, addresses, resident memory, errors, stats, snapshots, the process
 saver PyTorch allocates from, and the torch_memory_saver drop-in."""
 import ctypes
 import os
+import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -288,3 +291,21 @@ def test_open_device_by_kind_gives_the_backend_and_rejects_unknown_kinds():
     with pytest.raises(reservoir.UsageError,
                        match=r"^unknown device kind 'tpu' \(sim, host, cuda-runtime, cuda-vmm\)$"):
         reservoir.open_device("tpu")
+
+
+def test_native_files_and_the_tool_are_found_through_the_package():
+    package = os.path.dirname(os.path.abspath(reservoir.__file__))
+    assert re.fullmatch(r"\d+\.\d+\.\d+", reservoir.__version__)
+    found = [reservoir.torch_library_path(), reservoir.cli_path()]
+    try:
+        found.append(reservoir.preload_library_path())
+    except FileNotFoundError as e:  # a build without CUDA's headers has no interposer
+        assert "libreservoir_preload.so" in str(e) and package in str(e)
+    for path in found:
+        assert os.path.dirname(os.path.dirname(path)) == package and os.path.isfile(path), path
+    assert os.path.basename(reservoir.torch_library_path()) == "libreservoir_torch.so"
+    out = subprocess.run([sys.executable, "-m", "reservoir", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == f"reservoir {reservoir.__version__}\n", out
+    out = subprocess.run([sys.executable, "-m", "reservoir", "replay", "no-such-trace"], capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "no-such-trace" in out.stderr, out

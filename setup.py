@@ -1,0 +1,117 @@
+"""Builds the reservoir Python package with the project's CMake.
+
+setuptools (pyproject.toml's backend) handles the package and the wheel;
+CMakeBuild runs the CMake build (Release, every dependency but glibc and
+libstdc++ linked in: RESERVOIR_PORTABLE) and puts what its "python" install
+component holds into the package: the extension module reservoir._core,
+lib/libreservoir_torch.so, lib/libreservoir_preload.so (where CUDA's headers
+are found) and bin/reservoir.
+
+Environment: RESERVOIR_CMAKE_BUILD_DIR (the CMake build folder; default
+build/python-package/<python>/cmake, kept between builds), CMAKE_ARGS (more
+-D options for the configure step), CMAKE_BUILD_PARALLEL_LEVEL.
+"""
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.install import install
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def cmake_project_version():
+    with open(os.path.join(ROOT, "CMakeLists.txt"), encoding="utf-8") as f:
+        match = re.search(r"project\(\s*reservoir\s+VERSION\s+([0-9][0-9.]*)", f.read())
+    if match is None:
+        raise RuntimeError("CMakeLists.txt: no project(reservoir VERSION x.y.z) to take the version from")
+    return match.group(1)
+
+
+# Everything setuptools writes goes under build/ (one folder per Python), not
+# into the checkout.
+BUILD_BASE = os.path.join(ROOT, "build", "python-package",
+                          f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}")
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        build_dir = os.environ.get("RESERVOIR_CMAKE_BUILD_DIR") or os.path.join(BUILD_BASE, "cmake")
+        configure = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
+                     "-DRESERVOIR_PORTABLE=ON", "-DRESERVOIR_BUILD_TESTS=OFF",
+                     "-DRESERVOIR_BUILD_BENCH=OFF", "-DRESERVOIR_BUILD_TOOLS=ON",
+                     "-DRESERVOIR_BUILD_PYTHON=ON", f"-DPython_EXECUTABLE={sys.executable}"]
+        if shutil.which("ninja") and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+            configure += ["-G", "Ninja"]
+        try:
+            import pybind11  # pip's pybind11 where there is one; Debian's pybind11-dev otherwise
+            configure.append(f"-Dpybind11_DIR={pybind11.get_cmake_dir()}")
+        except ImportError:
+            pass
+        configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        self._run(configure)
+        cache = os.path.join(build_dir, "CMakeCache.txt")
+        with open(cache, encoding="utf-8") as f:
+            if re.search(r"^pybind11_DIR:PATH=.*NOTFOUND", f.read(), re.M):
+                raise RuntimeError(
+                    "CMake found no pybind11 (pybind11Config.cmake): install Debian's pybind11-dev "
+                    "or pip's pybind11, or pass -Dpybind11_DIR=... in CMAKE_ARGS")
+        jobs = self.parallel or os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or os.cpu_count() or 1
+        self._run(["cmake", "--build", build_dir, "--parallel", str(jobs)])
+
+        stage = os.path.join(self.build_temp, "cmake-install")
+        shutil.rmtree(stage, ignore_errors=True)
+        self._run(["cmake", "--install", build_dir, "--component", "python", "--prefix", stage])
+        staged = os.path.join(stage, "reservoir")
+        modules = glob.glob(os.path.join(staged, "_core*.so"))
+        if len(modules) != 1:
+            raise RuntimeError(f"the CMake install held {len(modules)} extension modules in {staged}, not one")
+        target = self.get_ext_fullpath(ext.name)
+        package = os.path.dirname(target)
+        os.makedirs(package, exist_ok=True)
+        shutil.copy2(modules[0], target)
+        for sub in ("lib", "bin"):
+            shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
+            shutil.copytree(os.path.join(staged, sub), os.path.join(package, sub))
+
+    def _run(self, command):
+        print(" ".join(shlex.quote(c) for c in command), flush=True)
+        subprocess.run(command, check=True, cwd=ROOT)
+
+
+class Install(install):
+    """Debian's setuptools reads the `install_layout` and `prefix_option`
+    options that only Debian's own distutils defines: give them their unset
+    values, so that setuptools serves other interpreters too (a CPython 3.12
+    building with it, say)."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        for option in ("install_layout", "prefix_option"):
+            if not hasattr(self, option):
+                setattr(self, option, None)
+
+
+os.makedirs(BUILD_BASE, exist_ok=True)
+setup(
+    version=cmake_project_version(),
+    package_dir={"": "python"},
+    packages=["reservoir"],
+    py_modules=["reservoir_torch"],
+    ext_modules=[CMakeExtension("reservoir._core")],
+    cmdclass={"build_ext": CMakeBuild, "install": Install},
+    zip_safe=False,
+    options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
+)

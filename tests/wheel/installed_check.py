@@ -1,0 +1,69 @@
+"""Run with the interpreter of a virtual environment reservoir's wheel was
+installed into: the package is the installed one (not a build tree), its
+version is the CMake project's, the native files are inside the package and
+work (the pluggable allocator on host memory through reservoir_torch, the
+interposer preloaded into a program, the command-line tool as a console
+script and as python -m reservoir).
+
+Usage: installed_check.py VENV VERSION TRACE EXPECT_PRELOAD(ON|OFF)
+"""
+import ctypes
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+venv, version, trace, expect_preload = sys.argv[1:5]
+venv = os.path.realpath(venv)
+os.environ["RESERVOIR_TORCH_DEVICE"] = "host"  # the pluggable allocator on real host memory
+
+import reservoir  # noqa: E402
+import reservoir_torch  # noqa: E402
+
+package = os.path.dirname(os.path.realpath(reservoir.__file__))
+site = os.path.realpath(next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)))
+assert package == os.path.join(site, "reservoir"), (package, site)
+assert os.path.realpath(reservoir._core.__file__).startswith(package + os.sep), reservoir._core.__file__
+assert os.path.realpath(reservoir_torch.__file__) == os.path.join(site, "reservoir_torch.py")
+assert not any("build/python" in p for p in sys.path), sys.path
+
+assert reservoir.__version__ == version, (reservoir.__version__, version)
+assert importlib.metadata.version("reservoir") == version
+
+paths = {"torch": reservoir.torch_library_path(), "cli": reservoir.cli_path()}
+if expect_preload.upper() in ("ON", "1", "TRUE", "YES"):
+    paths["preload"] = reservoir.preload_library_path()
+for what, path in paths.items():
+    assert os.path.realpath(path).startswith(package + os.sep) and os.path.isfile(path), (what, path)
+assert os.path.realpath(reservoir.library_path()).startswith(package + os.sep)
+
+# reservoir_torch finds its library through the package.
+assert reservoir_torch.library_path() == paths["torch"], reservoir_torch.library_path()
+lib = reservoir_torch.library()
+ptr = lib.reservoir_torch_malloc(3 << 20, 0, None)
+assert ptr, lib.reservoir_torch_last_error()
+data = os.urandom(3 << 20)
+ctypes.memmove(ptr, data, len(data))
+assert ctypes.string_at(ptr, len(data)) == data
+stats = reservoir_torch.memory_stats(0)
+assert stats["allocated_bytes.all.current"] == 3 << 20, stats["allocated_bytes.all.current"]
+lib.reservoir_torch_free(ctypes.c_void_p(ptr), 3 << 20, 0, None)
+assert reservoir_torch.memory_stats(0)["allocated_bytes.all.current"] == 0
+
+# The command-line tool: the console script, python -m reservoir, errors.
+script = os.path.join(venv, "bin", "reservoir")
+for command in ([script], [sys.executable, "-m", "reservoir"]):
+    out = subprocess.run(command + ["--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"reservoir {version}", (command, out)
+out = subprocess.run([script, "replay", trace], capture_output=True, text=True)
+assert out.returncode == 0 and os.path.basename(trace) in out.stdout, out
+out = subprocess.run([script, "replay", trace + ".missing"], capture_output=True, text=True)
+assert out.returncode != 0 and ".missing" in out.stderr, out
+
+# The interposer loads into a program that makes no CUDA call at all.
+if "preload" in paths:
+    out = subprocess.run(["/bin/true"], env=dict(os.environ, LD_PRELOAD=paths["preload"]),
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out
+
+print(f"installed package checks passed: reservoir {version} at {package}")

@@ -1,0 +1,239 @@
+"""reservoir as a pip package: builds the wheel from the checkout with pip
+(setuptools' backend driving the project's CMake, no build isolation: no
+package index is reachable here), checks what the wheel holds, installs it
+into a fresh virtual environment and, from a folder outside the checkout,
+runs the project's Python test suite and the installed package's own checks
+against the installed package, never the build tree.
+
+Usage: wheel_test.py --source DIR --work DIR --version X.Y.Z --python PYTHON
+                     [--expect-preload ON|OFF]
+
+PYTHON is an interpreter, or "3.12" for the machine's CPython 3.12 (from PATH
+or pyenv) when there is one (exit 77 when there is none). Debian's
+pure-Python setuptools, wheel and pytest serve an interpreter that lacks them
+(by PYTHONPATH, never installed into the environment under test).
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+
+DEBIAN_SITE = "/usr/lib/python3/dist-packages"
+DEBIAN_WHEELS = "/usr/share/python-wheels"
+BUILD_TOOLS = ["setuptools", "wheel"]
+TEST_TOOLS = ["pytest", "pluggy", "iniconfig", "packaging", "attrs"]
+# What a portable build may need of the machine it runs on.
+ALLOWED_NEEDED = re.compile(r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so")
+
+failures = []
+
+
+def check(condition, what):
+    print(("ok    " if condition else "FAIL  ") + what, flush=True)
+    if not condition:
+        failures.append(what)
+
+
+def run(cmd, env=None, cwd=None, capture=False):
+    print("$ " + " ".join(cmd), flush=True)
+    result = subprocess.run(cmd, env=env, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE if capture else None,
+                            stderr=subprocess.STDOUT if capture else None)
+    if capture:
+        print(result.stdout, end="", flush=True)
+    return result
+
+
+def find_python312():
+    candidates = [shutil.which("python3.12") or ""]
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates += sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin", "python3.12")))
+    candidates += ["/usr/local/bin/python3.12", "/usr/bin/python3.12"]
+    probe = ("import sys, sysconfig, os; sys.exit(0 if sys.version_info[:2] == (3, 12) and "
+             "os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 1)")
+    for c in candidates:
+        if c and os.access(c, os.X_OK) and subprocess.run([c, "-c", probe], stdout=subprocess.DEVNULL,
+                                                          stderr=subprocess.DEVNULL).returncode == 0:
+            # The real interpreter, not a pyenv shim.
+            return subprocess.run([c, "-c", "import sys; print(sys.executable)"], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+    return None
+
+
+def interpreter_info(python):
+    code = ("import sys, sysconfig; print(sys.version_info[0], sys.version_info[1]); "
+            "print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    major, minor = out[0].split()
+    return f"cp{major}{minor}", out[1].strip()
+
+
+def debian_links(folder, distributions):
+    """Debian's pure-Python distributions, importable from `folder`: the
+    wheel Debian ships for virtual environments where there is one (its
+    installed setuptools is patched for Debian's own Python), else links to
+    the installed package and its metadata."""
+    os.makedirs(folder, exist_ok=True)
+    for name in distributions:
+        shipped = sorted(glob.glob(os.path.join(DEBIAN_WHEELS, f"{name}-*.whl")))
+        if shipped:
+            with zipfile.ZipFile(shipped[-1]) as z:
+                z.extractall(folder)
+            continue
+        metas = [m for m in glob.glob(os.path.join(DEBIAN_SITE, "*-info"))
+                 if re.match(re.escape(name) + r"-[0-9]", os.path.basename(m), re.I)]
+        if len(metas) != 1:
+            sys.exit(f"Debian's {name} is not installed in {DEBIAN_SITE} (found {metas})")
+        top = os.path.join(metas[0], "top_level.txt")
+        names = open(top).read().split() if os.path.exists(top) else [name]
+        for entry in [os.path.basename(metas[0])] + names:
+            for path in (os.path.join(DEBIAN_SITE, entry), os.path.join(DEBIAN_SITE, entry + ".py")):
+                link = os.path.join(folder, os.path.basename(path))
+                if os.path.exists(path) and not os.path.lexists(link):
+                    os.symlink(path, link)
+    return folder
+
+
+def has_modules(python, modules, env):
+    return subprocess.run([python, "-c", "import " + ", ".join(modules)], env=env,
+                          capture_output=True).returncode == 0
+
+
+def git_state(source):
+    if not os.path.isdir(os.path.join(source, ".git")) or shutil.which("git") is None:
+        return None
+    return subprocess.run(["git", "status", "--porcelain", "--ignored=no"], cwd=source,
+                          capture_output=True, text=True).stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--python", required=True)
+    ap.add_argument("--expect-preload", default="ON")
+    args = ap.parse_args()
+    source = os.path.abspath(args.source)
+
+    python = args.python
+    if python == "3.12":
+        python = find_python312()
+        if python is None:
+            print("no CPython 3.12 with its headers on this machine: nothing to build for it")
+            return 77
+    tag, ext_suffix = interpreter_info(python)
+    print(f"building for {tag} with {python}")
+    work = os.path.join(os.path.abspath(args.work), tag)
+    os.makedirs(work, exist_ok=True)
+
+    # 1. The wheel, from the checkout, with pip.
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("RESERVOIR_", "PYTHON", "VIRTUAL_ENV", "PIP_"))}
+    build_env = dict(base_env, RESERVOIR_CMAKE_BUILD_DIR=os.path.join(work, "cmake"),
+                     PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    if not has_modules(python, BUILD_TOOLS, build_env):
+        build_env["PYTHONPATH"] = debian_links(os.path.join(work, "build-tools"), BUILD_TOOLS)
+    dist = os.path.join(work, "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    before = git_state(source)
+    rc = run([python, "-m", "pip", "wheel", source, "--no-build-isolation", "--no-deps", "-w", dist],
+             env=build_env).returncode
+    check(rc == 0, f"pip wheel {source} --no-build-isolation exits 0 (got {rc})")
+    if rc != 0:
+        return 1
+    if before is not None:
+        after = git_state(source)
+        check(after == before, "building the wheel leaves the checkout as it was (git status)"
+              + ("" if after == before else f": before {before!r}, after {after!r}"))
+    wheels = glob.glob(os.path.join(dist, "*.whl"))
+    check(len(wheels) == 1, f"one wheel in {dist} (found {wheels})")
+    wheel = wheels[0]
+
+    # 2. What the wheel holds.
+    name = os.path.basename(wheel)
+    check(re.fullmatch(rf"reservoir-{re.escape(args.version)}-{tag}-{tag}-linux_x86_64\.whl", name) is not None,
+          f"wheel name {name} carries version {args.version} and tag {tag}")
+    with zipfile.ZipFile(wheel) as z:
+        members = {i.filename: i for i in z.infolist()}
+        info = f"reservoir-{args.version}.dist-info"
+        expected = {"reservoir_torch.py", "reservoir/__init__.py", "reservoir/__main__.py",
+                    "reservoir/memory_saver.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
+                    "reservoir/lib/libreservoir_torch.so"}
+        if args.expect_preload.upper() in ("ON", "1", "TRUE", "YES"):
+            expected.add("reservoir/lib/libreservoir_preload.so")
+        payload = {n for n in members if not n.startswith(info + "/")}
+        check(payload == expected, "the wheel holds exactly the package's files"
+              + ("" if payload == expected else f": missing {sorted(expected - payload)}, "
+                 f"unexpected {sorted(payload - expected)}"))
+        metadata = z.read(f"{info}/METADATA").decode()
+        check(re.search(rf"^Version: {re.escape(args.version)}$", metadata, re.M) is not None,
+              f"METADATA's Version is the CMake project's {args.version}")
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+        check(re.search(r"^reservoir = reservoir\.__main__:main$", entry_points, re.M) is not None,
+              "a console script `reservoir` runs reservoir.__main__:main")
+        tool = members.get("reservoir/bin/reservoir")
+        check(tool is not None and (tool.external_attr >> 16) & 0o111 != 0,
+              "reservoir/bin/reservoir is executable in the wheel")
+        unpacked = os.path.join(work, "unpacked")
+        shutil.rmtree(unpacked, ignore_errors=True)
+        z.extractall(unpacked, [n for n in expected if n.endswith(".so") or n.endswith("/reservoir")])
+    for member in sorted(n for n in expected if n.endswith(".so") or n.endswith("/reservoir")):
+        dynamic = subprocess.run(["readelf", "-d", os.path.join(unpacked, member)], capture_output=True,
+                                 text=True).stdout
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic)
+        extra = [n for n in needed if not ALLOWED_NEEDED.match(n)]
+        check(needed and not extra and "RPATH" not in dynamic and "RUNPATH" not in dynamic,
+              f"{member} needs only glibc, libstdc++ and libgcc, no run path (needs {needed})")
+
+    # 3. A fresh virtual environment with the wheel installed, used from a
+    # folder outside the checkout.
+    scratch = tempfile.mkdtemp(prefix=f"reservoir-wheel-{tag}-")
+    try:
+        venv = os.path.join(scratch, "venv")
+        # With the interpreter's own site-packages visible (Debian's PyTorch,
+        # for the suite's PyTorch test), which hold no reservoir.
+        rc = run([python, "-m", "venv", "--system-site-packages", venv], env=base_env).returncode
+        check(rc == 0, f"{python} -m venv exits 0")
+        if rc != 0:
+            return 1
+        vpy = os.path.join(venv, "bin", "python")
+        rc = run([vpy, "-m", "pip", "install", "--no-index", "--no-deps", wheel],
+                 env=dict(base_env, PIP_DISABLE_PIP_VERSION_CHECK="1")).returncode
+        check(rc == 0, "pip install of the wheel into the fresh environment exits 0")
+        if rc != 0:
+            return 1
+        test_env = {"PATH": os.path.join(venv, "bin") + ":/usr/bin:/bin", "HOME": scratch,
+                    "PYTHONNOUSERSITE": "1", "LANG": "C.UTF-8"}
+        if not has_modules(vpy, ["pytest"], test_env):
+            test_env["PYTHONPATH"] = debian_links(os.path.join(scratch, "test-tools"), TEST_TOOLS)
+        run_dir = os.path.join(scratch, "run")
+        os.makedirs(run_dir)
+        for f in glob.glob(os.path.join(source, "tests", "python", "*.py")):
+            shutil.copy(f, run_dir)
+        shutil.copy(os.path.join(source, "tests", "wheel", "installed_check.py"), run_dir)
+        trace = os.path.join(run_dir, "small.trace")
+        shutil.copy(os.path.join(source, "examples", "traces", "transformer_training.trace"), trace)
+
+        rc = run([vpy, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                  "-W", "ignore::DeprecationWarning:_pytest.assertion.rewrite", run_dir], env=test_env,
+                 cwd=run_dir).returncode
+        check(rc == 0, "the project's Python test suite passes against the installed package")
+        rc = run([vpy, "installed_check.py", venv, args.version, trace,
+                  args.expect_preload], env=test_env, cwd=run_dir).returncode
+        check(rc == 0, "installed_check.py: the installed package's location, version, files and command")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    print(f"{len(failures)} failure(s)" if failures else f"wheel {name}: every check passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
