@@ -7,7 +7,7 @@ DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-
         libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev python3 \
         python3-torch python3-selenium python3-pil chromium chromium-driver \
         python3-dev pybind11-dev python3-pytest \
-        python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel
+        python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
 SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \

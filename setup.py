@@ -53,8 +53,16 @@ class CMakeBuild(build_ext):
                      "-DRESERVOIR_PORTABLE=ON", "-DRESERVOIR_BUILD_TESTS=OFF",
                      "-DRESERVOIR_BUILD_BENCH=OFF", "-DRESERVOIR_BUILD_TOOLS=ON",
                      "-DRESERVOIR_BUILD_PYTHON=ON", f"-DPython_EXECUTABLE={sys.executable}"]
-        if shutil.which("ninja") and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
-            configure += ["-G", "Ninja"]
+        cache = os.path.join(build_dir, "CMakeCache.txt")
+        if not os.path.exists(cache):
+            if shutil.which("ninja"):
+                configure += ["-G", "Ninja"]
+        else:
+            # A kept build folder may have served another Python: FindPython
+            # and pybind11 would keep that one's headers and module suffix, so
+            # what they found is looked up again (unchanged findings rebuild
+            # nothing; a new Python rebuilds the extension module alone).
+            configure[5:5] = ["-U", "Python_*", "-U", "_Python_*", "-U", "PYTHON_*"]
         try:
             import pybind11  # pip's pybind11 where there is one; Debian's pybind11-dev otherwise
             configure.append(f"-Dpybind11_DIR={pybind11.get_cmake_dir()}")
@@ -62,14 +70,14 @@ class CMakeBuild(build_ext):
             pass
         configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         self._run(configure)
-        cache = os.path.join(build_dir, "CMakeCache.txt")
         with open(cache, encoding="utf-8") as f:
             if re.search(r"^pybind11_DIR:PATH=.*NOTFOUND", f.read(), re.M):
                 raise RuntimeError(
                     "CMake found no pybind11 (pybind11Config.cmake): install Debian's pybind11-dev "
                     "or pip's pybind11, or pass -Dpybind11_DIR=... in CMAKE_ARGS")
         jobs = self.parallel or os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or os.cpu_count() or 1
-        self._run(["cmake", "--build", build_dir, "--parallel", str(jobs)])
+        self._run(["cmake", "--build", build_dir, "--target", "reservoir_python_package",
+                   "--parallel", str(jobs)])
 
         stage = os.path.join(self.build_temp, "cmake-install")
         shutil.rmtree(stage, ignore_errors=True)

@@ -81,6 +81,25 @@ cmake -S "$root" -B "$bb" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRESERVOIR_PORTAB
 cmake --build "$bb" -j "$jobs" --target gpu_test gpu_bench reservoir_cli reservoir_torch \
   reservoir_preload reservoir_python
 
+# The Python package as a CPython 3.12 wheel (pyproject.toml, setup.py), from
+# this same build: setup.py configures it with the bundle's own options again
+# (CMAKE_ARGS), so it only gathers what is built. Debian's pure-Python
+# setuptools and wheel serve a 3.12 that has none (no package index here).
+wheel_env=(RESERVOIR_CMAKE_BUILD_DIR="$bb" PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+           CMAKE_ARGS="-DRESERVOIR_BUILD_TESTS=ON -DRESERVOIR_BUILD_BENCH=ON -Dbenchmark_DIR=$bench_cmake")
+if ! "$py312" -c 'import setuptools, wheel' >/dev/null 2>&1; then
+  tools=$(python3 "$root/scripts/debian_python_tools.py" "$bb/python-tools" setuptools wheel) ||
+    die "CPython 3.12 has no setuptools and wheel, and Debian's could not be used (python3-setuptools-whl, python3-wheel)"
+  wheel_env+=(PYTHONPATH="$tools")
+fi
+say "wheel for CPython 3.12"
+rm -rf "$bb/wheels"
+if ! env "${wheel_env[@]}" "$py312" -m pip wheel "$root" --no-build-isolation --no-deps \
+     -w "$bb/wheels" >"$bb/wheel.log" 2>&1; then
+  tail -40 "$bb/wheel.log" >&2
+  die "pip wheel failed for CPython 3.12 (log: $bb/wheel.log)"
+fi
+
 # The plain CUDA program for the interposer: linked against the shared CUDA
 # runtime, as programs must be for LD_PRELOAD to see their calls.
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -97,14 +116,16 @@ fi
 # Assemble.
 say "assembling $out"
 rm -rf "$out"
-mkdir -p "$out"/{bin,lib,python/reservoir,tests,traces}
+mkdir -p "$out"/{bin,lib,python/reservoir,tests,traces,wheels}
 install -m 755 "$bb/bin/gpu_test" "$bb/bin/gpu_bench" "$bb/bin/reservoir" "$bb/cuda/cuda_probe" "$out/bin/"
 install -m 755 "$bb/lib/libreservoir_torch.so" "$bb/lib/libreservoir_preload.so" "$out/lib/"
 install -m 644 "$root"/python/reservoir/*.py "$out/python/reservoir/"
 install -m 755 "$bb"/python/reservoir/_core*.so "$out/python/reservoir/"
 install -m 644 "$root/python/reservoir_torch.py" "$out/python/"
+install -m 644 "$bb"/wheels/reservoir-*-cp312-cp312-*.whl "$out/wheels/"
 install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.cpp" \
-  "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" "$out/tests/"
+  "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" \
+  "$root/tests/wheel/installed_check.py" "$out/tests/"
 install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"
 install -m 755 "$root/scripts/gpu_bundle/run.sh" "$out/"
 install -m 644 "$root/scripts/gpu_bundle/run_steps.py" "$root/scripts/gpu_bundle/README.txt" "$out/"

@@ -50,6 +50,12 @@ class Run:
         self.env_torch = dict(os.environ)    # for PyTorch's processes (its own CUDA runtime)
         self.torch_python = None
         self.module_python = None
+        self.package_dir = None  # where the bundle's wheel was installed, once it is
+
+    def python_path(self):
+        """Where the Python steps import reservoir from: the installed wheel,
+        else the bundle's loose python/ folder."""
+        return self.package_dir or PYDIR
 
     def say(self, text=""):
         print(text, flush=True)
@@ -336,9 +342,35 @@ def step_bundle(run):
     if rc != 0:
         problems.append("PyTorch plug-in on a simulated device: " + first_error(text))
 
+    # The Python package as pip installs it: the bundle's CPython 3.12 wheel,
+    # into a folder of this run's own, checked where it landed; the Python
+    # steps then import it from there (from the loose python/ folder only
+    # where this fails).
+    if run.module_python:
+        wheels = sorted(glob.glob(os.path.join(HERE, "wheels", "reservoir-*-cp312-cp312-*.whl")))
+        target = os.path.join(run.scratch, "site")
+        if len(wheels) == 1:
+            rc, text = run.cmd([run.module_python, "-m", "pip", "install", "--no-index", "--no-deps",
+                                "--disable-pip-version-check", "--target", target, wheels[0]], timeout=180)
+        else:
+            rc, text = 1, f"error: wheels/ holds {len(wheels)} CPython 3.12 wheels, not one"
+        if rc == 0:
+            version = os.path.basename(wheels[0]).split("-")[1]
+            rc, text = run.cmd([run.module_python, os.path.join(TESTS, "installed_check.py"), target,
+                                os.path.join(target, "bin"), version,
+                                os.path.join(HERE, "traces", "resnet_training.pickle"), "ON"],
+                               env={**run.env_native, "PYTHONPATH": target}, timeout=120, cwd=run.scratch)
+        checks["the Python module's wheel installs with pip; the installed package's checks pass"] = rc == 0
+        if rc == 0:
+            run.package_dir = target
+            run.results["facts"]["python_package"] = "the wheel " + os.path.basename(wheels[0])
+        else:
+            problems.append("Python wheel: " + first_error(text))
+            run.results["facts"]["python_package"] = "the loose python/ folder (the wheel failed)"
+
     # The extension module (CPython 3.12) on host memory.
     if run.module_python:
-        env = {**run.env_native, "PYTHONPATH": PYDIR, "RESERVOIR_TORCH_DEVICE": "host"}
+        env = {**run.env_native, "PYTHONPATH": run.python_path(), "RESERVOIR_TORCH_DEVICE": "host"}
         has_pytest = run.cmd([run.module_python, "-c", "import pytest"], env=env, timeout=60)[0] == 0
         if has_pytest:
             rc, text = run.cmd([run.module_python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -437,7 +469,7 @@ def step_torch_pause(run):
     if not run.module_python or run.module_python != run.torch_python:
         raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
     text = python_step(run, [os.path.join(TESTS, "torch_pause_test.py")],
-                       {**run.env_torch, "PYTHONPATH": PYDIR}, 300, "torch_pause_last")
+                       {**run.env_torch, "PYTHONPATH": run.python_path()}, 300, "torch_pause_last")
     rows = re.findall(r"config '([^']*)': ([0-9.]+) GiB\s+pause ([0-9.]+) GiB/s \(pinned copy ([0-9.]+)\)"
                       r"\s+resume ([0-9.]+) GiB/s \(pinned copy ([0-9.]+)\)", text)
     run.results["figures"]["torch_pause"] = [

@@ -30,11 +30,14 @@ EXPECTED = ["run.sh", "run_steps.py", "README.txt", "BUILD_INFO.json",
             "python/reservoir/_core.cpython-312-x86_64-linux-gnu.so", "python/reservoir_torch.py",
             "tests/torch_training_test.py", "tests/torch_pause_test.py", "tests/torch_preload_test.py",
             "tests/torch_native_bench.py", "tests/torch_native_bench.cpp", "tests/test_reservoir.py",
-            "tests/module_smoke.py", "traces/resnet_training.pickle"]
+            "tests/module_smoke.py", "tests/installed_check.py", "traces/resnet_training.pickle"]
 
 # What it holds, and how big it is.
 for rel in EXPECTED:
     check(os.path.isfile(os.path.join(bundle, rel)), f"holds {rel}")
+wheels = sorted(f for f in os.listdir(os.path.join(bundle, "wheels")) if f.endswith(".whl"))
+check(len(wheels) == 1 and wheels[0].startswith("reservoir-") and "-cp312-cp312-linux_x86_64" in wheels[0],
+      f"holds the package as one CPython 3.12 wheel ({wheels})")
 size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(bundle) for f in fs)
 check(size <= 48 << 20, f"size {size / (1 << 20):.1f} MiB <= 48 MiB")
 

@@ -1,11 +1,12 @@
-"""Run with the interpreter of a virtual environment reservoir's wheel was
-installed into: the package is the installed one (not a build tree), its
-version is the CMake project's, the native files are inside the package and
-work (the pluggable allocator on host memory through reservoir_torch, the
-interposer preloaded into a program, the command-line tool as a console
-script and as python -m reservoir).
+"""Run with the interpreter reservoir's wheel was installed for (a virtual
+environment's, or any with PYTHONPATH=SITE after pip install --target SITE):
+the package is the installed one in SITE (not a build tree), its version is
+the CMake project's, the native files are inside the package and work (the
+pluggable allocator on host memory through reservoir_torch, the interposer
+preloaded into a program, the command-line tool as the console script pip
+put in SCRIPTS and as python -m reservoir).
 
-Usage: installed_check.py VENV VERSION TRACE EXPECT_PRELOAD(ON|OFF)
+Usage: installed_check.py SITE SCRIPTS VERSION TRACE EXPECT_PRELOAD(ON|OFF)
 """
 import ctypes
 import importlib.metadata
@@ -13,15 +14,14 @@ import os
 import subprocess
 import sys
 
-venv, version, trace, expect_preload = sys.argv[1:5]
-venv = os.path.realpath(venv)
+site, scripts, version, trace, expect_preload = sys.argv[1:6]
+site = os.path.realpath(site)
 os.environ["RESERVOIR_TORCH_DEVICE"] = "host"  # the pluggable allocator on real host memory
 
 import reservoir  # noqa: E402
 import reservoir_torch  # noqa: E402
 
 package = os.path.dirname(os.path.realpath(reservoir.__file__))
-site = os.path.realpath(next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)))
 assert package == os.path.join(site, "reservoir"), (package, site)
 assert os.path.realpath(reservoir._core.__file__).startswith(package + os.sep), reservoir._core.__file__
 assert os.path.realpath(reservoir_torch.__file__) == os.path.join(site, "reservoir_torch.py")
@@ -51,7 +51,7 @@ lib.reservoir_torch_free(ctypes.c_void_p(ptr), 3 << 20, 0, None)
 assert reservoir_torch.memory_stats(0)["allocated_bytes.all.current"] == 0
 
 # The command-line tool: the console script, python -m reservoir, errors.
-script = os.path.join(venv, "bin", "reservoir")
+script = os.path.join(scripts, "reservoir")
 for command in ([script], [sys.executable, "-m", "reservoir"]):
     out = subprocess.run(command + ["--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"reservoir {version}", (command, out)

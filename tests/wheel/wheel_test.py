@@ -1,17 +1,19 @@
-"""reservoir as a pip package: builds the wheel from the checkout with pip
-(setuptools' backend driving the project's CMake, no build isolation: no
-package index is reachable here), checks what the wheel holds, installs it
+"""reservoir as a pip package: builds the wheel from the checkout with
+`python -m build` or pip (setuptools' backend driving the project's CMake, no
+build isolation: no package index is reachable here), checks what the wheel
+holds, installs it
 into a fresh virtual environment and, from a folder outside the checkout,
 runs the project's Python test suite and the installed package's own checks
 against the installed package, never the build tree.
 
-Usage: wheel_test.py --source DIR --work DIR --version X.Y.Z --python PYTHON
+Usage: wheel_test.py --source DIR --work DIR --version X.Y.Z --python PYTHON...
                      [--expect-preload ON|OFF]
 
-PYTHON is an interpreter, or "3.12" for the machine's CPython 3.12 (from PATH
-or pyenv) when there is one (exit 77 when there is none). Debian's
+Each --python is an interpreter, or "3.12" for the machine's CPython 3.12
+(from PATH or pyenv) where there is one (it says so where there is none). Debian's
 pure-Python setuptools, wheel and pytest serve an interpreter that lacks them
-(by PYTHONPATH, never installed into the environment under test).
+(scripts/debian_python_tools.py: by PYTHONPATH, never installed into the
+environment under test).
 """
 import argparse
 import glob
@@ -24,10 +26,9 @@ import sysconfig
 import tempfile
 import zipfile
 
-DEBIAN_SITE = "/usr/lib/python3/dist-packages"
-DEBIAN_WHEELS = "/usr/share/python-wheels"
-BUILD_TOOLS = ["setuptools", "wheel"]
-TEST_TOOLS = ["pytest", "pluggy", "iniconfig", "packaging", "attrs"]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from debian_python_tools import BUILD_TOOLS, TEST_TOOLS, fill as debian_tools  # noqa: E402
+
 # What a portable build may need of the machine it runs on.
 ALLOWED_NEEDED = re.compile(r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so")
 
@@ -74,32 +75,6 @@ def interpreter_info(python):
     return f"cp{major}{minor}", out[1].strip()
 
 
-def debian_links(folder, distributions):
-    """Debian's pure-Python distributions, importable from `folder`: the
-    wheel Debian ships for virtual environments where there is one (its
-    installed setuptools is patched for Debian's own Python), else links to
-    the installed package and its metadata."""
-    os.makedirs(folder, exist_ok=True)
-    for name in distributions:
-        shipped = sorted(glob.glob(os.path.join(DEBIAN_WHEELS, f"{name}-*.whl")))
-        if shipped:
-            with zipfile.ZipFile(shipped[-1]) as z:
-                z.extractall(folder)
-            continue
-        metas = [m for m in glob.glob(os.path.join(DEBIAN_SITE, "*-info"))
-                 if re.match(re.escape(name) + r"-[0-9]", os.path.basename(m), re.I)]
-        if len(metas) != 1:
-            sys.exit(f"Debian's {name} is not installed in {DEBIAN_SITE} (found {metas})")
-        top = os.path.join(metas[0], "top_level.txt")
-        names = open(top).read().split() if os.path.exists(top) else [name]
-        for entry in [os.path.basename(metas[0])] + names:
-            for path in (os.path.join(DEBIAN_SITE, entry), os.path.join(DEBIAN_SITE, entry + ".py")):
-                link = os.path.join(folder, os.path.basename(path))
-                if os.path.exists(path) and not os.path.lexists(link):
-                    os.symlink(path, link)
-    return folder
-
-
 def has_modules(python, modules, env):
     return subprocess.run([python, "-c", "import " + ", ".join(modules)], env=env,
                           capture_output=True).returncode == 0
@@ -117,35 +92,50 @@ def main():
     ap.add_argument("--source", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--version", required=True)
-    ap.add_argument("--python", required=True)
+    ap.add_argument("--python", required=True, action="append")
     ap.add_argument("--expect-preload", default="ON")
     args = ap.parse_args()
-    source = os.path.abspath(args.source)
+    built = 0
+    for python in args.python:
+        if python == "3.12":
+            python = find_python312()
+            if python is None:
+                print("no CPython 3.12 with its headers on this machine: no wheel to build for it")
+                continue
+        if wheel_for(python, args) != 0:
+            break
+        built += 1
+    print(f"{len(failures)} failure(s)" if failures else f"{built} wheel(s): every check passed")
+    return 1 if failures else 0
 
-    python = args.python
-    if python == "3.12":
-        python = find_python312()
-        if python is None:
-            print("no CPython 3.12 with its headers on this machine: nothing to build for it")
-            return 77
+
+def wheel_for(python, args):
+    """Builds, checks, installs and tests the wheel for one interpreter; one
+    CMake build folder serves every interpreter (only the extension module
+    differs, so a second one rebuilds little)."""
+    source = os.path.abspath(args.source)
     tag, ext_suffix = interpreter_info(python)
-    print(f"building for {tag} with {python}")
+    print(f"\n== building for {tag} with {python}", flush=True)
     work = os.path.join(os.path.abspath(args.work), tag)
     os.makedirs(work, exist_ok=True)
 
-    # 1. The wheel, from the checkout, with pip.
+    # 1. The wheel, from the checkout.
     base_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("RESERVOIR_", "PYTHON", "VIRTUAL_ENV", "PIP_"))}
-    build_env = dict(base_env, RESERVOIR_CMAKE_BUILD_DIR=os.path.join(work, "cmake"),
+    build_env = dict(base_env, RESERVOIR_CMAKE_BUILD_DIR=os.path.join(os.path.abspath(args.work), "cmake"),
                      PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     if not has_modules(python, BUILD_TOOLS, build_env):
-        build_env["PYTHONPATH"] = debian_links(os.path.join(work, "build-tools"), BUILD_TOOLS)
+        build_env["PYTHONPATH"] = debian_tools(os.path.join(work, "build-tools"), BUILD_TOOLS)
     dist = os.path.join(work, "dist")
     shutil.rmtree(dist, ignore_errors=True)
     before = git_state(source)
-    rc = run([python, "-m", "pip", "wheel", source, "--no-build-isolation", "--no-deps", "-w", dist],
-             env=build_env).returncode
-    check(rc == 0, f"pip wheel {source} --no-build-isolation exits 0 (got {rc})")
+    # PyPA's build where the interpreter has it, pip otherwise: both front ends.
+    if has_modules(python, ["build"], build_env):
+        command = [python, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, source]
+    else:
+        command = [python, "-m", "pip", "wheel", source, "--no-build-isolation", "--no-deps", "-w", dist]
+    rc = run(command, env=build_env).returncode
+    check(rc == 0, f"{' '.join(command[1:4])} ... exits 0 (got {rc})")
     if rc != 0:
         return 1
     if before is not None:
@@ -212,7 +202,7 @@ def main():
         test_env = {"PATH": os.path.join(venv, "bin") + ":/usr/bin:/bin", "HOME": scratch,
                     "PYTHONNOUSERSITE": "1", "LANG": "C.UTF-8"}
         if not has_modules(vpy, ["pytest"], test_env):
-            test_env["PYTHONPATH"] = debian_links(os.path.join(scratch, "test-tools"), TEST_TOOLS)
+            test_env["PYTHONPATH"] = debian_tools(os.path.join(scratch, "test-tools"), TEST_TOOLS)
         run_dir = os.path.join(scratch, "run")
         os.makedirs(run_dir)
         for f in glob.glob(os.path.join(source, "tests", "python", "*.py")):
@@ -225,14 +215,14 @@ def main():
                   "-W", "ignore::DeprecationWarning:_pytest.assertion.rewrite", run_dir], env=test_env,
                  cwd=run_dir).returncode
         check(rc == 0, "the project's Python test suite passes against the installed package")
-        rc = run([vpy, "installed_check.py", venv, args.version, trace,
+        site = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              env=test_env, capture_output=True, text=True, check=True).stdout.strip()
+        rc = run([vpy, "installed_check.py", site, os.path.join(venv, "bin"), args.version, trace,
                   args.expect_preload], env=test_env, cwd=run_dir).returncode
         check(rc == 0, "installed_check.py: the installed package's location, version, files and command")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-    print(f"{len(failures)} failure(s)" if failures else f"wheel {name}: every check passed")
-    return 1 if failures else 0
+    return 0
 
 
 if __name__ == "__main__":
