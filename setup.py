@@ -94,6 +94,19 @@ class CMakeBuild(build_ext):
             shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
             shutil.copytree(os.path.join(staged, sub), os.path.join(package, sub))
 
+    def copy_extensions_to_source(self):
+        """Editable installs (pip install -e .) and --inplace: the package's
+        native files go into the source package beside the extension module."""
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            package = ext.name.rpartition(".")[0]
+            built = os.path.dirname(os.path.join(self.build_lib, self.get_ext_filename(ext.name)))
+            source = os.path.join(ROOT, build_py.get_package_dir(package))
+            for sub in ("lib", "bin"):
+                shutil.rmtree(os.path.join(source, sub), ignore_errors=True)
+                shutil.copytree(os.path.join(built, sub), os.path.join(source, sub))
+
     def _run(self, command):
         print(" ".join(shlex.quote(c) for c in command), flush=True)
         subprocess.run(command, check=True, cwd=ROOT)
