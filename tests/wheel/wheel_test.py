@@ -1,7 +1,7 @@
-"""reservoir as a pip package: builds the wheel from the checkout with
-`python -m build` or pip (setuptools' backend driving the project's CMake, no
-build isolation: no package index is reachable here), checks what the wheel
-holds, installs it
+"""reservoir as a pip package: builds the wheel from the checkout's tracked
+files (copied as a fresh clone has them) with `python -m build` or pip
+(setuptools' backend driving the project's CMake, no build isolation: no
+package index is reachable here), checks what the wheel holds, installs it
 into a fresh virtual environment and, from a folder outside the checkout,
 runs the project's Python test suite and the installed package's own checks
 against the installed package, never the build tree.
@@ -10,10 +10,10 @@ Usage: wheel_test.py --source DIR --work DIR --version X.Y.Z --python PYTHON...
                      [--expect-preload ON|OFF]
 
 Each --python is an interpreter, or "3.12" for the machine's CPython 3.12
-(from PATH or pyenv) where there is one (it says so where there is none). Debian's
-pure-Python setuptools, wheel and pytest serve an interpreter that lacks them
-(scripts/debian_python_tools.py: by PYTHONPATH, never installed into the
-environment under test).
+(from PATH or pyenv) where there is one (it says so where there is none).
+Debian's pure-Python setuptools, wheel and pytest serve an interpreter that
+lacks them (scripts/debian_python_tools.py: by PYTHONPATH, never installed
+into the environment under test).
 """
 import argparse
 import glob
@@ -80,11 +80,49 @@ def has_modules(python, modules, env):
                           capture_output=True).returncode == 0
 
 
-def git_state(source):
-    if not os.path.isdir(os.path.join(source, ".git")) or shutil.which("git") is None:
+def tracked_files(checkout):
+    """The files a fresh clone of the checkout has (git ls-files), or None
+    where it is not a git checkout."""
+    if not os.path.isdir(os.path.join(checkout, ".git")) or shutil.which("git") is None:
         return None
-    return subprocess.run(["git", "status", "--porcelain", "--ignored=no"], cwd=source,
-                          capture_output=True, text=True).stdout
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=checkout, capture_output=True, check=True).stdout
+    return {f for f in out.decode().split("\0") if f and os.path.lexists(os.path.join(checkout, f))}
+
+
+def clone_of(checkout, files, dest):
+    """The tracked files' working-tree contents copied to dest, as a fresh
+    clone holds them (a file the build needs but git does not track fails
+    here, as it would for anyone installing from a clone); unchanged files
+    keep their times, so the kept CMake build rebuilds only what changed."""
+    for folder, _, names in os.walk(dest, topdown=False):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), dest)
+            if rel not in files and not rel.startswith("build" + os.sep):
+                os.remove(os.path.join(folder, name))
+    for rel in files:
+        src, dst = os.path.join(checkout, rel), os.path.join(dest, rel)
+        st = os.lstat(src)
+        if os.path.lexists(dst):
+            dt = os.lstat(dst)
+            if dt.st_size == st.st_size and dt.st_mtime_ns == st.st_mtime_ns:
+                continue
+            os.remove(dst)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst, follow_symlinks=False)
+    return dest
+
+
+def untracked_outside_build(tree, files):
+    """Files in tree that git does not track, outside build/ and Python's
+    bytecode caches (the build backend is imported from the tree)."""
+    left = []
+    for folder, dirs, names in os.walk(tree):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), tree)
+            if rel not in files and not rel.startswith("build" + os.sep):
+                left.append(rel)
+    return sorted(left)
 
 
 def main():
@@ -95,6 +133,13 @@ def main():
     ap.add_argument("--python", required=True, action="append")
     ap.add_argument("--expect-preload", default="ON")
     args = ap.parse_args()
+    checkout = os.path.abspath(args.source)
+    files = tracked_files(checkout)
+    args.tracked = files
+    args.source = checkout if files is None else clone_of(checkout, files,
+                                                          os.path.join(os.path.abspath(args.work), "src"))
+    print(f"building from {args.source}"
+          + ("" if files is None else f" ({len(files)} tracked files of {checkout})"))
     built = 0
     for python in args.python:
         if python == "3.12":
@@ -128,7 +173,6 @@ def wheel_for(python, args):
         build_env["PYTHONPATH"] = debian_tools(os.path.join(work, "build-tools"), BUILD_TOOLS)
     dist = os.path.join(work, "dist")
     shutil.rmtree(dist, ignore_errors=True)
-    before = git_state(source)
     # PyPA's build where the interpreter has it, pip otherwise: both front ends.
     if has_modules(python, ["build"], build_env):
         command = [python, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, source]
@@ -138,10 +182,10 @@ def wheel_for(python, args):
     check(rc == 0, f"{' '.join(command[1:4])} ... exits 0 (got {rc})")
     if rc != 0:
         return 1
-    if before is not None:
-        after = git_state(source)
-        check(after == before, "building the wheel leaves the checkout as it was (git status)"
-              + ("" if after == before else f": before {before!r}, after {after!r}"))
+    if args.tracked is not None:
+        left = untracked_outside_build(source, args.tracked)
+        check(not left, "building the wheel writes nothing into the tree outside build/"
+              + (f": {left[:10]}" if left else ""))
     wheels = glob.glob(os.path.join(dist, "*.whl"))
     check(len(wheels) == 1, f"one wheel in {dist} (found {wheels})")
     wheel = wheels[0]
