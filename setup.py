@@ -41,6 +41,13 @@ BUILD_BASE = os.path.join(ROOT, "build", "python-package",
                           f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}")
 
 
+def copy_native_folders(source, package):
+    """The package's lib/ and bin/ (beside the extension module), replaced."""
+    for sub in ("lib", "bin"):
+        shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
+        shutil.copytree(os.path.join(source, sub), os.path.join(package, sub))
+
+
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
@@ -90,9 +97,7 @@ class CMakeBuild(build_ext):
         package = os.path.dirname(target)
         os.makedirs(package, exist_ok=True)
         shutil.copy2(modules[0], target)
-        for sub in ("lib", "bin"):
-            shutil.rmtree(os.path.join(package, sub), ignore_errors=True)
-            shutil.copytree(os.path.join(staged, sub), os.path.join(package, sub))
+        copy_native_folders(staged, package)
 
     def copy_extensions_to_source(self):
         """Editable installs (pip install -e .) and --inplace: the package's
@@ -102,10 +107,7 @@ class CMakeBuild(build_ext):
         for ext in self.extensions:
             package = ext.name.rpartition(".")[0]
             built = os.path.dirname(os.path.join(self.build_lib, self.get_ext_filename(ext.name)))
-            source = os.path.join(ROOT, build_py.get_package_dir(package))
-            for sub in ("lib", "bin"):
-                shutil.rmtree(os.path.join(source, sub), ignore_errors=True)
-                shutil.copytree(os.path.join(built, sub), os.path.join(source, sub))
+            copy_native_folders(built, os.path.join(ROOT, build_py.get_package_dir(package)))
 
     def _run(self, command):
         print(" ".join(shlex.quote(c) for c in command), flush=True)

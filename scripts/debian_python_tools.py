@@ -38,8 +38,10 @@ def fill(folder, distributions):
         if len(metas) != 1:
             raise Missing(f"Debian's {name} is not installed in {DEBIAN_SITE} (found {metas or 'none'})")
         top = os.path.join(metas[0], "top_level.txt")
-        with open(top) if os.path.exists(top) else open(os.devnull) as f:
-            names = f.read().split() or [name]
+        names = [name]
+        if os.path.exists(top):
+            with open(top) as f:
+                names = f.read().split() or names
         for entry in [os.path.basename(metas[0])] + names:
             for path in (os.path.join(DEBIAN_SITE, entry), os.path.join(DEBIAN_SITE, entry + ".py")):
                 link = os.path.join(folder, os.path.basename(path))

@@ -94,11 +94,8 @@ def clone_of(checkout, files, dest):
     clone holds them (a file the build needs but git does not track fails
     here, as it would for anyone installing from a clone); unchanged files
     keep their times, so the kept CMake build rebuilds only what changed."""
-    for folder, _, names in os.walk(dest, topdown=False):
-        for name in names:
-            rel = os.path.relpath(os.path.join(folder, name), dest)
-            if rel not in files and not rel.startswith("build" + os.sep):
-                os.remove(os.path.join(folder, name))
+    for rel in untracked_outside_build(dest, files):
+        os.remove(os.path.join(dest, rel))
     for rel in files:
         src, dst = os.path.join(checkout, rel), os.path.join(dest, rel)
         st = os.lstat(src)
