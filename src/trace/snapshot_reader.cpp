@@ -4,8 +4,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <unordered_map>
+#include <iterator>
 #include <limits>
+#include <optional>
+#include <unordered_map>
 
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
@@ -18,6 +20,30 @@ using pickle::Value;
 
 namespace {
 
+// The keys PyTorch writes (some versions, some entries), which the reader
+// knows; any other key is kept as a count in Trace::unknown_keys.
+constexpr std::string_view kEventKeys[] = {
+    "action",   "addr",     "device_free",    "size",          "stream", "time_us",
+    "frames",   "context",  "compile_context", "user_metadata", "forward_frames",
+    "pool_id",  "device",   "name"};
+constexpr std::string_view kSegmentKeys[] = {
+    "device",         "address",   "total_size",    "allocated_size", "active_size",
+    "requested_size", "stream",    "segment_type",  "segment_pool_id", "is_expandable",
+    "frames",         "blocks",    "context",       "compile_context", "user_metadata",
+    "forward_frames"};
+constexpr std::string_view kBlockKeys[] = {
+    "address", "size", "requested_size", "state", "frames", "context", "compile_context",
+    "user_metadata", "forward_frames"};
+constexpr std::string_view kTopKeys[] = {"segments", "device_traces", "allocator_settings",
+                                         "external_annotations", "contexts"};
+
+template <std::size_t N>
+bool known(std::string_view key, const std::string_view (&keys)[N]) {
+  return std::find(std::begin(keys), std::end(keys), key) != std::end(keys);
+}
+
+constexpr std::size_t kUnplaced = static_cast<std::size_t>(-1);
+
 class Reader {
  public:
   explicit Reader(std::string name) : name_(std::move(name)) {}
@@ -28,47 +54,77 @@ class Reader {
 
   const Value& field(const Value& dict, std::string_view key, const std::string& path) const {
     if (dict.kind != Kind::dict)
-      fail(path, fmt::format("expected a dict, found {}", to_string(dict.kind)));
+      fail(path, fmt::format("expected a dict, got {}", to_string(dict.kind)));
     const Value* v = dict.find(key);
     if (v == nullptr) fail(path, fmt::format("'{}' is missing", key));
     return *v;
   }
 
-  std::int64_t integer(const Value& dict, std::string_view key, const std::string& path) const {
-    const Value& v = field(dict, key, path);
+  std::int64_t as_integer(const Value& v, const std::string& path) const {
     if (v.kind == Kind::boolean) return v.boolean ? 1 : 0;
-    if (v.kind != Kind::integer) {
-      fail(path, fmt::format("'{}' should be an int, found {}", key, to_string(v.kind)));
-    }
+    if (v.kind != Kind::integer) fail(path, fmt::format("expected int, got {}", to_string(v.kind)));
     return v.integer;
+  }
+
+  std::uint64_t as_unsigned(const Value& v, const std::string& path) const {
+    const std::int64_t i = as_integer(v, path);
+    if (v.above_int64) return static_cast<std::uint64_t>(i);
+    if (i < 0) fail(path, fmt::format("expected a non-negative int, got {}", i));
+    return static_cast<std::uint64_t>(i);
+  }
+
+  std::int64_t integer(const Value& dict, std::string_view key, const std::string& path) const {
+    return as_integer(field(dict, key, path), fmt::format("{}.{}", path, key));
   }
 
   std::uint64_t unsigned_int(const Value& dict, std::string_view key,
                              const std::string& path) const {
-    const std::int64_t i = integer(dict, key, path);
-    if (field(dict, key, path).above_int64) return static_cast<std::uint64_t>(i);
-    if (i < 0) fail(path, fmt::format("'{}' is negative ({})", key, i));
-    return static_cast<std::uint64_t>(i);
+    return as_unsigned(field(dict, key, path), fmt::format("{}.{}", path, key));
   }
 
   const std::string& text(const Value& dict, std::string_view key, const std::string& path) const {
     const Value& v = field(dict, key, path);
     if (v.kind != Kind::string) {
-      fail(path, fmt::format("'{}' should be a str, found {}", key, to_string(v.kind)));
+      fail(fmt::format("{}.{}", path, key), fmt::format("expected str, got {}", to_string(v.kind)));
     }
     return v.text;
   }
 
+  // An optional str key: absent or None is empty.
+  std::string_view optional_text(const Value& dict, std::string_view key,
+                                 const std::string& path) const {
+    const Value* v = dict.find(key);
+    if (v == nullptr || v->kind == Kind::none) return {};
+    if (v->kind != Kind::string) {
+      fail(fmt::format("{}.{}", path, key), fmt::format("expected str, got {}", to_string(v->kind)));
+    }
+    return v->text;
+  }
+
   const std::vector<const Value*>& list(const Value& v, const std::string& path) const {
     if (v.kind != Kind::list && v.kind != Kind::tuple) {
-      fail(path, fmt::format("expected a list, found {}", to_string(v.kind)));
+      fail(path, fmt::format("expected a list, got {}", to_string(v.kind)));
     }
     return v.items;
   }
 
+  // Keys of `dict` that the reader does not know, counted under `pattern`.
+  template <std::size_t N>
+  void note_unknown(const Value& dict, const std::string_view (&keys)[N], std::string_view pattern,
+                    Trace& trace) const {
+    for (const auto& [k, v] : dict.entries) {
+      if (k->kind != Kind::string) {
+        ++trace.unknown_keys[fmt::format("{}<{} key>", pattern, to_string(k->kind))];
+      } else if (!known(k->text, keys)) {
+        ++trace.unknown_keys[fmt::format("{}{}", pattern, k->text)];
+      }
+    }
+  }
+
   std::string config_from_settings(const Value& settings) const {
     const std::string path = "allocator_settings";
-    if (settings.kind != Kind::dict) fail(path, "expected a dict");
+    if (settings.kind != Kind::dict)
+      fail(path, fmt::format("expected a dict, got {}", to_string(settings.kind)));
     std::vector<std::string> parts;
     if (const Value* v = settings.find("max_split_size");
         v && v->kind == Kind::integer && v->integer > 0) {
@@ -102,8 +158,9 @@ class Reader {
     return fmt::format("{}", fmt::join(parts, ","));
   }
 
-  TraceAction action(const std::string& a, const std::string& path, bool* skip) const {
-    *skip = false;
+  // The action of an event; nullopt for those that carry no allocator work
+  // (user_defined annotations) or that the reader does not know.
+  static std::optional<TraceAction> action(std::string_view a) {
     if (a == "alloc") return TraceAction::alloc;
     if (a == "free_requested") return TraceAction::free_requested;
     if (a == "free_completed") return TraceAction::free_completed;
@@ -113,14 +170,12 @@ class Reader {
     if (a == "segment_unmap") return TraceAction::segment_unmap;
     if (a == "snapshot") return TraceAction::snapshot;
     if (a == "oom") return TraceAction::oom;
-    if (a == "user_defined") {
-      *skip = true;  // annotations carry no allocator work
-      return TraceAction::snapshot;
-    }
-    fail(path, fmt::format("unknown action '{}'", a));
+    return std::nullopt;
   }
 
   // The context of an event or block from its "frames" (absent or empty: 0).
+  // PyTorch shares one frames list among the entries of one stack, and the
+  // pickle memo keeps it one value: each distinct list is read once.
   std::uint32_t context(const Value& owner, const std::string& path, Trace& trace) {
     if (owner.find("context") != nullptr) {  // our JSON: an index into "contexts"
       const std::uint64_t id = unsigned_int(owner, "context", path);
@@ -131,29 +186,34 @@ class Reader {
       return static_cast<std::uint32_t>(id);
     }
     const Value* frames = owner.find("frames");
-    if (frames == nullptr) return 0;
+    if (frames == nullptr || frames->kind == Kind::none) return 0;
+    if (auto it = by_list_.find(frames); it != by_list_.end()) return it->second;
     const auto& items = list(*frames, path + ".frames");
-    if (items.empty()) return 0;
-    Context c;
-    for (std::size_t i = 0; i < items.size(); ++i) {
-      const std::string fpath = fmt::format("{}.frames[{}]", path, i);
-      Frame frame = this->frame(*items[i], fpath);
-      if (frame.filename == kAnnotationFile) {
-        c.annotations.push_back(std::move(frame.name));
-      } else if (!c.annotations.empty()) {
-        fail(fpath, "a stack frame follows an annotation frame (annotations come last)");
-      } else {
-        c.frames.push_back(std::move(frame));
+    std::uint32_t id = 0;
+    if (!items.empty()) {
+      Context c;
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        const std::string fpath = fmt::format("{}.frames[{}]", path, i);
+        Frame frame = this->frame(*items[i], fpath);
+        if (frame.filename == kAnnotationFile) {
+          c.annotations.push_back(std::move(frame.name));
+        } else if (!c.annotations.empty()) {
+          fail(fpath, "a stack frame follows an annotation frame (annotations come last)");
+        } else {
+          c.frames.push_back(std::move(frame));
+        }
       }
+      std::reverse(c.annotations.begin(), c.annotations.end());  // outermost first
+      std::string key = context_key(c);
+      auto [it, inserted] = context_ids_.try_emplace(std::move(key), 0);
+      if (inserted) {
+        it->second = static_cast<std::uint32_t>(trace.final_state.contexts.size());
+        trace.final_state.contexts.push_back(std::move(c));
+      }
+      id = it->second;
     }
-    std::reverse(c.annotations.begin(), c.annotations.end());  // outermost first
-    std::string key = context_key(c);
-    auto [it, inserted] = context_ids_.try_emplace(std::move(key), 0);
-    if (inserted) {
-      it->second = static_cast<std::uint32_t>(trace.final_state.contexts.size());
-      trace.final_state.contexts.push_back(std::move(c));
-    }
-    return it->second;
+    by_list_.emplace(frames, id);
+    return id;
   }
 
   // Our JSON's table of contexts; [0] must be the empty one.
@@ -177,64 +237,117 @@ class Reader {
     }
   }
 
+  // A frame: PyTorch writes name, filename and line; a frame without file
+  // or line information (native frames of some builds) is "??", line 0.
   Frame frame(const Value& f, const std::string& fpath) const {
+    if (f.kind != Kind::dict) fail(fpath, fmt::format("expected a dict, got {}", to_string(f.kind)));
     Frame frame;
-    frame.filename = text(f, "filename", fpath);
-    frame.name = text(f, "name", fpath);
-    const std::int64_t line = integer(f, "line", fpath);
-    if (line < std::numeric_limits<int>::min() || line > std::numeric_limits<int>::max()) {
-      fail(fpath, fmt::format("'line' is out of range ({})", line));
+    frame.filename = std::string(optional_text(f, "filename", fpath));
+    if (frame.filename.empty() && f.find("filename") == nullptr) frame.filename = "??";
+    frame.name = std::string(optional_text(f, "name", fpath));
+    if (const Value* l = f.find("line"); l != nullptr && l->kind != Kind::none) {
+      const std::int64_t line = as_integer(*l, fpath + ".line");
+      if (line < std::numeric_limits<int>::min() || line > std::numeric_limits<int>::max()) {
+        fail(fpath + ".line", fmt::format("out of range ({})", line));
+      }
+      frame.line = static_cast<int>(line);
     }
-    frame.line = static_cast<int>(line);
     return frame;
   }
 
-  Trace read(const Value& root, int device) {
-    Trace trace;
-    trace.name = name_;
-    trace.format = to_string(TraceFormat::pytorch_pickle);
-    trace.has_addresses = true;
-    if (root.kind != Kind::dict)
-      fail("top level", fmt::format("expected a dict, found {}", to_string(root.kind)));
-    if (const Value* settings = root.find("allocator_settings")) {
-      trace.recorded_config = config_from_settings(*settings);
-    } else {
-      trace.settings_recorded = false;
+  // external_annotations: {stage, name, device, time_us} per entry.
+  void read_external_annotations(const Value& list_value, int device, Trace& trace) const {
+    const auto& items = list(list_value, "external_annotations");
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      const std::string path = fmt::format("external_annotations[{}]", i);
+      const Value& a = *items[i];
+      if (a.kind != Kind::dict) fail(path, fmt::format("expected a dict, got {}", to_string(a.kind)));
+      if (const Value* d = a.find("device"); d != nullptr && d->kind != Kind::none &&
+                                              as_integer(*d, path + ".device") != device) {
+        continue;
+      }
+      TraceAnnotation note;
+      note.event = kUnplaced;
+      note.stage = std::string(optional_text(a, "stage", path));
+      note.name = std::string(optional_text(a, "name", path));
+      if (const Value* t = a.find("time_us"); t != nullptr && t->kind != Kind::none) {
+        note.time_us = as_integer(*t, path + ".time_us");
+      }
+      trace.annotations.push_back(std::move(note));
     }
-    if (const Value* contexts = root.find("contexts")) read_contexts(*contexts, trace);
-    const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
-    if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
-      fail("device_traces",
-           fmt::format("no device {} (the snapshot has {})", device, traces.size()));
-    }
-    trace.device = device;
-    trace.device_count = traces.size();
-    const std::string dpath = fmt::format("device_traces[{}]", device);
-    const auto& events = list(*traces[static_cast<std::size_t>(device)], dpath);
+  }
+
+  void read_events(const Value& list_value, const std::string& dpath, Trace& trace) {
+    const auto& events = list(list_value, dpath);
     trace.events.reserve(events.size());
     for (std::size_t i = 0; i < events.size(); ++i) {
       const std::string path = fmt::format("{}[{}]", dpath, i);
       const Value& e = *events[i];
-      bool skip = false;
-      const TraceAction a = action(text(e, "action", path), path, &skip);
-      if (skip) continue;
+      const std::string& name = text(e, "action", path);
+      note_unknown(e, kEventKeys, "device_traces[][].", trace);
+      const std::optional<TraceAction> a = action(name);
+      std::int64_t time_us = 0;
+      if (const Value* t = e.find("time_us"); t != nullptr && t->kind != Kind::none) {
+        time_us = as_integer(*t, path + ".time_us");
+      }
+      (void)optional_text(e, "compile_context", path);
+      if (const Value* m = e.find("user_metadata");
+          m != nullptr && m->kind != Kind::string && m->kind != Kind::none &&
+          m->kind != Kind::dict) {
+        fail(path + ".user_metadata", fmt::format("expected str, got {}", to_string(m->kind)));
+      }
+      if (!a) {
+        if (name == "user_defined") {
+          TraceAnnotation note;
+          note.name = annotation_name(e, path);
+          note.time_us = time_us;
+          note.event = trace.events.size();
+          trace.annotations.push_back(std::move(note));
+        } else {
+          ++trace.skipped_actions[name];
+        }
+        continue;
+      }
       TraceEvent ev;
-      ev.action = a;
-      ev.addr = unsigned_int(e, "addr", path);
+      ev.action = *a;
+      if (*a == TraceAction::oom) {
+        // PyTorch writes the device's free memory in place of an address.
+        ev.addr = e.find("device_free") != nullptr ? unsigned_int(e, "device_free", path)
+                  : e.find("addr") != nullptr      ? unsigned_int(e, "addr", path)
+                                                   : 0;
+      } else {
+        ev.addr = unsigned_int(e, "addr", path);
+      }
       ev.size = unsigned_int(e, "size", path);
       ev.stream = unsigned_int(e, "stream", path);
-      if (e.find("time_us") != nullptr) ev.time_us = integer(e, "time_us", path);
+      ev.time_us = time_us;
       ev.context = context(e, path, trace);
       trace.events.push_back(ev);
     }
-    const auto& segments = list(field(root, "segments", "top level"), "segments");
+  }
+
+  // A user_defined event's name: its "name" where written, else the
+  // innermost frame's function.
+  std::string annotation_name(const Value& e, const std::string& path) const {
+    if (std::string_view n = optional_text(e, "name", path); !n.empty()) return std::string(n);
+    if (const Value* frames = e.find("frames"); frames != nullptr && frames->kind != Kind::none) {
+      const auto& items = list(*frames, path + ".frames");
+      if (!items.empty()) return frame(*items.front(), path + ".frames[0]").name;
+    }
+    return {};
+  }
+
+  void read_segments(const Value& list_value, int device, Trace& trace) {
+    const auto& segments = list(list_value, "segments");
     for (std::size_t i = 0; i < segments.size(); ++i) {
       const std::string path = fmt::format("segments[{}]", i);
       const Value& s = *segments[i];
-      if (const Value* d = s.find("device");
-          d && d->kind == Kind::integer && d->integer != device) {
+      if (s.kind != Kind::dict) fail(path, fmt::format("expected a dict, got {}", to_string(s.kind)));
+      if (const Value* d = s.find("device"); d != nullptr && d->kind != Kind::none &&
+                                              as_integer(*d, path + ".device") != device) {
         continue;
       }
+      note_unknown(s, kSegmentKeys, "segments[].", trace);
       SegmentInfo seg;
       seg.device = device;
       seg.address = unsigned_int(s, "address", path);
@@ -242,15 +355,21 @@ class Reader {
       seg.stream = unsigned_int(s, "stream", path);
       const std::string& type = text(s, "segment_type", path);
       if (type != "large" && type != "small")
-        fail(path, fmt::format("segment_type '{}' is neither large nor small", type));
+        fail(path + ".segment_type", fmt::format("'{}' is neither large nor small", type));
       seg.is_large = type == "large";
-      if (const Value* x = s.find("is_expandable"); x && x->kind == Kind::boolean)
-        seg.is_expandable = x->boolean;
+      if (const Value* x = s.find("is_expandable"); x != nullptr && x->kind != Kind::none) {
+        if (x->kind != Kind::boolean && x->kind != Kind::integer) {
+          fail(path + ".is_expandable", fmt::format("expected bool, got {}", to_string(x->kind)));
+        }
+        seg.is_expandable = x->kind == Kind::boolean ? x->boolean : x->integer != 0;
+      }
       const auto& blocks = list(field(s, "blocks", path), path + ".blocks");
       DevicePtr cursor = seg.address;
       for (std::size_t j = 0; j < blocks.size(); ++j) {
         const std::string bpath = fmt::format("{}.blocks[{}]", path, j);
         const Value& b = *blocks[j];
+        if (b.kind != Kind::dict) fail(bpath, fmt::format("expected a dict, got {}", to_string(b.kind)));
+        note_unknown(b, kBlockKeys, "segments[].blocks[].", trace);
         BlockInfo block;
         block.address = b.find("address") ? unsigned_int(b, "address", bpath) : cursor;
         block.size = unsigned_int(b, "size", bpath);
@@ -259,12 +378,12 @@ class Reader {
         const std::string& state = text(b, "state", bpath);
         if (state == "active_allocated") {
           block.state = BlockState::active_allocated;
-        } else if (state == "active_pending_free") {
+        } else if (state == "active_pending_free" || state == "active_awaiting_free") {
           block.state = BlockState::active_pending_free;
         } else if (state == "inactive") {
           block.state = BlockState::inactive;
         } else {
-          fail(bpath, fmt::format("unknown block state '{}'", state));
+          fail(bpath + ".state", fmt::format("unknown block state '{}'", state));
         }
         block.context = context(b, bpath, trace);
         cursor = block.address + block.size;
@@ -279,7 +398,7 @@ class Reader {
       if (s.find("allocated_size")) seg.allocated_size = unsigned_int(s, "allocated_size", path);
       if (s.find("active_size")) seg.active_size = unsigned_int(s, "active_size", path);
       if (s.find("requested_size")) seg.requested_size = unsigned_int(s, "requested_size", path);
-      if (const Value* pool = s.find("segment_pool_id")) {
+      if (const Value* pool = s.find("segment_pool_id"); pool != nullptr && pool->kind != Kind::none) {
         const auto& ids = list(*pool, path + ".segment_pool_id");
         if (ids.size() != 2 || ids[0]->kind != Kind::integer || ids[1]->kind != Kind::integer) {
           fail(path + ".segment_pool_id", "expected two ints");
@@ -291,12 +410,74 @@ class Reader {
     }
     std::sort(trace.final_state.segments.begin(), trace.final_state.segments.end(),
               [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  }
+
+  // The number of devices the snapshot holds traces of.
+  std::size_t device_count(const Value& root) const {
+    if (root.kind != Kind::dict)
+      fail("top level", fmt::format("expected a dict, got {}", to_string(root.kind)));
+    return list(field(root, "device_traces", "top level"), "device_traces").size();
+  }
+
+  Trace read(const Value& root, int device) {
+    Trace trace;
+    trace.name = name_;
+    trace.format = to_string(TraceFormat::pytorch_pickle);
+    trace.has_addresses = true;
+    if (root.kind != Kind::dict)
+      fail("top level", fmt::format("expected a dict, got {}", to_string(root.kind)));
+    note_unknown(root, kTopKeys, "", trace);
+    if (const Value* settings = root.find("allocator_settings")) {
+      trace.recorded_config = config_from_settings(*settings);
+      trace.recorded_settings_text =
+          std::string(optional_text(*settings, "PYTORCH_CUDA_ALLOC_CONF", "allocator_settings"));
+    } else {
+      trace.settings_recorded = false;
+    }
+    if (const Value* contexts = root.find("contexts")) read_contexts(*contexts, trace);
+    const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
+    if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
+      fail("device_traces",
+           fmt::format("no device {} (the snapshot has {})", device, traces.size()));
+    }
+    trace.device = device;
+    trace.device_count = traces.size();
+    for (std::size_t d = 0; d < traces.size(); ++d) {
+      trace.device_events.push_back(list(*traces[d], fmt::format("device_traces[{}]", d)).size());
+    }
+    read_events(*traces[static_cast<std::size_t>(device)],
+                fmt::format("device_traces[{}]", device), trace);
+    if (const Value* external = root.find("external_annotations");
+        external != nullptr && external->kind != Kind::none) {
+      read_external_annotations(*external, device, trace);
+    }
+    place_annotations(trace);
+    read_segments(field(root, "segments", "top level"), device, trace);
     return trace;
   }
 
  private:
+  // Each annotation before the first event recorded after it (by time for
+  // the external ones, which are kept apart from the events).
+  static void place_annotations(Trace& trace) {
+    std::stable_sort(trace.annotations.begin(), trace.annotations.end(),
+                     [](const TraceAnnotation& a, const TraceAnnotation& b) {
+                       return a.time_us < b.time_us;
+                     });
+    std::size_t k = 0;
+    for (TraceAnnotation& a : trace.annotations) {
+      if (a.event != kUnplaced) continue;  // a user_defined event, placed where it was recorded
+      while (k < trace.events.size() &&
+             (trace.events[k].time_us == 0 || trace.events[k].time_us < a.time_us)) {
+        ++k;
+      }
+      a.event = k;
+    }
+  }
+
   std::string name_;
   std::unordered_map<std::string, std::uint32_t> context_ids_;
+  std::unordered_map<const Value*, std::uint32_t> by_list_;  // frames list -> context
 };
 
 // JSON values as pickle values, so one reader checks both.
@@ -349,19 +530,17 @@ const Value* from_json(const nlohmann::json& j, pickle::Document& doc, const std
 
 }  // namespace
 
-Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
-                            int device) {
-  pickle::Document doc = [&] {
-    try {
-      return pickle::decode(data);
-    } catch (const TraceError& e) {
-      throw TraceError(fmt::format("snapshot {}: {}", name, e.what()));
-    }
-  }();
-  return Reader(name).read(doc.root(), device);
+namespace {
+
+pickle::Document decode_snapshot(std::span<const std::uint8_t> data, const std::string& name) {
+  try {
+    return pickle::decode(data);
+  } catch (const TraceError& e) {
+    throw TraceError(fmt::format("snapshot {}: {}", name, e.what()));
+  }
 }
 
-Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {
+pickle::Document decode_json(const std::string& text, const std::string& name) {
   nlohmann::json j;
   try {
     // Depth is bounded by the parser's recursion; snapshots nest 6 levels.
@@ -376,9 +555,43 @@ Trace read_snapshot_json(const std::string& text, const std::string& name, int d
   }
   pickle::Document doc;
   doc.set_root(from_json(j, doc, name));
+  return doc;
+}
+
+std::vector<Trace> every_device(const pickle::Document& doc, const std::string& name,
+                                TraceFormat format) {
+  const std::size_t n = Reader(name).device_count(doc.root());
+  std::vector<Trace> out;
+  out.reserve(n);
+  for (std::size_t d = 0; d < n; ++d) {
+    out.push_back(Reader(name).read(doc.root(), static_cast<int>(d)));
+    out.back().format = to_string(format);
+  }
+  return out;
+}
+
+}  // namespace
+
+Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
+                            int device) {
+  const pickle::Document doc = decode_snapshot(data, name);
+  return Reader(name).read(doc.root(), device);
+}
+
+std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
+                                                 const std::string& name) {
+  return every_device(decode_snapshot(data, name), name, TraceFormat::pytorch_pickle);
+}
+
+Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {
+  const pickle::Document doc = decode_json(text, name);
   Trace trace = Reader(name).read(doc.root(), device);
   trace.format = to_string(TraceFormat::snapshot_json);
   return trace;
+}
+
+std::vector<Trace> read_snapshot_json_devices(const std::string& text, const std::string& name) {
+  return every_device(decode_json(text, name), name, TraceFormat::snapshot_json);
 }
 
 }  // namespace reservoir

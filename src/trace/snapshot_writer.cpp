@@ -75,7 +75,8 @@ class SnapshotBuilder {
       if (e.action == TraceAction::empty_cache) continue;  // not a PyTorch trace action
       Value* ev = b_.dict();
       b_.set(ev, "action", b_.str(to_string(e.action)));
-      b_.set(ev, "addr", b_.uinteger(e.addr));
+      // PyTorch writes an oom entry's device free memory in place of addr.
+      b_.set(ev, e.action == TraceAction::oom ? "device_free" : "addr", b_.uinteger(e.addr));
       b_.set(ev, "size", b_.uinteger(e.size));
       b_.set(ev, "stream", b_.uinteger(e.stream));
       b_.set(ev, "time_us", b_.integer(e.time_us));

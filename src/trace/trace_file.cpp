@@ -31,16 +31,34 @@ TraceFormat detect_trace_format(std::string_view bytes) noexcept {
   return TraceFormat::text;
 }
 
-Trace read_trace_file(const std::string& path, int device) {
+namespace {
+
+std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw TraceError(fmt::format("trace {}: read error", path));
+  return bytes;
+}
+
+std::span<const std::uint8_t> as_span(const std::string& bytes) {
+  return {reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()};
+}
+
+// RMM and text traces: one device.
+Trace read_single(const std::string& bytes, const std::string& path) {
+  Trace t = detect_trace_format(bytes) == TraceFormat::rmm_csv ? read_rmm_csv(bytes, path)
+                                                               : read_text_trace(bytes, path);
+  t.device_events = {t.events.size()};
+  return t;
+}
+
+}  // namespace
+
+Trace read_trace_file(const std::string& path, int device) {
+  const std::string bytes = read_bytes(path);
   switch (detect_trace_format(bytes)) {
-    case TraceFormat::pytorch_pickle:
-      return read_pytorch_snapshot(
-          std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), path,
-          device);
+    case TraceFormat::pytorch_pickle: return read_pytorch_snapshot(as_span(bytes), path, device);
     case TraceFormat::snapshot_json: return read_snapshot_json(bytes, path, device);
     case TraceFormat::rmm_csv:
     case TraceFormat::text: break;
@@ -49,8 +67,39 @@ Trace read_trace_file(const std::string& path, int device) {
     throw TraceError(fmt::format("trace {}: a {} trace holds one device; device {} was asked for",
                                  path, to_string(detect_trace_format(bytes)), device));
   }
-  if (detect_trace_format(bytes) == TraceFormat::rmm_csv) return read_rmm_csv(bytes, path);
-  return read_text_trace(bytes, path);
+  return read_single(bytes, path);
+}
+
+std::vector<Trace> read_trace_devices(const std::string& path) {
+  const std::string bytes = read_bytes(path);
+  switch (detect_trace_format(bytes)) {
+    case TraceFormat::pytorch_pickle: return read_pytorch_snapshot_devices(as_span(bytes), path);
+    case TraceFormat::snapshot_json: return read_snapshot_json_devices(bytes, path);
+    case TraceFormat::rmm_csv:
+    case TraceFormat::text: break;
+  }
+  std::vector<Trace> out;
+  out.push_back(read_single(bytes, path));
+  return out;
+}
+
+std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device) {
+  if (devices.empty()) return devices;
+  if (device) {
+    if (*device < 0 || static_cast<std::size_t>(*device) >= devices.size()) {
+      throw TraceError(fmt::format("trace {}: no device {} (the file holds {})",
+                                   devices.front().name, *device, devices.size()));
+    }
+    std::vector<Trace> one;
+    one.push_back(std::move(devices[static_cast<std::size_t>(*device)]));
+    return one;
+  }
+  std::vector<Trace> used;
+  for (Trace& t : devices) {
+    if (!t.events.empty() || !t.final_state.segments.empty()) used.push_back(std::move(t));
+  }
+  if (used.empty()) used.push_back(std::move(devices.front()));
+  return used;
 }
 
 }  // namespace reservoir

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,6 +18,17 @@
 
 namespace reservoir {
 
+// A mark the program put into its recording: PyTorch's external_annotations
+// (record_function ranges, START and END) and user_defined trace events
+// (torch.cuda.memory._record_memory_history's annotations; stage empty).
+struct TraceAnnotation {
+  std::string stage;         // "START", "END", or "" for a point
+  std::string name;
+  std::int64_t time_us = 0;  // 0 when not recorded
+  std::size_t event = 0;     // the index in Trace::events of the first event after it
+  bool operator==(const TraceAnnotation&) const = default;
+};
+
 struct Trace {
   std::string name;             // file name, for messages
   std::string format;           // to_string(TraceFormat) of the format read
@@ -28,6 +40,18 @@ struct Trace {
   int device = 0;                // the device these events and segments are of
   std::size_t device_count = 1;  // devices the file holds traces of
   std::vector<TraceEvent> events;
+  // Events each device of the file holds (snapshots; one entry otherwise).
+  std::vector<std::uint64_t> device_events;
+  // The allocator settings text the program ran with, as recorded
+  // (allocator_settings' PYTORCH_CUDA_ALLOC_CONF; empty when none).
+  std::string recorded_settings_text;
+  // The program's annotations, in recorded order (this device's).
+  std::vector<TraceAnnotation> annotations;
+  // What the reader met but no tool models, kept to be reported: keys it
+  // does not know ("device_traces[].pool_ids" -> count) and actions it
+  // skipped (a newer PyTorch's; name -> count).
+  std::map<std::string, std::uint64_t> unknown_keys;
+  std::map<std::string, std::uint64_t> skipped_actions;
   // Segments at the end of recording (snapshots), and the contexts that
   // events and blocks refer to (final_state.contexts; [0] is the empty one).
   Snapshot final_state;
@@ -50,9 +74,18 @@ std::string_view to_string(TraceFormat format) noexcept;
 // Throws TraceError naming the file and the byte offset, line or field of
 // the problem.
 Trace read_trace_file(const std::string& path, int device = 0);
+// Every device of a trace file, read once (one entry for formats that hold
+// one device): entry d is device d, with no events when it recorded none.
+std::vector<Trace> read_trace_devices(const std::string& path);
+// The devices a tool works on: `device` when set (TraceError when the file
+// has no such device), else every device with events or segments (device 0
+// when none has any).
+std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device);
 // PyTorch snapshot pickle, already in memory.
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
                             int device = 0);
+std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
+                                                 const std::string& name);
 // reservoir's text format (docs/replay.md).
 Trace read_text_trace(const std::string& text, const std::string& name);
 std::string write_text_trace(const Trace& trace);
@@ -64,6 +97,7 @@ std::string write_pytorch_snapshot(const Trace& trace);
 std::string write_snapshot_json(const Trace& trace);
 // A snapshot of the allocator in JSON, read back to the same trace.
 Trace read_snapshot_json(const std::string& text, const std::string& name, int device = 0);
+std::vector<Trace> read_snapshot_json_devices(const std::string& text, const std::string& name);
 // RMM's logging_resource_adaptor CSV (Thread,Time,Action,Pointer,Size,Stream).
 Trace read_rmm_csv(const std::string& text, const std::string& name);
 // An allocator snapshot (with its history) as a trace, for writing or replay.

@@ -1,0 +1,230 @@
+// What each PyTorch 2.x writes into a memory snapshot, read as it writes it:
+// every trace action, the keys some versions write and others omit, several
+// devices, annotations, the allocator_settings of each version, and errors
+// that name the path of a value of the wrong type.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "error_text.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+namespace {
+
+using testing::error_of;
+
+// A snapshot as JSON (the reader treats our JSON and PyTorch's pickle alike).
+std::string snapshot(const std::string& events, const std::string& segments = "[]",
+                     const std::string& extra = "") {
+  return fmt::format(R"({{"segments": {}, "device_traces": {}{}}})", segments, events, extra);
+}
+
+Trace read(const std::string& json) { return read_snapshot_json(json, "s.json"); }
+std::string error(const std::string& json) {
+  return error_of<TraceError>([&] { (void)read(json); });
+}
+
+// The entry 2.1 to 2.15 write for an out-of-memory error: device_free in
+// place of addr (newer ones add compile_context and user_metadata).
+TEST(SnapshotVersions, AnOomEntryCarriesDeviceFreeAndNoAddr) {
+  const Trace t = read(snapshot(R"([[
+    {"action": "segment_alloc", "addr": 4194304, "size": 20971520, "stream": 0, "time_us": 10},
+    {"action": "alloc", "addr": 4194304, "size": 1000, "stream": 0, "time_us": 11},
+    {"action": "oom", "device_free": 4028760064, "size": 4202692608, "stream": 7,
+     "time_us": 12, "frames": [], "compile_context": "N/A", "user_metadata": ""}]])"));
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[2].action, TraceAction::oom);
+  EXPECT_EQ(t.events[2].addr, 4028760064u);  // the device's free bytes
+  EXPECT_EQ(t.events[2].size, 4202692608u);
+  EXPECT_EQ(t.events[2].stream, 7u);
+  EXPECT_EQ(t.events[2].time_us, 12);
+  EXPECT_TRUE(t.unknown_keys.empty());
+  // Our own older exports wrote addr; both read the same.
+  const Trace old = read(snapshot(R"([[{"action": "oom", "addr": 99, "size": 5, "stream": 0}]])"));
+  EXPECT_EQ(old.events[0].addr, 99u);
+  // Neither: the free memory is unknown, not an error.
+  const Trace none = read(snapshot(R"([[{"action": "oom", "size": 5, "stream": 0}]])"));
+  EXPECT_EQ(none.events[0].addr, 0u);
+}
+
+TEST(SnapshotVersions, EveryActionIsRead) {
+  const Trace t = read(snapshot(R"([[
+    {"action": "segment_alloc", "addr": 4096, "size": 2097152, "stream": 0},
+    {"action": "alloc", "addr": 4096, "size": 512, "stream": 0},
+    {"action": "user_defined", "addr": 0, "size": 0, "stream": 0, "time_us": 5,
+     "frames": [{"name": "step 3", "filename": "", "line": 0}]},
+    {"action": "free_requested", "addr": 4096, "size": 512, "stream": 0},
+    {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0},
+    {"action": "segment_free", "addr": 4096, "size": 2097152, "stream": 0},
+    {"action": "segment_map", "addr": 8192, "size": 2097152, "stream": 0},
+    {"action": "segment_unmap", "addr": 8192, "size": 2097152, "stream": 0},
+    {"action": "snapshot", "addr": 0, "size": 0, "stream": 0},
+    {"action": "oom", "device_free": 0, "size": 1, "stream": 0}]])"));
+  std::vector<TraceAction> actions;
+  for (const TraceEvent& e : t.events) actions.push_back(e.action);
+  EXPECT_EQ(actions, (std::vector<TraceAction>{
+                         TraceAction::segment_alloc, TraceAction::alloc,
+                         TraceAction::free_requested, TraceAction::free_completed,
+                         TraceAction::segment_free, TraceAction::segment_map,
+                         TraceAction::segment_unmap, TraceAction::snapshot, TraceAction::oom}));
+  // The user annotation is kept where it was recorded: before event 2.
+  ASSERT_EQ(t.annotations.size(), 1u);
+  EXPECT_EQ(t.annotations[0], (TraceAnnotation{"", "step 3", 5, 2}));
+  EXPECT_TRUE(t.skipped_actions.empty());
+}
+
+TEST(SnapshotVersions, KeysSomeVersionsOmitMayBeAbsent) {
+  // No time_us, no frames (2.1 without context), frames without file or
+  // line, compile_context None, forward_frames (autograd's forward stack).
+  const Trace t = read(snapshot(R"([[
+    {"action": "alloc", "addr": 4096, "size": 512, "stream": 0},
+    {"action": "alloc", "addr": 8192, "size": 512, "stream": 0, "time_us": 3,
+     "frames": [{"name": "empty_cuda"}, {"name": "forward", "filename": "model.py", "line": 12}],
+     "compile_context": null, "user_metadata": "", "forward_frames": []}]])"));
+  ASSERT_EQ(t.events.size(), 2u);
+  EXPECT_EQ(t.events[0].time_us, 0);
+  EXPECT_EQ(t.events[0].context, 0u);
+  const Context& c = t.context(t.events[1].context);
+  ASSERT_EQ(c.frames.size(), 2u);
+  EXPECT_EQ(c.frames[0], (Frame{"??", 0, "empty_cuda"}));
+  EXPECT_EQ(c.frames[1], (Frame{"model.py", 12, "forward"}));
+  EXPECT_TRUE(t.unknown_keys.empty());
+}
+
+TEST(SnapshotVersions, UnknownKeysAndActionsAreKeptAndCountedNeverFatal) {
+  const Trace t = read(snapshot(
+      R"([[
+    {"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "tensor_id": 1},
+    {"action": "alloc", "addr": 8192, "size": 512, "stream": 0, "tensor_id": 2},
+    {"action": "segment_defrag", "addr": 0, "size": 0, "stream": 0}]])",
+      R"([{"address": 0, "total_size": 2097152, "stream": 0, "segment_type": "small",
+           "numa_node": 0, "blocks": [{"size": 2097152, "state": "inactive", "tag": "x"}]}])",
+      R"(, "allocator_version": 3)"));
+  EXPECT_EQ(t.events.size(), 2u);
+  EXPECT_EQ(t.unknown_keys, (std::map<std::string, std::uint64_t>{
+                                {"allocator_version", 1},
+                                {"device_traces[][].tensor_id", 2},
+                                {"segments[].blocks[].tag", 1},
+                                {"segments[].numa_node", 1}}));
+  EXPECT_EQ(t.skipped_actions, (std::map<std::string, std::uint64_t>{{"segment_defrag", 1}}));
+}
+
+TEST(SnapshotVersions, AValueOfTheWrongTypeNamesItsPath) {
+  const std::string ok = R"({"action": "alloc", "addr": 4096, "size": 512, "stream": 0})";
+  auto events = [&](const std::string& bad) {
+    return snapshot(fmt::format("[[{0}, {0}, {0}, {1}]]", ok, bad));
+  };
+  EXPECT_EQ(error(events(R"({"action": "alloc", "addr": 1, "size": "512", "stream": 0})")),
+            "snapshot s.json: device_traces[0][3].size: expected int, got str");
+  EXPECT_EQ(error(events(R"({"action": 3, "addr": 1, "size": 512, "stream": 0})")),
+            "snapshot s.json: device_traces[0][3].action: expected str, got int");
+  EXPECT_EQ(error(events(R"({"action": "oom", "device_free": 1.5, "size": 512, "stream": 0})")),
+            "snapshot s.json: device_traces[0][3].device_free: expected int, got float");
+  EXPECT_EQ(error(events(R"({"action": "alloc", "addr": 1, "size": 5, "stream": 0, "time_us": "x"})")),
+            "snapshot s.json: device_traces[0][3].time_us: expected int, got str");
+  EXPECT_EQ(error(events(R"({"action": "alloc", "addr": 1, "size": 5, "stream": 0, "compile_context": 4})")),
+            "snapshot s.json: device_traces[0][3].compile_context: expected str, got int");
+  EXPECT_EQ(error(events(R"({"action": "alloc", "size": 5, "stream": 0})")),
+            "snapshot s.json: device_traces[0][3]: 'addr' is missing");
+  EXPECT_EQ(error(snapshot("[[]]", R"([{"address": 0, "total_size": 2097152, "stream": 0,
+      "segment_type": "small", "blocks": [{"size": 2097152, "state": "inactive"}],
+      "segment_pool_id": [1]}])")),
+            "snapshot s.json: segments[0].segment_pool_id: expected two ints");
+  EXPECT_EQ(error(snapshot("[[]]", R"([{"address": 0, "total_size": 2097152, "stream": 0,
+      "segment_type": "small", "blocks": [{"size": 2097152, "state": "freed"}]}])")),
+            "snapshot s.json: segments[0].blocks[0].state: unknown block state 'freed'");
+}
+
+// An FSDP rank on device 1: device_traces holds four lists, three empty.
+const char* const kFourDevices = R"({
+  "segments": [
+    {"device": 1, "address": 4194304, "total_size": 2097152, "stream": 0, "segment_type": "small",
+     "segment_pool_id": [0, 0], "is_expandable": false,
+     "blocks": [{"address": 4194304, "size": 512, "requested_size": 500, "state": "active_allocated"},
+                {"address": 4194816, "size": 2096640, "requested_size": 0, "state": "inactive"}]},
+    {"device": 3, "address": 8388608, "total_size": 2097152, "stream": 0, "segment_type": "small",
+     "blocks": [{"size": 2097152, "state": "inactive"}]}],
+  "device_traces": [[],
+    [{"action": "segment_alloc", "addr": 4194304, "size": 2097152, "stream": 0, "time_us": 100},
+     {"action": "alloc", "addr": 4194304, "size": 500, "stream": 0, "time_us": 101}],
+    [], []],
+  "external_annotations": [
+    {"stage": "START", "name": "forward", "device": 1, "time_us": 100},
+    {"stage": "START", "name": "other device", "device": 0, "time_us": 100},
+    {"stage": "END", "name": "forward", "device": 1, "time_us": 102}]
+})";
+
+TEST(SnapshotVersions, EveryDeviceIsReadOnce) {
+  std::vector<Trace> all = read_snapshot_json_devices(kFourDevices, "s.json");
+  ASSERT_EQ(all.size(), 4u);
+  for (std::size_t d = 0; d < 4; ++d) {
+    EXPECT_EQ(all[d].device, static_cast<int>(d));
+    EXPECT_EQ(all[d].device_count, 4u);
+    EXPECT_EQ(all[d].device_events, (std::vector<std::uint64_t>{0, 2, 0, 0}));
+  }
+  EXPECT_EQ(all[1].events.size(), 2u);
+  ASSERT_EQ(all[1].final_state.segments.size(), 1u);
+  EXPECT_EQ(all[1].final_state.segments[0].address, 4194304u);
+  EXPECT_EQ(all[1].final_state.segments[0].device, 1);
+  EXPECT_EQ(all[3].final_state.segments.size(), 1u);  // segments, no events
+  EXPECT_TRUE(all[0].final_state.segments.empty());
+  // Annotations of device 1 only, each before the first event after it.
+  EXPECT_EQ(all[1].annotations, (std::vector<TraceAnnotation>{{"START", "forward", 100, 0},
+                                                              {"END", "forward", 102, 2}}));
+  EXPECT_EQ(all[0].annotations.size(), 1u);
+
+  // Every device with events or segments, unless one is asked for.
+  std::vector<Trace> used = select_devices(all, std::nullopt);
+  ASSERT_EQ(used.size(), 2u);
+  EXPECT_EQ(used[0].device, 1);
+  EXPECT_EQ(used[1].device, 3);
+  std::vector<Trace> two = select_devices(all, 2);
+  ASSERT_EQ(two.size(), 1u);
+  EXPECT_EQ(two[0].device, 2);
+  EXPECT_EQ(error_of<TraceError>([&] { (void)select_devices(all, 4); }),
+            "trace s.json: no device 4 (the file holds 4)");
+  // One device at a time reads the same as all at once.
+  const Trace one = read_snapshot_json(kFourDevices, "s.json", 1);
+  EXPECT_EQ(one.events, all[1].events);
+  EXPECT_EQ(one.final_state.segments, all[1].final_state.segments);
+}
+
+// allocator_settings as each version writes it: none before 2.4; 2.4 to
+// 2.8 eight keys; 2.9 on graph_capture_record_stream_reuse besides.
+TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
+  const Trace v21 = read(snapshot("[[]]"));
+  EXPECT_FALSE(v21.settings_recorded);
+  EXPECT_EQ(v21.recorded_config, "");
+
+  const std::string roundup_zero =
+      R"({"1": 0, "2": 0, "4": 0, "8": 0, "16": 0, "32": 0, "64": 0, "128": 0, "256": 0,
+          "512": 0, "1024": 0, "2048": 0, "4096": 0, "8192": 0, "16384": 0, "32768": 0})";
+  const Trace v24 = read(snapshot("[[]]", "[]", fmt::format(R"(, "allocator_settings": {{
+      "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6",
+      "max_split_size": 134217728, "garbage_collection_threshold": 0.6,
+      "expandable_segments": false, "pinned_num_register_threads": 1,
+      "release_lock_on_cudamalloc": false, "pinned_use_cuda_host_register": false,
+      "roundup_power2_divisions": {}}})",
+                                                            roundup_zero)));
+  EXPECT_TRUE(v24.settings_recorded);
+  EXPECT_EQ(v24.recorded_config, "max_split_size_mb:128,garbage_collection_threshold:0.6");
+  EXPECT_EQ(v24.recorded_settings_text, "max_split_size_mb:128,garbage_collection_threshold:0.6");
+
+  const Trace v29 = read(snapshot("[[]]", "[]", fmt::format(R"(, "allocator_settings": {{
+      "PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
+      "expandable_segments": true, "pinned_num_register_threads": 1,
+      "release_lock_on_cudamalloc": false, "pinned_use_cuda_host_register": false,
+      "graph_capture_record_stream_reuse": false, "roundup_power2_divisions": {}}})",
+                                                            roundup_zero)));
+  EXPECT_EQ(v29.recorded_config, "expandable_segments:True");
+  EXPECT_TRUE(v29.unknown_keys.empty());
+}
+
+}  // namespace
+}  // namespace reservoir
