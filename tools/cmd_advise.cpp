@@ -22,6 +22,7 @@ struct AdviseArgs {
   std::string output;
   bool json = false;
   unsigned threads = 0;
+  std::optional<int> device;
 };
 
 void run(const AdviseArgs& args) {
@@ -42,13 +43,8 @@ void run(const AdviseArgs& args) {
   for (const std::string& path : args.traces) {
     label = base_name(path);
     progress.task(fmt::format("{}: reading and diagnosing", label));
-    Trace trace = read_trace_file(path);
-    const std::size_t devices = trace.device_count;
-    for (std::size_t dev = 0; dev < devices; ++dev) {
-      // A snapshot of several devices: each device's recording is advised on.
-      if (dev > 0) trace = read_trace_file(path, static_cast<int>(dev));
-      if (devices > 1 && trace.events.empty() && trace.final_state.segments.empty()) continue;
-      if (devices > 1) trace.name = fmt::format("{} (device {})", path, dev);
+    // A snapshot of several devices: each device's recording is advised on.
+    for (const Trace& trace : load_devices(path, args.device)) {
       const Advice advice = advise(trace, options);
       all.push_back(advice_json(trace, advice));
       if (!text.empty()) text += "\n";
@@ -99,6 +95,7 @@ void add_advise(CLI::App& app) {
   cmd->add_flag("--json", args->json, "print the advice as JSON (keys: docs/tools.md)");
   cmd->add_option("-o,--output", args->output, "also write the advice as an HTML page");
   cmd->add_option("--threads", args->threads, "replays run in parallel (default: every core)");
+  add_device_option(*cmd, args->device);
   cmd->callback([args] { run(*args); });
 }
 

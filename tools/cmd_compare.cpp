@@ -20,6 +20,7 @@ struct CompareArgs {
   std::string b;
   bool json = false;
   std::size_t top = 15;
+  std::optional<int> device;
 };
 
 struct Totals {
@@ -76,8 +77,8 @@ bool is_bytes(const std::string& key) {
 }
 
 void run(const CompareArgs& args) {
-  const Trace ta = state_of(args.a);
-  const Trace tb = state_of(args.b);
+  const Trace ta = state_of(args.a, args.device);
+  const Trace tb = state_of(args.b, args.device);
   const Totals a = totals(ta);
   const Totals b = totals(tb);
   std::vector<std::pair<DevicePtr, std::size_t>> only_a;
@@ -168,6 +169,7 @@ void add_compare(CLI::App& app) {
   cmd->add_option("b", args->b, "the second")->required()->check(CLI::ExistingFile);
   cmd->add_flag("--json", args->json, "print the comparison as JSON");
   cmd->add_option("--top", args->top, "rows per list (default 15)");
+  add_device_option(*cmd, args->device);
   cmd->callback([args] { run(*args); });
 }
 

@@ -1,5 +1,6 @@
 // reservoir export TRACE -o OUT [--format pickle|json|text] [-c CONFIG] [--capacity SIZE]
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fstream>
 #include <memory>
@@ -18,6 +19,7 @@ struct ExportArgs {
   std::string format = "auto";
   std::optional<std::string> config;
   std::string capacity;
+  std::optional<int> device;
 };
 
 std::string format_for(const ExportArgs& a) {
@@ -35,7 +37,15 @@ std::string format_for(const ExportArgs& a) {
 
 void run(const ExportArgs& args) {
   const std::string format = format_for(args);
-  Trace trace = read_trace_file(args.trace);
+  std::vector<Trace> devices = load_devices(args.trace, args.device);
+  if (devices.size() > 1) {
+    std::vector<int> ids;
+    for (const Trace& t : devices) ids.push_back(t.device);
+    throw UsageError(fmt::format("export: {} holds events of devices {}; a snapshot is written "
+                                 "for one: give --device",
+                                 args.trace, fmt::join(ids, ", ")));
+  }
+  Trace trace = std::move(devices.front());
   if (args.config) {
     // The trace as this config would have served it.
     Recorder recorder(trace);
@@ -78,6 +88,7 @@ void add_export(CLI::App& app) {
   cmd->add_option("--format", args->format, "pickle, json or text (default: by extension)")
       ->check(CLI::IsMember({"auto", "pickle", "json", "text"}));
   cmd->add_option("--config,-c", args->config, "replay under this allocator config first");
+  add_device_option(*cmd, args->device);
   cmd->add_option("--capacity", args->capacity, "device capacity for the replay, e.g. 24GiB");
   cmd->callback([args] { run(*args); });
 }

@@ -27,6 +27,7 @@ struct ReplayArgs {
   bool json = false;
   bool validate = false;
   bool min_capacity = false;
+  std::optional<int> device;
 };
 
 struct Row {
@@ -171,14 +172,16 @@ void run(const ReplayArgs& args) {
   const std::size_t tasks = args.traces.size() * configs.size();
   for (const std::string& path : args.traces) {
     progress.task(fmt::format("reading {}", path));
-    const ReplayProgram program = compile(read_trace_file(path));
-    for (const auto& [text, config] : configs) {
-      progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,
-                                base_name(path), config_label(text),
-                                args.min_capacity ? ", finding the minimum capacity" : ""));
-      Row row{replay(program, config, text, options), std::nullopt};
-      if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;
-      rows.push_back(std::move(row));
+    for (const Trace& trace : load_devices(path, args.device)) {
+      const ReplayProgram program = compile(trace);
+      for (const auto& [text, config] : configs) {
+        progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,
+                                  base_name(trace.name), config_label(text),
+                                  args.min_capacity ? ", finding the minimum capacity" : ""));
+        Row row{replay(program, config, text, options), std::nullopt};
+        if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;
+        rows.push_back(std::move(row));
+      }
     }
   }
   progress.clear();
@@ -208,6 +211,7 @@ void add_replay(CLI::App& app) {
                   "set_per_process_memory_fraction before replaying (enables garbage collection)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
+  add_device_option(*cmd, args->device);
   cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
   cmd->add_flag("--min-capacity", args->min_capacity,
                 "also find the smallest device capacity (2 MiB steps) with no out-of-memory error");

@@ -31,6 +31,7 @@ struct ReportArgs {
   bool min_capacity = false;
   bool advice = true;
   std::size_t top = 25;
+  std::optional<int> device;
 };
 
 void run(const ReportArgs& args) {
@@ -47,12 +48,13 @@ void run(const ReportArgs& args) {
   std::size_t plot_id = 0;
   for (const std::string& path : args.traces) {
     progress.task(fmt::format("reading {}", path));
-    const Trace trace = read_trace_file(path);
+    for (const Trace& trace : load_devices(path, args.device)) {
+    const std::string& label = trace.name;
     const ReplayProgram program = compile(trace);
     std::vector<std::unique_ptr<Run>> runs;
     for (const std::string& config_text : configs) {
       const AllocatorConfig config = AllocatorConfig::parse(config_text);
-      progress.task(fmt::format("[{}/{}] {} [{}]", ++task, tasks, base_name(path),
+      progress.task(fmt::format("[{}/{}] {} [{}]", ++task, tasks, base_name(label),
                                 config_label(config_text)));
       auto r = std::make_unique<Run>();
       r->config = config_text;
@@ -76,7 +78,7 @@ void run(const ReportArgs& args) {
       summary += fmt::format(
           "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3f}</td>{}<td>{}</td>"
           "<td>{:.1f}</td><td>{}</td><td{}>{}</td></tr>\n",
-          esc(base_name(path)), esc(config_label(r->config)), esc(format_size(x.peak_requested_bytes)),
+          esc(base_name(label)), esc(config_label(r->config)), esc(format_size(x.peak_requested_bytes)),
           esc(format_size(x.peak_allocated_bytes)), esc(format_size(x.peak_reserved_bytes)),
           x.peak_allocated_bytes ? static_cast<double>(x.peak_reserved_bytes) /
                                        static_cast<double>(x.peak_allocated_bytes)
@@ -90,7 +92,7 @@ void run(const ReportArgs& args) {
     }
     // Sections.
     body += fmt::format("<h2>{}</h2>\n<p>{} ({}), {} recorded events, {} allocator calls per replay{}.</p>\n",
-                        esc(base_name(path)), esc(path), esc(trace.format), trace.events.size(),
+                        esc(base_name(label)), esc(label), esc(trace.format), trace.events.size(),
                         runs.front()->result.ops,
                         trace.recorded_config.empty()
                             ? ""
@@ -125,9 +127,10 @@ void run(const ReportArgs& args) {
       AdviseOptions advise_options;
       advise_options.capacity = options.capacity;
       advise_options.progress = [&](std::size_t done, std::size_t total) {
-        progress.task(fmt::format("{}: advice, {}/{} settings swept", base_name(path), done, total));
+        progress.task(fmt::format("{}: advice, {}/{} settings swept", base_name(label), done, total));
       };
       body += advice_html(trace, advise(trace, advise_options), fmt::format("advice{}", plot_id++));
+    }
     }
   }
   progress.clear();
@@ -163,6 +166,7 @@ void add_report(CLI::App& app) {
   cmd->add_flag("!--no-advice", args->advice,
                 "leave out each trace's advice (diagnosis and sweep of settings, as `advise`)");
   cmd->add_option("--top", args->top, "largest allocations listed (default 25)");
+  add_device_option(*cmd, args->device);
   cmd->add_option("-o,--output", args->output, "HTML file to write (default report.html)");
   cmd->callback([args] { run(*args); });
 }

@@ -13,17 +13,23 @@ struct SummaryArgs {
   std::string trace;
   std::optional<std::string> config;
   bool abbreviated = false;
+  std::optional<int> device;
 };
 
 void run(const SummaryArgs& args) {
-  const Trace trace = read_trace_file(args.trace);
-  const std::string config = args.config.value_or(trace.recorded_config);
-  Recorder recorder(trace, args.abbreviated);
-  const ReplayResult r = recorder.run(config);
-  fmt::print("{}: {} recorded events replayed with {}\n", args.trace, trace.events.size(),
-             config.empty() ? "the native defaults" : "'" + config + "'");
-  if (r.num_ooms > 0) fmt::print("{} out-of-memory errors; the first, at {}\n", r.num_ooms, r.first_oom);
-  fmt::print("{}", recorder.summary());
+  bool first = true;
+  for (const Trace& trace : load_devices(args.trace, args.device)) {
+    const std::string config = args.config.value_or(trace.recorded_config);
+    Recorder recorder(trace, args.abbreviated);
+    const ReplayResult r = recorder.run(config);
+    fmt::print("{}{}: {} recorded events replayed with {}\n", first ? "" : "\n", trace.name,
+               trace.events.size(), config.empty() ? "the native defaults" : "'" + config + "'");
+    if (r.num_ooms > 0) {
+      fmt::print("{} out-of-memory errors; the first, at {}\n", r.num_ooms, r.first_oom);
+    }
+    fmt::print("{}", recorder.summary());
+    first = false;
+  }
 }
 
 }  // namespace
@@ -37,6 +43,7 @@ void add_summary(CLI::App& app) {
   cmd->add_option("trace", args->trace, "trace to summarize")->required()->check(CLI::ExistingFile);
   cmd->add_option("--config,-c", args->config, "allocator config (default: the recorded one)");
   cmd->add_flag("--abbreviated", args->abbreviated, "the short table (all pools only)");
+  add_device_option(*cmd, args->device);
   cmd->callback([args] { run(*args); });
 }
 

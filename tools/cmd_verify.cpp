@@ -1,10 +1,13 @@
 // reservoir verify TRACE...
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 
 #include "commands.hpp"
+#include "support.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
 #include "reservoir/trace.hpp"
 
 namespace reservoir::tools {
@@ -12,15 +15,12 @@ namespace {
 
 struct VerifyArgs {
   std::vector<std::string> traces;
+  std::optional<int> device;
 };
 
-std::string label(const std::string& path, const Trace& trace) {
-  return trace.device_count > 1 ? fmt::format("{} (device {})", path, trace.device) : path;
-}
-
 // Prints one device's result; returns 0 agreed, 1 diverged, 3 cannot verify.
-int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
-  const std::string name = label(path, trace);
+int report(const Trace& trace, const VerifyResult& r) {
+  const std::string& name = trace.name;
   if (r.agreed) {
     fmt::print(
         "{}: agrees with the recording\n"
@@ -51,6 +51,12 @@ int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
     if (r.zero_size_skipped > 0) {
       fmt::print("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped);
     }
+    if (r.private_pool_segments > 0) {
+      fmt::print(
+          "  not checked: {} segments ({}) of private pools (CUDA graphs, torch.cuda.MemPool): "
+          "a recording does not say which allocations were routed there\n",
+          r.private_pool_segments, format_size(r.private_pool_bytes));
+    }
     if (!trace.settings_recorded) {
       fmt::print(
           "  note: the snapshot records no allocator settings; PyTorch's defaults were "
@@ -59,24 +65,36 @@ int report(const std::string& path, const Trace& trace, const VerifyResult& r) {
     return 0;
   }
   const char* what = r.cannot_verify ? "CANNOT VERIFY" : "DIVERGES";
-  fmt::print(
-      "{}: {} at event {} of {}\n  {}\n  agreed before it: {} alloc addresses, "
-      "{} segment_allocs, {} segment_frees\n",
-      name, what, r.divergence_event, r.events, r.divergence, r.allocs_checked,
-      r.segment_allocs_checked, r.segment_frees_checked);
+  const std::string where = r.divergence_event >= r.events
+                                ? fmt::format("at the final state, after all {} events", r.events)
+                                : fmt::format("at event {} of {}", r.divergence_event, r.events);
+  // A reason about the whole recording has no event to name.
+  const bool whole = r.cannot_verify && r.divergence_event >= r.events;
+  fmt::print("{}: {}{}\n  {}\n", name, what, whole ? "" : " " + where, r.divergence);
+  if (!whole || r.allocs_checked > 0) {
+    fmt::print("  agreed before it: {} alloc addresses, {} segment_allocs, {} segment_frees\n",
+               r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked);
+  }
   return r.cannot_verify ? 3 : 1;
 }
 
 void run(const VerifyArgs& args) {
   int worst = 0;
   for (const std::string& path : args.traces) {
-    Trace trace = read_trace_file(path);
-    const std::size_t devices = trace.device_count;
-    for (std::size_t d = 0; d < devices; ++d) {
-      if (d > 0) trace = read_trace_file(path, static_cast<int>(d));
-      if (devices > 1 && trace.events.empty() && trace.final_state.segments.empty()) continue;
-      const int rc = report(path, trace, verify(trace));
+    const std::vector<Trace> devices = load_devices(path, args.device);
+    for (const Trace& trace : devices) {
+      const int rc = report(trace, verify(trace));
       if (rc == 1 || (rc == 3 && worst == 0)) worst = rc;  // a divergence outranks
+    }
+    // Devices the file holds no history for: nothing of theirs was checked.
+    std::vector<std::size_t> silent;
+    const std::vector<std::uint64_t>& counts = devices.front().device_events;
+    for (std::size_t d = 0; d < counts.size(); ++d) {
+      if (counts[d] == 0) silent.push_back(d);
+    }
+    if (counts.size() > 1 && !silent.empty() && !args.device) {
+      fmt::print("{}: not checked: device{} {} of the file recorded no events\n", path,
+                 silent.size() > 1 ? "s" : "", fmt::join(silent, ", "));
     }
   }
   if (worst != 0) throw CLI::RuntimeError(worst);
@@ -93,6 +111,7 @@ void add_verify(CLI::App& app) {
   cmd->add_option("traces", args->traces, "PyTorch snapshot pickles")
       ->required()
       ->check(CLI::ExistingFile);
+  add_device_option(*cmd, args->device);
   cmd->callback([args] { run(*args); });
 }
 

@@ -108,8 +108,49 @@ Trace Recorder::trace(const std::string& name, const std::string& config) const 
   return out;
 }
 
-Trace state_of(const std::string& path) {
-  Trace trace = read_trace_file(path);
+std::vector<Trace> load_devices(const std::string& path, std::optional<int> device) {
+  std::vector<Trace> all = read_trace_devices(path);
+  std::vector<int> left_out;
+  if (device) {
+    for (const Trace& t : all) {
+      if (t.device != *device && !t.events.empty()) left_out.push_back(t.device);
+    }
+  }
+  std::vector<Trace> used = select_devices(std::move(all), device);
+  if (!left_out.empty()) {
+    fmt::print(stderr, "note: {}: --device {} leaves out the events of device{} {}\n", path,
+               *device, left_out.size() > 1 ? "s" : "", fmt::join(left_out, ", "));
+  }
+  for (Trace& t : used) {
+    if (t.device_count > 1) t.name = fmt::format("{} (device {})", path, t.device);
+    for (const auto& [action, n] : t.skipped_actions) {
+      fmt::print(stderr, "note: {}: {} event{} of action '{}', which reservoir does not know, "
+                 "left out\n", t.name, n, n == 1 ? "" : "s", action);
+    }
+    if (!t.unknown_keys.empty()) {
+      std::vector<std::string> keys;
+      for (const auto& [key, n] : t.unknown_keys) keys.push_back(fmt::format("{} ({}x)", key, n));
+      fmt::print(stderr, "note: {}: keys reservoir does not know, read past: {}\n", t.name,
+                 fmt::join(keys, ", "));
+    }
+  }
+  return used;
+}
+
+void add_device_option(CLI::App& cmd, std::optional<int>& device) {
+  cmd.add_option("--device", device,
+                 "only this device of a snapshot (default: every device with events, each "
+                 "labelled)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+Trace state_of(const std::string& path, std::optional<int> device) {
+  std::vector<Trace> devices = load_devices(path, device);
+  if (devices.size() > 1) {
+    fmt::print(stderr, "note: {}: {} devices hold events; device {} is used (--device picks)\n",
+               path, devices.size(), devices.front().device);
+  }
+  Trace trace = std::move(devices.front());
   if (!trace.final_state.segments.empty() || trace.events.empty()) return trace;
   Recorder recorder(trace);
   (void)recorder.run(trace.recorded_config);

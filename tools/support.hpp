@@ -2,9 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "reservoir/trace.hpp"
 
@@ -56,8 +59,18 @@ class Recorder : public ReplayObserver {
   std::string summary_;
 };
 
+// The devices of a trace file a tool works on: `device` when given, else
+// every device with events or segments. A file of several devices names
+// each one's trace "PATH (device N)". Prints a note on standard error for
+// what the tool leaves out: other devices' events under --device, keys and
+// actions the reader does not model.
+std::vector<Trace> load_devices(const std::string& path, std::optional<int> device);
+
+// Adds --device N to a subcommand.
+void add_device_option(CLI::App& cmd, std::optional<int>& device);
+
 // A trace's final state: the recorded segments when it has them, else
 // those of a replay with its recorded settings (text and RMM traces).
-Trace state_of(const std::string& path);
+Trace state_of(const std::string& path, std::optional<int> device = std::nullopt);
 
 }  // namespace reservoir::tools

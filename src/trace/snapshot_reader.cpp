@@ -453,6 +453,7 @@ class Reader {
     }
     place_annotations(trace);
     read_segments(field(root, "segments", "top level"), device, trace);
+    trace.port = port_of(trace);
     return trace;
   }
 
@@ -473,6 +474,21 @@ class Reader {
       }
       a.event = k;
     }
+  }
+
+  // torch_npu (Ascend) writes PyTorch's format from its own allocator; its
+  // stacks name it.
+  static std::string port_of(const Trace& trace) {
+    for (const Context& c : trace.final_state.contexts) {
+      for (const Frame& f : c.frames) {
+        if (f.filename.find("torch_npu") != std::string::npos ||
+            f.name.find("NPUCachingAllocator") != std::string::npos ||
+            f.name.find("c10_npu::") != std::string::npos) {
+          return "npu";
+        }
+      }
+    }
+    return "cuda";
   }
 
   std::string name_;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -78,6 +79,23 @@ class Verifier {
           "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference";
     }
     result_.events = trace_.events.size();
+    if (trace_.port != "cuda") {
+      cannot_verify(trace_.events.size(), fmt::format(
+                           "cannot verify: recorded by torch_npu's allocator ({} device), which "
+                           "reservoir does not model; replay, summary and advise read it as "
+                           "PyTorch's CUDA allocator would serve the same requests",
+                           trace_.port));
+      return result_;
+    }
+    if (trace_.events.empty()) {
+      cannot_verify(0, "cannot verify: the snapshot holds no recorded events for this device "
+                       "(its state only: memory history was not recording here)");
+      return result_;
+    }
+    if (const std::string cut = history_cut(); !cut.empty()) {
+      cannot_verify(trace_.events.size(), cut);
+      return result_;
+    }
     vm_ = config_.expandable_segments;
     runs_ = detail::release_runs(trace_);
     for (std::size_t k = 0; k < runs_.size(); ++k) run_ending_at_[runs_[k].last] = k;
@@ -170,6 +188,63 @@ class Verifier {
   }
 
  private:
+  // ---- the history's end and the recorded state ---------------------------------
+
+  // The state a snapshot records is taken when it is dumped; the history
+  // may have stopped before (recording switched off, or its events lost).
+  // Then an allocation the history leaves live is free in the state, or one
+  // it frees is allocated there. The starting state is rebuilt from the
+  // recorded one, so such a recording cannot be checked: says why, or
+  // nothing when the two agree.
+  std::string history_cut() const {
+    std::unordered_map<DevicePtr, std::size_t> last;  // address -> its last alloc/free event
+    for (std::size_t i = 0; i < trace_.events.size(); ++i) {
+      const TraceEvent& e = trace_.events[i];
+      if (e.size == 0) continue;
+      if (e.action == TraceAction::alloc || e.action == TraceAction::free_completed) {
+        last[e.addr] = i;
+      }
+    }
+    std::unordered_map<DevicePtr, BlockState> state;
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      for (const BlockInfo& b : s.blocks) state.emplace(b.address, b.state);
+    }
+    std::size_t live_freed = 0;
+    std::size_t freed_live = 0;
+    std::size_t example = trace_.events.size();
+    for (const auto& [addr, i] : last) {
+      const auto it = state.find(addr);
+      const bool allocated = it != state.end() && it->second == BlockState::active_allocated;
+      const bool alloc = trace_.events[i].action == TraceAction::alloc;
+      const bool live_but_free = alloc && (it == state.end() || it->second == BlockState::inactive);
+      const bool freed_but_allocated = !alloc && allocated;
+      if (!live_but_free && !freed_but_allocated) continue;
+      if (private_segment_of(addr)) continue;  // private pools are not replayed at all
+      ++(live_but_free ? live_freed : freed_live);
+      if (example == trace_.events.size() || i > example) example = i;
+    }
+    if (live_freed + freed_live == 0) return {};
+    const TraceEvent& e = trace_.events[example];
+    return fmt::format(
+        "cannot verify: the history stops before the state was taken (recording stopped early, "
+        "or its last events were lost): {} allocation{} the history leaves live {} free in the "
+        "recorded state and {} it frees {} allocated there; the latest, {} of {} bytes at "
+        "{:#x} (event {}), is {} there. The starting state is rebuilt from the recorded one, so "
+        "nothing can be checked.",
+        live_freed, live_freed == 1 ? "" : "s", live_freed == 1 ? "is" : "are", freed_live,
+        freed_live == 1 ? "is" : "are", to_string(e.action), e.size, e.addr, example,
+        e.action == TraceAction::alloc ? "free" : "allocated");
+  }
+
+  bool private_segment_of(DevicePtr addr) const {
+    for (const SegmentInfo& s : trace_.final_state.segments) {
+      if (s.pool_id != PoolId{0, 0} && addr >= s.address && addr < s.address + s.total_size) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   // ---- private pools ----------------------------------------------------------
 
   // Allocations routed to a private pool (CUDA graph capture, MemPool) carry
@@ -179,6 +254,7 @@ class Verifier {
     for (const SegmentInfo& s : trace_.final_state.segments) {
       if (s.pool_id == PoolId{0, 0}) continue;
       ++result_.private_pool_segments;
+      result_.private_pool_bytes += s.total_size;
       std::size_t first = trace_.events.size();
       for (std::size_t i = trace_.events.size(); i-- > 0;) {
         const TraceEvent& e = trace_.events[i];
@@ -613,12 +689,74 @@ class Verifier {
     return out;
   }
 
+  // Every device request and every alloc and free in the history was
+  // checked, so a segment present in one final state and not the other, or
+  // a block allocated in one and free in the other, was made by work the
+  // history does not hold: it stopped before the state was taken. Says
+  // which, or nothing when the two agree on that.
+  static std::string outside_history(const Snapshot& ours,
+                                     const std::vector<const SegmentInfo*>& theirs) {
+    std::map<DevicePtr, const SegmentInfo*> a;
+    std::map<DevicePtr, const SegmentInfo*> b;
+    for (const SegmentInfo& s : ours.segments) a.emplace(s.address, &s);
+    for (const SegmentInfo* s : theirs) b.emplace(s->address, s);
+    for (const auto& [addr, s] : b) {
+      auto it = a.find(addr);
+      if (it == a.end() || it->second->total_size != s->total_size) {
+        return fmt::format("the recorded state holds a segment at {:#x} ({}) that no recorded "
+                           "event made",
+                           addr, format_size(s->total_size));
+      }
+    }
+    for (const auto& [addr, s] : a) {
+      if (b.find(addr) == b.end()) {
+        return fmt::format("the recorded state lacks the segment at {:#x} ({}) that the history "
+                           "leaves in place, with no segment_free for it",
+                           addr, format_size(s->total_size));
+      }
+    }
+    for (const auto& [addr, s] : b) {
+      std::set<DevicePtr> live_a;
+      std::set<DevicePtr> live_b;
+      for (const BlockInfo& k : a.at(addr)->blocks) {
+        if (k.state != BlockState::inactive) live_a.insert(k.address);
+      }
+      for (const BlockInfo& k : s->blocks) {
+        if (k.state != BlockState::inactive) live_b.insert(k.address);
+      }
+      for (const DevicePtr p : live_b) {
+        if (live_a.count(p) == 0) {
+          return fmt::format("the recorded state holds an allocation at {:#x} (segment {:#x}) "
+                             "that the history frees or never makes",
+                             p, addr);
+        }
+      }
+      for (const DevicePtr p : live_a) {
+        if (live_b.count(p) == 0) {
+          return fmt::format("the history leaves an allocation at {:#x} (segment {:#x}) that "
+                             "the recorded state does not hold, with no free for it",
+                             p, addr);
+        }
+      }
+    }
+    return {};
+  }
+
   void compare_final_state(const Snapshot& ours) {
-    result_.final_state_checked = true;
     std::vector<const SegmentInfo*> theirs;
     for (const SegmentInfo& s : trace_.final_state.segments) {
       if (s.pool_id == PoolId{0, 0}) theirs.push_back(&s);
     }
+    if (const std::string why = outside_history(ours, theirs); !why.empty()) {
+      cannot_verify(trace_.events.size(),
+                    fmt::format("cannot verify the final state: {}; the history stops before "
+                                "the state was taken (recording stopped early, or events "
+                                "outside it), so there is nothing to compare it with. Every "
+                                "recorded event agreed.",
+                                why));
+      return;
+    }
+    result_.final_state_checked = true;
     const std::size_t n = std::max(ours.segments.size(), theirs.size());
     for (std::size_t k = 0; k < n; ++k) {
       if (k >= ours.segments.size() || k >= theirs.size()) {

@@ -6,6 +6,7 @@
 // allocator itself (which makes PyTorch's decisions) and read back from the
 // pickle our writer makes.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <functional>
@@ -359,6 +360,7 @@ TEST(VerifyCases, PrivatePoolsCannotBeVerifiedAndSaySoWhere) {
   EXPECT_TRUE(v.cannot_verify);
   EXPECT_EQ(v.divergence_event, private_segment);
   EXPECT_EQ(v.private_pool_segments, 1u);
+  EXPECT_EQ(v.private_pool_bytes, 20 * kMiB);  // a 3 MiB request's segment
   EXPECT_NE(v.divergence.find("private pool (1, 0)"), std::string::npos) << v.divergence;
   EXPECT_EQ(v.allocs_checked, 1u);
 }
@@ -729,6 +731,75 @@ TEST(VerifyCases, SeveralDevices) {
     EXPECT_TRUE(v.agreed) << "device " << device << ": " << v.divergence;
     EXPECT_TRUE(v.final_state_checked);
   }
+}
+
+// ---- what cannot be checked is said to be so --------------------------------------
+
+// The history stopped (recording switched off) before the snapshot was
+// taken: allocations and frees after it show in the recorded state only.
+TEST(VerifyCases, AHistoryThatStopsBeforeTheStateCannotBeVerified) {
+  Recorder r("");
+  void* a = r.alloc(5 * kMiB);
+  void* b = r.alloc(7 * kMiB);
+  r.allocator.deallocate(a);
+  r.on = false;  // the recording stops here; the program goes on
+  r.allocator.deallocate(b);
+  void* c = r.alloc(5 * kMiB);  // at a's address, which the history leaves free
+  const Trace t = pickled(r.finish());
+  ASSERT_EQ(t.events.size(), 5u);  // segment_alloc, alloc, alloc, free_requested, free_completed
+  const VerifyResult v = verify(t);
+  EXPECT_FALSE(v.agreed);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_EQ(v.divergence_event, t.events.size());
+  EXPECT_EQ(v.divergence,
+            fmt::format("cannot verify: the history stops before the state was taken (recording "
+                        "stopped early, or its last events were lost): 1 allocation the history "
+                        "leaves live is free in the recorded state and 1 it frees is allocated "
+                        "there; the latest, free_completed of {} bytes at {:#x} (event 4), is "
+                        "allocated there. The starting state is rebuilt from the recorded one, "
+                        "so nothing can be checked.",
+                        5 * kMiB, reinterpret_cast<DevicePtr>(a)));
+  EXPECT_EQ(c, a);
+}
+
+TEST(VerifyCases, ASnapshotWithoutHistoryCannotBeVerified) {
+  Recorder r("");
+  r.on = false;
+  (void)r.alloc(5 * kMiB);
+  const Trace t = pickled(r.finish());
+  ASSERT_TRUE(t.events.empty());
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_EQ(v.divergence,
+            "cannot verify: the snapshot holds no recorded events for this device (its state "
+            "only: memory history was not recording here)");
+}
+
+// Ascend's torch_npu writes the same format from its own allocator: read,
+// but not verified against CUDA's rules.
+TEST(VerifyCases, AnNpuRecordingIsReadButNotVerified) {
+  const std::string json = R"({"segments": [{"device": 0, "address": 4194304,
+      "total_size": 2097152, "stream": 0, "segment_type": "small",
+      "blocks": [{"address": 4194304, "size": 512, "requested_size": 500,
+                  "state": "active_allocated"},
+                 {"address": 4194816, "size": 2096640, "state": "inactive"}]}],
+    "device_traces": [[
+      {"action": "segment_alloc", "addr": 4194304, "size": 2097152, "stream": 0,
+       "frames": [{"name": "c10_npu::NPUCachingAllocator::malloc", "filename": "??", "line": 0},
+                  {"name": "forward", "filename": "/x/site-packages/torch_npu/npu/m.py",
+                   "line": 3}]},
+      {"action": "alloc", "addr": 4194304, "size": 500, "stream": 0}]]})";
+  const Trace t = read_snapshot_json(json, "npu.json");
+  EXPECT_EQ(t.port, "npu");
+  EXPECT_EQ(t.events.size(), 2u);
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_EQ(v.divergence_event, 2u);
+  EXPECT_EQ(v.divergence.rfind("cannot verify: recorded by torch_npu's allocator (npu device)", 0),
+            0u)
+      << v.divergence;
+  // A CUDA recording's frames do not make it one.
+  EXPECT_EQ(record(3, 20).port, "cuda");
 }
 
 }  // namespace

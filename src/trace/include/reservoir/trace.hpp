@@ -39,6 +39,9 @@ struct Trace {
   bool settings_recorded = true;
   int device = 0;                // the device these events and segments are of
   std::size_t device_count = 1;  // devices the file holds traces of
+  // The device port that recorded it: "cuda", or "npu" for Ascend's
+  // torch_npu, which writes the same format (told by its stack frames).
+  std::string port = "cuda";
   std::vector<TraceEvent> events;
   // Events each device of the file holds (snapshots; one entry otherwise).
   std::vector<std::uint64_t> device_events;
@@ -248,6 +251,7 @@ struct VerifyResult {
   std::uint64_t garbage_collections = 0;   // release runs made by garbage collection
   std::uint64_t zero_size_skipped = 0;     // zero-byte alloc/free events (no allocator work)
   std::uint64_t private_pool_segments = 0; // final segments of private pools, left out
+  std::uint64_t private_pool_bytes = 0;     // ... and their total size
   std::uint64_t initial_segments = 0;       // segments (expandable: mapped ranges) at the start
   std::uint64_t initial_reservations = 0;   // expandable segments' reservations at the start
   std::uint64_t initial_free_segments = 0;  // of them: wholly free (cached) at the start
