@@ -9,9 +9,12 @@ DEPS := cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-
         python3-dev pybind11-dev python3-pytest \
         python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
-SHARED_TRACES := $(wildcard ../shared/traces/*.pickle)
+SHARED_TRACES := $(wildcard ../shared/traces/*.pickle ../shared/traces/oom/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
+# make run advises on a real out-of-memory dump when one is at hand.
+ADVISE_TRACE := $(firstword $(wildcard ../shared/traces/oom/*.pickle) $(SHARED_TRACES) \
+                  examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 
 .PHONY: deps build run test wheel no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
@@ -32,7 +35,7 @@ run: build
 	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
 	$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
 	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
-	$(BUILD)/bin/reservoir advise $(firstword $(SHARED_TRACES) examples/traces/gpt_training.pickle) \
+	$(BUILD)/bin/reservoir advise $(ADVISE_TRACE) \
 	  -o $(BUILD)/advice.html
 	$(BUILD)/bin/reservoir report $(TRACES) $(POLICIES) --min-capacity -o $(BUILD)/report.html
 

@@ -42,7 +42,8 @@ void advise_file(benchmark::State& state, const std::string& path, unsigned thre
 
 int register_all() {
   const std::filesystem::path root(RESERVOIR_SOURCE_DIR);
-  for (const auto& dir : {root / "examples" / "traces", root / ".." / "shared" / "traces"}) {
+  for (const auto& dir : {root / "examples" / "traces", root / ".." / "shared" / "traces",
+                          root / ".." / "shared" / "traces" / "oom"}) {
     if (!std::filesystem::exists(dir)) continue;
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       const auto ext = entry.path().extension();

@@ -16,6 +16,7 @@ import sys
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "build", "bin", "reservoir")
 traces = sorted(glob.glob(os.path.join(root, "..", "shared", "traces", "*.pickle")))
+traces += sorted(glob.glob(os.path.join(root, "..", "shared", "traces", "oom", "*.pickle")))
 traces += sorted(glob.glob(os.path.join(root, "examples", "traces", "*")))
 configs = ["", "expandable_segments:True", "policy:paging"]
 command = [binary, "replay", *traces, "--min-capacity", "--json"]
