@@ -29,6 +29,9 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
   check_supported(config_);
   vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+  if (config_.per_process_memory_fraction != 1.0) {
+    set_memory_fraction(config_.per_process_memory_fraction);
+  }
   if (const char* v = std::getenv("RESERVOIR_VALIDATE"); v != nullptr && *v != '\0' &&
       std::string_view(v) != "0") {
     validate_each_call_.store(true, std::memory_order_relaxed);
@@ -87,6 +90,12 @@ void CachingAllocator::Impl::set_memory_fraction(double fraction) {
 
 void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   check_supported(config);
+  // per_process_memory_fraction, as PyTorch applies it: the fraction is set
+  // when the key is (a config without it leaves the current one).
+  if (config.per_process_memory_fraction != 1.0 &&
+      config.per_process_memory_fraction != config_.per_process_memory_fraction) {
+    set_memory_fraction(config.per_process_memory_fraction);
+  }
   detail::LockGuard lock(mutex_);
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;

@@ -94,7 +94,7 @@ class CachingAllocator::Impl {
 
   // Pure size rules, exposed for tests.
   static std::size_t round_size(std::size_t size, const AllocatorConfig& config);
-  static std::size_t allocation_size(std::size_t size);
+  static std::size_t allocation_size(std::size_t size, const AllocatorConfig& config);
 
  private:
   struct AllocParams {

@@ -115,8 +115,8 @@ void CachingAllocator::set_validate_each_call(bool on) {
 std::size_t CachingAllocator::round_size(std::size_t size, const AllocatorConfig& config) {
   return Impl::round_size(size, config);
 }
-std::size_t CachingAllocator::allocation_size(std::size_t rounded) {
-  return Impl::allocation_size(rounded);
+std::size_t CachingAllocator::allocation_size(std::size_t rounded, const AllocatorConfig& config) {
+  return Impl::allocation_size(rounded, config);
 }
 void CachingAllocator::restore(const Snapshot& layout,
                                const std::vector<ExpandableReservation>& reservations) {

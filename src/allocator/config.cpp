@@ -7,6 +7,7 @@
 #include "reservoir/config.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <bit>
@@ -21,7 +22,6 @@ namespace reservoir {
 namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
-constexpr std::size_t kLargeBufferMiB = 20;
 
 struct Token {
   std::string text;
@@ -65,10 +65,14 @@ class Parser {
       fail("key 'paging_release_threshold_mb' applies to policy:paging only; add policy:paging "
            "or leave the key out");
     }
+    if (config.max_split_size < config.large_segment_size) {
+      fail(fmt::format("key 'max_split_size_mb': value '{}' is too small; accepted: a whole "
+                       "number of MiB >= {} (large_segment_size_mb)",
+                       config.max_split_size / kMiB, config.large_segment_size / kMiB));
+    }
     return config;
   }
 
- private:
   [[noreturn]] void fail(const std::string& message) const {
     throw ConfigError(fmt::format("allocator config \"{}\": {}", text_, message));
   }
@@ -126,78 +130,24 @@ class Parser {
     fail(fmt::format("key '{}': value '{}' is not accepted; accepted: True or False", key, v));
   }
 
-  void parse_value(AllocatorConfig& c, const std::string& key) {
-    if (key == "max_split_size_mb" || key == "max_non_split_rounding_mb") {
-      const std::string accepted = fmt::format("a whole number of MiB >= {}", kLargeBufferMiB);
-      std::size_t mb = unsigned_value(key, accepted);
-      if (mb < kLargeBufferMiB) {
-        fail(fmt::format("key '{}': value '{}' is too small; accepted: {}", key, mb, accepted));
-      }
-      mb = std::min(mb, std::numeric_limits<std::size_t>::max() / kMiB);
-      (key == "max_split_size_mb" ? c.max_split_size : c.max_non_split_rounding_size) = mb * kMiB;
-    } else if (key == "paging_release_threshold_mb") {
-      std::size_t mb = unsigned_value(key, "a whole number of MiB (0: keep no cached memory)");
-      mb = std::min(mb, std::numeric_limits<std::size_t>::max() / kMiB - 1);
-      c.paging_release_threshold = mb * kMiB;
-    } else if (key == "garbage_collection_threshold") {
-      const std::string v = value_token(key, "a number in (0.0, 1.0)");
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end != v.c_str() + v.size() || !(d > 0.0 && d < 1.0)) {
-        fail(fmt::format("key '{}': value '{}' is not accepted; accepted: a number in (0.0, 1.0)",
-                         key, v));
-      }
-      c.garbage_collection_threshold = d;
-    } else if (key == "roundup_power2_divisions") {
-      parse_divisions(c, key);
-    } else if (key == "expandable_segments") {
-      c.expandable_segments = bool_value(key);
-    } else if (key == "release_lock_on_cudamalloc") {
-      c.release_lock_on_cudamalloc = bool_value(key);
-    } else if (key == "pinned_use_cuda_host_register") {
-      c.pinned_use_host_register = bool_value(key);
-    } else if (key == "pinned_use_background_threads") {
-      c.pinned_use_background_threads = bool_value(key);
-    } else if (key == "pinned_num_register_threads") {
-      const std::size_t n = unsigned_value(key, "a power of two from 1 to 128");
-      if (n == 0 || !std::has_single_bit(n) || n > 128) {
-        fail(
-            fmt::format("key '{}': value '{}' is not accepted; accepted: a power of two from 1 "
-                        "to 128",
-                        key, n));
-      }
-      c.pinned_num_register_threads = n;
-    } else if (key == "backend") {
-      const std::string v = value_token(key, "native");
-      if (v != "native") {
-        fail(
-            fmt::format("key 'backend': value '{}' is not supported by reservoir; accepted: "
-                        "native",
-                        v));
-      }
-    } else if (key == "policy") {
-      const std::string v = value_token(key, "native, expandable or paging");
-      if (v == "native") {
-        c.policy = Policy::native;
-      } else if (v == "expandable") {
-        c.policy = Policy::expandable;
-      } else if (v == "paging") {
-        c.policy = Policy::paging;
-      } else {
-        fail(
-            fmt::format("key 'policy': value '{}' is not accepted; accepted: native, "
-                        "expandable or paging",
-                        v));
-      }
-    } else {
-      fail(fmt::format(
-          "unknown key '{}'; accepted keys: max_split_size_mb, max_non_split_rounding_mb, "
-          "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, "
-          "release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
-          "pinned_num_register_threads, pinned_use_background_threads, backend, policy, "
-          "paging_release_threshold_mb",
-          key));
+  void parse_value(AllocatorConfig& c, const std::string& key);
+
+  std::size_t mib_value(const std::string& key, std::size_t min_mb, std::string_view accepted) {
+    std::size_t mb = unsigned_value(key, accepted);
+    if (mb < min_mb) {
+      fail(fmt::format("key '{}': value '{}' is too small; accepted: {}", key, mb, accepted));
     }
+    return std::min(mb, std::numeric_limits<std::size_t>::max() / kMiB - 1) * kMiB;
+  }
+
+  double number_value(const std::string& key, std::string_view accepted, bool one_included) {
+    const std::string v = value_token(key, accepted);
+    char* end = nullptr;
+    const double d = std::strtod(v.c_str(), &end);
+    if (end != v.c_str() + v.size() || !(d > 0.0 && (one_included ? d <= 1.0 : d < 1.0))) {
+      fail(fmt::format("key '{}': value '{}' is not accepted; accepted: {}", key, v, accepted));
+    }
+    return d;
   }
 
   void parse_divisions(AllocatorConfig& c, const std::string& key) {
@@ -261,7 +211,307 @@ class Parser {
   std::size_t pos_ = 0;
 };
 
+// ---- the table -------------------------------------------------------------
+
+using ParseFn = void (*)(Parser&, AllocatorConfig&, const std::string& key);
+// Appends the key's "key:value" to `out` where the config differs from the defaults.
+using PrintFn = void (*)(const AllocatorConfig&, std::vector<std::string>& out);
+
+struct Entry {
+  SettingInfo info;
+  ParseFn parse;
+  PrintFn print;  // null for aliases (the canonical row prints)
+};
+
+std::string mib(std::size_t bytes) { return fmt::format("{}", bytes / kMiB); }
+
+constexpr std::string_view kMibFromLargeSegment =
+    "a whole number of MiB >= large_segment_size_mb (default 20)";
+constexpr std::string_view kMib20 = "a whole number of MiB >= 20";
+constexpr std::string_view kBool = "True or False";
+constexpr std::string_view kDivisions =
+    "a power of two, or a list [MiB:divisions,...,>:divisions] with power-of-two MiB keys and "
+    "power-of-two (or 0) divisions";
+
+void set_bool(Parser& p, bool& field, const std::string& key) { field = p.bool_value(key); }
+
+const Entry kTable[] = {
+    {{"max_split_size_mb", kMibFromLargeSegment, "unlimited", "2.0+", "2.0", "max_split_size",
+      "blocks this large or larger are never split; a smaller request never takes one", true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.max_split_size = p.mib_value(k, 1, kMibFromLargeSegment);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.max_split_size != AllocatorConfig{}.max_split_size)
+         out.push_back("max_split_size_mb:" + mib(c.max_split_size));
+     }},
+    {{"max_non_split_rounding_mb", kMib20, "20", "2.4+", "2.4", "",
+      "a request >= max_split_size takes a cached block only if it is less than this much "
+      "larger",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.max_non_split_rounding_size = p.mib_value(k, 20, kMib20);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.max_non_split_rounding_size != AllocatorConfig{}.max_non_split_rounding_size)
+         out.push_back("max_non_split_rounding_mb:" + mib(c.max_non_split_rounding_size));
+     }},
+    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "2.14+", "2.14", "",
+      "the segment a large-pool request below 10 MiB gets (20 MiB before), and the large "
+      "pool's page under expandable segments",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       const std::size_t bytes = p.mib_value(k, 2, "an even whole number of MiB >= 2");
+       if ((bytes / kMiB) % 2 != 0) {
+         p.fail(fmt::format("key '{}': value '{}' is not even; accepted: an even whole number "
+                            "of MiB >= 2 (segments are made of 2 MiB pages)",
+                            k, bytes / kMiB));
+       }
+       c.large_segment_size = bytes;
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.large_segment_size != AllocatorConfig{}.large_segment_size)
+         out.push_back("large_segment_size_mb:" + mib(c.large_segment_size));
+     }},
+    {{"garbage_collection_threshold", "a number in (0.0, 1.0)", "0 (off)", "2.0+", "2.0",
+      "garbage_collection_threshold",
+      "with a memory fraction set, when reserved memory exceeds threshold x allowed, free "
+      "unsplit cached large blocks at least as old (in cache searches) as the average, before "
+      "asking the device",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.garbage_collection_threshold = p.number_value(k, "a number in (0.0, 1.0)", false);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.garbage_collection_threshold != 0.0)
+         out.push_back(fmt::format("garbage_collection_threshold:{}", c.garbage_collection_threshold));
+     }},
+    {{"roundup_power2_divisions", kDivisions, "0 (512-byte rounding)", "2.0+ (the list form 2.1+)",
+      "2.0", "roundup_power2_divisions",
+      "round requests up to one of `div` steps between powers of two; list keys are "
+      "power-of-two MiB interval starts (1 MiB .. 32 GiB+), `>` sets every interval after the "
+      "last one named",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) { p.parse_divisions(c, k); },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.roundup_power2_divisions == AllocatorConfig{}.roundup_power2_divisions) return;
+       std::string list = "roundup_power2_divisions:[";
+       for (std::size_t i = 0; i < kRoundupIntervals; ++i) {
+         if (i) list += ",";
+         list += fmt::format("{}:{}", std::size_t{1} << i, c.roundup_power2_divisions[i]);
+       }
+       out.push_back(list + "]");
+     }},
+    {{"expandable_segments", kBool, "False", "2.1+", "2.1", "expandable_segments",
+      "PyTorch's expandable segments (same as `policy:expandable`); needs a device with "
+      "virtual memory",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.expandable_segments, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.expandable_segments) out.emplace_back("expandable_segments:True");
+     }},
+    {{"per_process_memory_fraction", "a number in (0.0, 1.0]", "1.0", "2.10+", "2.10", "",
+      "as torch.cuda.set_per_process_memory_fraction before the first allocation: reserved "
+      "memory may not exceed this fraction of the device (enables garbage collection)",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.per_process_memory_fraction = p.number_value(k, "a number in (0.0, 1.0]", true);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.per_process_memory_fraction != 1.0)
+         out.push_back(fmt::format("per_process_memory_fraction:{}", c.per_process_memory_fraction));
+     }},
+    {{"graph_capture_record_stream_reuse", kBool, "False", "2.9+", "2.9",
+      "graph_capture_record_stream_reuse",
+      "lets CUDA-graph capture reuse blocks freed on other streams; accepted, not modelled: "
+      "replay does not route allocations to graphs' private pools",
+      false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.graph_capture_record_stream_reuse, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.graph_capture_record_stream_reuse)
+         out.emplace_back("graph_capture_record_stream_reuse:True");
+     }},
+    {{"throw_on_cudamalloc_oom", kBool, "False", "2.10+", "2.10", "",
+      "fail a request before cudaMalloc when it would exceed free memory; accepted, not "
+      "modelled: the same requests fail either way, only the device call differs",
+      false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.throw_on_cudamalloc_oom, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.throw_on_cudamalloc_oom) out.emplace_back("throw_on_cudamalloc_oom:True");
+     }},
+    {{"release_lock_on_cudamalloc", kBool, "False", "2.2+", "2.2", "release_lock_on_cudamalloc",
+      "accepted for compatibility; reservoir keeps its lock around device calls", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.release_lock_on_cudamalloc, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.release_lock_on_cudamalloc) out.emplace_back("release_lock_on_cudamalloc:True");
+     }},
+    {{"release_lock_on_hipmalloc", kBool, "False", "2.2+", "2.2", "",
+      "ROCm's name for release_lock_on_cudamalloc", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.release_lock_on_cudamalloc, k);
+     },
+     nullptr},
+    {{"pinned_use_cuda_host_register", kBool, "False", "2.2+", "2.2",
+      "pinned_use_cuda_host_register",
+      "pinned host memory by cudaHostRegister (the saver's staging buffers)", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.pinned_use_host_register, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_use_host_register) out.emplace_back("pinned_use_cuda_host_register:True");
+     }},
+    {{"pinned_use_hip_host_register", kBool, "False", "2.2+", "2.2", "",
+      "ROCm's name for pinned_use_cuda_host_register", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.pinned_use_host_register, k);
+     },
+     nullptr},
+    {{"pinned_num_register_threads", "a power of two from 1 to 128", "1", "2.2+", "2.2",
+      "pinned_num_register_threads", "threads registering pinned host memory", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       const std::size_t n = p.unsigned_value(k, "a power of two from 1 to 128");
+       if (n == 0 || !std::has_single_bit(n) || n > 128) {
+         p.fail(fmt::format("key '{}': value '{}' is not accepted; accepted: a power of two "
+                            "from 1 to 128",
+                            k, n));
+       }
+       c.pinned_num_register_threads = n;
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_num_register_threads != 1)
+         out.push_back(fmt::format("pinned_num_register_threads:{}", c.pinned_num_register_threads));
+     }},
+    {{"pinned_use_background_threads", kBool, "False", "2.5+", "2.5", "",
+      "pinned host allocator's background event processing", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.pinned_use_background_threads, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_use_background_threads) out.emplace_back("pinned_use_background_threads:True");
+     }},
+    {{"pinned_reserve_segment_size_mb", "a whole number of MiB", "0", "2.10+", "2.10", "",
+      "pinned host memory reserved up front; accepted, not modelled", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.pinned_reserve_segment_size = p.mib_value(k, 0, "a whole number of MiB");
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_reserve_segment_size != 0)
+         out.push_back("pinned_reserve_segment_size_mb:" + mib(c.pinned_reserve_segment_size));
+     }},
+    {{"pinned_free_catch_all", kBool, "False", "2.10+", "2.10", "",
+      "pinned host allocator frees through one catch-all path; accepted, not modelled", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.pinned_free_catch_all, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_free_catch_all) out.emplace_back("pinned_free_catch_all:True");
+     }},
+    {{"backend", "native", "native", "2.0+", "2.0", "",
+      "`cudaMallocAsync` is refused: reservoir is the allocator", true},
+     [](Parser& p, AllocatorConfig&, const std::string& k) {
+       const std::string v = p.value_token(k, "native");
+       if (v != "native") {
+         p.fail(fmt::format("key 'backend': value '{}' is not supported by reservoir; accepted: "
+                            "native",
+                            v));
+       }
+     },
+     [](const AllocatorConfig&, std::vector<std::string>&) {}},
+    {{"policy", "native, expandable or paging", "native", "reservoir", "", "",
+      "reservoir's own key: the segment policy; `paging` and `expandable_segments:True` "
+      "exclude each other",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       const std::string v = p.value_token(k, "native, expandable or paging");
+       if (v == "native") {
+         c.policy = Policy::native;
+       } else if (v == "expandable") {
+         c.policy = Policy::expandable;
+       } else if (v == "paging") {
+         c.policy = Policy::paging;
+       } else {
+         p.fail(fmt::format("key 'policy': value '{}' is not accepted; accepted: native, "
+                            "expandable or paging",
+                            v));
+       }
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.policy == Policy::expandable) out.emplace_back("policy:expandable");
+       if (c.policy == Policy::paging) out.emplace_back("policy:paging");
+     }},
+    {{"paging_release_threshold_mb", "a whole number of MiB (0: keep no cached memory)",
+      "unlimited", "reservoir", "", "",
+      "`policy:paging` only: after a free, whole free handles beyond this much cached memory "
+      "(reserved minus allocated) go back to the device at once, largest first, as "
+      "`cudaMallocAsync`'s release threshold does; 0 keeps none. For GPUs shared with other "
+      "processes; costs device calls when the memory is needed again",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.paging_release_threshold =
+           p.mib_value(k, 0, "a whole number of MiB (0: keep no cached memory)");
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.paging_release_threshold != kNoReleaseThreshold)
+         out.push_back("paging_release_threshold_mb:" + mib(c.paging_release_threshold));
+     }},
+};
+
+const Entry* find_entry(std::string_view key) {
+  for (const Entry& e : kTable) {
+    if (e.info.key == key) return &e;
+  }
+  return nullptr;
+}
+
+void Parser::parse_value(AllocatorConfig& c, const std::string& key) {
+  if (const Entry* e = find_entry(key)) {
+    e->parse(*this, c, key);
+    return;
+  }
+  std::vector<std::string_view> keys;
+  for (const Entry& e : kTable) keys.push_back(e.info.key);
+  fail(fmt::format("unknown key '{}'; accepted keys: {}", key, fmt::join(keys, ", ")));
+}
+
 }  // namespace
+
+std::span<const SettingInfo> settings() {
+  static const std::vector<SettingInfo> rows = [] {
+    std::vector<SettingInfo> out;
+    for (const Entry& e : kTable) out.push_back(e.info);
+    return out;
+  }();
+  return rows;
+}
+
+const SettingInfo* find_setting(std::string_view key) {
+  const Entry* e = find_entry(key);
+  return e != nullptr ? &e->info : nullptr;
+}
+
+int compare_versions(std::string_view a, std::string_view b) {
+  while (!a.empty() || !b.empty()) {
+    auto take = [](std::string_view& s) {
+      std::size_t n = 0;
+      std::size_t i = 0;
+      while (i < s.size() && s[i] >= '0' && s[i] <= '9') n = n * 10 + static_cast<std::size_t>(s[i++] - '0');
+      s.remove_prefix(std::min(s.size(), i + 1));  // the number and its dot
+      return n;
+    };
+    const std::size_t x = take(a);
+    const std::size_t y = take(b);
+    if (x != y) return x < y ? -1 : 1;
+  }
+  return 0;
+}
 
 std::size_t AllocatorConfig::divisions_for(std::size_t size) const noexcept {
   // Interval 0 holds sizes below 2 MiB, interval 15 sizes of 32 GiB and more.
@@ -276,45 +526,20 @@ AllocatorConfig AllocatorConfig::parse(const std::string& text) {
 }
 
 AllocatorConfig AllocatorConfig::from_env() {
-  if (const char* ours = std::getenv("RESERVOIR_ALLOC_CONF")) return parse(ours);
-  if (const char* theirs = std::getenv("PYTORCH_CUDA_ALLOC_CONF")) return parse(theirs);
+  for (const char* name : {"RESERVOIR_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    if (const char* text = std::getenv(name)) return parse(text);
+  }
   return AllocatorConfig{};
 }
 
 std::string AllocatorConfig::to_string() const {
-  const AllocatorConfig defaults;
   std::vector<std::string> parts;
-  if (policy != defaults.policy) {
-    parts.push_back(policy == Policy::expandable ? "policy:expandable" : "policy:paging");
+  // The policy first, as written by hand.
+  for (const Entry& e : kTable) {
+    if (e.info.key == "policy") e.print(*this, parts);
   }
-  if (max_split_size != defaults.max_split_size) {
-    parts.push_back(fmt::format("max_split_size_mb:{}", max_split_size / kMiB));
-  }
-  if (max_non_split_rounding_size != defaults.max_non_split_rounding_size) {
-    parts.push_back(
-        fmt::format("max_non_split_rounding_mb:{}", max_non_split_rounding_size / kMiB));
-  }
-  if (garbage_collection_threshold != 0.0) {
-    parts.push_back(fmt::format("garbage_collection_threshold:{}", garbage_collection_threshold));
-  }
-  if (roundup_power2_divisions != defaults.roundup_power2_divisions) {
-    std::string list = "roundup_power2_divisions:[";
-    for (std::size_t i = 0; i < kRoundupIntervals; ++i) {
-      if (i) list += ",";
-      list += fmt::format("{}:{}", std::size_t{1} << i, roundup_power2_divisions[i]);
-    }
-    parts.push_back(list + "]");
-  }
-  if (expandable_segments) parts.push_back("expandable_segments:True");
-  if (release_lock_on_cudamalloc) parts.push_back("release_lock_on_cudamalloc:True");
-  if (pinned_use_host_register) parts.push_back("pinned_use_cuda_host_register:True");
-  if (pinned_num_register_threads != 1) {
-    parts.push_back(fmt::format("pinned_num_register_threads:{}", pinned_num_register_threads));
-  }
-  if (pinned_use_background_threads) parts.push_back("pinned_use_background_threads:True");
-  if (paging_release_threshold != kNoReleaseThreshold) {
-    parts.push_back(
-        fmt::format("paging_release_threshold_mb:{}", paging_release_threshold / kMiB));
+  for (const Entry& e : kTable) {
+    if (e.print != nullptr && e.info.key != "policy") e.print(*this, parts);
   }
   return fmt::format("{}", fmt::join(parts, ","));
 }

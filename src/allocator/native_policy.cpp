@@ -35,9 +35,10 @@ std::size_t CachingAllocator::Impl::round_size(std::size_t size, const Allocator
   return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
 }
 
-std::size_t CachingAllocator::Impl::allocation_size(std::size_t size) {
+std::size_t CachingAllocator::Impl::allocation_size(std::size_t size,
+                                                    const AllocatorConfig& config) {
   if (size <= kSmallSize) return kSmallBuffer;
-  if (size < kMinLargeAlloc) return kLargeBuffer;
+  if (size < kMinLargeAlloc) return config.large_segment_size;
   return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
 }
 
@@ -207,7 +208,7 @@ void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   detail::UniqueLock lock(mutex_);
   if (routes_.empty()) process_events();
   const std::size_t size = round_size(requested, config_);
-  AllocParams p{size, allocation_size(size), stream, &pool_for(size, stream)};
+  AllocParams p{size, allocation_size(size, config_), stream, &pool_for(size, stream)};
 
   bool found = get_free_block(p);
   if (!found && !free_memory_callbacks_.empty()) {

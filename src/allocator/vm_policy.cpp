@@ -50,7 +50,8 @@ void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) cons
 Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
   const bool paging = vm_mode_ == VmMode::paging;
   const std::size_t granularity = std::max<std::size_t>(device_.granularity(), 1);
-  std::size_t page = paging ? granularity : (p.pool->is_small ? kSmallBuffer : kLargeBuffer);
+  std::size_t page =
+      paging ? granularity : (p.pool->is_small ? kSmallBuffer : config_.large_segment_size);
   page = (page + granularity - 1) / granularity * granularity;
   MemoryInfo info;
   const Status info_status = device_.memory_info(&info);

@@ -43,13 +43,7 @@ std::size_t reserved_peak_event(const Trace& trace) {
   return at;
 }
 
-AllocatorConfig recorded_settings(const Trace& trace) {
-  try {
-    return AllocatorConfig::parse(trace.recorded_config);
-  } catch (const ConfigError& e) {
-    throw TraceError(fmt::format("advise {}: recorded settings: {}", trace.name, e.what()));
-  }
-}
+const AllocatorConfig& recorded_settings(const Trace& trace) { return trace.settings; }
 
 std::string pool_name(bool large) { return large ? "large" : "small"; }
 
@@ -123,7 +117,7 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
   FailedRequest& r = *d.request;
   r.rounded = CachingAllocator::round_size(r.size, config);
   r.large = r.rounded > kSmallSize;
-  r.segment_size = CachingAllocator::allocation_size(r.rounded);
+  r.segment_size = CachingAllocator::allocation_size(r.rounded, config);
   std::uint64_t largest_same_any = 0;  // ignoring the max_split_size rules
   for (const SegmentInfo& s : d.segments.segments) {
     if (s.is_large != r.large) continue;

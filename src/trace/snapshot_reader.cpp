@@ -1,5 +1,6 @@
 // Reading PyTorch memory snapshots (torch.cuda.memory._dump_snapshot pickles).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
 
@@ -9,6 +10,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "reservoir/config.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
 #include "reservoir/trace.hpp"
@@ -121,41 +123,114 @@ class Reader {
     }
   }
 
-  std::string config_from_settings(const Value& settings) const {
+  // The settings a snapshot records: the text the program set
+  // (PYTORCH_CUDA_ALLOC_CONF, as PyTorch names that entry in every version),
+  // then the effective values of the keys the dict holds, each read through
+  // the settings table. Parsed once, here.
+  void read_settings(const Value& settings, Trace& trace) const {
     const std::string path = "allocator_settings";
     if (settings.kind != Kind::dict)
       fail(path, fmt::format("expected a dict, got {}", to_string(settings.kind)));
+    std::string since = "2.4";  // the first release that records allocator_settings
+    auto at_least = [&](std::string_view v) {
+      if (!v.empty() && compare_versions(v, since) > 0) since = std::string(v);
+    };
+    std::string text;
+    for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+      if (std::string_view t = optional_text(settings, name, path); !t.empty()) text = t;
+    }
+    trace.recorded_settings_text = text;
+    // The text first: it holds keys the dict does not (max_non_split_rounding_mb, ...).
     std::vector<std::string> parts;
-    if (const Value* v = settings.find("max_split_size");
-        v && v->kind == Kind::integer && v->integer > 0) {
-      parts.push_back(fmt::format("max_split_size_mb:{}", v->integer >> 20));
+    try {
+      const std::string written = AllocatorConfig::parse(text).to_string();
+      if (!written.empty()) parts.push_back(written);
+      for (const std::string& item : split_items(text)) {
+        if (const SettingInfo* s = find_setting(item.substr(0, item.find(':')))) at_least(s->since);
+      }
+    } catch (const ConfigError& e) {
+      trace.settings_note = fmt::format(
+          "the recorded settings text \"{}\" was not used ({}); the values the snapshot records "
+          "were",
+          text, e.what());
     }
-    if (const Value* v = settings.find("garbage_collection_threshold");
-        v && v->kind == Kind::floating && v->floating > 0.0) {
-      parts.push_back(fmt::format("garbage_collection_threshold:{}", v->floating));
-    }
-    if (const Value* v = settings.find("expandable_segments");
-        v && v->kind == Kind::boolean && v->boolean) {
-      parts.push_back("expandable_segments:True");
-    }
-    if (const Value* v = settings.find("roundup_power2_divisions")) {
-      if (v->kind == Kind::dict) {
-        bool any = false;
-        std::vector<std::string> entries;
-        for (const auto& [k, d] : v->entries) {
-          if (k->kind != Kind::string || d->kind != Kind::integer) {
-            fail(path + ".roundup_power2_divisions", "expected str keys and int values");
-          }
-          any |= d->integer != 0;
-          entries.push_back(fmt::format("{}:{}", k->text, d->integer));
+    // Then the effective values the dict records, for each key the table maps.
+    for (const auto& [k, v] : settings.entries) {
+      if (k->kind != Kind::string) continue;
+      if (k->text == "PYTORCH_CUDA_ALLOC_CONF" || k->text == "PYTORCH_ALLOC_CONF") continue;
+      const SettingInfo* row = nullptr;
+      for (const SettingInfo& s : reservoir::settings()) {
+        if (s.snapshot_key == k->text) row = &s;
+      }
+      if (row == nullptr) {
+        ++trace.unknown_keys["allocator_settings." + k->text];
+        continue;
+      }
+      at_least(row->since);
+      const std::string vpath = fmt::format("{}.{}", path, k->text);
+      if (k->text == "max_split_size") {  // bytes; -1 (or SIZE_MAX) when unlimited
+        if (v->kind != Kind::integer) fail(vpath, fmt::format("expected int, got {}", to_string(v->kind)));
+        if (v->integer > 0 && !v->above_int64) {
+          parts.push_back(fmt::format("max_split_size_mb:{}", v->integer >> 20));
         }
-        if (any)
-          parts.push_back(fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")));
-      } else if (v->kind == Kind::integer && v->integer > 1) {
-        parts.push_back(fmt::format("roundup_power2_divisions:{}", v->integer));
+      } else if (k->text == "roundup_power2_divisions") {
+        parts.push_back(divisions_text(*v, vpath));
+      } else if (v->kind == Kind::boolean) {
+        parts.push_back(fmt::format("{}:{}", row->key, v->boolean ? "True" : "False"));
+      } else if (v->kind == Kind::floating) {
+        if (v->floating > 0.0) parts.push_back(fmt::format("{}:{}", row->key, v->floating));
+      } else if (v->kind == Kind::integer) {
+        parts.push_back(fmt::format("{}:{}", row->key, v->integer));
+      } else {
+        fail(vpath, fmt::format("expected a bool, int or float, got {}", to_string(v->kind)));
       }
     }
-    return fmt::format("{}", fmt::join(parts, ","));
+    std::erase(parts, std::string());
+    try {
+      trace.settings = AllocatorConfig::parse(fmt::format("{}", fmt::join(parts, ",")));
+    } catch (const ConfigError& e) {
+      fail(path, e.what());
+    }
+    trace.recorded_config = trace.settings.to_string();
+    trace.pytorch_since = since;
+  }
+
+  // A settings text's entries, split at the commas outside brackets.
+  static std::vector<std::string> split_items(const std::string& text) {
+    std::vector<std::string> items;
+    std::string current;
+    int depth = 0;
+    for (const char c : text) {
+      if (c == '[') ++depth;
+      if (c == ']') --depth;
+      if (c == ',' && depth == 0) {
+        items.push_back(current);
+        current.clear();
+      } else if (c != ' ') {
+        current.push_back(c);
+      }
+    }
+    items.push_back(current);
+    return items;
+  }
+
+  // roundup_power2_divisions as the dict records it ({"1": d, "2": d, ...}
+  // by MiB interval; an int in older writers), as config text ("" when off).
+  std::string divisions_text(const Value& v, const std::string& vpath) const {
+    if (v.kind == Kind::integer) {
+      return v.integer > 1 ? fmt::format("roundup_power2_divisions:{}", v.integer) : "";
+    }
+    if (v.kind != Kind::dict) fail(vpath, fmt::format("expected a dict, got {}", to_string(v.kind)));
+    bool any = false;
+    std::vector<std::string> entries;
+    for (const auto& [k, d] : v.entries) {
+      if (k->kind != Kind::string || d->kind != Kind::integer) {
+        fail(vpath, "expected str keys and int values");
+      }
+      any |= d->integer != 0;
+      entries.push_back(fmt::format("{}:{}", k->text, d->integer));
+    }
+    return any ? fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")) : "";
   }
 
   // The action of an event; nullopt for those that carry no allocator work
@@ -428,9 +503,7 @@ class Reader {
       fail("top level", fmt::format("expected a dict, got {}", to_string(root.kind)));
     note_unknown(root, kTopKeys, "", trace);
     if (const Value* settings = root.find("allocator_settings")) {
-      trace.recorded_config = config_from_settings(*settings);
-      trace.recorded_settings_text =
-          std::string(optional_text(*settings, "PYTORCH_CUDA_ALLOC_CONF", "allocator_settings"));
+      read_settings(*settings, trace);
     } else {
       trace.settings_recorded = false;
     }

@@ -168,7 +168,7 @@ class SnapshotBuilder {
   }
 
   Value* settings() {
-    const AllocatorConfig config = AllocatorConfig::parse(trace_.recorded_config);
+    const AllocatorConfig& config = trace_.settings;
     Value* settings = b_.dict();
     b_.set(settings, "PYTORCH_CUDA_ALLOC_CONF", b_.str(trace_.recorded_config));
     b_.set(settings, "max_split_size",
@@ -235,7 +235,7 @@ Trace to_trace(Snapshot snapshot, std::string name, std::string recorded_config)
   Trace trace;
   trace.name = std::move(name);
   trace.format = to_string(TraceFormat::pytorch_pickle);
-  trace.recorded_config = std::move(recorded_config);
+  set_recorded_config(trace, recorded_config);
   trace.has_addresses = true;
   trace.events = std::move(snapshot.history);
   snapshot.history.clear();

@@ -77,11 +77,10 @@ Trace read_text_trace(const std::string& text, const std::string& name) {
       value.erase(0, value.find_first_not_of(" \t"));
       value.erase(value.find_last_not_of(" \t\r") + 1);
       try {
-        (void)AllocatorConfig::parse(value);
+        set_recorded_config(trace, value);
       } catch (const ConfigError& e) {
         fail(e.what());
       }
-      trace.recorded_config = value;
     } else if (cmd == "alloc") {
       if (words.size() != 3 && !(words.size() == 5 && words[3] == "stream")) {
         fail("expected 'alloc ID SIZE [stream S]'");

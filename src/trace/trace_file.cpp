@@ -31,6 +31,11 @@ TraceFormat detect_trace_format(std::string_view bytes) noexcept {
   return TraceFormat::text;
 }
 
+void set_recorded_config(Trace& trace, const std::string& text) {
+  trace.settings = AllocatorConfig::parse(text);
+  trace.recorded_config = text;
+}
+
 namespace {
 
 std::string read_bytes(const std::string& path) {

@@ -67,11 +67,7 @@ class Verifier {
                       "replayed, not verified",
                       trace_.name, trace_.format));
     }
-    try {
-      config_ = AllocatorConfig::parse(trace_.recorded_config);
-    } catch (const ConfigError& e) {
-      throw TraceError(fmt::format("verify {}: recorded settings: {}", trace_.name, e.what()));
-    }
+    config_ = trace_.settings;
     if (!trace_.settings_recorded) {
       assumption_ =
           "the snapshot does not record its allocator settings (PyTorch records them from "
@@ -457,7 +453,7 @@ class Verifier {
         // The whole pages inside each free block (a mapped range starts on a page).
         // Blocks pending free are free once empty_cache() synchronizes: a
         // run of them and free blocks is one block then.
-        const std::uint64_t page = s.is_large ? kLargeBuffer : kSmallBuffer;
+        const std::uint64_t page = s.is_large ? config_.large_segment_size : kSmallBuffer;
         for (std::size_t j = 0; j < s.blocks.size();) {
           if (s.blocks[j].state == BlockState::active_allocated) {
             ++j;

@@ -265,8 +265,8 @@ Ranges::iterator range_at(Ranges& ranges, DevicePtr a) {
 int pool_of_request(std::uint64_t size, const AllocatorConfig& config) {
   return CachingAllocator::round_size(size, config) <= kSmallSize ? 0 : 1;
 }
-int pool_of_mapping(std::uint64_t size) {
-  return size % kLargeBuffer != 0 ? 0 : -1;
+int pool_of_mapping(std::uint64_t size, const AllocatorConfig& config) {
+  return size % config.large_segment_size != 0 ? 0 : -1;
 }
 
 }  // namespace
@@ -295,7 +295,7 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
                         i, e.addr, e.size));
       }
     } else if (e.action == TraceAction::segment_unmap) {
-      if (!add_range(mapped, e.addr, e.addr + e.size, e.stream, pool_of_mapping(e.size))) {
+      if (!add_range(mapped, e.addr, e.addr + e.size, e.stream, pool_of_mapping(e.size, config))) {
         fail(
             fmt::format("event {}: segment_unmap at {:#x} ({} bytes) unmaps pages that are "
                         "mapped again later without an unmap",
@@ -315,7 +315,7 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
     }
   }
   for (auto& [at, r] : mapped) {
-    if (r.large < 0) r.large = (r.end - at) % kLargeBuffer == 0 ? 1 : 0;
+    if (r.large < 0) r.large = (r.end - at) % config.large_segment_size == 0 ? 1 : 0;
   }
 
   // Reservations: one per stream and pool with ranges mapped at the start;
@@ -333,7 +333,7 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
   }
   for (const TraceEvent& e : events) {
     if (e.action != TraceAction::segment_map && e.action != TraceAction::segment_unmap) continue;
-    const int kind = pool_of_mapping(e.size);
+    const int kind = pool_of_mapping(e.size, config);
     Group* g = nullptr;
     for (const bool large : {true, false}) {
       if (kind == (large ? 0 : 1)) continue;

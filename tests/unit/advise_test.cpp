@@ -272,9 +272,9 @@ TEST(Advise, BadInputIsRefusedWithTheReason) {
   o.configs = {"max_split_size_mb:banana"};
   EXPECT_THROW((void)advise(t, o), ConfigError);
   Trace bad = t;
-  bad.recorded_config = "no_such_key:1";
-  EXPECT_NE(testing::error_of<TraceError>([&] { (void)advise(bad); }).find("recorded settings"),
-            std::string::npos);
+  EXPECT_EQ(testing::error_of<ConfigError>([&] { set_recorded_config(bad, "no_such_key:1"); })
+                .rfind("allocator config \"no_such_key:1\": unknown key 'no_such_key'", 0),
+            0u);
 }
 
 TEST(Advise, TheDefaultSweepCoversPyTorchsSettingsAndPaging) {

@@ -77,16 +77,16 @@ TEST(Config, RoundupListFormMatchesPyTorch) {
 TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
   EXPECT_EQ(error_of("max_split_size_mb:19"),
             "allocator config \"max_split_size_mb:19\": key 'max_split_size_mb': value '19' is "
-            "too small; accepted: a whole number of MiB >= 20");
+            "too small; accepted: a whole number of MiB >= 20 (large_segment_size_mb)");
   EXPECT_EQ(error_of("max_split_size_mb:abc"),
             "allocator config \"max_split_size_mb:abc\": key 'max_split_size_mb': value 'abc' is "
-            "not a whole number; accepted: a whole number of MiB >= 20");
+            "not a whole number; accepted: a whole number of MiB >= large_segment_size_mb (default 20)");
   EXPECT_EQ(error_of("max_split_size_mb"),
             "allocator config \"max_split_size_mb\": key 'max_split_size_mb' at column 18: "
             "expected ':' but found the end");
   EXPECT_EQ(error_of("max_split_size_mb:"),
             "allocator config \"max_split_size_mb:\": key 'max_split_size_mb' has no value; "
-            "accepted: a whole number of MiB >= 20");
+            "accepted: a whole number of MiB >= large_segment_size_mb (default 20)");
   EXPECT_EQ(error_of("garbage_collection_threshold:1.5"),
             "allocator config \"garbage_collection_threshold:1.5\": key "
             "'garbage_collection_threshold': value '1.5' is not accepted; accepted: a number in "
@@ -109,15 +109,19 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "allocator config \"backend:cudaMallocAsync\": key 'backend': value 'cudaMallocAsync' "
             "is not supported by reservoir; accepted: native");
   EXPECT_EQ(error_of("foo:123"),
-            "allocator config \"foo:123\": unknown key 'foo'; accepted keys: max_split_size_mb, "
-            "max_non_split_rounding_mb, garbage_collection_threshold, roundup_power2_divisions, "
-            "expandable_segments, release_lock_on_cudamalloc, pinned_use_cuda_host_register, "
-            "pinned_num_register_threads, pinned_use_background_threads, backend, policy, "
+            "allocator config \"foo:123\": unknown key 'foo'; accepted keys: "
+            "max_split_size_mb, max_non_split_rounding_mb, large_segment_size_mb, "
+            "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, "
+            "per_process_memory_fraction, graph_capture_record_stream_reuse, "
+            "throw_on_cudamalloc_oom, release_lock_on_cudamalloc, release_lock_on_hipmalloc, "
+            "pinned_use_cuda_host_register, pinned_use_hip_host_register, "
+            "pinned_num_register_threads, pinned_use_background_threads, "
+            "pinned_reserve_segment_size_mb, pinned_free_catch_all, backend, policy, "
             "paging_release_threshold_mb");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
-            "accepted: a whole number of MiB >= 20");
+            "accepted: a whole number of MiB >= large_segment_size_mb (default 20)");
   EXPECT_EQ(error_of("pinned_num_register_threads:3"),
             "allocator config \"pinned_num_register_threads:3\": key "
             "'pinned_num_register_threads': value '3' is not accepted; accepted: a power of two "

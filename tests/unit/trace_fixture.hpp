@@ -146,7 +146,7 @@ struct Recorder {
     trace.name = "case";
     trace.format = "pytorch-snapshot";
     trace.has_addresses = true;
-    trace.recorded_config = config;
+    set_recorded_config(trace, config);
     allocator.attach_trace_tracker([this](const TraceEvent& e) {
       if (on) trace.events.push_back(e);
     });

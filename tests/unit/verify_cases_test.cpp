@@ -598,7 +598,7 @@ TEST(VerifyExpandable, TheLadderUnmapsAndOomsAreChecked) {
 // recording diverges where the first decision differs.
 TEST(VerifyExpandable, AMappingThatDiffersIsADivergence) {
   Trace t = expandable_workload(3, std::size_t{1} << 40, 400);
-  t.recorded_config = "expandable_segments:True,roundup_power2_divisions:2";
+  set_recorded_config(t, "expandable_segments:True,roundup_power2_divisions:2");
   const VerifyResult v = verify(t);
   EXPECT_FALSE(v.agreed);
   EXPECT_FALSE(v.cannot_verify);

@@ -165,7 +165,7 @@ class CachingAllocator {
   // The size a request is rounded to, and the device allocation a request of
   // that rounded size would make (PyTorch's round_size / get_allocation_size).
   static std::size_t round_size(std::size_t size, const AllocatorConfig& config);
-  static std::size_t allocation_size(std::size_t rounded);
+  static std::size_t allocation_size(std::size_t rounded, const AllocatorConfig& config = {});
 
   class Impl;
 

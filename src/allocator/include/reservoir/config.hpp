@@ -2,15 +2,19 @@
 //
 // Parsed from RESERVOIR_ALLOC_CONF in PyTorch's syntax and key names
 // ("max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:8]");
-// PYTORCH_CUDA_ALLOC_CONF is read when RESERVOIR_ALLOC_CONF is unset. Unknown
-// keys and bad values raise ConfigError naming the key, the value and what is
-// accepted. docs/config.md documents every key.
+// PYTORCH_ALLOC_CONF, then PYTORCH_CUDA_ALLOC_CONF, are read when it is
+// unset. Unknown keys and bad values raise ConfigError naming the key, the
+// value and what is accepted. Every key is declared once, in the table
+// settings() gives: the parser, its errors, the printer, the reading of a
+// snapshot's allocator_settings, advise's sweep and docs/config.md follow it.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <limits>
+#include <span>
 #include <string>
+#include <string_view>
 
 namespace reservoir {
 
@@ -24,6 +28,9 @@ inline constexpr std::size_t kNoReleaseThreshold = std::numeric_limits<std::size
 struct AllocatorConfig {
   // Blocks of this size or more are never split (default: unlimited).
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  // The segment a large-pool request below 10 MiB gets, and the large pool's
+  // page under expandable segments (PyTorch's large_segment_size_mb).
+  std::size_t large_segment_size = std::size_t{20} << 20;
   // A request >= max_split_size may take a cached block up to this much larger.
   std::size_t max_non_split_rounding_size = std::size_t{20} << 20;
   // Divisions per power-of-two interval, for sizes from 1 MiB (index 0) to
@@ -39,6 +46,14 @@ struct AllocatorConfig {
   bool pinned_use_host_register = false;
   std::size_t pinned_num_register_threads = 1;
   bool pinned_use_background_threads = false;
+  std::size_t pinned_reserve_segment_size = 0;
+  bool pinned_free_catch_all = false;
+  // Accepted, not modelled: replay does not route allocations to the
+  // private pools of CUDA graphs, nor fail before the device would.
+  bool graph_capture_record_stream_reuse = false;
+  bool throw_on_cudamalloc_oom = false;
+  // set_per_process_memory_fraction from the config string (1.0: none).
+  double per_process_memory_fraction = 1.0;
   Policy policy = Policy::native;
   // policy:paging: cached memory (reserved minus allocated) kept after a
   // free; whole free handles beyond it go back to the device at once rather
@@ -51,12 +66,33 @@ struct AllocatorConfig {
 
   // Parses a configuration string. An empty string gives the defaults.
   static AllocatorConfig parse(const std::string& text);
-  // RESERVOIR_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else defaults.
+  // RESERVOIR_ALLOC_CONF, else PYTORCH_ALLOC_CONF, else
+  // PYTORCH_CUDA_ALLOC_CONF, else defaults.
   static AllocatorConfig from_env();
   // The canonical string for this configuration ("" for the defaults).
   std::string to_string() const;
 
   bool operator==(const AllocatorConfig&) const = default;
 };
+
+// One allocator setting, as declared in the table.
+struct SettingInfo {
+  std::string_view key;            // as written in a config string
+  std::string_view value;          // what is accepted (errors and docs say this)
+  std::string_view default_value;  // for docs
+  std::string_view pytorch;        // the PyTorch versions that know it ("2.1+"; "reservoir")
+  std::string_view since;          // the first of them ("2.1"; "" for reservoir's own keys)
+  std::string_view snapshot_key;   // its key in a snapshot's allocator_settings ("" none)
+  std::string_view effect;         // what it sets
+  bool replayed;                   // replay, verify and advise apply it
+};
+
+// Every key the parser accepts, in docs order (aliases are separate rows).
+std::span<const SettingInfo> settings();
+// The row of `key`, or null.
+const SettingInfo* find_setting(std::string_view key);
+
+// "2.9" < "2.14": compares dotted version numbers.
+int compare_versions(std::string_view a, std::string_view b);
 
 }  // namespace reservoir

@@ -32,7 +32,15 @@ struct TraceAnnotation {
 struct Trace {
   std::string name;             // file name, for messages
   std::string format;           // to_string(TraceFormat) of the format read
-  std::string recorded_config;  // allocator settings the trace was recorded with
+  std::string recorded_config;  // allocator settings the trace was recorded with (canonical text)
+  AllocatorConfig settings;     // ... parsed once, by the reader
+  // The oldest PyTorch release that writes what this snapshot holds (its
+  // allocator_settings' keys, the keys of its settings text): "2.9" means
+  // 2.9 or newer; "" when nothing tells.
+  std::string pytorch_since;
+  // Why the recorded settings text was not used as written (a key this
+  // reservoir does not know, a backend it does not model); "" when it was.
+  std::string settings_note;
   bool has_addresses = false;   // events carry real device addresses (snapshots)
   // False for a snapshot that does not record its allocator settings (PyTorch
   // before 2.4 wrote no allocator_settings): recorded_config is then a guess.
@@ -60,6 +68,10 @@ struct Trace {
   Snapshot final_state;
   const Context& context(std::uint32_t id) const { return final_state.contexts.at(id); }
 };
+
+// Sets the settings a trace was recorded with from config text (parsed
+// once, here). Throws ConfigError for text no config accepts.
+void set_recorded_config(Trace& trace, const std::string& text);
 
 // The formats a trace file may be in, told apart by their first bytes: a
 // pickle opens with PROTO (0x80), JSON with '{', RMM's CSV log with its
