@@ -31,6 +31,19 @@ std::string config_cell(const Candidate& c) {
   return s;
 }
 
+// For which PyTorch the settings are written, and why.
+std::string written_for(const Advice& a) {
+  if (a.pytorch_since.empty()) {
+    return fmt::format("for PyTorch before 2.4, as the snapshot records no settings: {}",
+                       a.pytorch_env);
+  }
+  return fmt::format("for PyTorch {} or newer, as the snapshot shows: {}{}", a.pytorch_since,
+                     a.pytorch_env,
+                     a.pytorch_env == "PYTORCH_ALLOC_CONF"
+                         ? "; older releases read PYTORCH_CUDA_ALLOC_CONF, which it reads too"
+                         : "");
+}
+
 std::string headroom_text(const Advice& a, const Candidate& c) {
   if (!a.capacity_bytes) return "";
   const std::uint64_t cap = *a.capacity_bytes;
@@ -59,7 +72,7 @@ nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& in
   if (!index) return nullptr;
   const Candidate& c = a.candidates[*index];
   nlohmann::json j{{"config", c.config},
-                   {"env", env_line(c, on_reservoir)},
+                   {"env", env_line(c, on_reservoir, a.pytorch_env)},
                    {"min_capacity_bytes", c.min_capacity_bytes},
                    {"memory_fraction", c.memory_fraction ? nlohmann::json(*c.memory_fraction)
                                                          : nlohmann::json(nullptr)}};
@@ -146,11 +159,11 @@ std::string advice_text(const Trace& trace, const Advice& a) {
   out += fmt::format("  (* best with stock PyTorch, + best with reservoir; peak requested {})\n",
                      format_size(a.peak_requested_bytes));
 
-  out += "\nRecommendation\n";
+  out += fmt::format("\nRecommendation ({})\n", written_for(a));
   if (a.best_pytorch) {
     const Candidate& c = a.candidates[*a.best_pytorch];
     out += fmt::format("  With PyTorch:   {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
-                       env_line(c), fraction_text(c), format_size(c.min_capacity_bytes),
+                       env_line(c, false, a.pytorch_env), fraction_text(c), format_size(c.min_capacity_bytes),
                        c.min_capacity_over_requested, headroom_text(a, c));
   }
   const Candidate& best = a.candidates[a.best_reservoir];
@@ -237,6 +250,8 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
   }
   return {{"trace", a.trace},
           {"recorded_config", a.recorded_config},
+          {"pytorch_since", a.pytorch_since},
+          {"pytorch_env", a.pytorch_env},
           {"peak_requested_bytes", a.peak_requested_bytes},
           {"capacity_bytes", opt(a.capacity_bytes)},
           {"capacity_source", a.capacity_source},
@@ -462,10 +477,11 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
                                       : "");
   out += sweep_svg(a, id + "-sweep");
   out += "<div class=\"recommendation\">";
+  out += fmt::format("<p class=\"note\">Settings written {}.</p>", esc(written_for(a)));
   if (a.best_pytorch) {
     const Candidate& c = a.candidates[*a.best_pytorch];
     out += fmt::format("<p>With PyTorch: <code class=\"env\">{}</code>{}: minimum capacity {}{}.</p>",
-                       esc(env_line(c)), esc(fraction_text(c)), esc(format_size(c.min_capacity_bytes)),
+                       esc(env_line(c, false, a.pytorch_env)), esc(fraction_text(c)), esc(format_size(c.min_capacity_bytes)),
                        esc(headroom_text(a, c)));
   }
   const Candidate& best = a.candidates[a.best_reservoir];

@@ -12,5 +12,6 @@ void add_summary(CLI::App& app);
 void add_compare(CLI::App& app);
 void add_report(CLI::App& app);
 void add_advise(CLI::App& app);
+void add_settings(CLI::App& app);
 
 }  // namespace reservoir::tools

@@ -7,7 +7,7 @@
 #include "reservoir/version.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"reservoir: replay, verify, export, summarize, compare, report and advise on GPU allocation traces"};
+  CLI::App app{"reservoir: replay, verify, export, summarize, compare, report and advise on GPU allocation traces; list the allocator settings"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "reservoir " RESERVOIR_VERSION_STRING);
   reservoir::tools::add_replay(app);
@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   reservoir::tools::add_compare(app);
   reservoir::tools::add_report(app);
   reservoir::tools::add_advise(app);
+  reservoir::tools::add_settings(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

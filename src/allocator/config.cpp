@@ -245,7 +245,7 @@ const Entry kTable[] = {
        if (c.max_split_size != AllocatorConfig{}.max_split_size)
          out.push_back("max_split_size_mb:" + mib(c.max_split_size));
      }},
-    {{"max_non_split_rounding_mb", kMib20, "20", "2.4+", "2.4", "",
+    {{"max_non_split_rounding_mb", kMib20, "20", "~2.4+", "2.4", "",
       "a request >= max_split_size takes a cached block only if it is less than this much "
       "larger",
       true},
@@ -256,7 +256,7 @@ const Entry kTable[] = {
        if (c.max_non_split_rounding_size != AllocatorConfig{}.max_non_split_rounding_size)
          out.push_back("max_non_split_rounding_mb:" + mib(c.max_non_split_rounding_size));
      }},
-    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "2.14+", "2.14", "",
+    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "~2.14+", "2.14", "",
       "the segment a large-pool request below 10 MiB gets (20 MiB before), and the large "
       "pool's page under expandable segments",
       true},
@@ -312,7 +312,7 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.expandable_segments) out.emplace_back("expandable_segments:True");
      }},
-    {{"per_process_memory_fraction", "a number in (0.0, 1.0]", "1.0", "2.10+", "2.10", "",
+    {{"per_process_memory_fraction", "a number in (0.0, 1.0]", "1.0", "~2.10+", "2.10", "",
       "as torch.cuda.set_per_process_memory_fraction before the first allocation: reserved "
       "memory may not exceed this fraction of the device (enables garbage collection)",
       true},
@@ -323,7 +323,7 @@ const Entry kTable[] = {
        if (c.per_process_memory_fraction != 1.0)
          out.push_back(fmt::format("per_process_memory_fraction:{}", c.per_process_memory_fraction));
      }},
-    {{"graph_capture_record_stream_reuse", kBool, "False", "2.9+", "2.9",
+    {{"graph_capture_record_stream_reuse", kBool, "False", "~2.9+", "2.9",
       "graph_capture_record_stream_reuse",
       "lets CUDA-graph capture reuse blocks freed on other streams; accepted, not modelled: "
       "replay does not route allocations to graphs' private pools",
@@ -335,7 +335,7 @@ const Entry kTable[] = {
        if (c.graph_capture_record_stream_reuse)
          out.emplace_back("graph_capture_record_stream_reuse:True");
      }},
-    {{"throw_on_cudamalloc_oom", kBool, "False", "2.10+", "2.10", "",
+    {{"throw_on_cudamalloc_oom", kBool, "False", "~2.10+", "2.10", "",
       "fail a request before cudaMalloc when it would exceed free memory; accepted, not "
       "modelled: the same requests fail either way, only the device call differs",
       false},
@@ -345,7 +345,7 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.throw_on_cudamalloc_oom) out.emplace_back("throw_on_cudamalloc_oom:True");
      }},
-    {{"release_lock_on_cudamalloc", kBool, "False", "2.2+", "2.2", "release_lock_on_cudamalloc",
+    {{"release_lock_on_cudamalloc", kBool, "False", "~2.2+", "2.2", "release_lock_on_cudamalloc",
       "accepted for compatibility; reservoir keeps its lock around device calls", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.release_lock_on_cudamalloc, k);
@@ -353,13 +353,13 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.release_lock_on_cudamalloc) out.emplace_back("release_lock_on_cudamalloc:True");
      }},
-    {{"release_lock_on_hipmalloc", kBool, "False", "2.2+", "2.2", "",
+    {{"release_lock_on_hipmalloc", kBool, "False", "~2.2+", "2.2", "",
       "ROCm's name for release_lock_on_cudamalloc", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.release_lock_on_cudamalloc, k);
      },
      nullptr},
-    {{"pinned_use_cuda_host_register", kBool, "False", "2.2+", "2.2",
+    {{"pinned_use_cuda_host_register", kBool, "False", "~2.2+", "2.2",
       "pinned_use_cuda_host_register",
       "pinned host memory by cudaHostRegister (the saver's staging buffers)", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
@@ -368,13 +368,13 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.pinned_use_host_register) out.emplace_back("pinned_use_cuda_host_register:True");
      }},
-    {{"pinned_use_hip_host_register", kBool, "False", "2.2+", "2.2", "",
+    {{"pinned_use_hip_host_register", kBool, "False", "~2.2+", "2.2", "",
       "ROCm's name for pinned_use_cuda_host_register", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_use_host_register, k);
      },
      nullptr},
-    {{"pinned_num_register_threads", "a power of two from 1 to 128", "1", "2.2+", "2.2",
+    {{"pinned_num_register_threads", "a power of two from 1 to 128", "1", "~2.2+", "2.2",
       "pinned_num_register_threads", "threads registering pinned host memory", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        const std::size_t n = p.unsigned_value(k, "a power of two from 1 to 128");
@@ -389,7 +389,7 @@ const Entry kTable[] = {
        if (c.pinned_num_register_threads != 1)
          out.push_back(fmt::format("pinned_num_register_threads:{}", c.pinned_num_register_threads));
      }},
-    {{"pinned_use_background_threads", kBool, "False", "2.5+", "2.5", "",
+    {{"pinned_use_background_threads", kBool, "False", "~2.5+", "2.5", "",
       "pinned host allocator's background event processing", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_use_background_threads, k);
@@ -397,7 +397,7 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.pinned_use_background_threads) out.emplace_back("pinned_use_background_threads:True");
      }},
-    {{"pinned_reserve_segment_size_mb", "a whole number of MiB", "0", "2.10+", "2.10", "",
+    {{"pinned_reserve_segment_size_mb", "a whole number of MiB", "0", "~2.10+", "2.10", "",
       "pinned host memory reserved up front; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        c.pinned_reserve_segment_size = p.mib_value(k, 0, "a whole number of MiB");
@@ -406,7 +406,7 @@ const Entry kTable[] = {
        if (c.pinned_reserve_segment_size != 0)
          out.push_back("pinned_reserve_segment_size_mb:" + mib(c.pinned_reserve_segment_size));
      }},
-    {{"pinned_free_catch_all", kBool, "False", "2.10+", "2.10", "",
+    {{"pinned_free_catch_all", kBool, "False", "~2.10+", "2.10", "",
       "pinned host allocator frees through one catch-all path; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_free_catch_all, k);
@@ -493,8 +493,22 @@ std::span<const SettingInfo> settings() {
 }
 
 const SettingInfo* find_setting(std::string_view key) {
-  const Entry* e = find_entry(key);
-  return e != nullptr ? &e->info : nullptr;
+  for (const SettingInfo& s : settings()) {
+    if (s.key == key) return &s;
+  }
+  return nullptr;
+}
+
+std::string settings_markdown() {
+  std::string out =
+      "| key | value | default | PyTorch | snapshot key | replayed | effect |\n"
+      "|---|---|---|---|---|---|---|\n";
+  for (const SettingInfo& s : settings()) {
+    out += fmt::format("| `{}` | {} | {} | {} | {} | {} | {} |\n", s.key, s.value, s.default_value,
+                       s.pytorch, s.snapshot_key.empty() ? "-" : fmt::format("`{}`", s.snapshot_key),
+                       s.replayed ? "yes" : "no", s.effect);
+  }
+  return out;
 }
 
 int compare_versions(std::string_view a, std::string_view b) {

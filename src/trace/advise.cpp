@@ -307,7 +307,18 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
   return diagnose_with(trace, capacity, nullptr);
 }
 
-std::vector<std::string> default_sweep() {
+std::string_view pytorch_env_var(std::string_view pytorch_since) {
+  return !pytorch_since.empty() && compare_versions(pytorch_since, "2.9") >= 0
+             ? "PYTORCH_ALLOC_CONF"
+             : "PYTORCH_CUDA_ALLOC_CONF";
+}
+
+std::vector<std::string> default_sweep(std::string_view pytorch_since) {
+  const std::string_view release = pytorch_since.empty() ? "2.3" : pytorch_since;
+  auto knows = [&](std::string_view key) {
+    const SettingInfo* s = find_setting(key);
+    return s != nullptr && (s->since.empty() || compare_versions(s->since, release) <= 0);
+  };
   std::vector<std::string> out{""};
   for (const int mb : {20, 32, 64, 128, 256, 512, 1024, 2048}) {
     out.push_back(fmt::format("max_split_size_mb:{}", mb));
@@ -320,14 +331,21 @@ std::vector<std::string> default_sweep() {
   out.emplace_back("max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]");
   out.emplace_back("expandable_segments:True");
   out.emplace_back("expandable_segments:True,roundup_power2_divisions:4");
+  if (knows("max_non_split_rounding_mb")) {
+    out.emplace_back("max_split_size_mb:256,max_non_split_rounding_mb:512");
+  }
+  if (knows("large_segment_size_mb")) {
+    out.emplace_back("large_segment_size_mb:40");
+    out.emplace_back("expandable_segments:True,large_segment_size_mb:12");
+  }
   out.emplace_back("policy:paging");
   return out;
 }
 
-std::string env_line(const Candidate& candidate, bool on_reservoir) {
+std::string env_line(const Candidate& candidate, bool on_reservoir, std::string_view pytorch_env) {
   if (on_reservoir || candidate.reservoir_only) return "RESERVOIR_ALLOC_CONF=" + candidate.config;
-  if (candidate.config.empty()) return "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)";
-  return "PYTORCH_CUDA_ALLOC_CONF=" + candidate.config;
+  if (candidate.config.empty()) return fmt::format("{} unset (PyTorch's defaults)", pytorch_env);
+  return fmt::format("{}={}", pytorch_env, candidate.config);
 }
 
 Advice advise(const Trace& trace, const AdviseOptions& options) {
@@ -335,6 +353,8 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   Advice advice;
   advice.trace = trace.name;
   advice.recorded_config = trace.recorded_config;
+  advice.pytorch_since = trace.pytorch_since;
+  advice.pytorch_env = std::string(pytorch_env_var(trace.pytorch_since));
   const AllocatorConfig recorded = recorded_settings(trace);
   const ReplayProgram program = compile(trace, CompileOptions{true});
   if (program.initial.empty() && program.ops.empty()) {
@@ -351,7 +371,8 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   }
 
   // The settings, parsed before any replay; the recorded ones among them.
-  std::vector<std::string> texts = options.configs.empty() ? default_sweep() : options.configs;
+  std::vector<std::string> texts =
+      options.configs.empty() ? default_sweep(trace.pytorch_since) : options.configs;
   std::vector<AllocatorConfig> configs;
   configs.reserve(texts.size() + 1);
   for (const std::string& t : texts) configs.push_back(AllocatorConfig::parse(t));

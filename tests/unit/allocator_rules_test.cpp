@@ -72,6 +72,38 @@ TEST_F(Rules, MidSizeRequestsShareTwentyMiBSegments) {
   EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 20971520 + 18874368);
 }
 
+// large_segment_size_mb (newer PyTorch) replaces the 20 MiB segment of a
+// 1-10 MiB request, and max_split_size_mb may then go down to it.
+TEST_F(Rules, LargeSegmentSizeSetsTheMidSizeSegment) {
+  make("large_segment_size_mb:12,max_split_size_mb:12");
+  const DevicePtr a = alloc(1536 * kKiB);
+  EXPECT_EQ(a, kBase);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 12 * 1048576);
+  EXPECT_EQ(alloc(10 * kMiB), kBase + 1536 * kKiB);  // fits the 10.5 MiB left
+  EXPECT_EQ(alloc(5 * kMiB), kBase + 12 * kMiB);      // a second 12 MiB segment
+  EXPECT_EQ(stat("segment.large_pool.current"), 2);
+  // From 10 MiB up a request still gets a segment of its own, rounded to 2 MiB.
+  EXPECT_EQ(alloc(17 * kMiB + 1), kBase + 24 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), (12 + 12 + 18) * 1048576);
+}
+
+TEST_F(Rules, LargeSegmentSizeIsTheExpandableLargePage) {
+  make("expandable_segments:True,large_segment_size_mb:40");
+  (void)alloc(5 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 40 * 1048576);
+  (void)alloc(41 * kMiB);  // 36 MiB left in the page: one more page maps
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 80 * 1048576);
+}
+
+// per_process_memory_fraction in the config string caps reserved memory as
+// torch.cuda.set_per_process_memory_fraction does.
+TEST_F(Rules, PerProcessMemoryFractionFromTheConfig) {
+  make("per_process_memory_fraction:0.5", 100 * kMiB);
+  const DevicePtr a = alloc(40 * kMiB);
+  EXPECT_THROW((void)allocator_->allocate(20 * kMiB, 0), OutOfMemoryError);  // 60 > 50 MiB
+  release(a);
+}
+
 TEST_F(Rules, LargeRemainderOfOneMiBOrLessIsNotSplit) {
   const DevicePtr a = alloc(19 * kMiB + 512 * kKiB);  // 20 MiB segment, 512 KiB left over
   EXPECT_EQ(a, kBase);

@@ -1,12 +1,20 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <set>
 
 #include "reservoir/config.hpp"
 #include "reservoir/errors.hpp"
 
 using reservoir::AllocatorConfig;
+using reservoir::compare_versions;
 using reservoir::ConfigError;
+using reservoir::find_setting;
+using reservoir::SettingInfo;
+using reservoir::settings;
+using reservoir::settings_markdown;
 
 namespace {
 constexpr std::size_t kMiB = std::size_t{1} << 20;
@@ -146,6 +154,82 @@ TEST(Config, PagingReleaseThreshold) {
             "allocator config \"policy:paging,paging_release_threshold_mb:-1\": key "
             "'paging_release_threshold_mb': value '-1' is not a whole number; accepted: a whole "
             "number of MiB (0: keep no cached memory)");
+}
+
+// The keys of newer PyTorch releases: parsed, printed back, and checked.
+TEST(Config, NewerPyTorchKeys) {
+  const std::string text =
+      "large_segment_size_mb:12,per_process_memory_fraction:0.5,"
+      "graph_capture_record_stream_reuse:True,throw_on_cudamalloc_oom:True,"
+      "pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True";
+  const AllocatorConfig c = AllocatorConfig::parse(text);
+  EXPECT_EQ(c.large_segment_size, 12 * kMiB);
+  EXPECT_EQ(c.per_process_memory_fraction, 0.5);
+  EXPECT_TRUE(c.graph_capture_record_stream_reuse);
+  EXPECT_TRUE(c.throw_on_cudamalloc_oom);
+  EXPECT_EQ(c.pinned_reserve_segment_size, 64 * kMiB);
+  EXPECT_TRUE(c.pinned_free_catch_all);
+  EXPECT_EQ(c.to_string(), text);
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+  // ROCm's names set the same fields.
+  const AllocatorConfig rocm =
+      AllocatorConfig::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:True");
+  EXPECT_TRUE(rocm.release_lock_on_cudamalloc);
+  EXPECT_TRUE(rocm.pinned_use_host_register);
+  EXPECT_EQ(rocm.to_string(), "release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True");
+
+  EXPECT_EQ(error_of("large_segment_size_mb:13"),
+            "allocator config \"large_segment_size_mb:13\": key 'large_segment_size_mb': value "
+            "'13' is not even; accepted: an even whole number of MiB >= 2 (segments are made of 2 "
+            "MiB pages)");
+  EXPECT_EQ(error_of("large_segment_size_mb:40,max_split_size_mb:30"),
+            "allocator config \"large_segment_size_mb:40,max_split_size_mb:30\": key "
+            "'max_split_size_mb': value '30' is too small; accepted: a whole number of MiB >= 40 "
+            "(large_segment_size_mb)");
+  EXPECT_EQ(error_of("per_process_memory_fraction:0"),
+            "allocator config \"per_process_memory_fraction:0\": key "
+            "'per_process_memory_fraction': value '0' is not accepted; accepted: a number in "
+            "(0.0, 1.0]");
+  EXPECT_EQ(AllocatorConfig::parse("per_process_memory_fraction:1").per_process_memory_fraction,
+            1.0);
+}
+
+// docs/config.md holds the table verbatim, and every row is a key the
+// parser takes and the printer writes back.
+TEST(Config, TheTableIsTheDocsAndTheParser) {
+  std::ifstream in(std::string(RESERVOIR_SOURCE_DIR) + "/docs/config.md");
+  const std::string docs((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(docs.find(settings_markdown()), std::string::npos)
+      << "docs/config.md does not hold the table `reservoir settings` prints";
+  std::set<std::string_view> keys;
+  for (const SettingInfo& s : settings()) {
+    EXPECT_TRUE(keys.insert(s.key).second) << s.key << " is declared twice";
+    EXPECT_EQ(find_setting(s.key), &s);
+    if (!s.since.empty()) {
+      EXPECT_EQ(s.pytorch.find(s.since), s.pytorch[0] == '~' ? 1u : 0u) << s.key;
+    }
+  }
+  EXPECT_EQ(find_setting("no_such_key"), nullptr);
+  EXPECT_EQ(keys.size(), 20u);
+}
+
+TEST(Config, VersionsCompareByNumber) {
+  EXPECT_LT(compare_versions("2.9", "2.14"), 0);
+  EXPECT_GT(compare_versions("2.10", "2.9"), 0);
+  EXPECT_EQ(compare_versions("2.4", "2.4"), 0);
+  EXPECT_LT(compare_versions("2", "2.1"), 0);
+}
+
+// PYTORCH_ALLOC_CONF (PyTorch's name since 2.9) before the older
+// PYTORCH_CUDA_ALLOC_CONF; RESERVOIR_ALLOC_CONF before both.
+TEST(Config, PyTorchAllocConfBeforeTheOlderName) {
+  ::unsetenv("RESERVOIR_ALLOC_CONF");
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:100", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:300", 1);
+  EXPECT_EQ(AllocatorConfig::from_env().max_split_size, 300 * kMiB);
+  ::unsetenv("PYTORCH_ALLOC_CONF");
+  EXPECT_EQ(AllocatorConfig::from_env().max_split_size, 100 * kMiB);
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
 }
 
 TEST(Config, EnvironmentPrefersOursOverPyTorchs) {

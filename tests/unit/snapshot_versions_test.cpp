@@ -224,6 +224,43 @@ TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
                                                             roundup_zero)));
   EXPECT_EQ(v29.recorded_config, "expandable_segments:True");
   EXPECT_TRUE(v29.unknown_keys.empty());
+  EXPECT_EQ(v29.pytorch_since, "2.9");  // graph_capture_record_stream_reuse
+  EXPECT_EQ(v24.pytorch_since, "2.4");
+  EXPECT_EQ(v21.pytorch_since, "");
+  EXPECT_EQ(v24.settings.max_split_size, 128u << 20);
+  EXPECT_EQ(v24.settings.garbage_collection_threshold, 0.6);
+}
+
+// The settings text holds keys the dict does not record: they are applied,
+// and tell the release. A text no config accepts is set aside, with a note.
+TEST(SnapshotVersions, TheSettingsTextAndTheDictTogether) {
+  const Trace v214 = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,large_segment_size_mb:12",
+      "max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": true,
+      "graph_capture_record_stream_reuse": false, "future_knob": 3})"));
+  EXPECT_EQ(v214.settings.large_segment_size, 12u << 20);
+  EXPECT_TRUE(v214.settings.expandable_segments);
+  EXPECT_EQ(v214.pytorch_since, "2.14");
+  EXPECT_EQ(v214.recorded_config, "large_segment_size_mb:12,expandable_segments:True");
+  EXPECT_EQ(v214.unknown_keys,
+            (std::map<std::string, std::uint64_t>{{"allocator_settings.future_knob", 1}}));
+  EXPECT_EQ(v214.settings_note, "");
+
+  const Trace async = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
+      "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "max_split_size": 268435456,
+      "garbage_collection_threshold": 0.0, "expandable_segments": false})"));
+  EXPECT_EQ(async.recorded_config, "max_split_size_mb:256");
+  EXPECT_EQ(async.settings_note.rfind("the recorded settings text \"backend:cudaMallocAsync\" "
+                                      "was not used (allocator config",
+                                      0),
+            0u)
+      << async.settings_note;
+  // The dict's values win over the text's, as they are what was in effect.
+  const Trace changed = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
+      "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "max_split_size": 134217728})"));
+  EXPECT_EQ(changed.settings.max_split_size, 128u << 20);
+  EXPECT_EQ(error(snapshot("[[]]", "[]", R"(, "allocator_settings": {"max_split_size": "big"})")),
+            "snapshot s.json: allocator_settings.max_split_size: expected int, got str");
 }
 
 }  // namespace

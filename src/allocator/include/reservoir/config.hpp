@@ -92,6 +92,10 @@ std::span<const SettingInfo> settings();
 // The row of `key`, or null.
 const SettingInfo* find_setting(std::string_view key);
 
+// The table as Markdown (docs/config.md holds it verbatim; `reservoir
+// settings` prints it).
+std::string settings_markdown();
+
 // "2.9" < "2.14": compares dotted version numbers.
 int compare_versions(std::string_view a, std::string_view b);
 

@@ -106,6 +106,10 @@ struct Candidate {
 struct Advice {
   std::string trace;
   std::string recorded_config;
+  // The oldest PyTorch release the recording shows ("" when none), and the
+  // variable advice for it is written in (pytorch_env_var).
+  std::string pytorch_since;
+  std::string pytorch_env = "PYTORCH_CUDA_ALLOC_CONF";
   std::uint64_t peak_requested_bytes = 0;
   // The memory the allocator may have: --capacity, else what the oom event
   // shows it had (reserved + device free); empty when neither is known.
@@ -138,8 +142,16 @@ struct AdviseOptions {
 // The settings swept by default: PyTorch's defaults; max_split_size_mb from
 // 20 MiB to 2 GiB; roundup_power2_divisions 1 to 16 and a bucketed form;
 // garbage_collection_threshold with max_split_size_mb; expandable segments;
-// combinations; and reservoir's policy:paging.
-std::vector<std::string> default_sweep();
+// combinations; and reservoir's policy:paging. With `pytorch_since` (the
+// oldest release the recording shows, Trace::pytorch_since), only settings
+// whose keys that release knows, and for newer ones their own keys
+// (max_non_split_rounding_mb from 2.4, large_segment_size_mb from 2.14);
+// empty: a recording that shows no release (2.0 to 2.3).
+std::vector<std::string> default_sweep(std::string_view pytorch_since = "2.3");
+
+// The environment variable the recording's PyTorch reads its settings from:
+// PYTORCH_ALLOC_CONF from 2.9 on, PYTORCH_CUDA_ALLOC_CONF before.
+std::string_view pytorch_env_var(std::string_view pytorch_since);
 
 // The state at the moment that matters, read from the recording.
 Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity = std::nullopt);
@@ -151,6 +163,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options = {});
 // The line that selects the candidate: PYTORCH_CUDA_ALLOC_CONF=<config> (or
 // the advice to leave it unset) for stock PyTorch; RESERVOIR_ALLOC_CONF=<config>
 // for reservoir's allocator (which reads it first) and its own policies.
-std::string env_line(const Candidate& candidate, bool on_reservoir = false);
+std::string env_line(const Candidate& candidate, bool on_reservoir = false,
+                     std::string_view pytorch_env = "PYTORCH_CUDA_ALLOC_CONF");
 
 }  // namespace reservoir
