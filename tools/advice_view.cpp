@@ -1,6 +1,7 @@
 #include "advice_view.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +30,12 @@ std::string config_cell(const Candidate& c) {
   std::string s = config_label(c.config);
   if (c.recorded) s += " (recorded)";
   return s;
+}
+
+// ", 744.90 ms before" for the last range that ended before the moment.
+std::string ago(const Diagnosis& d) {
+  if (!d.last_ended_us_before) return "";
+  return fmt::format(", {:.2f} ms before", static_cast<double>(*d.last_ended_us_before) / 1e3);
 }
 
 // For which PyTorch the settings are written, and why.
@@ -103,13 +110,21 @@ std::string advice_text(const Trace& trace, const Advice& a) {
                        format_size(r.segment_size),
                        r.context != 0 ? "\n    at " + context_label(trace, r.context) : "");
   }
+  if (!d.during.empty()) {
+    out += fmt::format("  during                {}\n", fmt::join(d.during, " > "));
+  }
+  if (!d.last_mark.empty()) out += fmt::format("  after the mark        {}\n", d.last_mark);
+  if (!d.last_ended.empty()) out += fmt::format("  the last range ended  {}{}\n", d.last_ended, ago(d));
   out += fmt::format("  allocated             {}\n  reserved              {}\n", format_size(d.allocated_bytes),
                      format_size(d.reserved_bytes));
   out += fmt::format("  reserved, unallocated {}\n", format_size(d.reserved_bytes - d.allocated_bytes));
   out += fmt::format("    free in split segments   {}\n", format_size(d.split_free_bytes));
   for (const FreeGroup& g : d.split_free) {
-    out += fmt::format("      {} pool, stream {:#x}: {} in {} blocks, the largest {}\n", pool(g.large),
-                       g.stream, format_size(g.bytes), g.blocks, format_size(g.largest));
+    out += fmt::format("      {} pool, stream {:#x}: {} in {} blocks, the largest {}{}\n", pool(g.large),
+                       g.stream, format_size(g.bytes), g.blocks, format_size(g.largest),
+                       !d.request                       ? ""
+                       : g.stream == d.request->stream ? " (the request's stream)"
+                                                        : " (another stream: the request's cannot use it)");
   }
   out += fmt::format("    cached whole segments    {} ({} segments)\n",
                      format_size(d.cached_segment_bytes), d.cached_segments);
@@ -219,6 +234,12 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
                            {"event", d.event},
                            {"source", d.source},
                            {"source_note", d.source_note},
+                           {"during", d.during},
+                           {"last_mark", d.last_mark},
+                           {"last_ended", d.last_ended},
+                           {"last_ended_us_before", d.last_ended_us_before
+                                                        ? nlohmann::json(*d.last_ended_us_before)
+                                                        : nlohmann::json(nullptr)},
                            {"allocated_bytes", d.allocated_bytes},
                            {"reserved_bytes", d.reserved_bytes},
                            {"unallocated_bytes", d.reserved_bytes - d.allocated_bytes},
@@ -433,6 +454,9 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
                                           format_size(r.rounded), format_size(r.segment_size))) +
                               (r.context != 0 ? frames_html(trace.context(r.context)) : ""));
   }
+  if (!d.during.empty()) row("during", esc(fmt::format("{}", fmt::join(d.during, " > "))));
+  if (!d.last_mark.empty()) row("after the mark", esc(d.last_mark));
+  if (!d.last_ended.empty()) row("the last range ended", esc(d.last_ended + ago(d)));
   row("allocated", esc(format_size(d.allocated_bytes)));
   row("reserved", esc(format_size(d.reserved_bytes)));
   std::string groups;

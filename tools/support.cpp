@@ -37,14 +37,30 @@ const Frame* telling_frame(const Context& c) {
     return nullptr;
   };
   auto python = [](const Frame& f) { return f.filename.ends_with(".py"); };
-  // User code first: Python outside the framework, then any Python, then
-  // any frame with a line, then the innermost.
-  if (const Frame* f = first([&](const Frame& f) {
-        return python(f) && f.filename.find("/site-packages/") == std::string::npos &&
-               f.filename.find("/dist-packages/") == std::string::npos;
-      })) {
+  auto installed = [](const Frame& f) {
+    return f.filename.find("/site-packages/") != std::string::npos ||
+           f.filename.find("/dist-packages/") != std::string::npos;
+  };
+  // The interpreter's own modules (runpy, threading, ...): .../lib/python3.X/*.py
+  // outside site-packages, or frozen ones.
+  auto stdlib = [&](const Frame& f) {
+    return f.filename.starts_with("<") ||
+           (f.filename.find("/lib/python3") != std::string::npos && !installed(f));
+  };
+  auto torch_itself = [](const Frame& f) {
+    return f.filename.find("/torch/") != std::string::npos;
+  };
+  // User code first: Python outside the installed packages and the standard
+  // library; then an installed library's Python that is not torch itself
+  // (a training framework: torchtitan, transformers, ...); then any Python
+  // but the standard library's; then any frame with a line; then the innermost.
+  if (const Frame* f = first([&](const Frame& f) { return python(f) && !installed(f) && !stdlib(f); })) {
     return f;
   }
+  if (const Frame* f = first([&](const Frame& f) { return python(f) && !torch_itself(f) && !stdlib(f); })) {
+    return f;
+  }
+  if (const Frame* f = first([&](const Frame& f) { return python(f) && !stdlib(f); })) return f;
   if (const Frame* f = first(python)) return f;
   if (const Frame* f = first([](const Frame& f) { return f.line > 0; })) return f;
   return c.frames.empty() ? nullptr : &c.frames.front();

@@ -238,6 +238,24 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
     d.device_free_bytes = e.addr;  // PyTorch records the device's free memory there
   }
 
+  // The program's own annotations open at the moment.
+  for (const TraceAnnotation& a : trace.annotations) {
+    if (a.event > d.event) break;
+    if (a.stage == "START") {
+      d.during.push_back(a.name);
+    } else if (a.stage == "END") {
+      const auto it = std::find(d.during.rbegin(), d.during.rend(), a.name);
+      if (it != d.during.rend()) d.during.erase(std::next(it).base());
+      d.last_ended = a.name;
+      d.last_ended_us_before.reset();
+      if (a.time_us != 0 && d.event < trace.events.size() && trace.events[d.event].time_us != 0) {
+        d.last_ended_us_before = trace.events[d.event].time_us - a.time_us;
+      }
+    } else if (a.stage.empty()) {
+      d.last_mark = a.name;
+    }
+  }
+
   std::unordered_map<DevicePtr, std::uint32_t> context_at;
   bool captured = false;
   if (trace.events.empty()) {

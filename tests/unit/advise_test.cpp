@@ -131,6 +131,29 @@ TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
   }
 }
 
+// The program's own annotations say what it was doing at the oom: the
+// record_function ranges open then (outermost first), the last user mark,
+// and the last range that ended before it.
+TEST(Advise, TheProgramsAnnotationsSayWhatItWasDoing) {
+  Trace t = classic();
+  const std::size_t oom = t.events.size() - 1;
+  for (std::size_t i = 0; i < t.events.size(); ++i) t.events[i].time_us = 1000 + 10 * static_cast<std::int64_t>(i);
+  const std::int64_t at = t.events[oom].time_us;
+  t.annotations = {{"START", "train_step", 1000, 0},      {"START", "forward", 1005, 1},
+                   {"START", "attention", 1015, 2},       {"END", "attention", 1025, 3},
+                   {"", "step 7", 0, 4},                  {"START", "loss", at - 5, oom},
+                   {"END", "never reached", at + 5, oom + 1}};
+  const Diagnosis d = diagnose(t);
+  EXPECT_EQ(d.event, oom);
+  EXPECT_EQ(d.during, (std::vector<std::string>{"train_step", "forward", "loss"}));
+  EXPECT_EQ(d.last_mark, "step 7");
+  EXPECT_EQ(d.last_ended, "attention");
+  EXPECT_EQ(d.last_ended_us_before, at - 1025);
+  // Without times, the range is named and the delay is not.
+  for (TraceEvent& e : t.events) e.time_us = 0;
+  EXPECT_FALSE(diagnose(t).last_ended_us_before.has_value());
+}
+
 TEST(Advise, GivenCapacityCountsMemoryOutsideTheAllocator) {
   const Trace t = classic();
   AdviseOptions o;
@@ -330,6 +353,24 @@ TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
   const auto shared = testing::shared_traces();
   for (std::size_t i = 0; i < shared.size() && i < 3; ++i) {
     check_claim(read_trace_file(shared[i].string()));
+  }
+  // And every out-of-memory dump among them (oom/): the diagnosis is at its
+  // oom entry, from verify's exact state, with what the entry recorded.
+  for (const auto& path : shared) {
+    if (path.parent_path().filename() != "oom") continue;
+    for (const Trace& t : select_devices(read_trace_devices(path.string()), std::nullopt)) {
+      const auto oom = std::find_if(t.events.begin(), t.events.end(),
+                                    [](const TraceEvent& e) { return e.action == TraceAction::oom; });
+      ASSERT_NE(oom, t.events.end()) << path;
+      const Diagnosis d = diagnose(t);
+      EXPECT_EQ(d.moment, "oom") << path;
+      EXPECT_EQ(d.source, "verified") << path << ": " << d.source_note;
+      EXPECT_EQ(d.event, static_cast<std::uint64_t>(oom - t.events.begin())) << path;
+      ASSERT_TRUE(d.request.has_value()) << path;
+      EXPECT_EQ(d.request->size, oom->size) << path;
+      EXPECT_EQ(d.device_free_bytes, oom->addr) << path;  // device_free, as recorded
+      check_claim(t);
+    }
   }
   if (validate != nullptr) {
     ::setenv("RESERVOIR_VALIDATE", saved.c_str(), 1);

@@ -66,6 +66,15 @@ struct Diagnosis {
   // reach the moment: text traces, private pools, divergences).
   std::string source;
   std::string source_note;  // why the replay was used, when it was
+  // What the program was doing then, in its own words: the record_function
+  // ranges open at the moment (external_annotations, outermost first) and
+  // the last user annotation before it ("" when none).
+  std::vector<std::string> during;
+  std::string last_mark;
+  // The last range that ended before the moment, and how long before (in
+  // microseconds; empty when the recording has no times).
+  std::string last_ended;
+  std::optional<std::int64_t> last_ended_us_before;
   std::uint64_t allocated_bytes = 0;
   std::uint64_t reserved_bytes = 0;
   // reserved - allocated, by cause: free pieces of split segments, whole
