@@ -1,10 +1,19 @@
 // Replay throughput: recorded events per second on a simulated device; and
 // the whole of `advise` (diagnosis and the sweep of every default setting to
 // its minimum capacity) on one core and on every core.
-// Run: build/bin/replay_bench (uses ../shared/traces when present too)
+// And a job of many ranks (advise_job): 64 rank files against one, side by
+// side; the target is 64 / cores x one file's time x 1.2 (the counter
+// "over_target" is the measured time divided by it).
+// Run: build/bin/replay_bench (uses ../shared/traces when present too);
+//      build/bin/replay_bench --benchmark_filter=advise_job
+#include <thread>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "reservoir/advise.hpp"
 #include "reservoir/trace.hpp"
@@ -40,7 +49,62 @@ void advise_file(benchmark::State& state, const std::string& path, unsigned thre
   state.counters["replays"] = static_cast<double>(replays);
 }
 
+// 64 copies of one recording as rank files, made once.
+const std::vector<std::string>& rank_files() {
+  static const std::vector<std::string> files = [] {
+    const std::filesystem::path source =
+        std::filesystem::path(RESERVOIR_SOURCE_DIR) / "examples" / "traces" / "gpt_training.pickle";
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() / "reservoir_bench_ranks";
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> out;
+    for (int r = 0; r < 64; ++r) {
+      const auto path = dir / ("rank" + std::to_string(r) + ".pickle");
+      std::filesystem::copy_file(source, path, std::filesystem::copy_options::overwrite_existing);
+      out.push_back(path.string());
+    }
+    return out;
+  }();
+  return files;
+}
+
+double one_rank_seconds = 0.0;
+
+void advise_one_rank(benchmark::State& state) {
+  const std::vector<std::string> one{rank_files().front()};
+  reservoir::JobOptions options;
+  options.threads = 1;
+  double total = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(reservoir::advise_job(one, options).candidates.size());
+    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  one_rank_seconds = total / static_cast<double>(state.iterations());
+}
+
+void advise_64_ranks(benchmark::State& state) {
+  reservoir::JobOptions options;  // every core
+  double total = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(reservoir::advise_job(rank_files(), options).candidates.size());
+    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  const double seconds = total / static_cast<double>(state.iterations());
+  state.counters["cores"] = cores;
+  if (one_rank_seconds > 0.0) {
+    state.counters["over_target"] = seconds / (64.0 / cores * one_rank_seconds * 1.2);
+  }
+}
+
 int register_all() {
+  benchmark::RegisterBenchmark("advise_job/one_rank", advise_one_rank)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark("advise_job/64_ranks", advise_64_ranks)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
   const std::filesystem::path root(RESERVOIR_SOURCE_DIR);
   for (const auto& dir : {root / "examples" / "traces", root / ".." / "shared" / "traces",
                           root / ".." / "shared" / "traces" / "oom"}) {

@@ -522,3 +522,180 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
 }
 
 }  // namespace reservoir::tools
+
+// ---- a job of many ranks ------------------------------------------------------
+
+namespace reservoir::tools {
+namespace {
+
+std::string rank_list(const JobAdvice& job, bool ran_out) {
+  std::vector<std::string> names;
+  for (const RankAdvice& r : job.ranks) {
+    if (r.ok && r.ran_out == ran_out) names.push_back(r.name);
+  }
+  if (names.size() > 8) {
+    return fmt::format("{}, ... ({} ranks)", fmt::join(names.begin(), names.begin() + 6, ", "),
+                       names.size());
+  }
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+std::string job_env_line(const JobAdvice& job, const JobCandidate& c, bool on_reservoir) {
+  Candidate one;
+  one.config = c.config;
+  one.reservoir_only = c.reservoir_only;
+  return env_line(one, on_reservoir, job.pytorch_env);
+}
+
+std::string job_headroom(const JobAdvice& job, const JobCandidate& c) {
+  if (!job.capacity_bytes) return "";
+  const auto cap = static_cast<std::int64_t>(*job.capacity_bytes);
+  const auto need = static_cast<std::int64_t>(c.worst_min_capacity_bytes);
+  return need <= cap ? fmt::format(" of the {} each rank has", format_size(*job.capacity_bytes))
+                     : fmt::format(", more than the {} each rank has", format_size(*job.capacity_bytes));
+}
+
+}  // namespace
+
+std::string job_text(const JobAdvice& job) {
+  std::size_t ok = 0;
+  std::size_t out_of_memory = 0;
+  for (const RankAdvice& r : job.ranks) {
+    ok += r.ok ? 1 : 0;
+    out_of_memory += r.ok && r.ran_out ? 1 : 0;
+  }
+  std::string out = fmt::format("Job of {} ranks, advised in {:.2f} s", job.ranks.size(), job.seconds);
+  out += job.unreadable ? fmt::format(" ({} could not be read)\n", job.unreadable) : "\n";
+  if (out_of_memory > 0) {
+    out += fmt::format("  ran out of memory: {}\n", rank_list(job, true));
+    if (out_of_memory < ok) out += fmt::format("  did not:           {}\n", rank_list(job, false));
+  } else {
+    out += "  no rank ran out of memory: advice is for where each rank's reserved memory peaked\n";
+  }
+  if (!job.candidates.empty()) {
+    out += fmt::format("\nOne setting for every rank (for PyTorch {}: {})\n",
+                       job.pytorch_since.empty() ? std::string("before 2.4") : job.pytorch_since + " or newer",
+                       job.pytorch_env);
+    if (job.best_pytorch) {
+      const JobCandidate& c = job.candidates[*job.best_pytorch];
+      out += fmt::format("  With PyTorch:   {}\n    the hungriest rank ({}) needs {}{}\n",
+                         job_env_line(job, c, false), c.worst_rank,
+                         format_size(c.worst_min_capacity_bytes), job_headroom(job, c));
+    }
+    const JobCandidate& best = job.candidates[job.best_reservoir];
+    out += fmt::format("  With reservoir: {}\n    the hungriest rank ({}) needs {}{}\n",
+                       job_env_line(job, best, true), best.worst_rank,
+                       format_size(best.worst_min_capacity_bytes), job_headroom(job, best));
+    if (job.fits && !*job.fits) {
+      out += "  No swept setting fits every rank: the ranks' own memory must shrink (see each rank's "
+             "advice).\n";
+    }
+  }
+  out += fmt::format("\nHow the ranks differ (at each rank's moment: its oom, else its peak of reserved)\n"
+                     "  {:<22} {:<14} {:>13} {:>13} {:>13} {:>13} {:>13}  {}\n",
+                     "rank", "moment", "failed req.", "peak request", "reserved", "unusable",
+                     "largest alloc", "during");
+  for (const RankAdvice& r : job.ranks) {
+    if (!r.ok) continue;
+    out += fmt::format("  {:<22} {:<14} {:>13} {:>13} {:>13} {:>13} {:>13}  {}\n", r.name,
+                       r.ran_out ? "out of memory" : "peak reserved",
+                       r.oom_request ? format_size(*r.oom_request) : "-",
+                       format_size(r.peak_requested_bytes), format_size(r.reserved_bytes),
+                       format_size(r.unusable_bytes), format_size(r.largest_allocation),
+                       r.during.empty() ? "-" : fmt::format("{}", fmt::join(r.during, " > ")));
+  }
+  if (!job.candidates.empty()) {
+    out += fmt::format("\nSettings across ranks (the capacity the hungriest rank needs)\n  {:<72} {:>13}  {}\n",
+                       "setting", "worst rank", "needs it");
+    for (std::size_t i = 0; i < job.candidates.size(); ++i) {
+      const JobCandidate& c = job.candidates[i];
+      const char* mark = job.best_pytorch == i ? "*" : i == job.best_reservoir ? "+" : " ";
+      out += fmt::format("{} {:<72} {:>13}  {}\n", mark, c.config.empty() ? "native defaults" : c.config,
+                         format_size(c.worst_min_capacity_bytes), c.worst_rank);
+    }
+  }
+  for (const RankAdvice& r : job.ranks) {
+    if (!r.ok) out += fmt::format("\ncannot read {} ({}): {}\n", r.name, r.path, r.error);
+  }
+  return out;
+}
+
+nlohmann::json job_json(const JobAdvice& job) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankAdvice& r : job.ranks) {
+    nlohmann::json candidates = nlohmann::json::array();
+    for (const Candidate& c : r.candidates) {
+      candidates.push_back({{"config", c.config}, {"min_capacity_bytes", c.min_capacity_bytes}});
+    }
+    ranks.push_back({{"name", r.name},
+                     {"path", r.path},
+                     {"device", r.device},
+                     {"ok", r.ok},
+                     {"error", r.error},
+                     {"ran_out", r.ran_out},
+                     {"oom_request_bytes", r.oom_request ? nlohmann::json(*r.oom_request) : nlohmann::json(nullptr)},
+                     {"moment", r.moment},
+                     {"peak_requested_bytes", r.peak_requested_bytes},
+                     {"allocated_bytes", r.allocated_bytes},
+                     {"reserved_bytes", r.reserved_bytes},
+                     {"unusable_bytes", r.unusable_bytes},
+                     {"largest_allocation_bytes", r.largest_allocation},
+                     {"capacity_bytes", r.capacity_bytes ? nlohmann::json(*r.capacity_bytes) : nlohmann::json(nullptr)},
+                     {"during", r.during},
+                     {"candidates", candidates}});
+  }
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const JobCandidate& c : job.candidates) {
+    candidates.push_back({{"config", c.config},
+                          {"reservoir_only", c.reservoir_only},
+                          {"worst_min_capacity_bytes", c.worst_min_capacity_bytes},
+                          {"worst_rank", c.worst_rank}});
+  }
+  auto choice = [&](const std::optional<std::size_t>& i, bool on_reservoir) -> nlohmann::json {
+    if (!i) return nullptr;
+    const JobCandidate& c = job.candidates[*i];
+    return {{"config", c.config}, {"env", job_env_line(job, c, on_reservoir)},
+            {"worst_min_capacity_bytes", c.worst_min_capacity_bytes}, {"worst_rank", c.worst_rank}};
+  };
+  return {{"ranks", ranks},
+          {"candidates", candidates},
+          {"recommendation",
+           {{"pytorch", choice(job.best_pytorch, false)},
+            {"reservoir", job.candidates.empty() ? nlohmann::json(nullptr)
+                                                 : choice(job.best_reservoir, true)}}},
+          {"capacity_bytes", job.capacity_bytes ? nlohmann::json(*job.capacity_bytes) : nlohmann::json(nullptr)},
+          {"fits", job.fits ? nlohmann::json(*job.fits) : nlohmann::json(nullptr)},
+          {"pytorch_since", job.pytorch_since},
+          {"pytorch_env", job.pytorch_env},
+          {"unreadable", job.unreadable},
+          {"seconds", job.seconds}};
+}
+
+std::string job_html(const JobAdvice& job, const std::vector<std::string>& rank_pages) {
+  std::string body = fmt::format("<p class=\"note\">{} ranks, {}.</p>\n<pre class=\"job\">{}</pre>\n",
+                                 job.ranks.size(), utc_now(), esc(job_text(job)));
+  body += "<h2>Each rank</h2>\n<table class=\"summary\"><tr><th>rank</th><th>moment</th><th>failed "
+          "request</th><th>peak requested</th><th>reserved</th><th>unusable</th><th>largest "
+          "allocation</th><th>file</th></tr>\n";
+  for (std::size_t i = 0; i < job.ranks.size(); ++i) {
+    const RankAdvice& r = job.ranks[i];
+    const std::string name = i < rank_pages.size() && !rank_pages[i].empty()
+                                 ? fmt::format("<a href=\"{}\">{}</a>", esc(rank_pages[i]), esc(r.name))
+                                 : esc(r.name);
+    if (!r.ok) {
+      body += fmt::format("<tr><td>{}</td><td class=\"oom\" colspan=\"6\">cannot read: {}</td><td>{}</td></tr>\n",
+                          name, esc(r.error), esc(r.path));
+      continue;
+    }
+    body += fmt::format("<tr><td>{}</td><td{}>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+                        name, r.ran_out ? " class=\"oom\"" : "", r.ran_out ? "out of memory" : "peak reserved",
+                        r.oom_request ? esc(format_size(*r.oom_request)) : "-",
+                        esc(format_size(r.peak_requested_bytes)), esc(format_size(r.reserved_bytes)),
+                        esc(format_size(r.unusable_bytes)), esc(format_size(r.largest_allocation)),
+                        esc(r.path));
+  }
+  body += "</table>\n";
+  return html_page("reservoir advise: job", body);
+}
+
+}  // namespace reservoir::tools

@@ -17,4 +17,12 @@ nlohmann::json advice_json(const Trace& trace, const Advice& advice);
 // `id` makes the section's element ids unique on a page.
 std::string advice_html(const Trace& trace, const Advice& advice, const std::string& id);
 
+// A job of many ranks: the answer first (which ranks ran out of memory, one
+// setting for all), then how the ranks differ, then the settings across ranks.
+std::string job_text(const JobAdvice& job);
+nlohmann::json job_json(const JobAdvice& job);
+// The job's page; `rank_pages` holds each rank's page (relative link, or ""
+// when it has none), in the order of job.ranks.
+std::string job_html(const JobAdvice& job, const std::vector<std::string>& rank_pages);
+
 }  // namespace reservoir::tools

@@ -1,7 +1,11 @@
 // reservoir advise TRACE... [--capacity SIZE] [--config C]... [--json] [-o advice.html]
 #include <fmt/format.h>
 
+#include <cctype>
+#include <filesystem>
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include "advice_view.hpp"
 #include "commands.hpp"
@@ -25,7 +29,76 @@ struct AdviseArgs {
   std::optional<int> device;
 };
 
+// Many files (or a folder, or a glob): one job-level answer, every rank
+// analysed in parallel, a page per rank linked from the job's page.
+void run_job(const AdviseArgs& args, const std::vector<std::string>& files) {
+  JobOptions options;
+  if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+  options.configs = args.configs;
+  options.device = args.device;
+  options.threads = args.threads;
+  for (const std::string& c : args.configs) (void)AllocatorConfig::parse(c);  // fail before replaying
+  Progress progress;
+  options.progress = [&](std::size_t done, std::size_t total) {
+    progress.task(fmt::format("advise: {}/{} rank files analysed", done, total));
+  };
+  // Each rank's page, written while its trace and advice are in memory.
+  namespace fs = std::filesystem;
+  const fs::path out(args.output);
+  const fs::path rank_dir = out.parent_path() / (out.stem().string() + "_ranks");
+  std::mutex pages_mutex;
+  std::map<std::pair<std::string, int>, std::string> pages;
+  if (!args.output.empty()) {
+    std::error_code ec;
+    fs::create_directories(rank_dir, ec);
+    if (ec) throw UsageError(fmt::format("advise: cannot make '{}': {}", rank_dir.string(), ec.message()));
+    options.on_rank = [&](const Trace& trace, const Advice& advice, const RankAdvice& r) {
+      std::string file = r.name;
+      for (char& c : file) {
+        if (std::isalnum(static_cast<unsigned char>(c)) == 0) c = '_';
+      }
+      file += ".html";
+      const std::string html = html_page(
+          fmt::format("reservoir advise: {}", r.name),
+          fmt::format("<p class=\"note\">{} ({}), {} recorded events. <a href=\"../{}\">The "
+                      "job</a>.</p>\n{}",
+                      esc(r.path), esc(trace.format), trace.events.size(),
+                      esc(out.filename().string()), advice_html(trace, advice, "advice")));
+      write_file((rank_dir / file).string(), html, "advise");
+      const std::lock_guard<std::mutex> lock(pages_mutex);
+      pages[{r.path, r.device}] = rank_dir.filename().string() + "/" + file;
+    };
+  }
+  const JobAdvice job = advise_job(files, options);
+  progress.clear();
+  if (!args.output.empty()) {
+    std::vector<std::string> links;
+    for (const RankAdvice& r : job.ranks) {
+      const auto it = pages.find({r.path, r.device});
+      links.push_back(it != pages.end() ? it->second : "");
+    }
+    write_file(args.output, job_html(job, links), "advise");
+  }
+  if (args.json) {
+    fmt::print("{}\n", job_json(job).dump(2));
+  } else {
+    fmt::print("{}", job_text(job));
+    if (!args.output.empty()) {
+      fmt::print("\n{}: written, with a page per rank in {}/\n", args.output, rank_dir.string());
+    }
+  }
+  // Some ranks could not be read: the others are advised, and the status says so.
+  if (job.unreadable > 0) throw CLI::RuntimeError(3);
+}
+
 void run(const AdviseArgs& args) {
+  const std::vector<std::string> files = job_files(args.traces);
+  bool folder = false;
+  for (const std::string& t : args.traces) folder |= std::filesystem::is_directory(t);
+  if (files.size() > 1 || folder) {
+    run_job(args, files);
+    return;
+  }
   AdviseOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
   options.configs = args.configs;
@@ -84,9 +157,10 @@ void add_advise(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "advise", "Why a recording ran out of memory (or where it peaked), and which allocator "
                 "setting makes it fit: every setting replayed to its minimum capacity");
-  cmd->add_option("traces", args->traces, "PyTorch snapshots (or any trace replay reads)")
-      ->required()
-      ->check(CLI::ExistingFile);
+  cmd->add_option("traces", args->traces,
+                  "PyTorch snapshots (or any trace replay reads); several files, a folder or a "
+                  "glob ('rank*.pickle') advise on a job of many ranks")
+      ->required();
   cmd->add_option("--capacity", args->capacity,
                   "memory the allocator may have, e.g. 80GiB (default: what the recording's "
                   "out-of-memory event shows it had)");

@@ -169,6 +169,75 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity = s
 // and ConfigError for a bad setting in options.configs.
 Advice advise(const Trace& trace, const AdviseOptions& options = {});
 
+// ---- a job of many ranks ------------------------------------------------------
+
+// One rank's recording (one device of one file), as the job sees it.
+struct RankAdvice {
+  std::string path;
+  std::string name;  // "rank 3" (from the file name), else the file name; "(device N)" added
+  int device = 0;
+  bool ok = false;
+  std::string error;  // why the file could not be read or advised on, when !ok
+  bool ran_out = false;                       // it holds an oom entry
+  std::optional<std::uint64_t> oom_request;   // the request that failed
+  std::string moment;                         // the diagnosis's
+  std::uint64_t peak_requested_bytes = 0;
+  std::uint64_t allocated_bytes = 0;          // at the moment
+  std::uint64_t reserved_bytes = 0;
+  std::uint64_t unusable_bytes = 0;           // reserved - allocated at the moment
+  std::uint64_t largest_allocation = 0;       // the largest block live at the moment
+  std::optional<std::uint64_t> capacity_bytes;
+  std::vector<std::string> during;            // the diagnosis's
+  std::vector<Candidate> candidates;          // as the rank's own advice sweeps them
+  std::string pytorch_since;
+};
+
+// One setting across the job: the capacity its hungriest rank needs.
+struct JobCandidate {
+  std::string config;
+  bool reservoir_only = false;
+  std::optional<double> memory_fraction;
+  std::uint64_t worst_min_capacity_bytes = 0;  // the largest over the ranks
+  std::string worst_rank;                      // the rank that needs it
+};
+
+struct JobAdvice {
+  std::vector<RankAdvice> ranks;  // in the order of the files (then devices)
+  std::vector<JobCandidate> candidates;
+  std::optional<std::size_t> best_pytorch;  // least worst-rank capacity, stock PyTorch
+  std::size_t best_reservoir = 0;
+  // The memory one rank's allocator may have: --capacity, else the least
+  // that any rank's oom entry shows; whether the best setting fits every rank.
+  std::optional<std::uint64_t> capacity_bytes;
+  std::optional<bool> fits;
+  std::string pytorch_env = "PYTORCH_CUDA_ALLOC_CONF";
+  std::string pytorch_since;
+  std::size_t unreadable = 0;
+  double seconds = 0.0;
+};
+
+struct JobOptions {
+  std::optional<std::uint64_t> capacity;
+  std::vector<std::string> configs;  // as AdviseOptions::configs
+  std::optional<int> device;         // only this device of each file
+  unsigned threads = 0;              // files analysed at once (0: every core)
+  // Called after each file is done (serialized): files done, files in all.
+  std::function<void(std::size_t done, std::size_t total)> progress;
+  // Called in the worker that advised a rank, while its trace and advice are
+  // still in memory (for a per-rank page); at most `threads` are held at once.
+  std::function<void(const Trace&, const Advice&, const RankAdvice&)> on_rank;
+};
+
+// Advises on every rank's recording, files in parallel (each file's sweep on
+// one core), and on one setting for them all. A file that cannot be read is
+// a rank with ok == false and its reason; the others are still advised.
+JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& options = {});
+
+// The files of a job named by paths, folders (their .pickle and .json files)
+// and glob patterns, in natural order (rank2 before rank10). Throws
+// UsageError for a pattern or folder that names no file.
+std::vector<std::string> job_files(const std::vector<std::string>& args);
+
 // The line that selects the candidate: PYTORCH_CUDA_ALLOC_CONF=<config> (or
 // the advice to leave it unset) for stock PyTorch; RESERVOIR_ALLOC_CONF=<config>
 // for reservoir's allocator (which reads it first) and its own policies.

@@ -1,0 +1,243 @@
+// Advice for a job of many ranks: each rank's recording advised on by
+// advise(), the files analysed in parallel with a bounded number in memory,
+// and one setting that fits every rank.
+#include <fmt/format.h>
+
+#include <glob.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+#include "reservoir/advise.hpp"
+#include "reservoir/errors.hpp"
+
+namespace reservoir {
+namespace {
+
+// "rank 3" for rank3.pickle, rank_3_snapshot.pickle, rank-03.json; else the file name.
+std::string rank_name(const std::string& path) {
+  const std::string base = std::filesystem::path(path).filename().string();
+  std::string lower = base;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (std::size_t at = lower.find("rank"); at != std::string::npos; at = lower.find("rank", at + 1)) {
+    std::size_t i = at + 4;
+    while (i < lower.size() && (lower[i] == '_' || lower[i] == '-')) ++i;
+    std::size_t j = i;
+    while (j < lower.size() && std::isdigit(static_cast<unsigned char>(lower[j])) != 0) ++j;
+    if (j > i) return fmt::format("rank {}", std::stoull(lower.substr(i, j - i)));
+  }
+  return base;
+}
+
+// Natural order: digit runs compare as numbers.
+bool natural_less(const std::string& a, const std::string& b) {
+  std::size_t i = 0;
+  std::size_t j = 0;
+  while (i < a.size() && j < b.size()) {
+    const bool da = std::isdigit(static_cast<unsigned char>(a[i])) != 0;
+    const bool db = std::isdigit(static_cast<unsigned char>(b[j])) != 0;
+    if (da && db) {
+      std::size_t ei = i;
+      std::size_t ej = j;
+      while (ei < a.size() && std::isdigit(static_cast<unsigned char>(a[ei])) != 0) ++ei;
+      while (ej < b.size() && std::isdigit(static_cast<unsigned char>(b[ej])) != 0) ++ej;
+      const std::string na = a.substr(i, ei - i);
+      const std::string nb = b.substr(j, ej - j);
+      const std::string ta = na.substr(std::min(na.find_first_not_of('0'), na.size()));
+      const std::string tb = nb.substr(std::min(nb.find_first_not_of('0'), nb.size()));
+      if (ta.size() != tb.size()) return ta.size() < tb.size();
+      if (ta != tb) return ta < tb;
+      i = ei;
+      j = ej;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
+RankAdvice summarize(const Trace& trace, const Advice& advice, const std::string& path,
+                     bool several_devices) {
+  RankAdvice r;
+  r.path = path;
+  r.device = trace.device;
+  r.name = rank_name(path);
+  if (several_devices) r.name += fmt::format(" (device {})", trace.device);
+  r.ok = true;
+  const Diagnosis& d = advice.diagnosis;
+  r.ran_out = d.moment == "oom";
+  if (d.request) r.oom_request = d.request->size;
+  r.moment = d.moment;
+  r.peak_requested_bytes = advice.peak_requested_bytes;
+  r.allocated_bytes = d.allocated_bytes;
+  r.reserved_bytes = d.reserved_bytes;
+  r.unusable_bytes = d.reserved_bytes - std::min(d.reserved_bytes, d.allocated_bytes);
+  for (const SegmentInfo& s : d.segments.segments) {
+    for (const BlockInfo& b : s.blocks) {
+      if (b.state == BlockState::active_allocated) {
+        r.largest_allocation = std::max<std::uint64_t>(r.largest_allocation, b.size);
+      }
+    }
+  }
+  r.capacity_bytes = advice.capacity_bytes;
+  r.during = d.during;
+  r.candidates = advice.candidates;
+  r.pytorch_since = advice.pytorch_since;
+  return r;
+}
+
+}  // namespace
+
+std::vector<std::string> job_files(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (const std::string& arg : args) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(arg, ec)) {
+      std::vector<std::string> found;
+      for (const auto& entry : std::filesystem::directory_iterator(arg, ec)) {
+        const auto ext = entry.path().extension();
+        if (entry.is_regular_file() && (ext == ".pickle" || ext == ".pkl" || ext == ".json")) {
+          found.push_back(entry.path().string());
+        }
+      }
+      if (found.empty()) {
+        throw UsageError(fmt::format("advise: the folder '{}' holds no .pickle or .json file", arg));
+      }
+      std::sort(found.begin(), found.end(), natural_less);
+      out.insert(out.end(), found.begin(), found.end());
+    } else if (std::filesystem::exists(arg, ec)) {
+      out.push_back(arg);
+    } else if (arg.find_first_of("*?[") != std::string::npos) {
+      glob_t g{};
+      const int rc = ::glob(arg.c_str(), 0, nullptr, &g);
+      std::vector<std::string> found;
+      if (rc == 0) {
+        for (std::size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
+      }
+      ::globfree(&g);
+      if (found.empty()) throw UsageError(fmt::format("advise: no file matches '{}'", arg));
+      std::sort(found.begin(), found.end(), natural_less);
+      out.insert(out.end(), found.begin(), found.end());
+    } else {
+      throw UsageError(fmt::format("advise: '{}' does not exist", arg));
+    }
+  }
+  return out;
+}
+
+JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  JobAdvice job;
+  std::vector<std::vector<RankAdvice>> per_file(paths.size());
+  std::atomic<std::size_t> next{0};
+  std::mutex mutex;
+  std::size_t done = 0;
+  AdviseOptions one;
+  one.capacity = options.capacity;
+  one.configs = options.configs;
+  one.threads = 1;  // the files are the parallel work
+  auto work = [&] {
+    for (std::size_t i = next++; i < paths.size(); i = next++) {
+      std::vector<RankAdvice>& out = per_file[i];
+      try {
+        const std::vector<Trace> devices = select_devices(read_trace_devices(paths[i]), options.device);
+        for (const Trace& trace : devices) {
+          const Advice advice = advise(trace, one);
+          out.push_back(summarize(trace, advice, paths[i], devices.size() > 1));
+          if (options.on_rank) options.on_rank(trace, advice, out.back());
+        }
+      } catch (const std::exception& e) {  // this rank's file; the others go on
+        RankAdvice bad;
+        bad.path = paths[i];
+        bad.name = rank_name(paths[i]);
+        bad.error = e.what();
+        out.assign(1, std::move(bad));
+      }
+      const std::lock_guard<std::mutex> lock(mutex);
+      ++done;
+      if (options.progress) options.progress(done, paths.size());
+    }
+  };
+  unsigned workers = options.threads != 0 ? options.threads : std::thread::hardware_concurrency();
+  workers = std::max(1u, std::min<unsigned>(workers, static_cast<unsigned>(paths.size())));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < workers; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  for (auto& f : per_file) {
+    for (RankAdvice& r : f) job.ranks.push_back(std::move(r));
+  }
+
+  // One setting for every rank: each setting all ranks swept, judged by the
+  // rank that needs the most memory under it.
+  const RankAdvice* first = nullptr;
+  bool all_versions = true;
+  for (const RankAdvice& r : job.ranks) {
+    if (!r.ok) {
+      ++job.unreadable;
+      continue;
+    }
+    if (first == nullptr) first = &r;
+    if (r.capacity_bytes && !options.capacity) {
+      job.capacity_bytes = std::min(job.capacity_bytes.value_or(*r.capacity_bytes), *r.capacity_bytes);
+    }
+    if (r.pytorch_since.empty()) all_versions = false;
+    if (!r.pytorch_since.empty() &&
+        (job.pytorch_since.empty() || compare_versions(r.pytorch_since, job.pytorch_since) < 0)) {
+      job.pytorch_since = r.pytorch_since;
+    }
+  }
+  if (options.capacity) job.capacity_bytes = options.capacity;
+  if (!all_versions) job.pytorch_since.clear();
+  job.pytorch_env = std::string(pytorch_env_var(job.pytorch_since));
+  if (first != nullptr) {
+    for (const Candidate& c : first->candidates) {
+      JobCandidate jc;
+      jc.config = c.config;
+      jc.reservoir_only = c.reservoir_only;
+      jc.memory_fraction = c.memory_fraction;
+      bool everywhere = true;
+      for (const RankAdvice& r : job.ranks) {
+        if (!r.ok) continue;
+        const auto it = std::find_if(r.candidates.begin(), r.candidates.end(),
+                                     [&](const Candidate& x) { return x.config == c.config; });
+        if (it == r.candidates.end()) {
+          everywhere = false;
+          break;
+        }
+        if (jc.worst_rank.empty() || it->min_capacity_bytes > jc.worst_min_capacity_bytes) {
+          jc.worst_min_capacity_bytes = it->min_capacity_bytes;
+          jc.worst_rank = r.name;
+        }
+      }
+      if (everywhere) job.candidates.push_back(std::move(jc));
+    }
+    for (std::size_t i = 0; i < job.candidates.size(); ++i) {
+      const JobCandidate& c = job.candidates[i];
+      if (c.worst_min_capacity_bytes < job.candidates[job.best_reservoir].worst_min_capacity_bytes) {
+        job.best_reservoir = i;
+      }
+      if (!c.reservoir_only &&
+          (!job.best_pytorch ||
+           c.worst_min_capacity_bytes < job.candidates[*job.best_pytorch].worst_min_capacity_bytes)) {
+        job.best_pytorch = i;
+      }
+    }
+    if (job.capacity_bytes && !job.candidates.empty()) {
+      const JobCandidate& chosen = job.candidates[job.best_pytorch.value_or(job.best_reservoir)];
+      job.fits = chosen.worst_min_capacity_bytes <= *job.capacity_bytes;
+    }
+  }
+  job.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return job;
+}
+
+}  // namespace reservoir
