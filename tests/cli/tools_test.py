@@ -212,12 +212,34 @@ check("the largest was 100.00 MiB, the request needs 160.00 MiB" in text and
 # A capacity too small for the program itself: how much it must shrink.
 small = json.loads(run("advise", classic, "--capacity", "200MiB", "--json", "-c", "").stdout)
 check(small["fits"] is False and small["recommendation"]["shrink_bytes"] == 56 * MiB, small)
-# Several traces: a JSON list; a page written.
+# Several traces: one job, a rank each; the job's page and a page per rank.
 page = os.path.join(work, "advice.html")
 both = json.loads(run("advise", classic, transformer, "--json", "-o", page).stdout)
-check(isinstance(both, list) and len(both) == 2 and both[1]["diagnosis"]["source"] == "replayed",
-      "two traces advised")
+check(isinstance(both, dict) and [r["name"] for r in both["ranks"]] ==
+      ["classic_oom.pickle", "transformer_training.trace"] and both["ranks"][0]["ran_out"] and
+      not both["ranks"][1]["ran_out"] and both["recommendation"]["pytorch"]["worst_rank"] ==
+      "transformer_training.trace", both)
 check(os.path.getsize(page) > 1000, "advise -o wrote no page")
+with open(page) as fh:
+    job_page = fh.read()
+rank_page = os.path.join(work, "advice_ranks", "classic_oom_pickle.html")
+check('href="advice_ranks/classic_oom_pickle.html"' in job_page and os.path.exists(rank_page),
+      "the job page does not link the rank's page")
+# A folder of ranks, one unreadable: the others advised, the line and exit 3 say so.
+ranks = os.path.join(work, "ranks")
+os.makedirs(ranks, exist_ok=True)
+with open(classic, "rb") as fh:
+    classic_bytes = fh.read()
+for name in ("rank0.pickle", "rank10.pickle"):
+    with open(os.path.join(ranks, name), "wb") as fh:
+        fh.write(classic_bytes)
+with open(os.path.join(ranks, "rank2.pickle"), "wb") as fh:
+    fh.write(b"\x80\x04truncated")
+job = subprocess.run([binary, "advise", ranks], capture_output=True, text=True)
+check(job.returncode == 3 and "Job of 3 ranks" in job.stdout and
+      "ran out of memory: rank 0, rank 10" in job.stdout and
+      "cannot read rank 2 (" in job.stdout and "One setting for every rank" in job.stdout,
+      f"exit {job.returncode}: {job.stdout}{job.stderr}")
 # Bad input: an unknown setting and a trace with nothing to replay.
 bad = subprocess.run([binary, "advise", classic, "-c", "max_split_size_mb:x"], capture_output=True,
                      text=True)

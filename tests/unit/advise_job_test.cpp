@@ -1,0 +1,143 @@
+// advise on a job of many ranks: every rank advised on, one setting judged
+// by the rank that needs the most, unreadable files named and left out.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "error_text.hpp"
+#include "reservoir/advise.hpp"
+#include "reservoir/errors.hpp"
+#include "trace_fixture.hpp"
+
+namespace reservoir {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A rank that runs out of memory: two 100 MiB holes, a 160 MiB request.
+Trace fragmented() {
+  Recorder r("", 300 * kMiB);
+  r.allocator.deallocate(r.alloc(256 * kMiB));
+  void* a = r.alloc(28 * kMiB);
+  void* hole1 = r.alloc(100 * kMiB);
+  void* b = r.alloc(28 * kMiB);
+  void* hole2 = r.alloc(100 * kMiB);
+  r.allocator.deallocate(hole1);
+  r.allocator.deallocate(hole2);
+  EXPECT_THROW(r.alloc(160 * kMiB), OutOfMemoryError);
+  (void)a;
+  (void)b;
+  return pickled(r.finish());
+}
+
+// A rank that does not.
+Trace calm() {
+  Recorder r("");
+  void* a = r.alloc(40 * kMiB);
+  void* b = r.alloc(3 * kMiB);
+  r.allocator.deallocate(a);
+  r.allocator.deallocate(b);
+  return pickled(r.finish());
+}
+
+class Job : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("reservoir_job_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& bytes) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p.string();
+  }
+  fs::path dir_;
+};
+
+TEST_F(Job, EveryRankAndOneSettingForAll) {
+  const Trace oom = fragmented();
+  const Trace ok = calm();
+  const std::string r0 = write("rank0.pickle", write_pytorch_snapshot(oom));
+  const std::string r1 = write("rank1.pickle", write_pytorch_snapshot(ok));
+  const std::string r2 = write("rank2.pickle", "not a snapshot");
+  std::vector<std::pair<std::size_t, std::size_t>> progress;
+  JobOptions options;
+  options.threads = 2;
+  options.progress = [&](std::size_t done, std::size_t total) { progress.emplace_back(done, total); };
+  std::size_t pages = 0;
+  options.on_rank = [&](const Trace&, const Advice&, const RankAdvice&) { ++pages; };
+  const JobAdvice job = advise_job({r0, r1, r2}, options);
+
+  ASSERT_EQ(job.ranks.size(), 3u);
+  EXPECT_EQ(job.ranks[0].name, "rank 0");
+  EXPECT_TRUE(job.ranks[0].ok);
+  EXPECT_TRUE(job.ranks[0].ran_out);
+  EXPECT_EQ(job.ranks[0].oom_request, 160 * kMiB);
+  EXPECT_EQ(job.ranks[0].allocated_bytes, 56 * kMiB);
+  EXPECT_EQ(job.ranks[0].reserved_bytes, 256 * kMiB);
+  EXPECT_EQ(job.ranks[0].unusable_bytes, 200 * kMiB);
+  EXPECT_EQ(job.ranks[0].largest_allocation, 28 * kMiB);
+  EXPECT_TRUE(job.ranks[1].ok);
+  EXPECT_FALSE(job.ranks[1].ran_out);
+  EXPECT_EQ(job.ranks[1].moment, "peak_reserved");
+  EXPECT_FALSE(job.ranks[2].ok);
+  EXPECT_EQ(job.ranks[2].name, "rank 2");
+  EXPECT_EQ(job.ranks[2].error.rfind("trace " + r2 + ": line 1:", 0), 0u) << job.ranks[2].error;
+  EXPECT_EQ(job.unreadable, 1u);
+  EXPECT_EQ(pages, 2u);
+  EXPECT_EQ(progress.size(), 3u);
+  EXPECT_EQ(progress.back(), std::make_pair(std::size_t{3}, std::size_t{3}));
+
+  // Each setting is judged by the rank that needs the most under it: the
+  // same figures each rank's own advice gives.
+  const Advice a0 = advise(oom);
+  const Advice a1 = advise(ok);
+  ASSERT_EQ(job.candidates.size(), a0.candidates.size());
+  for (std::size_t i = 0; i < job.candidates.size(); ++i) {
+    const JobCandidate& c = job.candidates[i];
+    EXPECT_EQ(c.config, a0.candidates[i].config);
+    const auto other = std::find_if(a1.candidates.begin(), a1.candidates.end(),
+                                    [&](const Candidate& x) { return x.config == c.config; });
+    ASSERT_NE(other, a1.candidates.end());
+    EXPECT_EQ(c.worst_min_capacity_bytes,
+              std::max(a0.candidates[i].min_capacity_bytes, other->min_capacity_bytes));
+  }
+  // The oom rank's capacity (reserved + device free at its oom) is the job's.
+  EXPECT_EQ(job.capacity_bytes, a0.capacity_bytes);
+  ASSERT_TRUE(job.best_pytorch.has_value());
+  const JobCandidate& best = job.candidates[*job.best_pytorch];
+  for (const JobCandidate& c : job.candidates) {
+    if (!c.reservoir_only) {
+      EXPECT_LE(best.worst_min_capacity_bytes, c.worst_min_capacity_bytes);
+    }
+  }
+  EXPECT_EQ(best.worst_rank, "rank 0");
+  EXPECT_EQ(job.fits, best.worst_min_capacity_bytes <= *job.capacity_bytes);
+  EXPECT_TRUE(*job.fits);  // max_split_size_mb keeps the 160 MiB request out of the holes
+}
+
+TEST_F(Job, FilesFromFoldersAndGlobsInNaturalOrder) {
+  for (const char* name : {"rank10.pickle", "rank2.pickle", "rank1.json", "notes.txt"}) write(name, "x");
+  const std::vector<std::string> folder = job_files({dir_.string()});
+  EXPECT_EQ(folder, (std::vector<std::string>{(dir_ / "rank1.json").string(),
+                                              (dir_ / "rank2.pickle").string(),
+                                              (dir_ / "rank10.pickle").string()}));
+  const std::vector<std::string> glob = job_files({(dir_ / "rank*.pickle").string()});
+  EXPECT_EQ(glob, (std::vector<std::string>{(dir_ / "rank2.pickle").string(),
+                                            (dir_ / "rank10.pickle").string()}));
+  EXPECT_EQ(testing::error_of<UsageError>([&] { (void)job_files({(dir_ / "none*.pickle").string()}); }),
+            "advise: no file matches '" + (dir_ / "none*.pickle").string() + "'");
+  EXPECT_EQ(testing::error_of<UsageError>([&] { (void)job_files({(dir_ / "absent.pickle").string()}); }),
+            "advise: '" + (dir_ / "absent.pickle").string() + "' does not exist");
+  fs::create_directories(dir_ / "empty");
+  EXPECT_EQ(testing::error_of<UsageError>([&] { (void)job_files({(dir_ / "empty").string()}); }),
+            "advise: the folder '" + (dir_ / "empty").string() + "' holds no .pickle or .json file");
+}
+
+}  // namespace
+}  // namespace reservoir
