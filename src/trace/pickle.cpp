@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -22,6 +23,7 @@ std::string_view to_string(Kind kind) noexcept {
     case Kind::list: return "list";
     case Kind::tuple: return "tuple";
     case Kind::dict: return "dict";
+    case Kind::taken: return "trace entry";
   }
   return "unknown";
 }
@@ -99,7 +101,8 @@ const char* refused_name(std::uint8_t op) {
 
 class Decoder {
  public:
-  explicit Decoder(std::span<const std::uint8_t> data) : data_(data) {}
+  explicit Decoder(std::span<const std::uint8_t> data, const FlatDictHook* hook = nullptr)
+      : data_(data), hook_(hook) {}
 
   Document run() {
     while (true) {
@@ -219,6 +222,79 @@ class Decoder {
     stack_.push_back(memo_[index]);
   }
 
+  // EMPTY_DICT MEMOIZE MARK (key value)* SETITEMS with keys from the memo
+  // and values that are small ints, bools, None or from the memo: read
+  // ahead without making values, and offered to the hook. False (nothing
+  // changed) for any other shape, or when the hook leaves it.
+  bool flat_dict() {
+    std::size_t p = pos_;
+    auto byte = [&](std::size_t at) -> int { return at < data_.size() ? data_[at] : -1; };
+    auto le = [&](std::size_t at, std::size_t n) {
+      std::uint64_t v = 0;
+      for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{data_[at + i]} << (8 * i);
+      return v;
+    };
+    auto memo_ref = [&](std::size_t& at) -> const Value* {
+      const int op = byte(at);
+      std::size_t index = 0;
+      if (op == BINGET && at + 1 < data_.size()) {
+        index = data_[at + 1];
+        at += 2;
+      } else if (op == LONG_BINGET && at + 4 < data_.size()) {
+        index = le(at + 1, 4);
+        at += 5;
+      } else {
+        return nullptr;
+      }
+      return index < memo_.size() ? memo_[index] : nullptr;
+    };
+    if (byte(p) != MEMOIZE || byte(p + 1) != MARK) return false;
+    p += 2;
+    std::array<FlatItem, 16> items;
+    std::size_t n = 0;
+    while (byte(p) != SETITEMS) {
+      if (n == items.size()) return false;
+      FlatItem& item = items[n];
+      item.key = memo_ref(p);
+      if (item.key == nullptr || item.key->kind != Kind::string) return false;
+      const int op = byte(p);
+      if (op == BININT1 && p + 1 < data_.size()) {
+        item.kind = Kind::integer, item.integer = data_[p + 1], p += 2;
+      } else if (op == BININT2 && p + 2 < data_.size()) {
+        item.kind = Kind::integer, item.integer = static_cast<std::int64_t>(le(p + 1, 2)), p += 3;
+      } else if (op == BININT && p + 4 < data_.size()) {
+        item.kind = Kind::integer;
+        item.integer = static_cast<std::int32_t>(le(p + 1, 4));
+        p += 5;
+      } else if (op == LONG1 && p + 1 < data_.size()) {
+        const std::size_t len = data_[p + 1];
+        if (len == 0 || len > 8 || p + 1 + len >= data_.size()) return false;
+        std::uint64_t v = le(p + 2, len);
+        if (len < 8 && (data_[p + 1 + len] & 0x80) != 0) v |= ~std::uint64_t{0} << (8 * len);
+        item.kind = Kind::integer, item.integer = static_cast<std::int64_t>(v), p += 2 + len;
+      } else if (op == NONE) {
+        item.kind = Kind::none, ++p;
+      } else if (op == NEWTRUE || op == NEWFALSE) {
+        item.kind = Kind::boolean, item.integer = op == NEWTRUE ? 1 : 0, ++p;
+      } else if (op == BINGET || op == LONG_BINGET) {
+        item.ref = memo_ref(p);
+        if (item.ref == nullptr) return false;
+        item.kind = item.ref->kind;
+      } else {
+        return false;
+      }
+      ++n;
+    }
+    const std::int64_t taken = (*hook_)(std::span<const FlatItem>(items.data(), n));
+    if (taken < 0) return false;
+    Value* v = doc_.make(Kind::taken);
+    v->integer = taken;
+    stack_.push_back(v);
+    memo_.push_back(v);  // its MEMOIZE
+    pos_ = p + 1;        // past SETITEMS
+    return true;
+  }
+
   void make_tuple(std::size_t from) {
     Value* t = doc_.make(Kind::tuple);
     t->items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
@@ -281,7 +357,9 @@ class Decoder {
       case BINBYTES: push_string(Kind::bytes, little(4, at, "BINBYTES"), at, "BINBYTES"); return;
       case BINBYTES8: push_string(Kind::bytes, little(8, at, "BINBYTES8"), at, "BINBYTES8"); return;
       case EMPTY_LIST: stack_.push_back(doc_.make(Kind::list)); return;
-      case EMPTY_DICT: stack_.push_back(doc_.make(Kind::dict)); return;
+      case EMPTY_DICT:
+        if (hook_ == nullptr || !flat_dict()) stack_.push_back(doc_.make(Kind::dict));
+        return;
       case EMPTY_TUPLE: stack_.push_back(doc_.make(Kind::tuple)); return;
       case APPEND: {
         const Value* v = pop(at, "APPEND");
@@ -351,6 +429,7 @@ class Decoder {
   std::vector<const Value*> stack_;
   std::vector<std::size_t> marks_;
   std::vector<const Value*> memo_;
+  const FlatDictHook* hook_ = nullptr;
 };
 
 class Encoder {
@@ -408,6 +487,8 @@ class Encoder {
                            v.kind == Kind::list || v.kind == Kind::dict;
     if (shareable && fetch(v)) return;
     switch (v.kind) {
+      case Kind::taken:
+        throw TraceError("pickle encode: a dict taken over by a decode hook has no contents");
       case Kind::none: byte(NONE); return;
       case Kind::boolean: byte(v.boolean ? NEWTRUE : NEWFALSE); return;
       case Kind::integer: {
@@ -509,6 +590,10 @@ class Encoder {
 
 Document decode(std::span<const std::uint8_t> data) {
   return Decoder(data).run();
+}
+
+Document decode(std::span<const std::uint8_t> data, const FlatDictHook& hook) {
+  return Decoder(data, &hook).run();
 }
 
 std::string encode(const Value& root) {

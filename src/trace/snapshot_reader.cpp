@@ -46,9 +46,95 @@ bool known(std::string_view key, const std::string_view (&keys)[N]) {
 
 constexpr std::size_t kUnplaced = static_cast<std::size_t>(-1);
 
+std::optional<TraceAction> action_of(std::string_view a);
+
+// A trace entry the decoder handed over without making its values (the
+// millions of entries of a large snapshot): the event, and its frames list.
+struct FlatEvent {
+  TraceEvent event;
+  const Value* frames = nullptr;  // a list from the pickle's memo, or null
+};
+
+// The decoder's hook: takes each trace entry whose keys and types are the
+// ones PyTorch writes; anything else (an unknown key or action, a wrong
+// type, a user_defined entry) it leaves to the reader's checks, which name
+// the path.
+class FlatEvents {
+ public:
+  std::int64_t take(std::span<const pickle::FlatItem> items) {
+    FlatEvent f;
+    std::string_view action;
+    bool has_addr = false;
+    bool has_size = false;
+    bool has_stream = false;
+    std::optional<std::uint64_t> device_free;
+    for (const pickle::FlatItem& it : items) {
+      const std::string& key = it.key->text;
+      auto unsigned_value = [&](std::uint64_t& out) {
+        if (it.kind != Kind::integer || (it.integer < 0 && !it.above_int64)) return false;
+        out = static_cast<std::uint64_t>(it.integer);
+        return true;
+      };
+      if (key == "action") {
+        if (it.kind != Kind::string) return -1;
+        action = it.ref->text;
+      } else if (key == "addr") {
+        if (!unsigned_value(f.event.addr)) return -1;
+        has_addr = true;
+      } else if (key == "size") {
+        if (!unsigned_value(f.event.size)) return -1;
+        has_size = true;
+      } else if (key == "stream") {
+        if (!unsigned_value(f.event.stream)) return -1;
+        has_stream = true;
+      } else if (key == "device_free") {
+        std::uint64_t v = 0;
+        if (!unsigned_value(v)) return -1;
+        device_free = v;
+      } else if (key == "time_us") {
+        if (it.kind == Kind::integer) {
+          f.event.time_us = it.integer;
+        } else if (it.kind != Kind::none) {
+          return -1;
+        }
+      } else if (key == "frames") {
+        if (it.kind == Kind::list || it.kind == Kind::tuple) {
+          f.frames = it.ref;
+        } else if (it.kind != Kind::none) {
+          return -1;
+        }
+      } else if (key == "compile_context") {
+        if (it.kind != Kind::string && it.kind != Kind::none) return -1;
+      } else if (key == "user_metadata") {
+        if (it.kind != Kind::string && it.kind != Kind::none && it.kind != Kind::dict) return -1;
+      } else if (key == "forward_frames") {
+        if (it.kind != Kind::list && it.kind != Kind::none) return -1;
+      } else {
+        return -1;
+      }
+    }
+    const std::optional<TraceAction> a = action_of(action);
+    if (!a || !has_size || !has_stream) return -1;
+    if (*a == TraceAction::oom) {
+      if (device_free) {
+        f.event.addr = *device_free;
+      } else if (!has_addr) {
+        f.event.addr = 0;
+      }
+    } else if (!has_addr || device_free) {
+      return -1;
+    }
+    f.event.action = *a;
+    events.push_back(f);
+    return static_cast<std::int64_t>(events.size() - 1);
+  }
+  std::vector<FlatEvent> events;
+};
+
 class Reader {
  public:
-  explicit Reader(std::string name) : name_(std::move(name)) {}
+  explicit Reader(std::string name, const std::vector<FlatEvent>* flat = nullptr)
+      : name_(std::move(name)), flat_(flat) {}
 
   [[noreturn]] void fail(const std::string& path, const std::string& what) const {
     throw TraceError(fmt::format("snapshot {}: {}: {}", name_, path, what));
@@ -233,20 +319,7 @@ class Reader {
     return any ? fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")) : "";
   }
 
-  // The action of an event; nullopt for those that carry no allocator work
-  // (user_defined annotations) or that the reader does not know.
-  static std::optional<TraceAction> action(std::string_view a) {
-    if (a == "alloc") return TraceAction::alloc;
-    if (a == "free_requested") return TraceAction::free_requested;
-    if (a == "free_completed") return TraceAction::free_completed;
-    if (a == "segment_alloc") return TraceAction::segment_alloc;
-    if (a == "segment_free") return TraceAction::segment_free;
-    if (a == "segment_map") return TraceAction::segment_map;
-    if (a == "segment_unmap") return TraceAction::segment_unmap;
-    if (a == "snapshot") return TraceAction::snapshot;
-    if (a == "oom") return TraceAction::oom;
-    return std::nullopt;
-  }
+  static std::optional<TraceAction> action(std::string_view a) { return action_of(a); }
 
   // The context of an event or block from its "frames" (absent or empty: 0).
   // PyTorch shares one frames list among the entries of one stack, and the
@@ -260,7 +333,11 @@ class Reader {
       }
       return static_cast<std::uint32_t>(id);
     }
-    const Value* frames = owner.find("frames");
+    return frames_context(owner.find("frames"), path, trace);
+  }
+
+  // The context of a frames list (null or None: 0).
+  std::uint32_t frames_context(const Value* frames, const std::string& path, Trace& trace) {
     if (frames == nullptr || frames->kind == Kind::none) return 0;
     if (auto it = by_list_.find(frames); it != by_list_.end()) return it->second;
     const auto& items = list(*frames, path + ".frames");
@@ -356,8 +433,17 @@ class Reader {
     const auto& events = list(list_value, dpath);
     trace.events.reserve(events.size());
     for (std::size_t i = 0; i < events.size(); ++i) {
-      const std::string path = fmt::format("{}[{}]", dpath, i);
       const Value& e = *events[i];
+      if (e.kind == Kind::taken && flat_ != nullptr) {  // checked by the decoder's hook
+        const FlatEvent& f = (*flat_)[static_cast<std::size_t>(e.integer)];
+        TraceEvent ev = f.event;
+        if (f.frames != nullptr) {
+          ev.context = frames_context(f.frames, fmt::format("{}[{}]", dpath, i), trace);
+        }
+        trace.events.push_back(ev);
+        continue;
+      }
+      const std::string path = fmt::format("{}[{}]", dpath, i);
       const std::string& name = text(e, "action", path);
       note_unknown(e, kEventKeys, "device_traces[][].", trace);
       const std::optional<TraceAction> a = action(name);
@@ -565,9 +651,25 @@ class Reader {
   }
 
   std::string name_;
+  const std::vector<FlatEvent>* flat_ = nullptr;
   std::unordered_map<std::string, std::uint32_t> context_ids_;
   std::unordered_map<const Value*, std::uint32_t> by_list_;  // frames list -> context
 };
+
+// The action of an event; nullopt for those that carry no allocator work
+// (user_defined annotations) or that the reader does not know.
+std::optional<TraceAction> action_of(std::string_view a) {
+  if (a == "alloc") return TraceAction::alloc;
+  if (a == "free_requested") return TraceAction::free_requested;
+  if (a == "free_completed") return TraceAction::free_completed;
+  if (a == "segment_alloc") return TraceAction::segment_alloc;
+  if (a == "segment_free") return TraceAction::segment_free;
+  if (a == "segment_map") return TraceAction::segment_map;
+  if (a == "segment_unmap") return TraceAction::segment_unmap;
+  if (a == "snapshot") return TraceAction::snapshot;
+  if (a == "oom") return TraceAction::oom;
+  return std::nullopt;
+}
 
 // JSON values as pickle values, so one reader checks both.
 const Value* from_json(const nlohmann::json& j, pickle::Document& doc, const std::string& name,
@@ -621,9 +723,12 @@ const Value* from_json(const nlohmann::json& j, pickle::Document& doc, const std
 
 namespace {
 
-pickle::Document decode_snapshot(std::span<const std::uint8_t> data, const std::string& name) {
+pickle::Document decode_snapshot(std::span<const std::uint8_t> data, const std::string& name,
+                                 FlatEvents& flat) {
   try {
-    return pickle::decode(data);
+    return pickle::decode(data, [&](std::span<const pickle::FlatItem> items) {
+      return flat.take(items);
+    });
   } catch (const TraceError& e) {
     throw TraceError(fmt::format("snapshot {}: {}", name, e.what()));
   }
@@ -648,12 +753,12 @@ pickle::Document decode_json(const std::string& text, const std::string& name) {
 }
 
 std::vector<Trace> every_device(const pickle::Document& doc, const std::string& name,
-                                TraceFormat format) {
+                                TraceFormat format, const std::vector<FlatEvent>* flat = nullptr) {
   const std::size_t n = Reader(name).device_count(doc.root());
   std::vector<Trace> out;
   out.reserve(n);
   for (std::size_t d = 0; d < n; ++d) {
-    out.push_back(Reader(name).read(doc.root(), static_cast<int>(d)));
+    out.push_back(Reader(name, flat).read(doc.root(), static_cast<int>(d)));
     out.back().format = to_string(format);
   }
   return out;
@@ -663,13 +768,16 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
 
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
                             int device) {
-  const pickle::Document doc = decode_snapshot(data, name);
-  return Reader(name).read(doc.root(), device);
+  FlatEvents flat;
+  const pickle::Document doc = decode_snapshot(data, name, flat);
+  return Reader(name, &flat.events).read(doc.root(), device);
 }
 
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
                                                  const std::string& name) {
-  return every_device(decode_snapshot(data, name), name, TraceFormat::pytorch_pickle);
+  FlatEvents flat;
+  const pickle::Document doc = decode_snapshot(data, name, flat);
+  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat.events);
 }
 
 Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {

@@ -210,6 +210,7 @@ nlohmann::ordered_json to_json(const Value& v) {
       for (const Value* item : v.items) out.push_back(to_json(*item));
       return out;
     }
+    case Kind::taken: return nullptr;  // not in what the writer builds
     case Kind::dict: {
       auto out = nlohmann::ordered_json::object();
       for (const auto& [k, item] : v.entries) out[k->text] = to_json(*item);

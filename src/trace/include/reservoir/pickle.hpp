@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -26,7 +27,10 @@ enum class Kind : std::uint8_t {
   bytes,
   list,
   tuple,
-  dict
+  dict,
+  // A dict decode()'s hook took over (integer: the index the hook gave it);
+  // only in documents decoded with a hook.
+  taken
 };
 std::string_view to_string(Kind kind) noexcept;
 
@@ -66,6 +70,24 @@ class Document {
 // truncation, an unknown or unsupported opcode, a stack underflow, a bad memo
 // reference, an integer beyond 64 bits, or bytes after STOP.
 Document decode(std::span<const std::uint8_t> data);
+
+// One item of a flat dict, as the decoder read it without making values: a
+// key the memo holds, and an int, bool or None value, or a value the memo
+// holds (`ref`).
+struct FlatItem {
+  const Value* key = nullptr;
+  const Value* ref = nullptr;  // set for values from the memo
+  Kind kind = Kind::none;      // of the value (ref's kind when set)
+  std::int64_t integer = 0;
+  bool above_int64 = false;
+};
+// Sees each flat dict (at most 16 items, keys and non-scalar values already
+// in the memo: the shape of the millions of trace entries in a snapshot)
+// before any value of it is made. It returns an index of its own to take
+// the dict over (the dict becomes a Kind::taken value holding that index,
+// and none of its values are made), or -1 to have it decoded as usual.
+using FlatDictHook = std::function<std::int64_t(std::span<const FlatItem> items)>;
+Document decode(std::span<const std::uint8_t> data, const FlatDictHook& hook);
 
 // Encodes a value tree as protocol 4 (readable by Python's pickle.load).
 std::string encode(const Value& root);
