@@ -12,6 +12,7 @@
 
 #include "error_text.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/pickle.hpp"
 #include "reservoir/trace.hpp"
 
 namespace reservoir {
@@ -261,6 +262,74 @@ TEST(SnapshotVersions, TheSettingsTextAndTheDictTogether) {
   EXPECT_EQ(changed.settings.max_split_size, 128u << 20);
   EXPECT_EQ(error(snapshot("[[]]", "[]", R"(, "allocator_settings": {"max_split_size": "big"})")),
             "snapshot s.json: allocator_settings.max_split_size: expected int, got str");
+}
+
+// Trace entries as PyTorch's pickler writes them (keys and action names
+// memoized, so that after the first entry each is read without making its
+// values) read the same as through the checked way, and an entry of a wrong
+// type among them is still an error naming its path.
+TEST(SnapshotVersions, EntriesReadFastAndCheckedAlike) {
+  using pickle::Kind;
+  using pickle::Value;
+  pickle::Document doc;
+  auto str = [&](const std::string& t) {
+    Value* v = doc.make(Kind::string);
+    v->text = t;
+    return v;
+  };
+  auto integer = [&](std::int64_t i) {
+    Value* v = doc.make(Kind::integer);
+    v->integer = i;
+    return v;
+  };
+  Value* k_action = str("action");
+  Value* k_addr = str("addr");
+  Value* k_size = str("size");
+  Value* k_stream = str("stream");
+  Value* k_time = str("time_us");
+  Value* k_frames = str("frames");
+  Value* k_free = str("device_free");
+  Value* alloc = str("alloc");
+  Value* oom = str("oom");
+  Value* frames = doc.make(Kind::list);
+  Value* frame = doc.make(Kind::dict);
+  frame->entries = {{str("name"), str("forward")}, {str("filename"), str("model.py")},
+                    {str("line"), integer(7)}};
+  frames->items.push_back(frame);
+  Value* events = doc.make(Kind::list);
+  for (int i = 0; i < 6; ++i) {
+    Value* e = doc.make(Kind::dict);
+    e->entries = {{k_action, alloc}, {k_addr, integer(4096 + 512 * i)}, {k_size, integer(500)},
+                  {k_stream, integer(0)}, {k_time, integer(100 + i)}, {k_frames, frames}};
+    events->items.push_back(e);
+  }
+  Value* o = doc.make(Kind::dict);
+  o->entries = {{k_action, oom}, {k_free, integer(1 << 30)}, {k_size, integer(1 << 20)},
+                {k_stream, integer(0)}, {k_time, integer(200)}, {k_frames, frames}};
+  events->items.push_back(o);
+  Value* traces = doc.make(Kind::list);
+  traces->items.push_back(events);
+  Value* root = doc.make(Kind::dict);
+  root->entries = {{str("segments"), doc.make(Kind::list)}, {str("device_traces"), traces}};
+  const std::string bytes = pickle::encode(*root);
+  auto read_bytes = [](const std::string& b) {
+    return read_pytorch_snapshot(std::span(reinterpret_cast<const std::uint8_t*>(b.data()), b.size()),
+                                 "s.pickle");
+  };
+  const Trace t = read_bytes(bytes);
+  ASSERT_EQ(t.events.size(), 7u);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(t.events[static_cast<std::size_t>(i)],
+              (TraceEvent{TraceAction::alloc, static_cast<DevicePtr>(4096 + 512 * i), 500, 0, 100 + i, 1}));
+  }
+  EXPECT_EQ(t.events[6], (TraceEvent{TraceAction::oom, 1u << 30, 1u << 20, 0, 200, 1}));
+  ASSERT_EQ(t.final_state.contexts.size(), 2u);
+  EXPECT_EQ(t.final_state.contexts[1].frames, (std::vector<Frame>{{"model.py", 7, "forward"}}));
+
+  // The fifth entry's size as a str: the reader's error names it.
+  const_cast<Value*>(events->items[4])->entries[2].second = str("500");
+  EXPECT_EQ(error_of<TraceError>([&] { (void)read_bytes(pickle::encode(*root)); }),
+            "snapshot s.pickle: device_traces[0][4].size: expected int, got str");
 }
 
 }  // namespace
