@@ -769,6 +769,7 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
                             int device) {
   FlatEvents flat;
+  flat.events.reserve(data.size() / 48);  // what a trace entry takes at least; untouched pages cost nothing
   const pickle::Document doc = decode_snapshot(data, name, flat);
   return Reader(name, &flat.events).read(doc.root(), device);
 }
@@ -776,6 +777,7 @@ Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::strin
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
                                                  const std::string& name) {
   FlatEvents flat;
+  flat.events.reserve(data.size() / 48);
   const pickle::Document doc = decode_snapshot(data, name, flat);
   return every_device(doc, name, TraceFormat::pytorch_pickle, &flat.events);
 }

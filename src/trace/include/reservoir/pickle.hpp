@@ -8,7 +8,7 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
+#include <memory>
 #include <functional>
 #include <span>
 #include <string>
@@ -54,15 +54,25 @@ class Document {
  public:
   const Value& root() const { return *root_; }
   Value* make(Kind kind) {
-    values_.emplace_back();
-    values_.back().kind = kind;
-    return &values_.back();
+    // Values live in blocks of kBlock, so that pointers stay valid and a
+    // large document makes few allocations.
+    if (blocks_.empty() || used_ == kBlock) {
+      blocks_.push_back(std::make_unique<Value[]>(kBlock));
+      used_ = 0;
+    }
+    Value* v = &blocks_.back()[used_++];
+    v->kind = kind;
+    ++size_;
+    return v;
   }
   void set_root(const Value* root) { root_ = root; }
-  std::size_t size() const { return values_.size(); }
+  std::size_t size() const { return size_; }
 
  private:
-  std::deque<Value> values_;
+  static constexpr std::size_t kBlock = 4096;
+  std::vector<std::unique_ptr<Value[]>> blocks_;
+  std::size_t used_ = 0;
+  std::size_t size_ = 0;
   const Value* root_ = nullptr;
 };
 
