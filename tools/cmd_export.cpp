@@ -40,6 +40,7 @@ void run(const ExportArgs& args) {
   std::vector<Trace> devices = load_devices(args.trace, args.device);
   if (devices.size() > 1) {
     std::vector<int> ids;
+    ids.reserve(devices.size());
     for (const Trace& t : devices) ids.push_back(t.device);
     throw UsageError(fmt::format("export: {} holds events of devices {}; a snapshot is written "
                                  "for one: give --device",

@@ -92,10 +92,13 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   check_supported(config);
   // per_process_memory_fraction, as PyTorch applies it: the fraction is set
   // when the key is (a config without it leaves the current one).
-  if (config.per_process_memory_fraction != 1.0 &&
-      config.per_process_memory_fraction != config_.per_process_memory_fraction) {
-    set_memory_fraction(config.per_process_memory_fraction);
+  bool new_fraction = false;
+  {
+    detail::LockGuard lock(mutex_);
+    new_fraction = config.per_process_memory_fraction != 1.0 &&
+                   config.per_process_memory_fraction != config_.per_process_memory_fraction;
   }
+  if (new_fraction) set_memory_fraction(config.per_process_memory_fraction);
   detail::LockGuard lock(mutex_);
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <charconv>
+#include <iterator>
 #include <cstdlib>
 #include <string_view>
 #include <vector>
@@ -484,12 +485,13 @@ void Parser::parse_value(AllocatorConfig& c, const std::string& key) {
 }  // namespace
 
 std::span<const SettingInfo> settings() {
-  static const std::vector<SettingInfo> rows = [] {
+  static const std::vector<SettingInfo> kRows = [] {
     std::vector<SettingInfo> out;
+    out.reserve(std::size(kTable));
     for (const Entry& e : kTable) out.push_back(e.info);
     return out;
   }();
-  return rows;
+  return kRows;
 }
 
 const SettingInfo* find_setting(std::string_view key) {

@@ -21,7 +21,7 @@ namespace {
 
 // "rank 3" for rank3.pickle, rank_3_snapshot.pickle, rank-03.json; else the file name.
 std::string rank_name(const std::string& path) {
-  const std::string base = std::filesystem::path(path).filename().string();
+  std::string base = std::filesystem::path(path).filename().string();
   std::string lower = base;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
@@ -159,7 +159,8 @@ JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& op
         bad.path = paths[i];
         bad.name = rank_name(paths[i]);
         bad.error = e.what();
-        out.assign(1, std::move(bad));
+        out.clear();
+        out.push_back(std::move(bad));
       }
       const std::lock_guard<std::mutex> lock(mutex);
       ++done;

@@ -232,7 +232,7 @@ std::string write_snapshot_json(const Trace& trace) {
   return to_json(*builder.build()).dump(1) + "\n";
 }
 
-Trace to_trace(Snapshot snapshot, std::string name, std::string recorded_config) {
+Trace to_trace(Snapshot snapshot, std::string name, const std::string& recorded_config) {
   Trace trace;
   trace.name = std::move(name);
   trace.format = to_string(TraceFormat::pytorch_pickle);

@@ -102,6 +102,10 @@ TEST_F(Rules, PerProcessMemoryFractionFromTheConfig) {
   const DevicePtr a = alloc(40 * kMiB);
   EXPECT_THROW((void)allocator_->allocate(20 * kMiB, 0), OutOfMemoryError);  // 60 > 50 MiB
   release(a);
+  // Set at run time, as PyTorch's _set_allocator_settings would.
+  allocator_->set_config(AllocatorConfig::parse("per_process_memory_fraction:0.8"));
+  const DevicePtr b = alloc(70 * kMiB);  // 70 <= 80 MiB (the 40 MiB segment went back first)
+  release(b);
 }
 
 TEST_F(Rules, LargeRemainderOfOneMiBOrLessIsNotSplit) {

@@ -116,7 +116,7 @@ std::vector<Trace> read_snapshot_json_devices(const std::string& text, const std
 // RMM's logging_resource_adaptor CSV (Thread,Time,Action,Pointer,Size,Stream).
 Trace read_rmm_csv(const std::string& text, const std::string& name);
 // An allocator snapshot (with its history) as a trace, for writing or replay.
-Trace to_trace(Snapshot snapshot, std::string name, std::string recorded_config);
+Trace to_trace(Snapshot snapshot, std::string name, const std::string& recorded_config);
 
 // Frames of this file name carry annotations in written snapshots.
 inline constexpr std::string_view kAnnotationFile = "<annotation>";
