@@ -172,7 +172,8 @@ void run(const ReplayArgs& args) {
   const std::size_t tasks = args.traces.size() * configs.size();
   for (const std::string& path : args.traces) {
     progress.task(fmt::format("reading {}", path));
-    for (const Trace& trace : load_devices(path, args.device)) {
+    // replay shows no stacks: they are not read.
+    for (const Trace& trace : load_devices(path, args.device, ReadOptions{.contexts = false})) {
       const ReplayProgram program = compile(trace);
       for (const auto& [text, config] : configs) {
         progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,

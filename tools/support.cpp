@@ -124,8 +124,9 @@ Trace Recorder::trace(const std::string& name, const std::string& config) const 
   return out;
 }
 
-std::vector<Trace> load_devices(const std::string& path, std::optional<int> device) {
-  std::vector<Trace> all = read_trace_devices(path);
+std::vector<Trace> load_devices(const std::string& path, std::optional<int> device,
+                                const ReadOptions& options) {
+  std::vector<Trace> all = read_trace_devices(path, options);
   std::vector<int> left_out;
   if (device) {
     for (const Trace& t : all) {

@@ -64,7 +64,8 @@ class Recorder : public ReplayObserver {
 // each one's trace "PATH (device N)". Prints a note on standard error for
 // what the tool leaves out: other devices' events under --device, keys and
 // actions the reader does not model.
-std::vector<Trace> load_devices(const std::string& path, std::optional<int> device);
+std::vector<Trace> load_devices(const std::string& path, std::optional<int> device,
+                                const ReadOptions& options = {});
 
 // Adds --device N to a subcommand.
 void add_device_option(CLI::App& cmd, std::optional<int>& device);

@@ -133,8 +133,9 @@ class FlatEvents {
 
 class Reader {
  public:
-  explicit Reader(std::string name, const std::vector<FlatEvent>* flat = nullptr)
-      : name_(std::move(name)), flat_(flat) {}
+  explicit Reader(std::string name, const std::vector<FlatEvent>* flat = nullptr,
+                  bool with_contexts = true)
+      : name_(std::move(name)), flat_(flat), with_contexts_(with_contexts) {}
 
   [[noreturn]] void fail(const std::string& path, const std::string& what) const {
     throw TraceError(fmt::format("snapshot {}: {}: {}", name_, path, what));
@@ -338,7 +339,7 @@ class Reader {
 
   // The context of a frames list (null or None: 0).
   std::uint32_t frames_context(const Value* frames, const std::string& path, Trace& trace) {
-    if (frames == nullptr || frames->kind == Kind::none) return 0;
+    if (!with_contexts_ || frames == nullptr || frames->kind == Kind::none) return 0;
     if (auto it = by_list_.find(frames); it != by_list_.end()) return it->second;
     const auto& items = list(*frames, path + ".frames");
     std::uint32_t id = 0;
@@ -346,7 +347,7 @@ class Reader {
       Context c;
       for (std::size_t i = 0; i < items.size(); ++i) {
         const std::string fpath = fmt::format("{}.frames[{}]", path, i);
-        Frame frame = this->frame(*items[i], fpath);
+        Frame frame = cached_frame(*items[i], fpath);
         if (frame.filename == kAnnotationFile) {
           c.annotations.push_back(std::move(frame.name));
         } else if (!c.annotations.empty()) {
@@ -387,6 +388,15 @@ class Reader {
       if (i == 0 && !c.empty()) fail(path, "entry 0 must be the empty context");
       trace.final_state.contexts.push_back(std::move(c));
     }
+  }
+
+  // A frame read once per distinct frame value (PyTorch shares each frame's
+  // dict among the stacks that hold it).
+  Frame cached_frame(const Value& f, const std::string& fpath) {
+    if (auto it = frames_read_.find(&f); it != frames_read_.end()) return it->second;
+    Frame out = frame(f, fpath);
+    frames_read_.emplace(&f, out);
+    return out;
   }
 
   // A frame: PyTorch writes name, filename and line; a frame without file
@@ -652,6 +662,8 @@ class Reader {
 
   std::string name_;
   const std::vector<FlatEvent>* flat_ = nullptr;
+  bool with_contexts_ = true;  // read stacks (the tools that show them)
+  std::unordered_map<const Value*, Frame> frames_read_;
   std::unordered_map<std::string, std::uint32_t> context_ids_;
   std::unordered_map<const Value*, std::uint32_t> by_list_;  // frames list -> context
 };
@@ -753,12 +765,13 @@ pickle::Document decode_json(const std::string& text, const std::string& name) {
 }
 
 std::vector<Trace> every_device(const pickle::Document& doc, const std::string& name,
-                                TraceFormat format, const std::vector<FlatEvent>* flat = nullptr) {
+                                TraceFormat format, const std::vector<FlatEvent>* flat = nullptr,
+                                bool with_contexts = true) {
   const std::size_t n = Reader(name).device_count(doc.root());
   std::vector<Trace> out;
   out.reserve(n);
   for (std::size_t d = 0; d < n; ++d) {
-    out.push_back(Reader(name, flat).read(doc.root(), static_cast<int>(d)));
+    out.push_back(Reader(name, flat, with_contexts).read(doc.root(), static_cast<int>(d)));
     out.back().format = to_string(format);
   }
   return out;
@@ -775,11 +788,11 @@ Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::strin
 }
 
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
-                                                 const std::string& name) {
+                                                 const std::string& name, const ReadOptions& options) {
   FlatEvents flat;
   flat.events.reserve(data.size() / 48);
   const pickle::Document doc = decode_snapshot(data, name, flat);
-  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat.events);
+  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat.events, options.contexts);
 }
 
 Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {

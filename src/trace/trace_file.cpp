@@ -75,10 +75,11 @@ Trace read_trace_file(const std::string& path, int device) {
   return read_single(bytes, path);
 }
 
-std::vector<Trace> read_trace_devices(const std::string& path) {
+std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options) {
   const std::string bytes = read_bytes(path);
   switch (detect_trace_format(bytes)) {
-    case TraceFormat::pytorch_pickle: return read_pytorch_snapshot_devices(as_span(bytes), path);
+    case TraceFormat::pytorch_pickle:
+      return read_pytorch_snapshot_devices(as_span(bytes), path, options);
     case TraceFormat::snapshot_json: return read_snapshot_json_devices(bytes, path);
     case TraceFormat::rmm_csv:
     case TraceFormat::text: break;

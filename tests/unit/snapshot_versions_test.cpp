@@ -326,6 +326,19 @@ TEST(SnapshotVersions, EntriesReadFastAndCheckedAlike) {
   ASSERT_EQ(t.final_state.contexts.size(), 2u);
   EXPECT_EQ(t.final_state.contexts[1].frames, (std::vector<Frame>{{"model.py", 7, "forward"}}));
 
+  // Without stacks (replay shows none): the same events, every context 0.
+  const std::vector<Trace> bare = read_pytorch_snapshot_devices(
+      std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), "s.pickle",
+      ReadOptions{.contexts = false});
+  ASSERT_EQ(bare.size(), 1u);
+  ASSERT_EQ(bare[0].events.size(), 7u);
+  for (std::size_t i = 0; i < 7; ++i) {
+    TraceEvent want = t.events[i];
+    want.context = 0;
+    EXPECT_EQ(bare[0].events[i], want);
+  }
+  EXPECT_EQ(bare[0].final_state.contexts.size(), 1u);
+
   // The fifth entry's size as a str: the reader's error names it.
   const_cast<Value*>(events->items[4])->entries[2].second = str("500");
   EXPECT_EQ(error_of<TraceError>([&] { (void)read_bytes(pickle::encode(*root)); }),

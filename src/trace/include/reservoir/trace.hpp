@@ -82,6 +82,12 @@ TraceFormat detect_trace_format(std::string_view bytes) noexcept;
 // names Trace::format carries.
 std::string_view to_string(TraceFormat format) noexcept;
 
+// What a reader reads beyond the events: stacks (contexts) cost time and
+// memory that replay does not need.
+struct ReadOptions {
+  bool contexts = true;  // false: every event and block has context 0
+};
+
 // Reads a trace, choosing the reader by content: a pickle (PyTorch snapshot),
 // JSON (our snapshot export), RMM's CSV log (its header line), or our text
 // format ("reservoir-trace" header). `device` picks one device's events and
@@ -91,7 +97,7 @@ std::string_view to_string(TraceFormat format) noexcept;
 Trace read_trace_file(const std::string& path, int device = 0);
 // Every device of a trace file, read once (one entry for formats that hold
 // one device): entry d is device d, with no events when it recorded none.
-std::vector<Trace> read_trace_devices(const std::string& path);
+std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options = {});
 // The devices a tool works on: `device` when set (TraceError when the file
 // has no such device), else every device with events or segments (device 0
 // when none has any).
@@ -100,7 +106,8 @@ std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int>
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
                             int device = 0);
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
-                                                 const std::string& name);
+                                                 const std::string& name,
+                                                 const ReadOptions& options = {});
 // reservoir's text format (docs/replay.md).
 Trace read_text_trace(const std::string& text, const std::string& name);
 std::string write_text_trace(const Trace& trace);
