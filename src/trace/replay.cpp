@@ -18,6 +18,7 @@ namespace reservoir {
 ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
   ReplayProgram program;
   program.name = trace.name;
+  program.device = trace.device;
   program.recorded_events = trace.events.size();
   std::unordered_map<DevicePtr, std::uint32_t> live;
   std::unordered_set<DevicePtr> touched;
@@ -105,7 +106,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   device_options.capacity = options.capacity.value_or(std::size_t{1} << 50);
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
-  CachingAllocator allocator(device, config);
+  CachingAllocator allocator(device, config, program.device);
   if (options.memory_fraction) allocator.set_memory_fraction(*options.memory_fraction);
 
   ReplayResult result;

@@ -139,6 +139,7 @@ struct ReplayOp {
 };
 struct ReplayProgram {
   std::string name;
+  int device = 0;  // the recording's device (memory_summary names it)
   std::vector<ReplayOp> initial;  // blocks live when recording began, in address order
   std::vector<ReplayOp> ops;      // then the recorded requests, in order
   std::vector<std::uint64_t> op_events;  // per op in `ops`: the recorded event it came from
