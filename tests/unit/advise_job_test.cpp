@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 
@@ -69,7 +70,7 @@ TEST_F(Job, EveryRankAndOneSettingForAll) {
   JobOptions options;
   options.threads = 2;
   options.progress = [&](std::size_t done, std::size_t total) { progress.emplace_back(done, total); };
-  std::size_t pages = 0;
+  std::atomic<std::size_t> pages{0};  // on_rank runs on the workers, concurrently
   options.on_rank = [&](const Trace&, const Advice&, const RankAdvice&) { ++pages; };
   const JobAdvice job = advise_job({r0, r1, r2}, options);
 

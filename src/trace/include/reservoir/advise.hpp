@@ -224,7 +224,8 @@ struct JobOptions {
   // Called after each file is done (serialized): files done, files in all.
   std::function<void(std::size_t done, std::size_t total)> progress;
   // Called in the worker that advised a rank, while its trace and advice are
-  // still in memory (for a per-rank page); at most `threads` are held at once.
+  // still in memory (for a per-rank page); at most `threads` are held at
+  // once, and calls run concurrently: what it shares, it synchronizes.
   std::function<void(const Trace&, const Advice&, const RankAdvice&)> on_rank;
 };
 
