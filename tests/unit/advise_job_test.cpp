@@ -17,21 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A rank that runs out of memory: two 100 MiB holes, a 160 MiB request.
-Trace fragmented() {
-  Recorder r("", 300 * kMiB);
-  r.allocator.deallocate(r.alloc(256 * kMiB));
-  void* a = r.alloc(28 * kMiB);
-  void* hole1 = r.alloc(100 * kMiB);
-  void* b = r.alloc(28 * kMiB);
-  void* hole2 = r.alloc(100 * kMiB);
-  r.allocator.deallocate(hole1);
-  r.allocator.deallocate(hole2);
-  EXPECT_THROW(r.alloc(160 * kMiB), OutOfMemoryError);
-  (void)a;
-  (void)b;
-  return pickled(r.finish());
-}
 
 // A rank that does not.
 Trace calm() {
@@ -61,7 +46,7 @@ class Job : public ::testing::Test {
 };
 
 TEST_F(Job, EveryRankAndOneSettingForAll) {
-  const Trace oom = fragmented();
+  const Trace oom = fragmented_oom();
   const Trace ok = calm();
   const std::string r0 = write("rank0.pickle", write_pytorch_snapshot(oom));
   const std::string r1 = write("rank1.pickle", write_pytorch_snapshot(ok));

@@ -28,22 +28,7 @@ const Candidate& find(const Advice& a, const std::string& config) {
   throw std::runtime_error("no candidate " + config);
 }
 
-// A 256 MiB segment holding 28 MiB allocated, 100 MiB free, 28 MiB
-// allocated, 100 MiB free; then a 160 MiB request on a 300 MiB device.
-Trace classic() {
-  Recorder r("", 300 * kMiB);
-  r.allocator.deallocate(r.alloc(256 * kMiB));
-  void* a = r.alloc(28 * kMiB);
-  void* hole1 = r.alloc(100 * kMiB);
-  void* b = r.alloc(28 * kMiB);
-  void* hole2 = r.alloc(100 * kMiB);
-  EXPECT_EQ(static_cast<char*>(hole2) - static_cast<char*>(a), static_cast<std::ptrdiff_t>(156 * kMiB));
-  r.allocator.deallocate(hole1);
-  r.allocator.deallocate(hole2);
-  EXPECT_THROW(r.alloc(160 * kMiB), OutOfMemoryError);
-  (void)b;
-  return pickled(r.finish());
-}
+Trace classic() { return fragmented_oom(); }
 
 TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
   const Trace t = classic();
