@@ -63,58 +63,69 @@ class FlatEvents {
  public:
   std::int64_t take(std::span<const pickle::FlatItem> items) {
     FlatEvent f;
-    std::string_view action;
+    const Value* action = nullptr;
     bool has_addr = false;
     bool has_size = false;
     bool has_stream = false;
     std::optional<std::uint64_t> device_free;
     for (const pickle::FlatItem& it : items) {
-      const std::string& key = it.key->text;
       auto unsigned_value = [&](std::uint64_t& out) {
         if (it.kind != Kind::integer || (it.integer < 0 && !it.above_int64)) return false;
         out = static_cast<std::uint64_t>(it.integer);
         return true;
       };
-      if (key == "action") {
-        if (it.kind != Kind::string) return -1;
-        action = it.ref->text;
-      } else if (key == "addr") {
-        if (!unsigned_value(f.event.addr)) return -1;
-        has_addr = true;
-      } else if (key == "size") {
-        if (!unsigned_value(f.event.size)) return -1;
-        has_size = true;
-      } else if (key == "stream") {
-        if (!unsigned_value(f.event.stream)) return -1;
-        has_stream = true;
-      } else if (key == "device_free") {
-        std::uint64_t v = 0;
-        if (!unsigned_value(v)) return -1;
-        device_free = v;
-      } else if (key == "time_us") {
-        if (it.kind == Kind::integer) {
-          f.event.time_us = it.integer;
-        } else if (it.kind != Kind::none) {
-          return -1;
+      switch (key_of(it.key)) {
+        case Key::action:
+          if (it.kind != Kind::string) return -1;
+          action = it.ref;
+          break;
+        case Key::addr:
+          if (!unsigned_value(f.event.addr)) return -1;
+          has_addr = true;
+          break;
+        case Key::size:
+          if (!unsigned_value(f.event.size)) return -1;
+          has_size = true;
+          break;
+        case Key::stream:
+          if (!unsigned_value(f.event.stream)) return -1;
+          has_stream = true;
+          break;
+        case Key::device_free: {
+          std::uint64_t v = 0;
+          if (!unsigned_value(v)) return -1;
+          device_free = v;
+          break;
         }
-      } else if (key == "frames") {
-        if (it.kind == Kind::list || it.kind == Kind::tuple) {
-          f.frames = it.ref;
-        } else if (it.kind != Kind::none) {
-          return -1;
-        }
-      } else if (key == "compile_context") {
-        if (it.kind != Kind::string && it.kind != Kind::none) return -1;
-      } else if (key == "user_metadata") {
-        if (it.kind != Kind::string && it.kind != Kind::none && it.kind != Kind::dict) return -1;
-      } else if (key == "forward_frames") {
-        if (it.kind != Kind::list && it.kind != Kind::none) return -1;
-      } else {
-        return -1;
+        case Key::time_us:
+          if (it.kind == Kind::integer) {
+            f.event.time_us = it.integer;
+          } else if (it.kind != Kind::none) {
+            return -1;
+          }
+          break;
+        case Key::frames:
+          if (it.kind == Kind::list || it.kind == Kind::tuple) {
+            f.frames = it.ref;
+          } else if (it.kind != Kind::none) {
+            return -1;
+          }
+          break;
+        case Key::compile_context:
+          if (it.kind != Kind::string && it.kind != Kind::none) return -1;
+          break;
+        case Key::user_metadata:
+          if (it.kind != Kind::string && it.kind != Kind::none && it.kind != Kind::dict) return -1;
+          break;
+        case Key::forward_frames:
+          if (it.kind != Kind::list && it.kind != Kind::none) return -1;
+          break;
+        case Key::other: return -1;
       }
     }
-    const std::optional<TraceAction> a = action_of(action);
-    if (!a || !has_size || !has_stream) return -1;
+    if (action == nullptr || !has_size || !has_stream) return -1;
+    const std::optional<TraceAction> a = action_value(action);
+    if (!a) return -1;
     if (*a == TraceAction::oom) {
       if (device_free) {
         f.event.addr = *device_free;
@@ -129,6 +140,44 @@ class FlatEvents {
     return static_cast<std::int64_t>(events.size() - 1);
   }
   std::vector<FlatEvent> events;
+
+ private:
+  enum class Key : std::uint8_t {
+    action, addr, size, stream, device_free, time_us, frames, compile_context, user_metadata,
+    forward_frames, other
+  };
+
+  // Keys and action names are memoized strings: each distinct value is
+  // compared by its text once, then known by its address.
+  Key key_of(const Value* key) {
+    for (const auto& [v, k] : keys_) {
+      if (v == key) return k;
+    }
+    static constexpr std::pair<std::string_view, Key> kNames[] = {
+        {"action", Key::action},           {"addr", Key::addr},
+        {"size", Key::size},               {"stream", Key::stream},
+        {"device_free", Key::device_free}, {"time_us", Key::time_us},
+        {"frames", Key::frames},           {"compile_context", Key::compile_context},
+        {"user_metadata", Key::user_metadata}, {"forward_frames", Key::forward_frames}};
+    Key k = Key::other;
+    for (const auto& [name, id] : kNames) {
+      if (key->text == name) k = id;
+    }
+    if (keys_.size() < 64) keys_.emplace_back(key, k);
+    return k;
+  }
+
+  std::optional<TraceAction> action_value(const Value* name) {
+    for (const auto& [v, a] : actions_) {
+      if (v == name) return a;
+    }
+    const std::optional<TraceAction> a = action_of(name->text);
+    if (actions_.size() < 64) actions_.emplace_back(name, a);
+    return a;
+  }
+
+  std::vector<std::pair<const Value*, Key>> keys_;
+  std::vector<std::pair<const Value*, std::optional<TraceAction>>> actions_;
 };
 
 class Reader {
