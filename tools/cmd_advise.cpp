@@ -113,7 +113,7 @@ void run(const AdviseArgs& args) {
   std::string text;
   std::string sections;
   std::size_t section = 0;
-  for (const std::string& path : args.traces) {
+  for (const std::string& path : files) {  // one file (a glob may have named it)
     label = base_name(path);
     progress.task(fmt::format("{}: reading and diagnosing", label));
     // A snapshot of several devices: each device's recording is advised on.
@@ -139,7 +139,7 @@ void run(const AdviseArgs& args) {
         "reservoir advise",
         fmt::format("<p class=\"note\">{} trace(s), each replayed on a simulated device under "
                     "every setting swept, {}.</p>\n{}",
-                    args.traces.size(), utc_now(), sections));
+                    files.size(), utc_now(), sections));
     write_file(args.output, html, "advise");
   }
   if (args.json) {

@@ -369,8 +369,6 @@ class Reader {
     return any ? fmt::format("roundup_power2_divisions:[{}]", fmt::join(entries, ",")) : "";
   }
 
-  static std::optional<TraceAction> action(std::string_view a) { return action_of(a); }
-
   // The context of an event or block from its "frames" (absent or empty: 0).
   // PyTorch shares one frames list among the entries of one stack, and the
   // pickle memo keeps it one value: each distinct list is read once.
@@ -505,7 +503,7 @@ class Reader {
       const std::string path = fmt::format("{}[{}]", dpath, i);
       const std::string& name = text(e, "action", path);
       note_unknown(e, kEventKeys, "device_traces[][].", trace);
-      const std::optional<TraceAction> a = action(name);
+      const std::optional<TraceAction> a = action_of(name);
       std::int64_t time_us = 0;
       if (const Value* t = e.find("time_us"); t != nullptr && t->kind != Kind::none) {
         time_us = as_integer(*t, path + ".time_us");

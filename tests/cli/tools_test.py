@@ -225,6 +225,11 @@ with open(page) as fh:
 rank_page = os.path.join(work, "advice_ranks", "classic_oom_pickle.html")
 check('href="advice_ranks/classic_oom_pickle.html"' in job_page and os.path.exists(rank_page),
       "the job page does not link the rank's page")
+# A glob naming one file (quoted, as the shell leaves it) advises on that file.
+one = subprocess.run([binary, "advise", os.path.join(work, "classic_oom.pick*"), "--json"],
+                     capture_output=True, text=True)
+check(one.returncode == 0 and json.loads(one.stdout)["diagnosis"]["moment"] == "oom",
+      f"a glob naming one file: exit {one.returncode}: {one.stderr}")
 # A folder of ranks, one unreadable: the others advised, the line and exit 3 say so.
 ranks = os.path.join(work, "ranks")
 os.makedirs(ranks, exist_ok=True)
