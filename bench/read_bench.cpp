@@ -1,7 +1,7 @@
 // Reading traces at the speed of the disk: a PyTorch snapshot pickle
 // synthesized to RESERVOIR_BENCH_SNAPSHOT_MB (default 500) as PyTorch's
-// pickler writes it (keys and frames lists memoized, events in APPENDS
-// batches of 1,000), and a text trace of 5,000,000 lines. Reports MB/s, the
+// pickler writes it (keys, frames and each allocation's frames list
+// memoized, events in APPENDS batches of 1,000), and a text trace of 5,000,000 lines. Reports MB/s, the
 // file per event or line, and the peak resident memory over the file size.
 // Run: build/bin/read_bench
 // Instructions: valgrind --tool=callgrind --toggle-collect='reservoir::read_text_trace*'
@@ -16,7 +16,6 @@
 #include <map>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "reservoir/trace.hpp"
@@ -80,7 +79,7 @@ std::size_t snapshot_mb() {
 const fs::path& snapshot_file() {
   static const fs::path path = [] {
     const std::size_t target = snapshot_mb() << 20;
-    const fs::path p = fs::temp_directory_path() / ("reservoir_bench_" + std::to_string(snapshot_mb()) + "mb.pickle");
+    const fs::path p = fs::temp_directory_path() / ("reservoir_bench_" + std::to_string(snapshot_mb()) + "mb_v2.pickle");
     if (fs::exists(p) && fs::file_size(p) >= target) return p;
     std::ofstream out(p, std::ios::binary);
     PickleWriter w(out);
@@ -90,10 +89,24 @@ const fs::path& snapshot_file() {
     w.str("segments"), w.op(']'), w.memoize();
     w.str("device_traces"), w.op(']'), w.memoize();
     w.op(']'), w.memoize();  // device 0's events
-    // Forty stacks of twelve frames, each list memoized once.
-    std::vector<std::uint32_t> stacks;
+    // As PyTorch writes a snapshot: each allocation's stack is a frames list
+    // written in place in its alloc entry (memoized), which its
+    // free_requested and free_completed entries fetch from the memo; each
+    // frame is a dict written the first time and fetched after. Stacks
+    // repeat, as a training loop's do: 60 of 12 to 19 frames from 400.
     std::mt19937_64 rng(5);
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> live;
+    std::vector<std::vector<std::uint32_t>> stacks(60);
+    for (auto& stack : stacks) {
+      stack.resize(12 + rng() % 8);
+      for (auto& f : stack) f = static_cast<std::uint32_t>(rng() % 400);
+    }
+    std::map<std::uint32_t, std::uint32_t> frame_memo;  // frame -> memo index
+    struct Live {
+      std::uint64_t addr;
+      std::uint64_t size;
+      std::uint32_t frames;  // memo index of its frames list
+    };
+    std::vector<Live> live;
     std::uint64_t addr = 0x7f0000000000;
     std::uint64_t time = 1766124544221968;
     std::size_t written = 0;
@@ -101,42 +114,46 @@ const fs::path& snapshot_file() {
     w.op('(');
     while (written + w.pending() < target) {
       const bool alloc = live.empty() || rng() % 2 == 0;
-      std::uint64_t a = 0;
-      std::uint64_t size = 0;
+      Live block{};
       if (alloc) {
-        size = 512 * (1 + rng() % 8192);
-        addr += size;
-        a = addr;
-        live.emplace_back(a, size);
+        block.size = 512 * (1 + rng() % 8192);
+        addr += block.size;
+        block.addr = addr;
       } else {
         const std::size_t k = rng() % live.size();
-        std::tie(a, size) = live[k];
+        block = live[k];
         live[k] = live.back();
         live.pop_back();
       }
       for (int part = 0; part < (alloc ? 1 : 2); ++part) {
         w.op('}'), w.memoize(), w.op('(');
         w.str("action"), w.str(alloc ? "alloc" : part == 0 ? "free_requested" : "free_completed");
-        w.str("addr"), w.integer(a);
-        w.str("size"), w.integer(size);
+        w.str("addr"), w.integer(block.addr);
+        w.str("size"), w.integer(block.size);
         w.str("stream"), w.integer(0);
         w.str("time_us"), w.integer(time++);
         w.str("compile_context"), w.str("N/A");
         w.str("user_metadata"), w.str("");
         w.str("frames");
-        const std::size_t s = rng() % 40;
-        if (s < stacks.size()) {
-          w.get(stacks[s]);
+        if (!alloc) {
+          w.get(block.frames);
         } else {
-          w.op(']'), stacks.push_back(w.memo()), w.memoize(), w.op('(');
-          for (int f = 0; f < 12; ++f) {
+          block.frames = w.memo();
+          w.op(']'), w.memoize(), w.op('(');
+          for (const std::uint32_t f : stacks[rng() % stacks.size()]) {
+            if (auto it = frame_memo.find(f); it != frame_memo.end()) {
+              w.get(it->second);
+              continue;
+            }
+            frame_memo[f] = w.memo();
             w.op('}'), w.memoize(), w.op('(');
-            w.str("name"), w.str("fn_" + std::to_string(stacks.size()) + "_" + std::to_string(f));
-            w.str("filename"), w.str("/src/model_" + std::to_string(f) + ".py");
-            w.str("line"), w.integer(static_cast<std::uint64_t>(10 + f));
+            w.str("name"), w.str("fn_" + std::to_string(f));
+            w.str("filename"), w.str("/src/model_" + std::to_string(f % 37) + ".py");
+            w.str("line"), w.integer(10 + f);
             w.op('u');
           }
           w.op('e');
+          live.push_back(block);
         }
         w.op('u');  // SETITEMS
         if (++batch == 1000) {

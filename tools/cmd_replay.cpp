@@ -173,7 +173,7 @@ void run(const ReplayArgs& args) {
   for (const std::string& path : args.traces) {
     progress.task(fmt::format("reading {}", path));
     // replay shows no stacks: they are not read.
-    for (const Trace& trace : load_devices(path, args.device, ReadOptions{.contexts = false})) {
+    for (const Trace& trace : load_devices(path, args.device, ReadOptions{.contexts = false, .consumed = {}})) {
       const ReplayProgram program = compile(trace);
       for (const auto& [text, config] : configs) {
         progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,

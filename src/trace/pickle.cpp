@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstring>
@@ -99,10 +100,28 @@ const char* refused_name(std::uint8_t op) {
   }
 }
 
+// What the decoder's stack and memo hold: a value, or a dict the hook took
+// over (its index, tagged in the low bit; values are aligned).
+class Ref {
+ public:
+  Ref() = default;
+  static Ref of(const Value* v) { return Ref(reinterpret_cast<std::uintptr_t>(v)); }
+  static Ref taken(std::uint64_t index) { return Ref((static_cast<std::uintptr_t>(index) << 1) | 1u); }
+  bool empty() const { return bits_ == 0; }
+  bool is_taken() const { return (bits_ & 1u) != 0; }
+  std::uint64_t index() const { return bits_ >> 1; }
+  const Value* value() const { return is_taken() ? nullptr : reinterpret_cast<const Value*>(bits_); }
+
+ private:
+  explicit Ref(std::uintptr_t bits) : bits_(bits) {}
+  std::uintptr_t bits_ = 0;
+};
+static_assert(alignof(Value) >= 2, "Ref tags values in the low bit");
+
 class Decoder {
  public:
-  explicit Decoder(std::span<const std::uint8_t> data, const FlatDictHook* hook = nullptr)
-      : data_(data), hook_(hook) {}
+  explicit Decoder(std::span<const std::uint8_t> data, const DecodeOptions& options = {})
+      : data_(data), hook_(options.hook), consumed_(options.consumed) {}
 
   Document run() {
     while (true) {
@@ -117,14 +136,20 @@ class Decoder {
         if (pos_ != data_.size()) {
           fail(pos_, fmt::format("{} unexpected bytes after STOP", data_.size() - pos_));
         }
-        doc_.set_root(stack_.back());
+        doc_.set_root(value(stack_.back()));
         return std::move(doc_);
       }
       step(at, op);
+      if (consumed_ && pos_ - reported_ >= kReportEvery) {
+        reported_ = pos_;
+        consumed_(at);
+      }
     }
   }
 
  private:
+  static constexpr std::size_t kReportEvery = std::size_t{16} << 20;
+
   [[noreturn]] void fail(std::size_t at, const std::string& what) const {
     throw TraceError(fmt::format("pickle: byte {}: {}", at, what));
   }
@@ -146,13 +171,24 @@ class Decoder {
     return v;
   }
 
-  const Value* pop(std::size_t at, const char* what) {
+  // A value for a reference: a taken dict becomes a Kind::taken value.
+  const Value* value(Ref r) {
+    if (!r.is_taken()) return r.value();
+    Value* v = doc_.make(Kind::taken);
+    v->integer = static_cast<std::int64_t>(r.index());
+    doc_.count_taken_value();
+    return v;
+  }
+
+  void push(const Value* v) { stack_.push_back(Ref::of(v)); }
+
+  Ref pop(std::size_t at, const char* what) {
     if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) {
       fail(at, fmt::format("{} needs a value but the stack is empty", what));
     }
-    const Value* v = stack_.back();
+    const Ref r = stack_.back();
     stack_.pop_back();
-    return v;
+    return r;
   }
 
   std::size_t pop_mark(std::size_t at, const char* what) {
@@ -162,16 +198,44 @@ class Decoder {
     return m;
   }
 
+  // The container a value goes into, checked: its kind, and not a list the
+  // decoder keeps once per content.
+  Value* container(Ref r, std::size_t at, Kind kind, const char* what) const {
+    const Kind got = r.is_taken() ? Kind::taken : r.value()->kind;
+    if (got != kind) {
+      fail(at, fmt::format("{} applied to a {}, expected a {}", what, to_string(got),
+                           to_string(kind)));
+    }
+    Value* v = const_cast<Value*>(r.value());
+    if (v->shared_by_content) {
+      fail(at, fmt::format("{} extends a list of stack frames after it was written (no pickler "
+                           "writes this)",
+                           what));
+    }
+    return v;
+  }
+
   Value* top_container(std::size_t at, Kind kind, const char* what) {
     if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) {
       fail(at, fmt::format("{} needs a {} on the stack", what, to_string(kind)));
     }
-    const Value* v = stack_.back();
-    if (v->kind != kind) {
-      fail(at, fmt::format("{} applied to a {}, expected a {}", what, to_string(v->kind),
-                           to_string(kind)));
+    return container(stack_.back(), at, kind, what);
+  }
+
+  // Appends to a list: a taken dict joins the list's runs of them.
+  void append(Value* list, Ref r) {
+    if (!r.is_taken()) {
+      list->items.push_back(r.value());
+      return;
     }
-    return const_cast<Value*>(v);
+    const auto index = static_cast<std::int64_t>(r.index());
+    auto& runs = list->taken_runs;
+    if (!runs.empty() && runs.back().at == list->items.size() &&
+        runs.back().first + static_cast<std::int64_t>(runs.back().count) == index) {
+      ++runs.back().count;
+      return;
+    }
+    runs.push_back({list->items.size(), index, 1});
   }
 
   void push_string(Kind kind, std::size_t n, std::size_t at, const char* what) {
@@ -179,13 +243,13 @@ class Decoder {
     auto bytes = take(n, at, what);
     Value* v = doc_.make(kind);
     v->text.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    stack_.push_back(v);
+    push(v);
   }
 
   void push_int(std::int64_t i) {
     Value* v = doc_.make(Kind::integer);
     v->integer = i;
-    stack_.push_back(v);
+    push(v);
   }
 
   void push_long(std::size_t n, std::size_t at) {
@@ -199,7 +263,7 @@ class Decoder {
         fail(at, "integer of 9 bytes does not fit 64 bits");
       }
       push_int(static_cast<std::int64_t>(u));
-      const_cast<Value*>(stack_.back())->above_int64 = true;
+      const_cast<Value*>(stack_.back().value())->above_int64 = true;
       return;
     }
     std::uint64_t v = 0;
@@ -211,21 +275,42 @@ class Decoder {
   void memo_put(std::size_t index, std::size_t at) {
     if (stack_.empty()) fail(at, "memo store with an empty stack");
     if (index > data_.size()) fail(at, fmt::format("memo index {} is implausible", index));
-    if (memo_.size() <= index) memo_.resize(index + 1, nullptr);
+    if (memo_.size() <= index) memo_.resize(index + 1);
     memo_[index] = stack_.back();
   }
 
   void memo_get(std::size_t index, std::size_t at) {
-    if (index >= memo_.size() || memo_[index] == nullptr) {
+    if (index >= memo_.size() || memo_[index].empty()) {
       fail(at, fmt::format("memo index {} was never stored", index));
     }
     stack_.push_back(memo_[index]);
   }
 
+  // A list of stack frames read in place, kept once per distinct content.
+  const Value* shared_list(std::span<const Value* const> refs) {
+    std::uint64_t h = 0x9e3779b97f4a7c15u ^ refs.size();
+    for (const Value* r : refs) {
+      h ^= reinterpret_cast<std::uintptr_t>(r) + 0x9e3779b97f4a7c15u + (h << 6) + (h >> 2);
+    }
+    auto [lo, hi] = lists_.equal_range(h);
+    for (auto it = lo; it != hi; ++it) {
+      const auto& items = it->second->items;
+      if (std::equal(items.begin(), items.end(), refs.begin(), refs.end())) return it->second;
+    }
+    Value* list = doc_.make(Kind::list);
+    list->items.assign(refs.begin(), refs.end());
+    list->shared_by_content = true;
+    lists_.emplace(h, list);
+    return list;
+  }
+
   // EMPTY_DICT MEMOIZE MARK (key value)* SETITEMS with keys from the memo
-  // and values that are small ints, bools, None or from the memo: read
-  // ahead without making values, and offered to the hook. False (nothing
-  // changed) for any other shape, or when the hook leaves it.
+  // and values that are small ints, bools, None, from the memo, or a list
+  // of values from the memo written in place (EMPTY_LIST MEMOIZE, then
+  // MARK refs APPENDS, or one ref and APPEND, or nothing): read ahead
+  // without making values, and offered to the hook. False (nothing changed
+  // but lists kept by content) for any other shape, or when the hook leaves
+  // it.
   bool flat_dict() {
     std::size_t p = pos_;
     auto byte = [&](std::size_t at) -> int { return at < data_.size() ? data_[at] : -1; };
@@ -246,15 +331,18 @@ class Decoder {
       } else {
         return nullptr;
       }
-      return index < memo_.size() ? memo_[index] : nullptr;
+      return index < memo_.size() ? memo_[index].value() : nullptr;
     };
     if (byte(p) != MEMOIZE || byte(p + 1) != MARK) return false;
     p += 2;
     std::array<FlatItem, 16> items;
+    std::array<const Value*, 16> lists{};  // written in place, in order
     std::size_t n = 0;
+    std::size_t n_lists = 0;
     while (byte(p) != SETITEMS) {
       if (n == items.size()) return false;
       FlatItem& item = items[n];
+      item = FlatItem{};
       item.key = memo_ref(p);
       if (item.key == nullptr || item.key->kind != Kind::string) return false;
       const int op = byte(p);
@@ -280,6 +368,26 @@ class Decoder {
         item.ref = memo_ref(p);
         if (item.ref == nullptr) return false;
         item.kind = item.ref->kind;
+      } else if (op == EMPTY_LIST && byte(p + 1) == MEMOIZE) {
+        p += 2;
+        refs_.clear();
+        if (byte(p) == MARK) {
+          ++p;
+          while (byte(p) != APPENDS) {
+            const Value* r = memo_ref(p);
+            if (r == nullptr) return false;
+            refs_.push_back(r);
+          }
+          ++p;
+        } else if (byte(p) == BINGET || byte(p) == LONG_BINGET) {
+          const Value* r = memo_ref(p);
+          if (r == nullptr || byte(p) != APPEND) return false;
+          refs_.push_back(r);
+          ++p;
+        }
+        item.ref = shared_list(refs_);
+        item.kind = Kind::list;
+        lists[n_lists++] = item.ref;
       } else {
         return false;
       }
@@ -287,19 +395,19 @@ class Decoder {
     }
     const std::int64_t taken = (*hook_)(std::span<const FlatItem>(items.data(), n));
     if (taken < 0) return false;
-    Value* v = doc_.make(Kind::taken);
-    v->integer = taken;
-    stack_.push_back(v);
-    memo_.push_back(v);  // its MEMOIZE
-    pos_ = p + 1;        // past SETITEMS
+    stack_.push_back(Ref::taken(static_cast<std::uint64_t>(taken)));
+    memo_.push_back(stack_.back());  // its MEMOIZE
+    for (std::size_t i = 0; i < n_lists; ++i) memo_.push_back(Ref::of(lists[i]));
+    pos_ = p + 1;  // past SETITEMS
     return true;
   }
 
   void make_tuple(std::size_t from) {
     Value* t = doc_.make(Kind::tuple);
-    t->items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+    t->items.reserve(stack_.size() - from);
+    for (std::size_t i = from; i < stack_.size(); ++i) t->items.push_back(value(stack_[i]));
     stack_.resize(from);
-    stack_.push_back(t);
+    push(t);
   }
 
   void step(std::size_t at, std::uint8_t op) {
@@ -314,17 +422,17 @@ class Decoder {
       case POP: pop(at, "POP"); return;
       case POP_MARK: stack_.resize(pop_mark(at, "POP_MARK")); return;
       case DUP: {
-        const Value* v = pop(at, "DUP");
-        stack_.push_back(v);
-        stack_.push_back(v);
+        const Ref r = pop(at, "DUP");
+        stack_.push_back(r);
+        stack_.push_back(r);
         return;
       }
-      case NONE: stack_.push_back(doc_.make(Kind::none)); return;
+      case NONE: push(doc_.make(Kind::none)); return;
       case NEWTRUE:
       case NEWFALSE: {
         Value* v = doc_.make(Kind::boolean);
         v->boolean = op == NEWTRUE;
-        stack_.push_back(v);
+        push(v);
         return;
       }
       case BININT: push_int(static_cast<std::int32_t>(little(4, at, "BININT"))); return;
@@ -339,7 +447,7 @@ class Decoder {
           bits = (bits << 8) | b[static_cast<std::size_t>(i)];  // big-endian
         Value* v = doc_.make(Kind::floating);
         v->floating = std::bit_cast<double>(bits);
-        stack_.push_back(v);
+        push(v);
         return;
       }
       case SHORT_BINUNICODE:
@@ -356,44 +464,38 @@ class Decoder {
         return;
       case BINBYTES: push_string(Kind::bytes, little(4, at, "BINBYTES"), at, "BINBYTES"); return;
       case BINBYTES8: push_string(Kind::bytes, little(8, at, "BINBYTES8"), at, "BINBYTES8"); return;
-      case EMPTY_LIST: stack_.push_back(doc_.make(Kind::list)); return;
+      case EMPTY_LIST: push(doc_.make(Kind::list)); return;
       case EMPTY_DICT:
-        if (hook_ == nullptr || !flat_dict()) stack_.push_back(doc_.make(Kind::dict));
+        if (hook_ == nullptr || !flat_dict()) push(doc_.make(Kind::dict));
         return;
-      case EMPTY_TUPLE: stack_.push_back(doc_.make(Kind::tuple)); return;
+      case EMPTY_TUPLE: push(doc_.make(Kind::tuple)); return;
       case APPEND: {
-        const Value* v = pop(at, "APPEND");
-        top_container(at, Kind::list, "APPEND")->items.push_back(v);
+        const Ref r = pop(at, "APPEND");
+        append(top_container(at, Kind::list, "APPEND"), r);
         return;
       }
       case APPENDS: {
         const std::size_t m = pop_mark(at, "APPENDS");
         if (m == 0) fail(at, "APPENDS with no list below its MARK");
-        Value* list = const_cast<Value*>(stack_[m - 1]);
-        if (list->kind != Kind::list) {
-          fail(at, fmt::format("APPENDS applied to a {}, expected a list", to_string(list->kind)));
-        }
-        list->items.insert(list->items.end(), stack_.begin() + static_cast<std::ptrdiff_t>(m),
-                           stack_.end());
+        Value* list = container(stack_[m - 1], at, Kind::list, "APPENDS");
+        for (std::size_t i = m; i < stack_.size(); ++i) append(list, stack_[i]);
         stack_.resize(m);
         return;
       }
       case SETITEM: {
-        const Value* value = pop(at, "SETITEM");
-        const Value* key = pop(at, "SETITEM");
-        top_container(at, Kind::dict, "SETITEM")->entries.emplace_back(key, value);
+        const Ref value_ref = pop(at, "SETITEM");
+        const Ref key = pop(at, "SETITEM");
+        Value* dict = top_container(at, Kind::dict, "SETITEM");
+        dict->entries.emplace_back(value(key), value(value_ref));
         return;
       }
       case SETITEMS: {
         const std::size_t m = pop_mark(at, "SETITEMS");
         if (m == 0) fail(at, "SETITEMS with no dict below its MARK");
         if ((stack_.size() - m) % 2 != 0) fail(at, "SETITEMS with an odd number of values");
-        Value* dict = const_cast<Value*>(stack_[m - 1]);
-        if (dict->kind != Kind::dict) {
-          fail(at, fmt::format("SETITEMS applied to a {}, expected a dict", to_string(dict->kind)));
-        }
+        Value* dict = container(stack_[m - 1], at, Kind::dict, "SETITEMS");
         for (std::size_t i = m; i < stack_.size(); i += 2) {
-          dict->entries.emplace_back(stack_[i], stack_[i + 1]);
+          dict->entries.emplace_back(value(stack_[i]), value(stack_[i + 1]));
         }
         stack_.resize(m);
         return;
@@ -426,10 +528,14 @@ class Decoder {
   std::span<const std::uint8_t> data_;
   std::size_t pos_ = 0;
   Document doc_;
-  std::vector<const Value*> stack_;
+  std::vector<Ref> stack_;
   std::vector<std::size_t> marks_;
-  std::vector<const Value*> memo_;
+  std::vector<Ref> memo_;
   const FlatDictHook* hook_ = nullptr;
+  std::function<void(std::size_t)> consumed_;
+  std::size_t reported_ = 0;
+  std::vector<const Value*> refs_;                           // flat_dict's scratch
+  std::unordered_multimap<std::uint64_t, const Value*> lists_;  // by content hash
 };
 
 class Encoder {
@@ -543,6 +649,9 @@ class Encoder {
         return;
       }
       case Kind::list: {
+        if (!v.taken_runs.empty()) {
+          throw TraceError("pickle encode: a list of dicts taken over by a decode hook has no contents");
+        }
         byte(EMPTY_LIST);
         remember(v);
         for (std::size_t i = 0; i < v.items.size(); i += 1000) {
@@ -593,7 +702,13 @@ Document decode(std::span<const std::uint8_t> data) {
 }
 
 Document decode(std::span<const std::uint8_t> data, const FlatDictHook& hook) {
-  return Decoder(data, &hook).run();
+  DecodeOptions options;
+  options.hook = &hook;
+  return Decoder(data, options).run();
+}
+
+Document decode(std::span<const std::uint8_t> data, const DecodeOptions& options) {
+  return Decoder(data, options).run();
 }
 
 std::string encode(const Value& root) {

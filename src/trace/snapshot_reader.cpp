@@ -4,8 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <iterator>
+#include <new>
+#include <utility>
 #include <limits>
 #include <optional>
 #include <unordered_map>
@@ -48,21 +52,20 @@ constexpr std::size_t kUnplaced = static_cast<std::size_t>(-1);
 
 std::optional<TraceAction> action_of(std::string_view a);
 
-// A trace entry the decoder handed over without making its values (the
-// millions of entries of a large snapshot): the event, and its frames list.
-struct FlatEvent {
-  TraceEvent event;
-  const Value* frames = nullptr;  // a list from the pickle's memo, or null
-};
-
 // The decoder's hook: takes each trace entry whose keys and types are the
 // ones PyTorch writes; anything else (an unknown key or action, a wrong
 // type, a user_defined entry) it leaves to the reader's checks, which name
-// the path.
+// the path. It keeps the events it took, in the order taken, in blocks
+// that the reader hands back as it moves them into the trace: with the
+// decoder keeping no value per entry and the file's pages handed back
+// behind the decoder, reading holds little more than the events read.
 class FlatEvents {
  public:
   std::int64_t take(std::span<const pickle::FlatItem> items) {
-    FlatEvent f;
+    struct {
+      TraceEvent event;
+      const Value* frames = nullptr;
+    } f;
     const Value* action = nullptr;
     bool has_addr = false;
     bool has_size = false;
@@ -136,12 +139,91 @@ class FlatEvents {
       return -1;
     }
     f.event.action = *a;
-    events.push_back(f);
-    return static_cast<std::int64_t>(events.size() - 1);
+    f.event.context = f.frames != nullptr ? list_id(f.frames) + 1 : 0;
+    if (size_ % kBlock == 0) {
+      blocks_.emplace_back();
+      moved_.push_back(0);
+    }
+    blocks_.back().at(size_ % kBlock) = f.event;
+    return static_cast<std::int64_t>(size_++);
   }
-  std::vector<FlatEvent> events;
+
+  std::size_t size() const { return size_; }
+  // Event i as taken; its context is its frames list's id + 1 (0: none).
+  const TraceEvent& at(std::size_t i) const {
+    return blocks_[i / kBlock].at(i % kBlock);
+  }
+  const Value* frames_list(std::uint32_t id) const { return lists_[id]; }
+  std::size_t frames_lists() const { return lists_.size(); }
+
+  // Appends events [first, first + count) to `out`. With `hand_back`, the
+  // caller promises that no event it moves is asked for again: each block
+  // is freed once all its events have moved.
+  void move_run(std::size_t first, std::size_t count, std::vector<TraceEvent>& out, bool hand_back) {
+    out.reserve(out.size() + count);
+    for (std::size_t i = first; i < first + count;) {
+      const std::size_t b = i / kBlock;
+      const std::size_t n = std::min(first + count, (b + 1) * kBlock) - i;
+      const TraceEvent* block = &at(i);
+      out.insert(out.end(), block, block + n);
+      i += n;
+      if (!hand_back) continue;
+      moved_[b] += n;
+      const std::size_t held = b + 1 < blocks_.size() ? kBlock : size_ - b * kBlock;
+      if (moved_[b] == held) blocks_[b].release();
+    }
+  }
 
  private:
+  static constexpr std::size_t kBlock = std::size_t{1} << 16;
+
+  // kBlock events in pages of their own, given back to the system when
+  // released (the heap would keep them resident for the rest of the run).
+  class Block {
+   public:
+    Block() {
+      void* p = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+      events_ = static_cast<TraceEvent*>(p);
+    }
+    Block(Block&& other) noexcept : events_(std::exchange(other.events_, nullptr)) {}
+    Block& operator=(Block&&) = delete;
+    Block(const Block&) = delete;
+    Block& operator=(const Block&) = delete;
+    ~Block() { release(); }
+    TraceEvent& at(std::size_t i) {
+      if (events_ == nullptr) throw TraceError("snapshot reader: a trace entry was read again after it was moved");
+      return events_[i];
+    }
+    const TraceEvent& at(std::size_t i) const { return const_cast<Block*>(this)->at(i); }
+    void release() {
+      if (events_ != nullptr) ::munmap(events_, kBytes);
+      events_ = nullptr;
+    }
+
+   private:
+    static constexpr std::size_t kBytes = kBlock * sizeof(TraceEvent);
+    TraceEvent* events_ = nullptr;
+  };
+
+  // Each distinct frames list's id (the decoder keeps each content once).
+  std::uint32_t list_id(const Value* list) {
+    if (list == last_list_) return last_id_;
+    auto [it, inserted] = list_ids_.try_emplace(list, static_cast<std::uint32_t>(lists_.size()));
+    if (inserted) lists_.push_back(list);
+    last_list_ = list;
+    last_id_ = it->second;
+    return it->second;
+  }
+
+  std::vector<Block> blocks_;
+  std::vector<std::size_t> moved_;  // per block: events moved out with hand_back
+  std::size_t size_ = 0;
+  std::vector<const Value*> lists_;
+  std::unordered_map<const Value*, std::uint32_t> list_ids_;
+  const Value* last_list_ = nullptr;
+  std::uint32_t last_id_ = 0;
+
   enum class Key : std::uint8_t {
     action, addr, size, stream, device_free, time_us, frames, compile_context, user_metadata,
     forward_frames, other
@@ -182,9 +264,9 @@ class FlatEvents {
 
 class Reader {
  public:
-  explicit Reader(std::string name, const std::vector<FlatEvent>* flat = nullptr,
-                  bool with_contexts = true)
-      : name_(std::move(name)), flat_(flat), with_contexts_(with_contexts) {}
+  explicit Reader(std::string name, FlatEvents* flat = nullptr, bool with_contexts = true,
+                  bool hand_back = false)
+      : name_(std::move(name)), flat_(flat), with_contexts_(with_contexts), hand_back_(hand_back) {}
 
   [[noreturn]] void fail(const std::string& path, const std::string& what) const {
     throw TraceError(fmt::format("snapshot {}: {}: {}", name_, path, what));
@@ -239,7 +321,25 @@ class Reader {
     return v->text;
   }
 
+  // A list's items. A list of trace entries the decoder's hook took (a
+  // device's events) is read by read_events alone: elsewhere it is an error.
   const std::vector<const Value*>& list(const Value& v, const std::string& path) const {
+    if (v.kind != Kind::list && v.kind != Kind::tuple) {
+      fail(path, fmt::format("expected a list, got {}", to_string(v.kind)));
+    }
+    if (!v.taken_runs.empty()) fail(path, "expected a list of other values, got trace entries");
+    return v.items;
+  }
+
+  // The length of a list that may hold trace entries.
+  std::size_t events_size(const Value& v, const std::string& path) const {
+    std::size_t n = list_items(v, path).size();
+    for (const auto& run : v.taken_runs) n += run.count;
+    return n;
+  }
+
+  // A list's items, where it may also hold runs of trace entries.
+  const std::vector<const Value*>& list_items(const Value& v, const std::string& path) const {
     if (v.kind != Kind::list && v.kind != Kind::tuple) {
       fail(path, fmt::format("expected a list, got {}", to_string(v.kind)));
     }
@@ -486,21 +586,47 @@ class Reader {
     }
   }
 
+  // The context of an event the hook took (its context holds its frames
+  // list's id + 1), each list read once.
+  std::uint32_t taken_context(std::uint32_t list, const std::string& dpath, std::size_t i,
+                              Trace& trace) {
+    if (list == 0 || !with_contexts_) return 0;
+    if (list_contexts_.empty()) list_contexts_.assign(flat_->frames_lists(), kNoContext);
+    std::uint32_t& id = list_contexts_[list - 1];
+    if (id == kNoContext) {
+      id = frames_context(flat_->frames_list(list - 1), fmt::format("{}[{}]", dpath, i), trace);
+    }
+    return id;
+  }
+
   void read_events(const Value& list_value, const std::string& dpath, Trace& trace) {
-    const auto& events = list(list_value, dpath);
-    trace.events.reserve(events.size());
-    for (std::size_t i = 0; i < events.size(); ++i) {
-      const Value& e = *events[i];
-      if (e.kind == Kind::taken && flat_ != nullptr) {  // checked by the decoder's hook
-        const FlatEvent& f = (*flat_)[static_cast<std::size_t>(e.integer)];
-        TraceEvent ev = f.event;
-        if (f.frames != nullptr) {
-          ev.context = frames_context(f.frames, fmt::format("{}[{}]", dpath, i), trace);
+    const auto& events = list_items(list_value, dpath);
+    trace.events.reserve(events_size(list_value, dpath));
+    std::size_t i = 0;  // the entry's index in the list
+    std::size_t next_run = 0;
+    for (std::size_t item = 0; item <= events.size(); ++item) {
+      // The runs of entries the hook took (checked there) before this item.
+      for (; next_run < list_value.taken_runs.size() &&
+             list_value.taken_runs[next_run].at == item;
+           ++next_run) {
+        const auto& run = list_value.taken_runs[next_run];
+        const std::size_t first = trace.events.size();
+        flat_->move_run(static_cast<std::size_t>(run.first), run.count, trace.events, hand_back_);
+        for (std::size_t k = first; k < trace.events.size(); ++k, ++i) {
+          TraceEvent& ev = trace.events[k];
+          ev.context = taken_context(ev.context, dpath, i, trace);
         }
+      }
+      if (item == events.size()) break;
+      const Value& e = *events[item];
+      if (e.kind == Kind::taken && flat_ != nullptr) {  // checked by the decoder's hook
+        TraceEvent ev = flat_->at(static_cast<std::size_t>(e.integer));
+        ev.context = taken_context(ev.context, dpath, i++, trace);
         trace.events.push_back(ev);
         continue;
       }
-      const std::string path = fmt::format("{}[{}]", dpath, i);
+      const std::size_t this_entry = i++;
+      const std::string path = fmt::format("{}[{}]", dpath, this_entry);
       const std::string& name = text(e, "action", path);
       note_unknown(e, kEventKeys, "device_traces[][].", trace);
       const std::optional<TraceAction> a = action_of(name);
@@ -659,7 +785,7 @@ class Reader {
     trace.device = device;
     trace.device_count = traces.size();
     for (std::size_t d = 0; d < traces.size(); ++d) {
-      trace.device_events.push_back(list(*traces[d], fmt::format("device_traces[{}]", d)).size());
+      trace.device_events.push_back(events_size(*traces[d], fmt::format("device_traces[{}]", d)));
     }
     read_events(*traces[static_cast<std::size_t>(device)],
                 fmt::format("device_traces[{}]", device), trace);
@@ -708,8 +834,11 @@ class Reader {
   }
 
   std::string name_;
-  const std::vector<FlatEvent>* flat_ = nullptr;
+  static constexpr std::uint32_t kNoContext = std::numeric_limits<std::uint32_t>::max();
+  FlatEvents* flat_ = nullptr;
   bool with_contexts_ = true;  // read stacks (the tools that show them)
+  bool hand_back_ = false;     // flat_'s events are read once: its blocks go as they are read
+  std::vector<std::uint32_t> list_contexts_;  // frames list id -> context
   std::unordered_map<const Value*, Frame> frames_read_;
   std::unordered_map<std::string, std::uint32_t> context_ids_;
   std::unordered_map<const Value*, std::uint32_t> by_list_;  // frames list -> context
@@ -783,14 +912,38 @@ const Value* from_json(const nlohmann::json& j, pickle::Document& doc, const std
 namespace {
 
 pickle::Document decode_snapshot(std::span<const std::uint8_t> data, const std::string& name,
-                                 FlatEvents& flat) {
+                                 FlatEvents& flat, const ReadOptions& options) {
+  const pickle::FlatDictHook hook = [&](std::span<const pickle::FlatItem> items) {
+    return flat.take(items);
+  };
+  pickle::DecodeOptions decode;
+  decode.hook = &hook;
+  decode.consumed = options.consumed;
   try {
-    return pickle::decode(data, [&](std::span<const pickle::FlatItem> items) {
-      return flat.take(items);
-    });
+    return pickle::decode(data, decode);
   } catch (const TraceError& e) {
     throw TraceError(fmt::format("snapshot {}: {}", name, e.what()));
   }
+}
+
+// Whether the events the hook took are each read at most once when the
+// devices in `devices` are read (each device's list a run of its own, no
+// taken entry held anywhere else), so that their blocks can go as they are
+// read. False for anything unusual (the reader then checks it as usual).
+bool read_once(const pickle::Document& doc, const std::vector<std::size_t>& devices) {
+  if (doc.taken_values() != 0 || doc.root().kind != Kind::dict) return false;
+  const Value* traces = doc.root().find("device_traces");
+  if (traces == nullptr || traces->kind != Kind::list || !traces->taken_runs.empty()) return false;
+  std::vector<std::pair<std::int64_t, std::size_t>> runs;
+  for (const std::size_t d : devices) {
+    if (d >= traces->items.size()) return false;
+    for (const auto& run : traces->items[d]->taken_runs) runs.emplace_back(run.first, run.count);
+  }
+  std::sort(runs.begin(), runs.end());
+  for (std::size_t i = 1; i < runs.size(); ++i) {
+    if (runs[i - 1].first + static_cast<std::int64_t>(runs[i - 1].second) > runs[i].first) return false;
+  }
+  return true;
 }
 
 pickle::Document decode_json(const std::string& text, const std::string& name) {
@@ -812,13 +965,16 @@ pickle::Document decode_json(const std::string& text, const std::string& name) {
 }
 
 std::vector<Trace> every_device(const pickle::Document& doc, const std::string& name,
-                                TraceFormat format, const std::vector<FlatEvent>* flat = nullptr,
+                                TraceFormat format, FlatEvents* flat = nullptr,
                                 bool with_contexts = true) {
   const std::size_t n = Reader(name).device_count(doc.root());
+  std::vector<std::size_t> all(n);
+  for (std::size_t d = 0; d < n; ++d) all[d] = d;
+  const bool hand_back = flat != nullptr && read_once(doc, all);
   std::vector<Trace> out;
   out.reserve(n);
   for (std::size_t d = 0; d < n; ++d) {
-    out.push_back(Reader(name, flat, with_contexts).read(doc.root(), static_cast<int>(d)));
+    out.push_back(Reader(name, flat, with_contexts, hand_back).read(doc.root(), static_cast<int>(d)));
     out.back().format = to_string(format);
   }
   return out;
@@ -827,19 +983,18 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
 }  // namespace
 
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
-                            int device) {
+                            int device, const ReadOptions& options) {
   FlatEvents flat;
-  flat.events.reserve(data.size() / 48);  // what a trace entry takes at least; untouched pages cost nothing
-  const pickle::Document doc = decode_snapshot(data, name, flat);
-  return Reader(name, &flat.events).read(doc.root(), device);
+  const pickle::Document doc = decode_snapshot(data, name, flat, options);
+  const bool hand_back = device >= 0 && read_once(doc, {static_cast<std::size_t>(device)});
+  return Reader(name, &flat, options.contexts, hand_back).read(doc.root(), device);
 }
 
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
                                                  const std::string& name, const ReadOptions& options) {
   FlatEvents flat;
-  flat.events.reserve(data.size() / 48);
-  const pickle::Document doc = decode_snapshot(data, name, flat);
-  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat.events, options.contexts);
+  const pickle::Document doc = decode_snapshot(data, name, flat, options);
+  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat, options.contexts);
 }
 
 Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {

@@ -1,6 +1,11 @@
 // Reading a trace file of any supported format, told apart by content.
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <iterator>
 
@@ -50,6 +55,69 @@ std::span<const std::uint8_t> as_span(const std::string& bytes) {
   return {reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()};
 }
 
+// A file mapped read-only, whose pages the reader hands back behind it: a
+// snapshot of hundreds of MB is never resident whole. Empty when the file
+// cannot be mapped (a pipe, an empty file): callers read it instead.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+      void* p = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p != MAP_FAILED) {
+        data_ = static_cast<const std::uint8_t*>(p);
+        size_ = static_cast<std::size_t>(st.st_size);
+        ::madvise(p, size_, MADV_SEQUENTIAL);
+      }
+    }
+    ::close(fd);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(const_cast<std::uint8_t*>(data_), size_);
+  }
+
+  bool mapped() const { return data_ != nullptr; }
+  std::span<const std::uint8_t> bytes() const { return {data_, size_}; }
+  std::string_view head(std::size_t n) const {
+    return {reinterpret_cast<const char*>(data_), std::min(n, size_)};
+  }
+  // Drops the pages wholly before `offset` (they are read from the file
+  // again should anything touch them).
+  void release_before(std::size_t offset) {
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t end = std::min(offset, size_) / page * page;
+    if (end <= released_) return;
+    ::madvise(const_cast<std::uint8_t*>(data_) + released_, end - released_, MADV_DONTNEED);
+    released_ = end;
+  }
+
+ private:
+  const std::uint8_t* data_ = nullptr;
+  std::size_t size_ = 0;
+  std::size_t released_ = 0;
+};
+
+// A pickle, when the file maps: read with its pages handed back behind the
+// reader. Null when the file is not a pickle or does not map.
+template <typename Read>
+auto read_mapped_pickle(const std::string& path, const ReadOptions& options, Read read)
+    -> std::optional<decltype(read(std::span<const std::uint8_t>{}, options))> {
+  MappedFile file(path);
+  if (!file.mapped() || detect_trace_format(file.head(1)) != TraceFormat::pytorch_pickle) {
+    return std::nullopt;
+  }
+  ReadOptions mapped = options;
+  mapped.consumed = [&](std::size_t offset) {
+    file.release_before(offset);
+    if (options.consumed) options.consumed(offset);
+  };
+  return read(file.bytes(), mapped);
+}
+
 // RMM and text traces: one device.
 Trace read_single(const std::string& bytes, const std::string& path) {
   Trace t = detect_trace_format(bytes) == TraceFormat::rmm_csv ? read_rmm_csv(bytes, path)
@@ -61,6 +129,12 @@ Trace read_single(const std::string& bytes, const std::string& path) {
 }  // namespace
 
 Trace read_trace_file(const std::string& path, int device) {
+  if (auto t = read_mapped_pickle(path, {}, [&](std::span<const std::uint8_t> bytes,
+                                                const ReadOptions& options) {
+        return read_pytorch_snapshot(bytes, path, device, options);
+      })) {
+    return std::move(*t);
+  }
   const std::string bytes = read_bytes(path);
   switch (detect_trace_format(bytes)) {
     case TraceFormat::pytorch_pickle: return read_pytorch_snapshot(as_span(bytes), path, device);
@@ -76,6 +150,12 @@ Trace read_trace_file(const std::string& path, int device) {
 }
 
 std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options) {
+  if (auto t = read_mapped_pickle(path, options, [&](std::span<const std::uint8_t> bytes,
+                                                     const ReadOptions& mapped) {
+        return read_pytorch_snapshot_devices(bytes, path, mapped);
+      })) {
+    return std::move(*t);
+  }
   const std::string bytes = read_bytes(path);
   switch (detect_trace_format(bytes)) {
     case TraceFormat::pytorch_pickle:

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
@@ -23,6 +24,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto again = reservoir::pickle::decode(
         std::span(reinterpret_cast<const std::uint8_t*>(once.data()), once.size()));
     if (reservoir::pickle::encode(again.root()) != once) std::abort();
+  } catch (const reservoir::TraceError&) {
+  }
+  // Every device, read as the tools read them (each device's entries moved
+  // out as read): device 0 as read alone.
+  try {
+    const std::vector<reservoir::Trace> all = reservoir::read_pytorch_snapshot_devices(input, "fuzz");
+    const reservoir::Trace first = reservoir::read_pytorch_snapshot(input, "fuzz");
+    if (all.empty() || all.front().events != first.events) std::abort();
   } catch (const reservoir::TraceError&) {
   }
   reservoir::Trace t;

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
 
@@ -120,6 +124,151 @@ TEST(Pickle, CorruptInputGetsExactErrors) {
             "pickle: byte 2: integer of 10 bytes does not fit 64 bits");
   EXPECT_EQ(error_of("\x80\x04X\xff\xff\xff\x7f."),
             "pickle: byte 2: BINUNICODE length 2147483647 exceeds the file");
+}
+
+// Writes pickle opcodes, counting the memo as Python's pickler does.
+class Writer {
+ public:
+  Writer() { out_ = "\x80\x04"; }
+  Writer& op(char o) { return out_.push_back(o), *this; }
+  std::uint32_t memoize() { return op('\x94'), memo_++; }
+  std::uint32_t str(const std::string& s) {
+    op('\x8c'), op(static_cast<char>(s.size()));
+    out_ += s;
+    return memoize();
+  }
+  Writer& get(std::uint32_t m) { return op('h'), op(static_cast<char>(m)); }
+  Writer& small(int v) { return op('K'), op(static_cast<char>(v)); }
+  std::string done() { return out_ + "."; }
+
+ private:
+  std::string out_;
+  std::uint32_t memo_ = 0;
+};
+
+// A snapshot's millions of trace entries: dicts the hook takes become runs
+// of its indices in their list (no value each); a list of memo references
+// written in place inside one (a stack) is kept once per content.
+TEST(Pickle, AHookTakesFlatDictsAsRunsAndKeepsStacksOncePerContent) {
+  Writer w;
+  w.op(']'), w.memoize(), w.op('(');  // the root list
+  const std::uint32_t k = w.str("k");
+  const std::uint32_t f = w.str("f");
+  std::uint32_t first_stack = 0;
+  for (int i = 0; i < 7; ++i) {
+    w.op('}'), w.memoize(), w.op('(');
+    if (i == 2) {
+      w.str("declined"), w.small(i);  // a key not from the memo: decoded as usual
+    } else {
+      w.get(k).small(i);
+    }
+    if (i >= 5) {  // a stack written in place, the same twice
+      w.get(f).op(']');
+      const std::uint32_t m = w.memoize();
+      if (i == 5) first_stack = m;
+      w.op('(').get(k).get(f).op('e');
+    }
+    w.op('u');
+  }
+  // A dict the hook declines, holding the first stack from the memo.
+  w.op('}'), w.memoize(), w.op('(').str("z"), w.get(first_stack).op('u');
+  w.op('e');
+  const std::string data = w.done();
+
+  std::vector<const Value*> stacks;
+  std::int64_t next = 0;
+  const FlatDictHook hook = [&](std::span<const FlatItem> items) -> std::int64_t {
+    for (const FlatItem& it : items) {
+      if (it.key->text == "f") stacks.push_back(it.ref);
+    }
+    return next++;
+  };
+  const Document doc = decode(bytes(data), hook);
+  const Value& root = doc.root();
+  ASSERT_EQ(root.kind, Kind::list);
+  // Items: "k", "f", the declined dict, the dict holding the stack.
+  ASSERT_EQ(root.items.size(), 4u);
+  EXPECT_EQ(root.items[2]->kind, Kind::dict);
+  ASSERT_EQ(root.taken_runs.size(), 2u);
+  EXPECT_EQ(root.taken_runs[0].at, 2u);
+  EXPECT_EQ(root.taken_runs[0].first, 0);
+  EXPECT_EQ(root.taken_runs[0].count, 2u);
+  EXPECT_EQ(root.taken_runs[1].at, 3u);
+  EXPECT_EQ(root.taken_runs[1].first, 2);
+  EXPECT_EQ(root.taken_runs[1].count, 4u);
+  EXPECT_EQ(doc.taken_values(), 0u);
+  ASSERT_EQ(stacks.size(), 2u);
+  EXPECT_EQ(stacks[0], stacks[1]);  // one value for both stacks
+  ASSERT_EQ(stacks[0]->items.size(), 2u);
+  EXPECT_EQ(stacks[0]->items[0]->text, "k");
+  EXPECT_EQ(stacks[0]->items[1]->text, "f");
+  EXPECT_EQ(root.items[3]->find("z"), stacks[0]);  // the memo slot of the stack
+  // Encoding such a document refuses: the taken dicts have no contents here.
+  EXPECT_THROW((void)encode(root), TraceError);
+}
+
+// A taken dict anywhere but a list (here a dict's value, from the memo)
+// becomes a value holding its index; extending a stack kept once per
+// content is refused (no pickler writes it).
+TEST(Pickle, TakenDictsElsewhereAndSharedStacksExtended) {
+  Writer w;
+  w.op('}'), w.memoize(), w.op('(');  // the root dict
+  const std::uint32_t k = w.str("k");
+  w.op('}');
+  const std::uint32_t taken = w.memoize();
+  w.op('(').get(k).small(1).op('u');  // root["k"] = a taken dict
+  w.str("again"), w.get(taken);
+  w.op('u');
+  std::int64_t next = 0;
+  const FlatDictHook hook = [&](std::span<const FlatItem>) -> std::int64_t { return next++; };
+  const Document doc = decode(bytes(w.done()), hook);
+  ASSERT_EQ(doc.root().entries.size(), 2u);
+  const Value* first = doc.root().find("k");
+  const Value* again = doc.root().find("again");
+  ASSERT_EQ(first->kind, Kind::taken);
+  EXPECT_EQ(first->integer, 0);
+  ASSERT_EQ(again->kind, Kind::taken);
+  EXPECT_EQ(again->integer, 0);
+  EXPECT_EQ(doc.taken_values(), 2u);
+
+  Writer x;
+  x.op(']'), x.memoize(), x.op('(');
+  const std::uint32_t key = x.str("k");
+  x.op('}'), x.memoize(), x.op('(').get(key).op(']');
+  const std::uint32_t stack = x.memoize();
+  x.op('(').get(key).get(key).op('e').op('u');
+  x.get(stack).small(3).op('a');  // stack.append(3)
+  x.op('e');
+  try {
+    (void)decode(bytes(x.done()), hook);
+    ADD_FAILURE() << "no error";
+  } catch (const TraceError& e) {
+    EXPECT_STREQ(e.what(),
+                 "pickle: byte 27: APPEND extends a list of stack frames after it was written (no "
+                 "pickler writes this)");
+  }
+}
+
+// The decoder says how far it has read, every 16 MiB, so that a mapped
+// file's pages behind it can go.
+TEST(Pickle, TheDecoderSaysHowFarItHasRead) {
+  const std::uint32_t len = 10u << 20;
+  std::string data = "\x80\x04]\x94(";
+  for (int i = 0; i < 4; ++i) {
+    data += "B";
+    for (int b = 0; b < 4; ++b) data.push_back(static_cast<char>((len >> (8 * b)) & 0xff));
+    data += std::string(len, 'x');
+  }
+  data += "e.";
+  std::vector<std::size_t> offsets;
+  DecodeOptions options;
+  options.consumed = [&](std::size_t offset) { offsets.push_back(offset); };
+  const Document doc = decode(bytes(data), options);
+  ASSERT_EQ(doc.root().items.size(), 4u);
+  // Four 10 MiB strings: 16 MiB are passed within the second and the
+  // fourth, and each report names where that string's opcode began.
+  const std::size_t each = 5 + len;
+  EXPECT_EQ(offsets, (std::vector<std::size_t>{5 + each, 5 + 3 * each}));
 }
 
 }  // namespace

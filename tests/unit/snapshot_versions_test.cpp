@@ -6,7 +6,10 @@
 
 #include <fmt/format.h>
 
+#include <cstdio>
+#include <fstream>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -329,7 +332,7 @@ TEST(SnapshotVersions, EntriesReadFastAndCheckedAlike) {
   // Without stacks (replay shows none): the same events, every context 0.
   const std::vector<Trace> bare = read_pytorch_snapshot_devices(
       std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()), "s.pickle",
-      ReadOptions{.contexts = false});
+      ReadOptions{.contexts = false, .consumed = {}});
   ASSERT_EQ(bare.size(), 1u);
   ASSERT_EQ(bare[0].events.size(), 7u);
   for (std::size_t i = 0; i < 7; ++i) {
@@ -343,6 +346,204 @@ TEST(SnapshotVersions, EntriesReadFastAndCheckedAlike) {
   const_cast<Value*>(events->items[4])->entries[2].second = str("500");
   EXPECT_EQ(error_of<TraceError>([&] { (void)read_bytes(pickle::encode(*root)); }),
             "snapshot s.pickle: device_traces[0][4].size: expected int, got str");
+}
+
+// Pickle opcodes as Python's pickler writes a snapshot: each string once
+// (fetched from the memo after), each allocation's stack a list written in
+// place (its frees fetch it), each frame a dict written once.
+class SnapshotWriter {
+ public:
+  SnapshotWriter() { out_ = "\x80\x04"; }
+  void op(char o) { out_.push_back(o); }
+  std::uint32_t memoize() { return op('\x94'), memo_++; }
+  void get(std::uint32_t m) {
+    op('j');
+    for (int b = 0; b < 4; ++b) op(static_cast<char>((m >> (8 * b)) & 0xff));
+  }
+  void str(const std::string& s) {
+    if (auto it = strings_.find(s); it != strings_.end()) return get(it->second);
+    op('\x8c'), op(static_cast<char>(s.size()));
+    out_ += s;
+    strings_[s] = memoize();
+  }
+  void integer(std::uint64_t v) {  // LONG1, 8 bytes (values below 2^63)
+    op('\x8a'), op(8);
+    for (int b = 0; b < 8; ++b) op(static_cast<char>((v >> (8 * b)) & 0xff));
+  }
+  // A stack of frames (function names): a list written in place.
+  std::uint32_t stack(const std::vector<std::string>& names) {
+    op(']');
+    const std::uint32_t list = memoize();
+    op('(');
+    for (const std::string& n : names) {
+      if (auto it = frames_.find(n); it != frames_.end()) {
+        get(it->second);
+        continue;
+      }
+      op('}');
+      frames_[n] = memoize();
+      op('(');
+      str("name"), str(n), str("filename"), str("model.py"), str("line"), integer(7);
+      op('u');
+    }
+    op('e');
+    return list;
+  }
+  // One trace entry; `frames` < 0: a new stack of `names`, else fetched.
+  std::uint32_t entry(const std::string& action, std::uint64_t addr, std::uint64_t size,
+                      std::int64_t frames, const std::vector<std::string>& names = {}) {
+    op('}'), memoize(), op('(');
+    str("action"), str(action);
+    if (action == "oom") {
+      str("device_free"), integer(addr);
+    } else {
+      str("addr"), integer(addr);
+    }
+    str("size"), integer(size);
+    str("stream"), integer(0);
+    str("time_us"), integer(1000 + entries_++);
+    str("frames");
+    std::uint32_t list = 0;
+    if (frames < 0) {
+      list = stack(names);
+    } else {
+      get(static_cast<std::uint32_t>(frames));
+      list = static_cast<std::uint32_t>(frames);
+    }
+    op('u');
+    return list;
+  }
+  void user_defined(const std::string& name) {
+    op('}'), memoize(), op('(');
+    str("action"), str("user_defined"), str("name"), str(name), op('u');
+  }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+  std::uint32_t memo_ = 0;
+  std::uint64_t entries_ = 0;
+  std::map<std::string, std::uint32_t> strings_;
+  std::map<std::string, std::uint32_t> frames_;
+};
+
+std::span<const std::uint8_t> span_of(const std::string& s) {
+  return {reinterpret_cast<const std::uint8_t*>(s.data()), s.size()};
+}
+
+// Entries as PyTorch writes them, most taken by the decoder's hook (no value
+// made) and some read the checked way (the first of each key, a new frame,
+// a user_defined entry), in one list: the events, their stacks and the
+// annotation are the same read from memory, from the file (mapped, its
+// events moved as read) and device by device.
+TEST(SnapshotVersions, AsPyTorchWritesThemEntriesReadInOrder) {
+  SnapshotWriter w;
+  w.op('}'), w.memoize(), w.op('(');
+  w.str("segments"), w.op(']'), w.memoize();
+  w.str("device_traces"), w.op(']'), w.memoize(), w.op('(');
+  w.op(']'), w.memoize(), w.op('(');  // device 0
+  // Read the checked way: the first of each key and action name.
+  const std::uint32_t a = w.entry("alloc", 0x1000, 512, -1, {"forward", "main"});
+  w.entry("free_requested", 0x1000, 512, a);
+  w.entry("free_completed", 0x1000, 512, a);
+  // Taken: the same stack in place again, then fetched.
+  const std::uint32_t b = w.entry("alloc", 0x1200, 512, -1, {"forward", "main"});
+  w.entry("alloc", 0x1400, 512, b);
+  w.user_defined("step");  // checked
+  w.entry("free_requested", 0x1200, 512, b);  // taken
+  w.entry("free_completed", 0x1200, 512, b);
+  w.entry("alloc", 0x1600, 1024, -1, {"backward", "main"});  // checked: a new frame
+  w.entry("oom", 1u << 20, 1u << 30, -1, {"backward", "main"});  // checked: device_free
+  w.entry("alloc", 0x1800, 1024, -1, {"backward", "main"});  // taken
+  w.op('e');
+  w.op(']'), w.memoize(), w.op('(');  // device 1
+  const std::uint32_t d = w.entry("alloc", 0x9000, 2048, -1, {"main"});
+  w.entry("free_requested", 0x9000, 2048, d);
+  w.op('e');
+  w.op('e'), w.op('u'), w.op('.');
+  const std::string bytes = w.out();
+
+  auto check_device0 = [](const Trace& t) {
+    using A = TraceAction;
+    EXPECT_EQ(t.events, (std::vector<TraceEvent>{{A::alloc, 0x1000, 512, 0, 1000, 1},
+                                                 {A::free_requested, 0x1000, 512, 0, 1001, 1},
+                                                 {A::free_completed, 0x1000, 512, 0, 1002, 1},
+                                                 {A::alloc, 0x1200, 512, 0, 1003, 1},
+                                                 {A::alloc, 0x1400, 512, 0, 1004, 1},
+                                                 {A::free_requested, 0x1200, 512, 0, 1005, 1},
+                                                 {A::free_completed, 0x1200, 512, 0, 1006, 1},
+                                                 {A::alloc, 0x1600, 1024, 0, 1007, 2},
+                                                 {A::oom, 1u << 20, 1u << 30, 0, 1008, 2},
+                                                 {A::alloc, 0x1800, 1024, 0, 1009, 2}}));
+    ASSERT_EQ(t.final_state.contexts.size(), 3u);
+    EXPECT_EQ(t.final_state.contexts[1].frames,
+              (std::vector<Frame>{{"model.py", 7, "forward"}, {"model.py", 7, "main"}}));
+    EXPECT_EQ(t.final_state.contexts[2].frames,
+              (std::vector<Frame>{{"model.py", 7, "backward"}, {"model.py", 7, "main"}}));
+    ASSERT_EQ(t.annotations.size(), 1u);
+    EXPECT_EQ(t.annotations[0], (TraceAnnotation{"", "step", 0, 5}));
+    EXPECT_EQ(t.device_events, (std::vector<std::uint64_t>{11, 2}));
+  };
+  check_device0(read_pytorch_snapshot(span_of(bytes), "s.pickle"));
+  const std::vector<Trace> all = read_pytorch_snapshot_devices(span_of(bytes), "s.pickle");
+  ASSERT_EQ(all.size(), 2u);
+  check_device0(all[0]);
+  EXPECT_EQ(all[1].events, (std::vector<TraceEvent>{{TraceAction::alloc, 0x9000, 2048, 0, 1010, 1},
+                                                    {TraceAction::free_requested, 0x9000, 2048, 0, 1011, 1}}));
+
+  const std::string path = ::testing::TempDir() + "/as_pytorch_writes.pickle";
+  {
+    std::ofstream(path, std::ios::binary) << bytes;
+  }
+  check_device0(read_trace_file(path));
+  const std::vector<Trace> from_file = read_trace_devices(path);
+  ASSERT_EQ(from_file.size(), 2u);
+  check_device0(from_file[0]);
+  EXPECT_EQ(from_file[1].events, all[1].events);
+  EXPECT_EQ(read_trace_file(path, 1).events, all[1].events);
+  std::remove(path.c_str());
+}
+
+// One list of entries as two devices' (device_traces = [L, L], the second
+// from the memo): each device reads every entry, none is lost by the first.
+TEST(SnapshotVersions, AListOfEntriesHeldTwiceIsReadTwice) {
+  SnapshotWriter w;
+  w.op('}'), w.memoize(), w.op('(');
+  w.str("segments"), w.op(']'), w.memoize();
+  w.str("device_traces"), w.op(']'), w.memoize(), w.op('(');
+  w.op(']');
+  const std::uint32_t list = w.memoize();
+  w.op('(');
+  const std::uint32_t a = w.entry("alloc", 0x1000, 512, -1, {"f"});
+  for (int i = 0; i < 3; ++i) w.entry("alloc", 0x2000 + 0x200 * i, 512, a);
+  w.op('e');
+  w.get(list);
+  w.op('e'), w.op('u'), w.op('.');
+  const std::vector<Trace> all = read_pytorch_snapshot_devices(span_of(w.out()), "s.pickle");
+  ASSERT_EQ(all.size(), 2u);
+  ASSERT_EQ(all[0].events.size(), 4u);
+  EXPECT_EQ(all[1].events, all[0].events);
+  EXPECT_EQ(all[1].events[3], (TraceEvent{TraceAction::alloc, 0x2400, 512, 0, 1003, 1}));
+}
+
+// An entry of the wrong type after runs of taken entries: the error names
+// its place in the list.
+TEST(SnapshotVersions, AnErrorAfterTakenEntriesNamesItsIndex) {
+  SnapshotWriter w;
+  w.op('}'), w.memoize(), w.op('(');
+  w.str("segments"), w.op(']'), w.memoize();
+  w.str("device_traces"), w.op(']'), w.memoize(), w.op('(');
+  w.op(']'), w.memoize(), w.op('(');
+  const std::uint32_t a = w.entry("alloc", 0x1000, 512, -1, {"f"});
+  for (int i = 0; i < 4; ++i) w.entry("alloc", 0x2000 + 0x200 * i, 512, a);
+  // Entry 5: size as a str.
+  w.op('}'), w.memoize(), w.op('(');
+  w.str("action"), w.str("alloc"), w.str("addr"), w.integer(0x3000), w.str("size"), w.str("512");
+  w.str("stream"), w.integer(0), w.op('u');
+  w.op('e');
+  w.op('e'), w.op('u'), w.op('.');
+  EXPECT_EQ(error_of<TraceError>([&] { (void)read_pytorch_snapshot(span_of(w.out()), "s.pickle"); }),
+            "snapshot s.pickle: device_traces[0][5].size: expected int, got str");
 }
 
 }  // namespace

@@ -43,6 +43,20 @@ struct Value {
   std::string text;                                            // string or bytes
   std::vector<const Value*> items;                             // list or tuple
   std::vector<std::pair<const Value*, const Value*>> entries;  // dict, in insertion order
+  // A list's dicts that a decode hook took over, in runs of consecutive
+  // hook indices: run r stands before items[r.at] (after every item when
+  // at == items.size()), in place of its dicts. Such a list holds no value
+  // for a taken dict: its items are the rest of its contents.
+  struct TakenRun {
+    std::size_t at = 0;
+    std::int64_t first = 0;  // the hook's index of its first dict
+    std::size_t count = 0;
+  };
+  std::vector<TakenRun> taken_runs;
+  // A list of stack frames the decoder read inside a taken dict and keeps
+  // once per distinct content (equal lists are one value): it refuses to
+  // extend it later, which no pickler does.
+  bool shared_by_content = false;
 
   // Dict lookup by string key; nullptr when absent or not a dict.
   const Value* find(std::string_view key) const;
@@ -67,12 +81,17 @@ class Document {
   }
   void set_root(const Value* root) { root_ = root; }
   std::size_t size() const { return size_; }
+  // Taken dicts made into Kind::taken values (held somewhere other than a
+  // list of taken dicts alone); 0 for every snapshot PyTorch writes.
+  std::size_t taken_values() const { return taken_values_; }
+  void count_taken_value() { ++taken_values_; }
 
  private:
   static constexpr std::size_t kBlock = 4096;
   std::vector<std::unique_ptr<Value[]>> blocks_;
   std::size_t used_ = 0;
   std::size_t size_ = 0;
+  std::size_t taken_values_ = 0;
   const Value* root_ = nullptr;
 };
 
@@ -82,8 +101,9 @@ class Document {
 Document decode(std::span<const std::uint8_t> data);
 
 // One item of a flat dict, as the decoder read it without making values: a
-// key the memo holds, and an int, bool or None value, or a value the memo
-// holds (`ref`).
+// key the memo holds, and an int, bool or None value, a value the memo holds
+// (`ref`), or a list of values the memo holds written in place (a trace
+// entry's stack: `ref` is then the list, kept once per distinct content).
 struct FlatItem {
   const Value* key = nullptr;
   const Value* ref = nullptr;  // set for values from the memo
@@ -94,10 +114,19 @@ struct FlatItem {
 // Sees each flat dict (at most 16 items, keys and non-scalar values already
 // in the memo: the shape of the millions of trace entries in a snapshot)
 // before any value of it is made. It returns an index of its own to take
-// the dict over (the dict becomes a Kind::taken value holding that index,
-// and none of its values are made), or -1 to have it decoded as usual.
+// the dict over (none of its values are made: a list holds taken dicts as
+// runs of indices, Value::taken_runs; anywhere else a taken dict is a
+// Kind::taken value holding its index), or -1 to have it decoded as usual.
 using FlatDictHook = std::function<std::int64_t(std::span<const FlatItem> items)>;
+struct DecodeOptions {
+  const FlatDictHook* hook = nullptr;
+  // Called with a byte offset once decoding has moved past it (every few
+  // MB): no byte before it is read again, so a mapped file's reader can hand
+  // those pages back.
+  std::function<void(std::size_t offset)> consumed;
+};
 Document decode(std::span<const std::uint8_t> data, const FlatDictHook& hook);
+Document decode(std::span<const std::uint8_t> data, const DecodeOptions& options);
 
 // Encodes a value tree as protocol 4 (readable by Python's pickle.load).
 std::string encode(const Value& root);

@@ -86,6 +86,10 @@ std::string_view to_string(TraceFormat format) noexcept;
 // memory that replay does not need.
 struct ReadOptions {
   bool contexts = true;  // false: every event and block has context 0
+  // Called with a byte offset of the input once the reader has moved past
+  // it for good (every few MB): read_trace_file hands a mapped file's pages
+  // back behind the reader with it, so a large snapshot is never held whole.
+  std::function<void(std::size_t offset)> consumed;
 };
 
 // Reads a trace, choosing the reader by content: a pickle (PyTorch snapshot),
@@ -104,7 +108,7 @@ std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions
 std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device);
 // PyTorch snapshot pickle, already in memory.
 Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::string& name,
-                            int device = 0);
+                            int device = 0, const ReadOptions& options = {});
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
                                                  const std::string& name,
                                                  const ReadOptions& options = {});
