@@ -257,7 +257,7 @@ const Entry kTable[] = {
        if (c.max_non_split_rounding_size != AllocatorConfig{}.max_non_split_rounding_size)
          out.push_back("max_non_split_rounding_mb:" + mib(c.max_non_split_rounding_size));
      }},
-    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "~2.14+", "2.14", "",
+    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "~2.11+", "2.11", "",
       "the segment a large-pool request below 10 MiB gets (20 MiB before), and the large "
       "pool's page under expandable segments",
       true},
@@ -336,7 +336,7 @@ const Entry kTable[] = {
        if (c.graph_capture_record_stream_reuse)
          out.emplace_back("graph_capture_record_stream_reuse:True");
      }},
-    {{"throw_on_cudamalloc_oom", kBool, "False", "~2.10+", "2.10", "",
+    {{"throw_on_cudamalloc_oom", kBool, "False", "~2.12+", "2.12", "",
       "fail a request before cudaMalloc when it would exceed free memory; accepted, not "
       "modelled: the same requests fail either way, only the device call differs",
       false},
@@ -407,13 +407,35 @@ const Entry kTable[] = {
        if (c.pinned_reserve_segment_size != 0)
          out.push_back("pinned_reserve_segment_size_mb:" + mib(c.pinned_reserve_segment_size));
      }},
-    {{"pinned_free_catch_all", kBool, "False", "~2.10+", "2.10", "",
+    {{"pinned_free_catch_all", kBool, "False", "~2.12+", "2.12", "",
       "pinned host allocator frees through one catch-all path; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_free_catch_all, k);
      },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.pinned_free_catch_all) out.emplace_back("pinned_free_catch_all:True");
+     }},
+    {{"pinned_max_round_threshold_mb", "a whole number of MiB", "unlimited", "~2.12+", "2.12",
+      "max_round_threshold",
+      "pinned host allocator rounds requests up to a power of two only below this size; accepted, "
+      "not modelled",
+      false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.pinned_max_round_threshold = p.mib_value(k, 0, "a whole number of MiB");
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_max_round_threshold != AllocatorConfig{}.pinned_max_round_threshold)
+         out.push_back("pinned_max_round_threshold_mb:" + mib(c.pinned_max_round_threshold));
+     }},
+    {{"pinned_max_cached_size_mb", "a whole number of MiB", "unlimited", "~2.12+", "2.12",
+      "max_cached_size",
+      "pinned host allocator caches no freed block above this size; accepted, not modelled", false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       c.pinned_max_cached_size = p.mib_value(k, 0, "a whole number of MiB");
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.pinned_max_cached_size != AllocatorConfig{}.pinned_max_cached_size)
+         out.push_back("pinned_max_cached_size_mb:" + mib(c.pinned_max_cached_size));
      }},
     {{"backend", "native", "native", "2.0+", "2.0", "",
       "`cudaMallocAsync` is refused: reservoir is the allocator", true},

@@ -40,8 +40,11 @@ constexpr std::string_view kSegmentKeys[] = {
 constexpr std::string_view kBlockKeys[] = {
     "address", "size", "requested_size", "state", "frames", "context", "compile_context",
     "user_metadata", "forward_frames"};
+// host_segments and host_traces (2.12 or later): the pinned host
+// allocator's segments and history, which no tool models.
 constexpr std::string_view kTopKeys[] = {"segments", "device_traces", "allocator_settings",
-                                         "external_annotations", "contexts"};
+                                         "external_annotations", "contexts", "host_segments",
+                                         "host_traces"};
 
 template <std::size_t N>
 bool known(std::string_view key, const std::string_view (&keys)[N]) {
@@ -415,6 +418,11 @@ class Reader {
         parts.push_back(fmt::format("{}:{}", row->key, v->boolean ? "True" : "False"));
       } else if (v->kind == Kind::floating) {
         if (v->floating > 0.0) parts.push_back(fmt::format("{}:{}", row->key, v->floating));
+      } else if (v->kind == Kind::integer && row->key.ends_with("_mb")) {
+        // Bytes; -1 (or SIZE_MAX) when unlimited.
+        if (v->integer >= 0 && !v->above_int64) {
+          parts.push_back(fmt::format("{}:{}", row->key, v->integer >> 20));
+        }
       } else if (v->kind == Kind::integer) {
         parts.push_back(fmt::format("{}:{}", row->key, v->integer));
       } else {

@@ -124,7 +124,8 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "throw_on_cudamalloc_oom, release_lock_on_cudamalloc, release_lock_on_hipmalloc, "
             "pinned_use_cuda_host_register, pinned_use_hip_host_register, "
             "pinned_num_register_threads, pinned_use_background_threads, "
-            "pinned_reserve_segment_size_mb, pinned_free_catch_all, backend, policy, "
+            "pinned_reserve_segment_size_mb, pinned_free_catch_all, "
+            "pinned_max_round_threshold_mb, pinned_max_cached_size_mb, backend, policy, "
             "paging_release_threshold_mb");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
@@ -161,7 +162,8 @@ TEST(Config, NewerPyTorchKeys) {
   const std::string text =
       "large_segment_size_mb:12,per_process_memory_fraction:0.5,"
       "graph_capture_record_stream_reuse:True,throw_on_cudamalloc_oom:True,"
-      "pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True";
+      "pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True,"
+      "pinned_max_round_threshold_mb:8,pinned_max_cached_size_mb:256";
   const AllocatorConfig c = AllocatorConfig::parse(text);
   EXPECT_EQ(c.large_segment_size, 12 * kMiB);
   EXPECT_EQ(c.per_process_memory_fraction, 0.5);
@@ -169,6 +171,8 @@ TEST(Config, NewerPyTorchKeys) {
   EXPECT_TRUE(c.throw_on_cudamalloc_oom);
   EXPECT_EQ(c.pinned_reserve_segment_size, 64 * kMiB);
   EXPECT_TRUE(c.pinned_free_catch_all);
+  EXPECT_EQ(c.pinned_max_round_threshold, 8 * kMiB);
+  EXPECT_EQ(c.pinned_max_cached_size, 256 * kMiB);
   EXPECT_EQ(c.to_string(), text);
   EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
   // ROCm's names set the same fields.
@@ -210,7 +214,7 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 20u);
+  EXPECT_EQ(keys.size(), 22u);
 }
 
 TEST(Config, VersionsCompareByNumber) {

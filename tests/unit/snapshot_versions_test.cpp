@@ -238,17 +238,17 @@ TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
 // The settings text holds keys the dict does not record: they are applied,
 // and tell the release. A text no config accepts is set aside, with a note.
 TEST(SnapshotVersions, TheSettingsTextAndTheDictTogether) {
-  const Trace v214 = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
+  const Trace v211 = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,large_segment_size_mb:12",
       "max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": true,
       "graph_capture_record_stream_reuse": false, "future_knob": 3})"));
-  EXPECT_EQ(v214.settings.large_segment_size, 12u << 20);
-  EXPECT_TRUE(v214.settings.expandable_segments);
-  EXPECT_EQ(v214.pytorch_since, "2.14");
-  EXPECT_EQ(v214.recorded_config, "large_segment_size_mb:12,expandable_segments:True");
-  EXPECT_EQ(v214.unknown_keys,
+  EXPECT_EQ(v211.settings.large_segment_size, 12u << 20);
+  EXPECT_TRUE(v211.settings.expandable_segments);
+  EXPECT_EQ(v211.pytorch_since, "2.11");
+  EXPECT_EQ(v211.recorded_config, "large_segment_size_mb:12,expandable_segments:True");
+  EXPECT_EQ(v211.unknown_keys,
             (std::map<std::string, std::uint64_t>{{"allocator_settings.future_knob", 1}}));
-  EXPECT_EQ(v214.settings_note, "");
+  EXPECT_EQ(v211.settings_note, "");
 
   const Trace async = read(snapshot("[[]]", "[]", R"(, "allocator_settings": {
       "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "max_split_size": 268435456,

@@ -48,6 +48,8 @@ struct AllocatorConfig {
   bool pinned_use_background_threads = false;
   std::size_t pinned_reserve_segment_size = 0;
   bool pinned_free_catch_all = false;
+  std::size_t pinned_max_round_threshold = std::numeric_limits<std::size_t>::max();
+  std::size_t pinned_max_cached_size = std::numeric_limits<std::size_t>::max();
   // Accepted, not modelled: replay does not route allocations to the
   // private pools of CUDA graphs, nor fail before the device would.
   bool graph_capture_record_stream_reuse = false;

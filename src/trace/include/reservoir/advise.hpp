@@ -154,7 +154,7 @@ struct AdviseOptions {
 // combinations; and reservoir's policy:paging. With `pytorch_since` (the
 // oldest release the recording shows, Trace::pytorch_since), only settings
 // whose keys that release knows, and for newer ones their own keys
-// (max_non_split_rounding_mb from 2.4, large_segment_size_mb from 2.14);
+// (max_non_split_rounding_mb from 2.4, large_segment_size_mb from 2.11);
 // empty: a recording that shows no release (2.0 to 2.3).
 std::vector<std::string> default_sweep(std::string_view pytorch_since = "2.3");
 
