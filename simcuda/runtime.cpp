@@ -1,0 +1,505 @@
+// The simulated CUDA runtime (libcudart.so.13): the runtime calls PyTorch
+// makes, served from the simulated device (sim.hpp). Every other name the
+// real runtime exports is a weak stub that refuses the call, naming it; the
+// version script gives each the version node PyTorch's libraries bind to.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "sim.hpp"
+
+using reservoir::simcuda::Event;
+using reservoir::simcuda::Sim;
+using reservoir::simcuda::Stream;
+
+extern "C" void* reservoir_simcuda_driver_symbol(const char* symbol);
+
+namespace {
+
+thread_local cudaError_t last_error = cudaSuccess;
+
+// Every call's result passes here: failures stick as the last error.
+cudaError_t result(int code) {
+  const auto e = static_cast<cudaError_t>(code);
+  if (e != cudaSuccess && e != cudaErrorNotReady) last_error = e;
+  return e;
+}
+
+#define ENTER(name, alloc)                                         \
+  if (const int injected = Sim::get().enter(name, alloc)) return result(injected)
+
+int device() { return Sim::current_device(); }
+
+// Launch configurations pushed by <<<>>> and popped by the stub that
+// launches.
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t shared = 0;
+  void* stream = nullptr;
+};
+thread_local LaunchConfig pushed;
+
+void copy(void* dst, const void* src, size_t count) {
+  if (count != 0 && dst != src) std::memmove(dst, src, count);
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- fat binaries and launches ----------------------------------------
+
+SIMCUDA_API void** __cudaRegisterFatBinary(void* fat) {
+  static void* handle[1];
+  handle[0] = fat;
+  return handle;
+}
+SIMCUDA_API void __cudaRegisterFatBinaryEnd(void** handle) { (void)handle; }
+SIMCUDA_API void __cudaUnregisterFatBinary(void** handle) { (void)handle; }
+SIMCUDA_API void __cudaRegisterFunction(void** handle, const char* host, char* device, const char* name,
+                                        int limit, uint3* tid, uint3* bid, dim3* bdim, dim3* gdim, int* wsize) {
+  (void)handle, (void)host, (void)device, (void)name, (void)limit, (void)tid, (void)bid, (void)bdim,
+      (void)gdim, (void)wsize;
+}
+SIMCUDA_API void __cudaRegisterVar(void** handle, char* host, char* device, const char* name, int ext,
+                                   size_t size, int constant, int global) {
+  (void)handle, (void)host, (void)device, (void)name, (void)ext, (void)size, (void)constant, (void)global;
+}
+SIMCUDA_API void __cudaRegisterManagedVar(void** handle, void** host, char* device, const char* name, int ext,
+                                          size_t size, int constant, int global) {
+  (void)handle, (void)host, (void)device, (void)name, (void)ext, (void)size, (void)constant, (void)global;
+}
+SIMCUDA_API char __cudaInitModule(void** handle) {
+  (void)handle;
+  return 0;
+}
+SIMCUDA_API unsigned __cudaPushCallConfiguration(dim3 grid, dim3 block, size_t shared, void* stream) {
+  pushed = LaunchConfig{grid, block, shared, stream};
+  return 0;
+}
+SIMCUDA_API cudaError_t __cudaPopCallConfiguration(dim3* grid, dim3* block, size_t* shared, void* stream) {
+  if (grid != nullptr) *grid = pushed.grid;
+  if (block != nullptr) *block = pushed.block;
+  if (shared != nullptr) *shared = pushed.shared;
+  if (stream != nullptr) *static_cast<void**>(stream) = pushed.stream;
+  return cudaSuccess;
+}
+
+cudaError_t launch(const char* name) {
+  if (!Sim::get().allow_kernels()) return result(Sim::get().refuse(name));
+  ENTER(name, false);
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaLaunchKernel(const void* f, dim3 grid, dim3 block, void** args, size_t shared,
+                                         cudaStream_t stream) {
+  (void)f, (void)grid, (void)block, (void)args, (void)shared, (void)stream;
+  return launch("cudaLaunchKernel");
+}
+SIMCUDA_API cudaError_t __cudaLaunchKernel(const void* f, dim3 grid, dim3 block, void** args, size_t shared,
+                                           cudaStream_t stream) {
+  (void)f, (void)grid, (void)block, (void)args, (void)shared, (void)stream;
+  return launch("__cudaLaunchKernel");
+}
+SIMCUDA_API cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* config, const void* f, void** args) {
+  (void)config, (void)f, (void)args;
+  return launch("cudaLaunchKernelExC");
+}
+
+// ---- errors and versions ------------------------------------------------
+
+SIMCUDA_API cudaError_t cudaGetLastError(void) {
+  const cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+SIMCUDA_API cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+SIMCUDA_API const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    default: return "cudaErrorUnknown";
+  }
+}
+
+SIMCUDA_API const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorNotSupported: return Sim::get().refused_text();
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    default: return "unknown error";
+  }
+}
+
+SIMCUDA_API cudaError_t cudaDriverGetVersion(int* version) {
+  ENTER("cudaDriverGetVersion", false);
+  if (version == nullptr) return result(cudaErrorInvalidValue);
+  *version = 13020;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaRuntimeGetVersion(int* version) {
+  ENTER("cudaRuntimeGetVersion", false);
+  if (version == nullptr) return result(cudaErrorInvalidValue);
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version,
+                                                         unsigned long long flags,
+                                                         cudaDriverEntryPointQueryResult* status) {
+  (void)version, (void)flags;
+  if (symbol == nullptr || fn == nullptr) return result(cudaErrorInvalidValue);
+  *fn = reservoir_simcuda_driver_symbol(symbol);
+  if (status != nullptr) *status = *fn != nullptr ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaGetDriverEntryPoint(const char* symbol, void** fn, unsigned long long flags,
+                                                cudaDriverEntryPointQueryResult* status) {
+  return cudaGetDriverEntryPointByVersion(symbol, fn, CUDART_VERSION, flags, status);
+}
+
+// ---- devices --------------------------------------------------------------
+
+SIMCUDA_API cudaError_t cudaGetDeviceCount(int* count) {
+  ENTER("cudaGetDeviceCount", false);
+  if (count == nullptr) return result(cudaErrorInvalidValue);
+  *count = Sim::get().device_count();
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaGetDevice(int* d) {
+  ENTER("cudaGetDevice", false);
+  if (d == nullptr) return result(cudaErrorInvalidValue);
+  *d = device();
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaSetDevice(int d) {
+  ENTER("cudaSetDevice", false);
+  if (!Sim::get().valid(d)) return result(cudaErrorInvalidDevice);
+  Sim::current_device() = d;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaDeviceSynchronize(void) {
+  ENTER("cudaDeviceSynchronize", false);
+  Sim::get().complete_all();
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int d) {
+  ENTER("cudaDeviceGetAttribute", false);
+  if (value == nullptr) return result(cudaErrorInvalidValue);
+  return result(reservoir_simcuda_attribute(static_cast<int>(attr), d, value));
+}
+SIMCUDA_API cudaError_t cudaDeviceGetPCIBusId(char* id, int len, int d) {
+  ENTER("cudaDeviceGetPCIBusId", false);
+  if (!Sim::get().valid(d)) return result(cudaErrorInvalidDevice);
+  if (id == nullptr || len <= 0) return result(cudaErrorInvalidValue);
+  std::snprintf(id, static_cast<size_t>(len), "00000000:%02X:00.0", 0x18 + d);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  ENTER("cudaDeviceGetStreamPriorityRange", false);
+  if (least != nullptr) *least = 0;
+  if (greatest != nullptr) *greatest = -5;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaDeviceCanAccessPeer(int* can, int d, int peer) {
+  ENTER("cudaDeviceCanAccessPeer", false);
+  if (can == nullptr) return result(cudaErrorInvalidValue);
+  if (!Sim::get().valid(d) || !Sim::get().valid(peer)) return result(cudaErrorInvalidDevice);
+  *can = d != peer ? 1 : 0;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+  ENTER("cudaDeviceEnablePeerAccess", false);
+  (void)flags;
+  return Sim::get().valid(peer) ? cudaSuccess : result(cudaErrorInvalidDevice);
+}
+
+SIMCUDA_API cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  ENTER("cudaGetDeviceProperties", false);
+  if (p == nullptr) return result(cudaErrorInvalidValue);
+  if (!Sim::get().valid(d)) return result(cudaErrorInvalidDevice);
+  std::memset(p, 0, sizeof *p);
+  std::snprintf(p->name, sizeof p->name, "%s", Sim::get().name().c_str());
+  std::memcpy(p->uuid.bytes, "reservoirsim", 12);
+  p->uuid.bytes[15] = static_cast<char>(d);
+  auto attr = [d](cudaDeviceAttr a) {
+    int v = 0;
+    reservoir_simcuda_attribute(static_cast<int>(a), d, &v);
+    return v;
+  };
+  p->totalGlobalMem = Sim::get().capacity(d);
+  p->sharedMemPerBlock = static_cast<size_t>(attr(cudaDevAttrMaxSharedMemoryPerBlock));
+  p->regsPerBlock = attr(cudaDevAttrMaxRegistersPerBlock);
+  p->warpSize = attr(cudaDevAttrWarpSize);
+  p->memPitch = 2147483647;
+  p->maxThreadsPerBlock = attr(cudaDevAttrMaxThreadsPerBlock);
+  p->maxThreadsDim[0] = 1024, p->maxThreadsDim[1] = 1024, p->maxThreadsDim[2] = 64;
+  p->maxGridSize[0] = 2147483647, p->maxGridSize[1] = 65535, p->maxGridSize[2] = 65535;
+  p->totalConstMem = 65536;
+  p->major = attr(cudaDevAttrComputeCapabilityMajor);
+  p->minor = attr(cudaDevAttrComputeCapabilityMinor);
+  p->textureAlignment = 512;
+  p->texturePitchAlignment = 32;
+  p->multiProcessorCount = attr(cudaDevAttrMultiProcessorCount);
+  p->integrated = 0;
+  p->canMapHostMemory = 1;
+  p->concurrentKernels = 1;
+  p->ECCEnabled = 1;
+  p->pciBusID = 0x18 + d;
+  p->asyncEngineCount = 2;
+  p->unifiedAddressing = 1;
+  p->memoryBusWidth = attr(cudaDevAttrGlobalMemoryBusWidth);
+  p->l2CacheSize = attr(cudaDevAttrL2CacheSize);
+  p->persistingL2CacheMaxSize = attr(cudaDevAttrMaxPersistingL2CacheSize);
+  p->maxThreadsPerMultiProcessor = attr(cudaDevAttrMaxThreadsPerMultiProcessor);
+  p->streamPrioritiesSupported = 1;
+  p->globalL1CacheSupported = 1;
+  p->localL1CacheSupported = 1;
+  p->sharedMemPerMultiprocessor = static_cast<size_t>(attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor));
+  p->regsPerMultiprocessor = 65536;
+  p->managedMemory = 1;
+  p->concurrentManagedAccess = 1;
+  p->pageableMemoryAccess = 0;
+  p->sharedMemPerBlockOptin = static_cast<size_t>(attr(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+  p->maxBlocksPerMultiProcessor = 32;
+  p->accessPolicyMaxWindowSize = 134213632;
+  p->reservedSharedMemPerBlock = 1024;
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
+  (void)attr, (void)func;
+  return result(Sim::get().refuse("cudaFuncGetAttributes"));
+}
+
+// ---- memory -----------------------------------------------------------------
+
+SIMCUDA_API cudaError_t cudaMalloc(void** ptr, size_t size) {
+  ENTER("cudaMalloc", true);
+  return result(Sim::get().malloc_device(device(), size, ptr));
+}
+SIMCUDA_API cudaError_t cudaFree(void* ptr) {
+  ENTER("cudaFree", false);
+  return result(Sim::get().free_device(ptr));
+}
+SIMCUDA_API cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  ENTER("cudaMemGetInfo", false);
+  if (free == nullptr || total == nullptr) return result(cudaErrorInvalidValue);
+  *total = Sim::get().capacity(device());
+  *free = *total - Sim::get().used(device());
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  ENTER("cudaMallocHost", true);
+  return result(Sim::get().host_alloc(size, ptr));
+}
+SIMCUDA_API cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int flags) {
+  ENTER("cudaHostAlloc", true);
+  (void)flags;
+  return result(Sim::get().host_alloc(size, ptr));
+}
+SIMCUDA_API cudaError_t cudaFreeHost(void* ptr) {
+  ENTER("cudaFreeHost", false);
+  return result(Sim::get().host_free(ptr));
+}
+// Host memory is the device's memory here: registering it changes nothing.
+SIMCUDA_API cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int flags) {
+  ENTER("cudaHostRegister", false);
+  (void)flags;
+  return ptr != nullptr && size != 0 ? cudaSuccess : result(cudaErrorInvalidValue);
+}
+SIMCUDA_API cudaError_t cudaHostUnregister(void* ptr) {
+  ENTER("cudaHostUnregister", false);
+  return ptr != nullptr ? cudaSuccess : result(cudaErrorInvalidValue);
+}
+SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* ptr) {
+  ENTER("cudaPointerGetAttributes", false);
+  if (a == nullptr) return result(cudaErrorInvalidValue);
+  std::memset(a, 0, sizeof *a);
+  std::uintptr_t base = 0;
+  size_t size = 0;
+  int d = 0;
+  if (Sim::get().device_range(ptr, &base, &size, &d)) {
+    a->type = cudaMemoryTypeDevice;
+    a->device = d;
+    a->devicePointer = const_cast<void*>(ptr);
+  } else if (Sim::get().is_host(ptr)) {
+    a->type = cudaMemoryTypeHost;
+    a->device = device();
+    a->devicePointer = const_cast<void*>(ptr);
+    a->hostPointer = const_cast<void*>(ptr);
+  } else {
+    a->type = cudaMemoryTypeUnregistered;
+    a->device = -2;
+    a->hostPointer = const_cast<void*>(ptr);
+  }
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+  ENTER("cudaMemcpy", false);
+  (void)kind;
+  copy(dst, src, count);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
+                                        cudaStream_t stream) {
+  ENTER("cudaMemcpyAsync", false);
+  (void)kind, (void)stream;
+  copy(dst, src, count);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
+                                            size_t count, cudaStream_t stream) {
+  ENTER("cudaMemcpyPeerAsync", false);
+  (void)dst_device, (void)src_device, (void)stream;
+  copy(dst, src, count);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                                          size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
+  ENTER("cudaMemcpy2DAsync", false);
+  (void)kind, (void)stream;
+  for (size_t row = 0; row < height; ++row) {
+    copy(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
+  }
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  ENTER("cudaMemset", false);
+  std::memset(ptr, value, count);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
+  ENTER("cudaMemsetAsync", false);
+  (void)stream;
+  std::memset(ptr, value, count);
+  return cudaSuccess;
+}
+
+// ---- streams and events -----------------------------------------------------
+
+SIMCUDA_API cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int priority) {
+  ENTER("cudaStreamCreateWithPriority", false);
+  if (s == nullptr) return result(cudaErrorInvalidValue);
+  *s = reinterpret_cast<cudaStream_t>(Sim::get().create_stream(device(), priority, flags));
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  return cudaStreamCreateWithPriority(s, flags, 0);
+}
+SIMCUDA_API cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithPriority(s, 0, 0); }
+SIMCUDA_API cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  ENTER("cudaStreamDestroy", false);
+  return result(Sim::get().destroy_stream(reinterpret_cast<Stream*>(s)));
+}
+SIMCUDA_API cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
+  ENTER("cudaStreamGetPriority", false);
+  if (priority == nullptr) return result(cudaErrorInvalidValue);
+  *priority = s != nullptr ? reinterpret_cast<Stream*>(s)->priority : 0;
+  return cudaSuccess;
+}
+// Work is done when issued: a stream is always idle.
+SIMCUDA_API cudaError_t cudaStreamQuery(cudaStream_t s) {
+  ENTER("cudaStreamQuery", false);
+  (void)s;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  ENTER("cudaStreamSynchronize", false);
+  (void)s;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
+  ENTER("cudaStreamWaitEvent", false);
+  (void)s, (void)e, (void)flags;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  ENTER("cudaStreamIsCapturing", false);
+  (void)s;
+  if (status == nullptr) return result(cudaErrorInvalidValue);
+  *status = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* status,
+                                                 unsigned long long* id, cudaGraph_t* graph,
+                                                 const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges,
+                                                 size_t* count) {
+  ENTER("cudaStreamGetCaptureInfo", false);
+  (void)s;
+  if (status == nullptr) return result(cudaErrorInvalidValue);
+  *status = cudaStreamCaptureStatusNone;
+  if (id != nullptr) *id = 0;
+  if (graph != nullptr) *graph = nullptr;
+  if (deps != nullptr) *deps = nullptr;
+  if (edges != nullptr) *edges = nullptr;
+  if (count != nullptr) *count = 0;
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  ENTER("cudaThreadExchangeStreamCaptureMode", false);
+  if (mode == nullptr) return result(cudaErrorInvalidValue);
+  thread_local cudaStreamCaptureMode current = cudaStreamCaptureModeGlobal;
+  const cudaStreamCaptureMode was = current;
+  current = *mode;
+  *mode = was;
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
+  ENTER("cudaEventCreateWithFlags", false);
+  (void)flags;
+  if (e == nullptr) return result(cudaErrorInvalidValue);
+  *e = reinterpret_cast<cudaEvent_t>(Sim::get().create_event(device()));
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+SIMCUDA_API cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  ENTER("cudaEventDestroy", false);
+  return result(Sim::get().destroy_event(reinterpret_cast<Event*>(e)));
+}
+SIMCUDA_API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  ENTER("cudaEventRecord", false);
+  (void)s;
+  return result(Sim::get().record(reinterpret_cast<Event*>(e)));
+}
+SIMCUDA_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int flags) {
+  ENTER("cudaEventRecordWithFlags", false);
+  (void)s, (void)flags;
+  return result(Sim::get().record(reinterpret_cast<Event*>(e)));
+}
+SIMCUDA_API cudaError_t cudaEventQuery(cudaEvent_t e) {
+  ENTER("cudaEventQuery", false);
+  return result(Sim::get().query(reinterpret_cast<Event*>(e)));
+}
+SIMCUDA_API cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  ENTER("cudaEventSynchronize", false);
+  return result(Sim::get().synchronize(reinterpret_cast<Event*>(e)));
+}
+SIMCUDA_API cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  ENTER("cudaEventElapsedTime", false);
+  if (ms == nullptr || start == nullptr || end == nullptr) return result(cudaErrorInvalidValue);
+  *ms = static_cast<float>(reinterpret_cast<Event*>(end)->time_ms - reinterpret_cast<Event*>(start)->time_ms);
+  return cudaSuccess;
+}
+
+SIMCUDA_API cudaError_t cudaProfilerStart(void) { return cudaSuccess; }
+SIMCUDA_API cudaError_t cudaProfilerStop(void) { return cudaSuccess; }
+
+}  // extern "C"

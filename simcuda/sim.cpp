@@ -1,0 +1,500 @@
+#include "sim.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+
+#include "control.h"
+
+namespace reservoir::simcuda {
+namespace {
+
+std::string env(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+thread_local std::string refused_call;  // this thread's last refused call
+thread_local std::string refused_text_buf;
+
+constexpr std::size_t kPage = 4096;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+std::size_t parse_bytes(const char* text) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (end == text) return 0;
+  const std::string unit(end);
+  if (unit.empty()) return v;
+  if (unit == "KiB") return v << 10;
+  if (unit == "MiB") return v << 20;
+  if (unit == "GiB") return v << 30;
+  return 0;
+}
+
+Sim::Sim() {
+  const int count = std::atoi(env("RESERVOIR_SIMCUDA_DEVICES", "1").c_str());
+  std::size_t capacity = parse_bytes(env("RESERVOIR_SIMCUDA_MEMORY", "81559MiB").c_str());
+  if (count <= 0 || capacity == 0) {
+    std::fprintf(stderr,
+                 "reservoir simulated CUDA: RESERVOIR_SIMCUDA_DEVICES must be a positive count and "
+                 "RESERVOIR_SIMCUDA_MEMORY bytes, KiB, MiB or GiB; using 1 device of 81559MiB\n");
+    capacity = std::size_t{81559} << 20;
+  }
+  devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0});
+  name_ = env("RESERVOIR_SIMCUDA_NAME", "NVIDIA H100 80GB HBM3");
+  held_ = env("RESERVOIR_SIMCUDA_EVENTS", "complete") == "held";
+  kernels_ = env("RESERVOIR_SIMCUDA_KERNELS", "refuse") == "skip";
+  log_ = env("RESERVOIR_SIMCUDA_LOG", "0") == "1";
+  // "call:N,call:N"
+  const std::string fail = env("RESERVOIR_SIMCUDA_FAIL", "");
+  std::size_t at = 0;
+  while (at < fail.size()) {
+    const std::size_t comma = fail.find(',', at);
+    const std::string item = fail.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    const std::size_t colon = item.find(':');
+    if (colon != std::string::npos) {
+      const auto n = std::strtoull(item.c_str() + colon + 1, nullptr, 10);
+      if (n > 0) failures_[item.substr(0, colon)].push_back(n);
+    }
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+}
+
+Sim& Sim::get() {
+  static Sim* sim = new Sim();  // never destroyed: calls may come from other static destructors
+  return *sim;
+}
+
+int& Sim::current_device() {
+  thread_local int device = 0;
+  return device;
+}
+
+int Sim::enter(const char* call, bool alloc) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t n = ++counts_[call];
+  if (log_) std::fprintf(stderr, "simcuda: %s #%llu\n", call, static_cast<unsigned long long>(n));
+  auto it = failures_.find(call);
+  if (it == failures_.end()) return kSuccess;
+  for (const std::uint64_t use : it->second) {
+    if (use == n) return alloc ? kOutOfMemory : kUnknown;
+  }
+  return kSuccess;
+}
+
+int Sim::refuse(const char* call) {
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = ++counts_[call] == 1;
+  }
+  if (first) {
+    std::fprintf(stderr, "reservoir simulated CUDA: %s is not served by the simulated device\n", call);
+  }
+  refused_call = call;
+  return kNotSupported;
+}
+
+const char* Sim::refused_text() const {
+  refused_text_buf = refused_call.empty()
+                         ? std::string("operation not supported")
+                         : "operation not supported: " + refused_call +
+                               " is not served by reservoir's simulated CUDA device";
+  return refused_text_buf.c_str();
+}
+
+std::size_t Sim::used(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return valid(device) ? devices_[static_cast<std::size_t>(device)].used : 0;
+}
+
+int Sim::malloc_device(int device, std::size_t size, void** out) {
+  if (out == nullptr) return kInvalidValue;
+  if (!valid(device)) return kInvalidDevice;
+  if (size == 0) {
+    *out = nullptr;
+    return kSuccess;
+  }
+  const std::size_t bytes = round_up(size, kPage);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = devices_[static_cast<std::size_t>(device)];
+    if (d.used + bytes > d.capacity) return kOutOfMemory;
+    d.used += bytes;
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (p == MAP_FAILED) {
+    devices_[static_cast<std::size_t>(device)].used -= bytes;
+    return kOutOfMemory;
+  }
+  allocations_[reinterpret_cast<std::uintptr_t>(p)] = {bytes, device};
+  *out = p;
+  return kSuccess;
+}
+
+int Sim::free_device(void* ptr) {
+  if (ptr == nullptr) return kSuccess;
+  std::size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (it == allocations_.end()) return kInvalidValue;
+    bytes = it->second.first;
+    devices_[static_cast<std::size_t>(it->second.second)].used -= bytes;
+    allocations_.erase(it);
+  }
+  ::munmap(ptr, bytes);
+  return kSuccess;
+}
+
+bool Sim::device_range(const void* ptr, std::uintptr_t* base, std::size_t* size, int* device) {
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = allocations_.upper_bound(p); it != allocations_.begin()) {
+    --it;
+    if (p < it->first + it->second.first) {
+      *base = it->first, *size = it->second.first, *device = it->second.second;
+      return true;
+    }
+  }
+  if (auto it = mappings_.upper_bound(p); it != mappings_.begin()) {
+    --it;
+    if (p < it->first + it->second.size) {
+      *base = it->first, *size = it->second.size;
+      *device = physical_.count(it->second.handle) ? physical_[it->second.handle].device : 0;
+      return true;
+    }
+  }
+  return false;
+}
+
+int Sim::reserve(std::size_t size, std::size_t alignment, std::uintptr_t* out) {
+  if (size == 0 || size % kGranularity != 0 || out == nullptr) return kInvalidValue;
+  const std::size_t align = alignment > kGranularity ? alignment : kGranularity;
+  // Over-reserve to align, then give back the ends.
+  void* p = ::mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return kOutOfMemory;
+  const auto raw = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t base = round_up(raw, align);
+  if (base > raw) ::munmap(p, base - raw);
+  if (raw + size + align > base + size) {
+    ::munmap(reinterpret_cast<void*>(base + size), raw + size + align - (base + size));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  reservations_[base] = size;
+  *out = base;
+  return kSuccess;
+}
+
+int Sim::unreserve(std::uintptr_t va, std::size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = reservations_.find(va);
+    if (it == reservations_.end() || it->second != size) return kInvalidValue;
+    // Nothing may still be mapped inside.
+    auto m = mappings_.lower_bound(va);
+    if (m != mappings_.end() && m->first < va + size) return kInvalidValue;
+    reservations_.erase(it);
+  }
+  ::munmap(reinterpret_cast<void*>(va), size);
+  return kSuccess;
+}
+
+int Sim::create_physical(int device, std::size_t size, std::uint64_t* handle) {
+  if (!valid(device)) return kInvalidDevice;
+  if (size == 0 || size % kGranularity != 0 || handle == nullptr) return kInvalidValue;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = devices_[static_cast<std::size_t>(device)];
+    if (d.used + size > d.capacity) return kOutOfMemory;
+    d.used += size;
+  }
+  const int fd = ::memfd_create("reservoir-simcuda", MFD_CLOEXEC);
+  if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (fd >= 0) ::close(fd);
+    std::lock_guard<std::mutex> lock(mu_);
+    devices_[static_cast<std::size_t>(device)].used -= size;
+    return kOutOfMemory;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  *handle = next_handle_++;
+  physical_[*handle] = Physical{fd, size, device, 1};
+  return kSuccess;
+}
+
+int Sim::release_physical(std::uint64_t handle) {
+  int fd = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = physical_.find(handle);
+    if (it == physical_.end()) return kInvalidValue;
+    if (--it->second.refs > 0) return kSuccess;
+    // Memory still mapped stays alive until unmapped (the mapping holds the
+    // pages); it counts as released, as PyTorch unmaps before releasing.
+    devices_[static_cast<std::size_t>(it->second.device)].used -= it->second.size;
+    fd = it->second.fd;
+    physical_.erase(it);
+  }
+  ::close(fd);
+  return kSuccess;
+}
+
+int Sim::map(std::uintptr_t va, std::size_t size, std::size_t offset, std::uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto ph = physical_.find(handle);
+  if (ph == physical_.end()) return kInvalidHandle;
+  if (size == 0 || size % kGranularity != 0 || va % kGranularity != 0 ||
+      offset + size > ph->second.size) {
+    return kInvalidValue;
+  }
+  // Inside one reservation, over nothing mapped.
+  auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin()) return kInvalidValue;
+  --r;
+  if (va + size > r->first + r->second) return kInvalidValue;
+  if (auto m = mappings_.upper_bound(va); m != mappings_.begin()) {
+    --m;
+    if (m->first + m->second.size > va) return kInvalidValue;
+  }
+  if (auto m = mappings_.lower_bound(va); m != mappings_.end() && m->first < va + size) {
+    return kInvalidValue;
+  }
+  void* p = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                   ph->second.fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED) return kOutOfMemory;
+  mappings_[va] = Mapping{size, handle, offset};
+  return kSuccess;
+}
+
+int Sim::unmap(std::uintptr_t va, std::size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Whole mappings only, as CUDA requires.
+  std::uintptr_t at = va;
+  while (at < va + size) {
+    auto m = mappings_.find(at);
+    if (m == mappings_.end()) return kInvalidValue;
+    at += m->second.size;
+  }
+  if (at != va + size) return kInvalidValue;
+  void* p = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return kUnknown;
+  for (at = va; at < va + size;) {
+    auto m = mappings_.find(at);
+    at += m->second.size;
+    mappings_.erase(m);
+  }
+  return kSuccess;
+}
+
+int Sim::set_access(std::uintptr_t va, std::size_t size, bool read_write) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::uintptr_t at = va;
+    while (at < va + size) {
+      auto m = mappings_.upper_bound(at);
+      if (m == mappings_.begin()) return kInvalidValue;
+      --m;
+      if (at >= m->first + m->second.size) return kInvalidValue;
+      at = m->first + m->second.size;
+    }
+  }
+  if (::mprotect(reinterpret_cast<void*>(va), size, read_write ? PROT_READ | PROT_WRITE : PROT_READ) != 0) {
+    return kInvalidValue;
+  }
+  return kSuccess;
+}
+
+int Sim::export_fd(std::uint64_t handle, int* fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = physical_.find(handle);
+  if (it == physical_.end() || fd == nullptr) return kInvalidValue;
+  *fd = ::dup(it->second.fd);
+  return *fd < 0 ? kUnknown : kSuccess;
+}
+
+int Sim::import_fd(int fd, int device, std::uint64_t* handle) {
+  if (!valid(device)) return kInvalidDevice;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  if (size <= 0 || handle == nullptr) return kInvalidValue;
+  const int own = ::dup(fd);
+  if (own < 0) return kInvalidValue;
+  std::lock_guard<std::mutex> lock(mu_);
+  *handle = next_handle_++;
+  // Imported memory was counted by its exporter.
+  physical_[*handle] = Physical{own, static_cast<std::size_t>(size), device, 1};
+  devices_[static_cast<std::size_t>(device)].used += static_cast<std::size_t>(size);
+  return kSuccess;
+}
+
+int Sim::retain(const void* ptr, std::uint64_t* handle) {
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto m = mappings_.upper_bound(p);
+  if (m == mappings_.begin()) return kInvalidValue;
+  --m;
+  if (p >= m->first + m->second.size) return kInvalidValue;
+  auto ph = physical_.find(m->second.handle);
+  if (ph == physical_.end()) return kInvalidValue;
+  ++ph->second.refs;
+  *handle = m->second.handle;
+  return kSuccess;
+}
+
+int Sim::physical_size(std::uint64_t handle, std::size_t* size, int* device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = physical_.find(handle);
+  if (it == physical_.end()) return kInvalidValue;
+  *size = it->second.size;
+  *device = it->second.device;
+  return kSuccess;
+}
+
+Stream* Sim::create_stream(int device, int priority, unsigned flags) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.push_back(std::make_unique<Stream>(Stream{device, priority, flags}));
+  return streams_.back().get();
+}
+
+int Sim::destroy_stream(Stream* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = streams_.begin(); it != streams_.end(); ++it) {
+    if (it->get() == s) {
+      streams_.erase(it);
+      return kSuccess;
+    }
+  }
+  return kInvalidHandle;
+}
+
+Event* Sim::create_event(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(std::make_unique<Event>());
+  events_.back()->device = device;
+  return events_.back().get();
+}
+
+int Sim::destroy_event(Event* e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = events_.begin(); it != events_.end(); ++it) {
+    if (it->get() == e) {
+      events_.erase(it);
+      return kSuccess;
+    }
+  }
+  return kInvalidHandle;
+}
+
+double Sim::now_ms() const {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+int Sim::record(Event* e) {
+  if (e == nullptr) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(mu_);
+  e->recorded = true;
+  e->complete = !held_;
+  e->time_ms = now_ms();
+  return kSuccess;
+}
+
+int Sim::query(const Event* e) {
+  if (e == nullptr) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(mu_);
+  return e->complete ? kSuccess : kNotReady;
+}
+
+int Sim::synchronize(Event* e) {
+  if (e == nullptr) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(mu_);
+  e->complete = true;  // the work it waits for is done: the device ran it
+  return kSuccess;
+}
+
+void Sim::complete_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& e : events_) e->complete = true;
+}
+
+void Sim::hold_events(bool held) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_ = held;
+}
+
+int Sim::host_alloc(std::size_t size, void** out) {
+  if (out == nullptr) return kInvalidValue;
+  const std::size_t bytes = round_up(size == 0 ? 1 : size, kPage);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return kOutOfMemory;
+  std::lock_guard<std::mutex> lock(mu_);
+  host_[reinterpret_cast<std::uintptr_t>(p)] = bytes;
+  *out = p;
+  return kSuccess;
+}
+
+int Sim::host_free(void* ptr) {
+  if (ptr == nullptr) return kSuccess;
+  std::size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = host_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (it == host_.end()) return kInvalidValue;
+    bytes = it->second;
+    host_.erase(it);
+  }
+  ::munmap(ptr, bytes);
+  return kSuccess;
+}
+
+bool Sim::is_host(const void* ptr) {
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = host_.upper_bound(p);
+  if (it == host_.begin()) return false;
+  --it;
+  return p < it->first + it->second;
+}
+
+void Sim::fail_at(const std::string& call, std::uint64_t nth_from_now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  failures_[call].push_back(counts_[call] + nth_from_now);
+}
+
+std::uint64_t Sim::calls(const std::string& call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = counts_.find(call);
+  return it == counts_.end() ? 0 : it->second;
+}
+
+}  // namespace reservoir::simcuda
+
+using reservoir::simcuda::Sim;
+
+extern "C" {
+
+SIMCUDA_API int reservoir_simcuda_refuse(const char* name) { return Sim::get().refuse(name); }
+
+SIMCUDA_API void reservoirSimCudaFailAt(const char* call, unsigned long long nth) {
+  Sim::get().fail_at(call, nth);
+}
+SIMCUDA_API unsigned long long reservoirSimCudaCalls(const char* call) { return Sim::get().calls(call); }
+SIMCUDA_API void reservoirSimCudaHoldEvents(int held) { Sim::get().hold_events(held != 0); }
+SIMCUDA_API void reservoirSimCudaCompleteEvents(void) { Sim::get().complete_all(); }
+SIMCUDA_API void reservoirSimCudaAllowKernels(int allow) { Sim::get().set_allow_kernels(allow != 0); }
+SIMCUDA_API size_t reservoirSimCudaUsed(int device) { return Sim::get().used(device); }
+SIMCUDA_API int reservoirSimCudaIsSimulated(void) { return 1; }
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+// A simulated CUDA device in host memory: the state behind the simulated
+// driver (libcuda.so.1), runtime (libcudart.so.13) and NVML
+// (libnvidia-ml.so.1), under which the real PyTorch runs unchanged.
+//
+// Device memory is real host memory: cudaMalloc maps anonymous pages, the
+// virtual-memory calls reserve address space (PROT_NONE), make physical
+// memory as memfd files and map them there, so what is written through a
+// device pointer reads back, and memory handed back leaves the process.
+// Copies in every direction are memcpy; work on a stream is done when it
+// is issued. Events complete when recorded, or are held until released,
+// under test control. Kernel launches are refused unless allowed.
+//
+// Configuration, read once from the environment:
+//   RESERVOIR_SIMCUDA_DEVICES   device count (default 1)
+//   RESERVOIR_SIMCUDA_MEMORY    each device's capacity: bytes, or with KiB,
+//                               MiB, GiB (default 81559MiB, an H100 80GB's)
+//   RESERVOIR_SIMCUDA_NAME      device name (default "NVIDIA H100 80GB HBM3")
+//   RESERVOIR_SIMCUDA_EVENTS    "complete" (default) or "held"
+//   RESERVOIR_SIMCUDA_KERNELS   "refuse" (default) or "skip" (a launch does
+//                               nothing and succeeds)
+//   RESERVOIR_SIMCUDA_FAIL      "call:N[,call:N...]": the Nth use of each
+//                               named call fails (allocation calls with out
+//                               of memory, others with an unknown error)
+//   RESERVOIR_SIMCUDA_LOG       "1": every call, one line each, to stderr
+// Tests also steer it through the reservoirSimCuda* functions (control.h).
+//
+// Thread safety: every entry takes the one lock of Sim for the state it
+// touches; copies run outside it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#define SIMCUDA_API __attribute__((visibility("default")))
+
+namespace reservoir::simcuda {
+
+// Codes shared by the runtime and the driver (their numbers agree).
+enum Code : int {
+  kSuccess = 0,
+  kInvalidValue = 1,
+  kOutOfMemory = 2,
+  kNotInitialized = 3,
+  kInvalidDevice = 101,
+  kInvalidContext = 201,
+  kInvalidHandle = 400,
+  kNotFound = 500,
+  kNotReady = 600,
+  kNotSupported = 801,
+  kUnknown = 999,
+};
+
+struct Event {
+  int device = 0;
+  bool recorded = false;
+  bool complete = true;
+  double time_ms = 0.0;
+};
+
+struct Stream {
+  int device = 0;
+  int priority = 0;
+  unsigned flags = 0;
+};
+
+// Physical memory made by cuMemCreate: a memfd of `size` bytes.
+struct Physical {
+  int fd = -1;
+  std::size_t size = 0;
+  int device = 0;
+  int refs = 1;  // the handle, and each retain
+};
+
+struct Mapping {
+  std::size_t size = 0;
+  std::uint64_t handle = 0;
+  std::size_t offset = 0;
+};
+
+struct Device {
+  std::size_t capacity = 0;
+  std::size_t used = 0;  // cudaMalloc'd and cuMemCreate'd bytes
+};
+
+class SIMCUDA_API Sim {
+ public:
+  static Sim& get();
+
+  // Entry to every served call: counts it, logs it, and answers the
+  // failure injected for this use (kSuccess otherwise). `alloc` calls fail
+  // with out of memory, the others with an unknown error.
+  int enter(const char* call, bool alloc = false);
+  // A call the simulation does not serve: says so once on stderr, and
+  // remembers it for the error string. Returns kNotSupported.
+  int refuse(const char* call);
+  const char* refused_text() const;  // this thread's last refusal, described
+
+  // Devices.
+  int device_count() const { return static_cast<int>(devices_.size()); }
+  bool valid(int device) const { return device >= 0 && device < device_count(); }
+  const std::string& name() const { return name_; }
+  std::size_t capacity(int device) const { return devices_.at(static_cast<std::size_t>(device)).capacity; }
+  std::size_t used(int device);
+  static int& current_device();  // this thread's
+
+  // cudaMalloc-style memory: real pages; nullptr-free errors by code.
+  int malloc_device(int device, std::size_t size, void** out);
+  int free_device(void* ptr);
+  // Whether `ptr` lies in memory of a device; its range when it does.
+  bool device_range(const void* ptr, std::uintptr_t* base, std::size_t* size, int* device);
+
+  // Virtual memory.
+  static constexpr std::size_t kGranularity = std::size_t{2} << 20;
+  int reserve(std::size_t size, std::size_t alignment, std::uintptr_t* out);
+  int unreserve(std::uintptr_t va, std::size_t size);
+  int create_physical(int device, std::size_t size, std::uint64_t* handle);
+  int release_physical(std::uint64_t handle);
+  int map(std::uintptr_t va, std::size_t size, std::size_t offset, std::uint64_t handle);
+  int unmap(std::uintptr_t va, std::size_t size);
+  int set_access(std::uintptr_t va, std::size_t size, bool read_write);
+  int export_fd(std::uint64_t handle, int* fd);
+  int import_fd(int fd, int device, std::uint64_t* handle);
+  int retain(const void* ptr, std::uint64_t* handle);
+  int physical_size(std::uint64_t handle, std::size_t* size, int* device);
+
+  // Streams and events.
+  Stream* create_stream(int device, int priority, unsigned flags);
+  int destroy_stream(Stream* s);
+  Event* create_event(int device);
+  int destroy_event(Event* e);
+  int record(Event* e);
+  int query(const Event* e);
+  int synchronize(Event* e);
+  void complete_all();
+  void hold_events(bool held);
+  bool allow_kernels() const { return kernels_; }
+  void set_allow_kernels(bool allow) { kernels_ = allow; }
+
+  // Pinned host memory.
+  int host_alloc(std::size_t size, void** out);
+  int host_free(void* ptr);
+  bool is_host(const void* ptr);
+
+  // Test control.
+  void fail_at(const std::string& call, std::uint64_t nth_from_now);
+  std::uint64_t calls(const std::string& call);
+
+ private:
+  Sim();
+  double now_ms() const;
+
+  std::mutex mu_;
+  std::vector<Device> devices_;
+  std::string name_;
+  bool held_ = false;
+  bool kernels_ = false;
+  bool log_ = false;
+  std::unordered_map<std::string, std::uint64_t> counts_;
+  std::unordered_map<std::string, std::vector<std::uint64_t>> failures_;  // call -> uses that fail
+  std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations_;    // cudaMalloc: base -> size, device
+  std::map<std::uintptr_t, std::size_t> reservations_;                   // base -> size
+  std::map<std::uintptr_t, Mapping> mappings_;                           // va -> mapping
+  std::unordered_map<std::uint64_t, Physical> physical_;
+  std::uint64_t next_handle_ = 1;
+  std::map<std::uintptr_t, std::size_t> host_;  // pinned host allocations
+  std::vector<std::unique_ptr<Event>> events_;
+  std::vector<std::unique_ptr<Stream>> streams_;
+};
+
+// Parses "80GiB", "512MiB", "1024" (bytes). 0 when malformed.
+std::size_t parse_bytes(const char* text);
+
+}  // namespace reservoir::simcuda
+
+// A device attribute (the driver's and the runtime's numbers agree): an
+// H100 SXM's values; any other attribute is refused, naming it.
+SIMCUDA_API int reservoir_simcuda_attribute(int attribute, int device, int* value);
