@@ -51,6 +51,16 @@ int report(const Trace& trace, const VerifyResult& r) {
     if (r.zero_size_skipped > 0) {
       fmt::print("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped);
     }
+    if (!r.pytorch_rules.empty() && compare_versions(r.pytorch_rules, "2.12") >= 0) {
+      const bool inferred = trace.pytorch_since.empty() ||
+                            compare_versions(trace.pytorch_since, "2.12") < 0;
+      fmt::print(
+          "  rules of PyTorch 2.12 and later (of cached blocks of equal size, the oldest "
+          "segment's first){}\n",
+          inferred ? fmt::format(": the snapshot shows {} or later, and only these rules agree",
+                                 trace.pytorch_since)
+                   : "");
+    }
     if (r.private_pool_segments > 0) {
       fmt::print(
           "  not checked: {} segments ({}) of private pools (CUDA graphs, torch.cuda.MemPool): "

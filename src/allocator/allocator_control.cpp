@@ -29,6 +29,10 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
   check_supported(config_);
   vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+  {
+    detail::LockGuard lock(mutex_);
+    apply_block_order();
+  }
   if (config_.per_process_memory_fraction != 1.0) {
     set_memory_fraction(config_.per_process_memory_fraction);
   }
@@ -104,6 +108,17 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   config_ = config;
   vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+  apply_block_order();
+}
+
+void CachingAllocator::Impl::apply_block_order() {
+  const bool by_age = config_.oldest_segment_first();
+  large_.set_order(by_age);
+  small_.set_order(by_age);
+  for (auto& [id, pool] : private_pools_) {
+    pool->large.set_order(by_age);
+    pool->small.set_order(by_age);
+  }
 }
 
 AllocatorConfig CachingAllocator::Impl::config() const {

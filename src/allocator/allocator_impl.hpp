@@ -340,6 +340,9 @@ class CachingAllocator::Impl {
   VmMode vm_mode_ RESERVOIR_GUARDED_BY(mutex_) = VmMode::none;
   std::size_t vm_segments_ RESERVOIR_GUARDED_BY(mutex_) =
       0;  // live VM segments (stitched ones included)
+  std::uint64_t segments_made_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // Segment::order of the newest
+  // Orders every pool's cached blocks as config_ says (pytorch_version).
+  void apply_block_order() RESERVOIR_REQUIRES(mutex_);
   // Undo steps that failed themselves, retried on each release pass and at
   // destruction: handles whose release failed, mappings that would not go,
   // and address space that could not be returned.

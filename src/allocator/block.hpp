@@ -39,8 +39,11 @@ struct PrivatePool;
 
 struct Block;
 
-// Best fit order: stream, then size, then address.
+// Best fit order: stream, then size, then address; with `by_age` (the
+// rules of PyTorch 2.12 and later), stream, size, then the order in which
+// the blocks' segments were made (the oldest first), then address.
 struct BlockBySize {
+  bool by_age = false;
   bool operator()(const Block* a, const Block* b) const noexcept;
 };
 
@@ -62,6 +65,7 @@ struct Block {
   std::uint32_t context = 0;          // history context of its allocation
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
+  std::uint64_t order = 0;            // its segment's creation order (1 = the first); 0: a search key
   BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
@@ -86,6 +90,7 @@ struct BlockByAddress {
 inline bool BlockBySize::operator()(const Block* a, const Block* b) const noexcept {
   if (a->stream != b->stream) return a->stream < b->stream;
   if (a->size != b->size) return a->size < b->size;
+  if (by_age && a->order != b->order) return a->order < b->order;
   return a->ptr < b->ptr;
 }
 
@@ -103,13 +108,20 @@ struct BlockPool {
     block->pool_pos = blocks.insert(block).first;
   }
   void erase(Block* block) { blocks.erase(block->pool_pos); }
+  // Orders the cached blocks by PyTorch 2.12's rule (by_age) or before it.
+  void set_order(bool by_age) {
+    if (blocks.key_comp().by_age == by_age) return;
+    BlockSet ordered(BlockBySize{by_age}, blocks.get_allocator());
+    for (Block* b : blocks) b->pool_pos = ordered.insert(b).first;
+    blocks.swap(ordered);
+  }
   // A block in the set whose key (size, address) just changed: it keeps its
   // node when its neighbours still bracket it, and is re-inserted otherwise.
   // It counts as newly cached (as PyTorch re-inserts it).
   void reposition(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     const auto it = block->pool_pos;
-    const BlockBySize less;
+    const BlockBySize less = blocks.key_comp();
     const bool in_order = (it == blocks.begin() || less(*std::prev(it), block)) &&
                           (std::next(it) == blocks.end() || less(block, *std::next(it)));
     if (!in_order) {
@@ -187,6 +199,7 @@ struct VmState {
 };
 
 struct Segment {
+  std::uint64_t order = 0;  // creation order in its allocator: 1 for the first
   DevicePtr base = 0;
   std::size_t size = 0;
   StreamId stream = 0;

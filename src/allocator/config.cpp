@@ -336,7 +336,7 @@ const Entry kTable[] = {
        if (c.graph_capture_record_stream_reuse)
          out.emplace_back("graph_capture_record_stream_reuse:True");
      }},
-    {{"throw_on_cudamalloc_oom", kBool, "False", "~2.12+", "2.12", "",
+    {{"throw_on_cudamalloc_oom", kBool, "False", "2.12+", "2.12", "",
       "fail a request before cudaMalloc when it would exceed free memory; accepted, not "
       "modelled: the same requests fail either way, only the device call differs",
       false},
@@ -407,7 +407,7 @@ const Entry kTable[] = {
        if (c.pinned_reserve_segment_size != 0)
          out.push_back("pinned_reserve_segment_size_mb:" + mib(c.pinned_reserve_segment_size));
      }},
-    {{"pinned_free_catch_all", kBool, "False", "~2.12+", "2.12", "",
+    {{"pinned_free_catch_all", kBool, "False", "2.12+", "2.12", "",
       "pinned host allocator frees through one catch-all path; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_free_catch_all, k);
@@ -415,7 +415,7 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.pinned_free_catch_all) out.emplace_back("pinned_free_catch_all:True");
      }},
-    {{"pinned_max_round_threshold_mb", "a whole number of MiB", "unlimited", "~2.12+", "2.12",
+    {{"pinned_max_round_threshold_mb", "a whole number of MiB", "unlimited", "2.13+", "2.13",
       "max_round_threshold",
       "pinned host allocator rounds requests up to a power of two only below this size; accepted, "
       "not modelled",
@@ -427,7 +427,7 @@ const Entry kTable[] = {
        if (c.pinned_max_round_threshold != AllocatorConfig{}.pinned_max_round_threshold)
          out.push_back("pinned_max_round_threshold_mb:" + mib(c.pinned_max_round_threshold));
      }},
-    {{"pinned_max_cached_size_mb", "a whole number of MiB", "unlimited", "~2.12+", "2.12",
+    {{"pinned_max_cached_size_mb", "a whole number of MiB", "unlimited", "2.13+", "2.13",
       "max_cached_size",
       "pinned host allocator caches no freed block above this size; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
@@ -485,7 +485,34 @@ const Entry kTable[] = {
        if (c.paging_release_threshold != kNoReleaseThreshold)
          out.push_back("paging_release_threshold_mb:" + mib(c.paging_release_threshold));
      }},
+    {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
+      "the release whose decisions the native policy takes where releases differ: from 2.12, of "
+      "cached blocks of equal size the one whose segment was made first (before: the lowest "
+      "address). Replay, verify and advise take it from a snapshot that shows its release",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       const std::string v = p.value_token(k, "a PyTorch 2.x release, as 2.15");
+       const bool ok = v.size() >= 3 && v.starts_with("2.") &&
+                       v.find_first_not_of("0123456789", 2) == std::string::npos && v.size() <= 4;
+       if (!ok) {
+         p.fail(fmt::format("key '{}': value '{}' is not accepted; accepted: a PyTorch 2.x release, "
+                            "as 2.15",
+                            k, v));
+       }
+       c.pytorch_version = v;
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (!c.pytorch_version.empty()) out.push_back("pytorch_version:" + c.pytorch_version);
+     }},
 };
+
+}  // namespace
+
+bool AllocatorConfig::oldest_segment_first() const {
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.12") >= 0;
+}
+
+namespace {
 
 const Entry* find_entry(std::string_view key) {
   for (const Entry& e : kTable) {

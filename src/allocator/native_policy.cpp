@@ -60,6 +60,7 @@ Block* CachingAllocator::Impl::make_block(DevicePtr ptr, std::size_t size, Strea
   b->stream = stream;
   b->pool = pool;
   b->segment = segment;
+  b->order = segment != nullptr ? segment->order : 0;
   return b;
 }
 
@@ -68,6 +69,7 @@ Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, S
                                              bool with_head) {
   auto segment = std::make_unique<Segment>();
   Segment* seg = segment.get();
+  seg->order = ++segments_made_;
   seg->base = base;
   seg->size = size;
   seg->stream = stream;

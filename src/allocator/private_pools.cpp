@@ -37,7 +37,10 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
   }
   auto it = private_pools_.find(id);
   if (it == private_pools_.end()) {
-    private_pools_.emplace(id, std::make_unique<PrivatePool>(id, &node_resource_));
+    auto pool = std::make_unique<PrivatePool>(id, &node_resource_);
+    pool->large.set_order(config_.oldest_segment_first());
+    pool->small.set_order(config_.oldest_segment_first());
+    private_pools_.emplace(id, std::move(pool));
   } else {
     if (it->second->use_count == 0) {
       throw UsageError(

@@ -269,6 +269,7 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
         captured = true;
       }
     });
+    if (v.agreed) d.pytorch_rules = v.pytorch_rules;
     if (captured) {
       d.source = "verified";
     } else {
@@ -374,12 +375,14 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   advice.pytorch_since = trace.pytorch_since;
   advice.pytorch_env = std::string(pytorch_env_var(trace.pytorch_since));
   const AllocatorConfig recorded = recorded_settings(trace);
-  const ReplayProgram program = compile(trace, CompileOptions{true});
+  ReplayProgram program = compile(trace, CompileOptions{true});
   if (program.initial.empty() && program.ops.empty()) {
     throw TraceError(fmt::format("advise {}: the trace holds no allocations to replay", trace.name));
   }
   advice.diagnosis = diagnose_with(trace, options.capacity, &program);
   const Diagnosis& d = advice.diagnosis;
+  // A recording that shows 2.4 to 2.11 may be 2.12's: verify says which.
+  if (!d.pytorch_rules.empty()) program.pytorch_version = d.pytorch_rules;
   if (options.capacity) {
     advice.capacity_bytes = options.capacity;
     advice.capacity_source = "given";

@@ -18,6 +18,7 @@ namespace reservoir {
 ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
   ReplayProgram program;
   program.name = trace.name;
+  program.pytorch_version = trace.pytorch_since;
   program.device = trace.device;
   program.recorded_events = trace.events.size();
   std::unordered_map<DevicePtr, std::uint32_t> live;
@@ -106,7 +107,9 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   device_options.capacity = options.capacity.value_or(std::size_t{1} << 50);
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
-  CachingAllocator allocator(device, config, program.device);
+  AllocatorConfig rules = config;
+  if (rules.pytorch_version.empty()) rules.pytorch_version = program.pytorch_version;
+  CachingAllocator allocator(device, rules, program.device);
   if (options.memory_fraction) allocator.set_memory_fraction(*options.memory_fraction);
 
   ReplayResult result;

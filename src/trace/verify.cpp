@@ -57,8 +57,12 @@ std::string_view cause_text(ReleaseCause cause) {
 
 class Verifier {
  public:
-  Verifier(const Trace& trace, bool first_alloc_made_its_segment, const VerifyWatch* watch)
-      : trace_(trace), first_alloc_made_its_segment_(first_alloc_made_its_segment), watch_(watch) {}
+  Verifier(const Trace& trace, bool first_alloc_made_its_segment, const VerifyWatch* watch,
+           std::string pytorch_rules)
+      : trace_(trace),
+        first_alloc_made_its_segment_(first_alloc_made_its_segment),
+        watch_(watch),
+        pytorch_rules_(std::move(pytorch_rules)) {}
 
   VerifyResult run() {
     if (!trace_.has_addresses) {
@@ -68,6 +72,8 @@ class Verifier {
                       trace_.name, trace_.format));
     }
     config_ = trace_.settings;
+    if (config_.pytorch_version.empty()) config_.pytorch_version = pytorch_rules_;
+    result_.pytorch_rules = config_.pytorch_version;
     if (!trace_.settings_recorded) {
       assumption_ =
           "the snapshot does not record its allocator settings (PyTorch records them from "
@@ -798,6 +804,7 @@ class Verifier {
   const Trace& trace_;
   const bool first_alloc_made_its_segment_;
   const VerifyWatch* watch_;
+  std::string pytorch_rules_;  // pytorch_version when the settings name none
   AllocatorConfig config_;
   VerifyResult result_;
   Expectations expect_;
@@ -821,16 +828,36 @@ class Verifier {
 
 VerifyResult verify(const Trace& trace) { return verify(trace, VerifyWatch{}); }
 
-VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
-  const VerifyWatch* w = watch ? &watch : nullptr;
-  VerifyResult r = Verifier(trace, false, w).run();
+namespace {
+
+VerifyResult verify_as(const Trace& trace, const VerifyWatch* w, const std::string& rules) {
+  VerifyResult r = Verifier(trace, false, w, rules).run();
   // A recording may start between an allocation's segment_alloc and its
   // alloc (a ring buffer's cut): the segment then looks present at the start.
   // If that reading fails at once, take the segment as the alloc's.
   if (!r.agreed && r.divergence_event == 0 && !trace.events.empty() &&
       trace.events[0].action == TraceAction::alloc) {
-    VerifyResult other = Verifier(trace, true, w).run();
+    VerifyResult other = Verifier(trace, true, w, rules).run();
     if (other.agreed || other.divergence_event > 0) return other;
+  }
+  return r;
+}
+
+}  // namespace
+
+VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
+  const VerifyWatch* w = watch ? &watch : nullptr;
+  const std::string& since = trace.pytorch_since;
+  VerifyResult r = verify_as(trace, w, since);
+  // 2.12 writes the settings 2.4 to 2.11 write, but takes cached blocks of
+  // equal size oldest segment first: a recording that shows 2.4 to 2.11
+  // and disagrees is checked by 2.12's rules too, and verified by them when
+  // they agree (a watch then sees that run again, from the start).
+  const bool could_be_2_12 = !since.empty() && compare_versions(since, "2.12") < 0 &&
+                             trace.settings.pytorch_version.empty();
+  if (!r.agreed && !r.cannot_verify && could_be_2_12) {
+    VerifyResult newer = verify_as(trace, nullptr, "2.12");
+    if (newer.agreed) return w == nullptr ? newer : verify_as(trace, w, "2.12");
   }
   return r;
 }

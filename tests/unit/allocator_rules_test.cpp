@@ -223,5 +223,46 @@ TEST_F(Rules, ConflictingPoliciesAreRefusedClearly) {
   }
 }
 
+// Of two cached blocks of equal size, PyTorch 2.11 and before take the one
+// at the lower address; 2.12 and later the one whose segment was made first
+// (read off the real 2.11 to 2.15 wheels on the simulated CUDA device). Here
+// the older segment lies higher: the first segment's space, freed, takes
+// the newest one.
+TEST_F(Rules, EqualSizeTiesByAddressBefore212AndOldestSegmentFrom212) {
+  for (const char* version : {"", "pytorch_version:2.11", "pytorch_version:2.12",
+                              "pytorch_version:2.15"}) {
+    SCOPED_TRACE(version);
+    make(version);
+    const DevicePtr low = kBase;
+    const DevicePtr high = kBase + (1u << 30);
+    std::vector<DevicePtr> places{low, high, low};  // x, a, then b where x was
+    std::size_t next = 0;
+    device_->set_address_source([&](std::size_t, DevicePtr* addr) {
+      *addr = places.at(next++);
+      return Status::ok;
+    });
+    const DevicePtr x = alloc(400 * kMiB);
+    const DevicePtr a = alloc(300 * kMiB + 41);  // segment 302 MiB: a 2 MiB - 512 tail
+    release(x);
+    allocator_->empty_cache();
+    const DevicePtr b = alloc(300 * kMiB + 41);  // the same tail, lower, newer
+    EXPECT_EQ(a, high);
+    EXPECT_EQ(b, low);
+    const DevicePtr c = alloc(kMiB + 44);
+    const bool oldest_first = AllocatorConfig::parse(version).oldest_segment_first();
+    EXPECT_EQ(oldest_first, std::string_view(version).ends_with("2.12") ||
+                                std::string_view(version).ends_with("2.15"));
+    EXPECT_EQ(c, (oldest_first ? a : b) + 300 * kMiB + 512);
+    // The order holds as blocks are cached again and the setting changes.
+    release(c);
+    AllocatorConfig flipped = allocator_->config();
+    flipped.pytorch_version = oldest_first ? "2.11" : "2.12";
+    allocator_->set_config(flipped);
+    const DevicePtr d = alloc(kMiB + 44);
+    EXPECT_EQ(d, (oldest_first ? b : a) + 300 * kMiB + 512);
+    release_all({a, b, d});
+  }
+}
+
 }  // namespace
 }  // namespace reservoir::testing

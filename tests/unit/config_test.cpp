@@ -27,6 +27,21 @@ std::string error_of(const std::string& text) {
   }
   return "no error";
 }
+// The PyTorch release whose rules the native policy follows.
+TEST(Config, PyTorchVersion) {
+  EXPECT_FALSE(AllocatorConfig{}.oldest_segment_first());
+  EXPECT_FALSE(AllocatorConfig::parse("pytorch_version:2.11").oldest_segment_first());
+  EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.12").oldest_segment_first());
+  EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.15").oldest_segment_first());
+  EXPECT_EQ(AllocatorConfig::parse("pytorch_version:2.15").to_string(), "pytorch_version:2.15");
+  EXPECT_EQ(error_of("pytorch_version:3.1"),
+            "allocator config \"pytorch_version:3.1\": key 'pytorch_version': value '3.1' is not "
+            "accepted; accepted: a PyTorch 2.x release, as 2.15");
+  EXPECT_EQ(error_of("pytorch_version:2.x"),
+            "allocator config \"pytorch_version:2.x\": key 'pytorch_version': value '2.x' is not "
+            "accepted; accepted: a PyTorch 2.x release, as 2.15");
+}
+
 }  // namespace
 
 TEST(Config, EmptyGivesPyTorchDefaults) {
@@ -126,7 +141,7 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "pinned_num_register_threads, pinned_use_background_threads, "
             "pinned_reserve_segment_size_mb, pinned_free_catch_all, "
             "pinned_max_round_threshold_mb, pinned_max_cached_size_mb, backend, policy, "
-            "paging_release_threshold_mb");
+            "paging_release_threshold_mb, pytorch_version");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
@@ -214,7 +229,7 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 22u);
+  EXPECT_EQ(keys.size(), 23u);
 }
 
 TEST(Config, VersionsCompareByNumber) {

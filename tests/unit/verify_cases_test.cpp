@@ -802,5 +802,42 @@ TEST(VerifyCases, AnNpuRecordingIsReadButNotVerified) {
   EXPECT_EQ(record(3, 20).port, "cuda");
 }
 
+// Snapshots the real PyTorch 2.11 to 2.15 wrote on the simulated CUDA device
+// (tests/data/torch, each made by the script beside it): two 302 MiB
+// segments whose tails are free blocks of equal size, the older at the
+// higher address, and a request that takes one. 2.11 takes the lower
+// address, 2.12 on the older segment; 2.12 writes the settings 2.11 does,
+// so verify finds its rules by trying them; 2.13 on show their release.
+TEST(VerifyCases, EachPyTorchReleaseTakesEqualSizeBlocksByItsRule) {
+  const std::string dir = std::string(RESERVOIR_SOURCE_DIR) + "/tests/data/torch/";
+  const std::pair<const char*, const char*> cases[] = {
+      {"2.11.0", "2.9"}, {"2.12.0", "2.12"}, {"2.13.0", "2.13"}, {"2.14.0", "2.13"}, {"2.15.0", "2.13"}};
+  for (const auto& [release, rules] : cases) {
+    SCOPED_TRACE(release);
+    const Trace t = read_trace_file(dir + "equal_size_tie_" + release + ".pickle");
+    const VerifyResult r = verify(t);
+    EXPECT_TRUE(r.agreed) << r.divergence;
+    EXPECT_EQ(r.pytorch_rules, rules);
+    EXPECT_EQ(r.allocs_checked, 4u);
+    EXPECT_EQ(r.segment_allocs_checked, 3u);
+    EXPECT_EQ(r.empty_cache_calls, 1u);
+    // Under the other rule the request lands in the other tail.
+    Trace other = t;
+    other.settings.pytorch_version = AllocatorConfig::parse("pytorch_version:" + std::string(rules))
+                                             .oldest_segment_first()
+                                         ? "2.11"
+                                         : "2.12";
+    const VerifyResult wrong = verify(other);
+    EXPECT_FALSE(wrong.agreed);
+    EXPECT_EQ(wrong.divergence_event, 9u);
+  }
+  for (const char* name : {"mixed_sizes_2.15.0.pickle", "mixed_sizes_expandable_2.15.0.pickle"}) {
+    SCOPED_TRACE(name);
+    const VerifyResult r = verify(read_trace_file(dir + name));
+    EXPECT_TRUE(r.agreed) << r.divergence;
+    EXPECT_EQ(r.pytorch_rules, "2.13");
+  }
+}
+
 }  // namespace
 }  // namespace reservoir

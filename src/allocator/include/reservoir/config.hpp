@@ -62,6 +62,13 @@ struct AllocatorConfig {
   // than when memory runs short or empty_cache() is called. Default:
   // unlimited (PyTorch's caching: nothing goes back unasked).
   std::size_t paging_release_threshold = kNoReleaseThreshold;
+  // The PyTorch release whose decisions the native policy takes where
+  // releases differ ("2.15"); empty: those of 2.11 and before.
+  std::string pytorch_version;
+
+  // PyTorch 2.12 and later take, of cached blocks of equal size, the one
+  // whose segment was made first; before, the one at the lowest address.
+  bool oldest_segment_first() const;
 
   // The division count for a (rounded) request size.
   std::size_t divisions_for(std::size_t size) const noexcept;

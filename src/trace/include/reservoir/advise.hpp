@@ -57,6 +57,10 @@ struct FailedRequest {
 };
 
 struct Diagnosis {
+  // The PyTorch release whose rules verify agreed with the recording by
+  // (VerifyResult::pytorch_rules; "" when it did not agree): the replays of
+  // advice follow them.
+  std::string pytorch_rules;
   // "oom": at the recording's first out-of-memory error; "peak_reserved":
   // where reserved memory peaked (the recording has no oom event).
   std::string moment;

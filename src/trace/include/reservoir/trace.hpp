@@ -144,6 +144,9 @@ struct ReplayOp {
 struct ReplayProgram {
   std::string name;
   int device = 0;  // the recording's device (memory_summary names it)
+  // The PyTorch release the recording shows (Trace::pytorch_since): a
+  // replay under a config that names none takes that release's rules.
+  std::string pytorch_version;
   std::vector<ReplayOp> initial;  // blocks live when recording began, in address order
   std::vector<ReplayOp> ops;      // then the recorded requests, in order
   std::vector<std::uint64_t> op_events;  // per op in `ops`: the recorded event it came from
@@ -284,6 +287,11 @@ struct VerifyResult {
   bool final_state_checked = false;
   std::uint64_t divergence_event = 0;  // index into the recorded events
   std::string divergence;              // what differed, and the state that explains it
+  // The PyTorch release whose rules were verified (AllocatorConfig::
+  // pytorch_version): the recording's own when it shows one from 2.12 on;
+  // for one that shows 2.4 to 2.11 (which 2.12 writes alike), "2.12" when
+  // only that release's rules agree; "" otherwise.
+  std::string pytorch_rules;
 };
 
 // Replays a PyTorch snapshot with the settings it was recorded with, giving
