@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <set>
 
 #include "control.h"
@@ -49,7 +50,7 @@ Sim::Sim() {
                  "RESERVOIR_SIMCUDA_MEMORY bytes, KiB, MiB or GiB; using 1 device of 81559MiB\n");
     capacity = std::size_t{81559} << 20;
   }
-  devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0});
+  devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0, 0, {}});
   name_ = env("RESERVOIR_SIMCUDA_NAME", "NVIDIA H100 80GB HBM3");
   held_ = env("RESERVOIR_SIMCUDA_EVENTS", "complete") == "held";
   kernels_ = env("RESERVOIR_SIMCUDA_KERNELS", "refuse") == "skip";
@@ -118,6 +119,9 @@ std::size_t Sim::used(int device) {
   return valid(device) ? devices_[static_cast<std::size_t>(device)].used : 0;
 }
 
+// cudaMalloc as a GPU's allocator places memory: in the device's own
+// address range (reserved once, capacity bytes), first fit from its start,
+// 2 MiB aligned, so that addresses ascend as a program allocates.
 int Sim::malloc_device(int device, std::size_t size, void** out) {
   if (out == nullptr) return kInvalidValue;
   if (!valid(device)) return kInvalidDevice;
@@ -125,37 +129,70 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
     *out = nullptr;
     return kSuccess;
   }
-  const std::size_t bytes = round_up(size, kPage);
+  const std::size_t bytes = round_up(size, kGranularity);
+  std::uintptr_t at = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = devices_[static_cast<std::size_t>(device)];
     if (d.used + bytes > d.capacity) return kOutOfMemory;
+    if (d.base == 0) {
+      void* p = ::mmap(nullptr, d.capacity + kGranularity, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) return kOutOfMemory;
+      d.base = round_up(reinterpret_cast<std::uintptr_t>(p), kGranularity);
+      d.holes[0] = d.capacity;  // offset -> length
+    }
+    for (auto it = d.holes.begin(); it != d.holes.end(); ++it) {
+      if (it->second < bytes) continue;
+      at = d.base + it->first;
+      const std::size_t offset = it->first + bytes;
+      const std::size_t left = it->second - bytes;
+      d.holes.erase(it);
+      if (left != 0) d.holes[offset] = left;
+      break;
+    }
+    if (at == 0) return kOutOfMemory;  // no hole fits: fragmented
     d.used += bytes;
+    allocations_[at] = {bytes, device};
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (p == MAP_FAILED) {
-    devices_[static_cast<std::size_t>(device)].used -= bytes;
-    return kOutOfMemory;
-  }
-  allocations_[reinterpret_cast<std::uintptr_t>(p)] = {bytes, device};
-  *out = p;
+  ::mprotect(reinterpret_cast<void*>(at), bytes, PROT_READ | PROT_WRITE);
+  *out = reinterpret_cast<void*>(at);
   return kSuccess;
 }
 
 int Sim::free_device(void* ptr) {
   if (ptr == nullptr) return kSuccess;
+  const auto at = reinterpret_cast<std::uintptr_t>(ptr);
   std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(ptr));
+    auto it = allocations_.find(at);
     if (it == allocations_.end()) return kInvalidValue;
     bytes = it->second.first;
-    devices_[static_cast<std::size_t>(it->second.second)].used -= bytes;
+    Device& d = devices_[static_cast<std::size_t>(it->second.second)];
+    d.used -= bytes;
     allocations_.erase(it);
+    // The hole, merged with its neighbours.
+    std::size_t offset = at - d.base;
+    std::size_t length = bytes;
+    auto next = d.holes.lower_bound(offset);
+    if (next != d.holes.end() && next->first == offset + length) {
+      length += next->second;
+      next = d.holes.erase(next);
+    }
+    if (next != d.holes.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        offset = prev->first;
+        length += prev->second;
+        d.holes.erase(prev);
+      }
+    }
+    d.holes[offset] = length;
   }
-  ::munmap(ptr, bytes);
+  // The pages go back to the system; the range stays the device's.
+  ::madvise(ptr, bytes, MADV_DONTNEED);
+  ::mprotect(ptr, bytes, PROT_NONE);
   return kSuccess;
 }
 

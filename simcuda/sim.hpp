@@ -2,7 +2,8 @@
 // driver (libcuda.so.1), runtime (libcudart.so.13) and NVML
 // (libnvidia-ml.so.1), under which the real PyTorch runs unchanged.
 //
-// Device memory is real host memory: cudaMalloc maps anonymous pages, the
+// Device memory is real host memory: cudaMalloc places memory in the
+// device's own address range, first fit and 2 MiB aligned as a GPU does, the
 // virtual-memory calls reserve address space (PROT_NONE), make physical
 // memory as memfd files and map them there, so what is written through a
 // device pointer reads back, and memory handed back leaves the process.
@@ -87,7 +88,9 @@ struct Mapping {
 
 struct Device {
   std::size_t capacity = 0;
-  std::size_t used = 0;  // cudaMalloc'd and cuMemCreate'd bytes
+  std::size_t used = 0;                        // cudaMalloc'd and cuMemCreate'd bytes
+  std::uintptr_t base = 0;                     // its cudaMalloc address range (capacity bytes)
+  std::map<std::size_t, std::size_t> holes;    // free parts of that range: offset -> length
 };
 
 class SIMCUDA_API Sim {
