@@ -16,6 +16,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
 ADVISE_TRACE := $(firstword $(wildcard ../shared/traces/oom/*.pickle) $(SHARED_TRACES) \
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
+TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-torch-*.txt)
 
 .PHONY: deps build run test wheel no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
@@ -26,6 +27,9 @@ deps:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
+	@# PyTorch releases from PyPI, pinned, into the cache outside the checkout
+	@# (once: about 3 GB each to download; nothing when already there).
+	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) >/dev/null
 
 build: deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

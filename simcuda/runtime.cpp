@@ -48,6 +48,10 @@ void copy(void* dst, const void* src, size_t count) {
 
 extern "C" {
 
+// What each runtime name the simulation does not serve calls (the stubs
+// gen_stubs.py writes): the refusal, as the call's last error.
+int reservoir_simcudart_refuse(const char* name) { return result(Sim::get().refuse(name)); }
+
 // ---- fat binaries and launches ----------------------------------------
 
 SIMCUDA_API void** __cudaRegisterFatBinary(void* fat) {
@@ -83,6 +87,13 @@ SIMCUDA_API cudaError_t __cudaPopCallConfiguration(dim3* grid, dim3* block, size
   if (block != nullptr) *block = pushed.block;
   if (shared != nullptr) *shared = pushed.shared;
   if (stream != nullptr) *static_cast<void**>(stream) = pushed.stream;
+  return cudaSuccess;
+}
+
+// A kernel's handle for its host stub: the stub itself (nothing runs it).
+SIMCUDA_API cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* func) {
+  if (kernel == nullptr) return result(cudaErrorInvalidValue);
+  *kernel = reinterpret_cast<cudaKernel_t>(const_cast<void*>(func));
   return cudaSuccess;
 }
 
