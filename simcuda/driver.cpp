@@ -360,6 +360,60 @@ SIMCUDA_API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp*
   return CUDA_SUCCESS;
 }
 
+// ---- streams, events and copies (work is done when issued) ---------------
+
+SIMCUDA_API CUresult cuStreamCreate(CUstream* stream, unsigned int flags) {
+  ENTER("cuStreamCreate", false);
+  if (stream == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *stream = reinterpret_cast<CUstream>(Sim::get().create_stream(current_device(), 0, flags));
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuStreamDestroy(CUstream stream) {
+  ENTER("cuStreamDestroy_v2", false);
+  return code(Sim::get().destroy_stream(reinterpret_cast<sc::Stream*>(stream)));
+}
+SIMCUDA_API CUresult cuStreamSynchronize(CUstream stream) {
+  ENTER("cuStreamSynchronize", false);
+  (void)stream;
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuEventCreate(CUevent* event, unsigned int flags) {
+  ENTER("cuEventCreate", false);
+  (void)flags;
+  if (event == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *event = reinterpret_cast<CUevent>(Sim::get().create_event(current_device()));
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuEventDestroy(CUevent event) {
+  ENTER("cuEventDestroy_v2", false);
+  return code(Sim::get().destroy_event(reinterpret_cast<sc::Event*>(event)));
+}
+SIMCUDA_API CUresult cuEventRecord(CUevent event, CUstream stream) {
+  ENTER("cuEventRecord", false);
+  (void)stream;
+  return code(Sim::get().record(reinterpret_cast<sc::Event*>(event)));
+}
+SIMCUDA_API CUresult cuEventQuery(CUevent event) {
+  ENTER("cuEventQuery", false);
+  return code(Sim::get().query(reinterpret_cast<sc::Event*>(event)));
+}
+SIMCUDA_API CUresult cuEventSynchronize(CUevent event) {
+  ENTER("cuEventSynchronize", false);
+  return code(Sim::get().synchronize(reinterpret_cast<sc::Event*>(event)));
+}
+SIMCUDA_API CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  ENTER("cuMemcpyDtoHAsync_v2", false);
+  (void)stream;
+  if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  ENTER("cuMemcpyHtoDAsync_v2", false);
+  (void)stream;
+  if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
+  return CUDA_SUCCESS;
+}
+
 // The driver's log messages: the simulation writes none, so a callback
 // registered is never called.
 SIMCUDA_API CUresult cuLogsRegisterCallback(CUlogsCallback callback, void* data, CUlogsCallbackHandle* handle) {
