@@ -1,0 +1,66 @@
+"""Random allocation programs through PyTorch's own caching allocator, each
+dumped as the snapshot PyTorch writes: the oracle reservoir verify is
+checked against (tests/torch/test_oracle.py).
+
+usage: oracle.py OUT_DIR SEED PROGRAMS [--oom]
+
+Runs PROGRAMS programs in this process under the settings of
+PYTORCH_CUDA_ALLOC_CONF, each starting from an empty allocator: sizes from a
+byte to a GiB (log-uniform), two streams, record_stream, frees in random
+order, empty_cache anywhere. With --oom each program allocates until PyTorch
+runs out of memory (on a device made small for it) and the snapshot is
+dumped at the failure, as training scripts do. Writes OUT_DIR/pNNNN.pickle.
+"""
+import os
+import random
+import sys
+
+import torch
+
+out_dir, seed, programs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+oom = "--oom" in sys.argv
+os.makedirs(out_dir, exist_ok=True)
+torch.cuda.init()
+if "garbage_collection_threshold" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    # Garbage collection acts only under a memory fraction (one the snapshot
+    # does not record: the whole device, set before any allocation).
+    torch.cuda.set_per_process_memory_fraction(1.0)
+streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+MiB = 1 << 20
+
+
+def program(rng):
+    live = []
+    steps = rng.randrange(20, 300)
+    try:
+        for _ in range(steps if not oom else 100000):
+            r = rng.random()
+            if oom or r < 0.55 or not live:
+                top = 30 if not oom else 32
+                n = max(1, int(2 ** rng.uniform(0, top)))
+                with torch.cuda.stream(rng.choice(streams)):
+                    live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+                if rng.random() < 0.05:
+                    live[-1].record_stream(rng.choice(streams))
+                if oom and rng.random() < 0.3:
+                    live.pop(rng.randrange(len(live)))
+            elif r < 0.98:
+                live.pop(rng.randrange(len(live)))
+            else:
+                torch.cuda.empty_cache()
+    except torch.cuda.OutOfMemoryError:
+        if not oom:
+            raise
+    return live
+
+
+rng = random.Random(seed)
+for i in range(programs):
+    torch.cuda.memory._record_memory_history(max_entries=1000000)
+    live = program(rng)
+    torch.cuda.memory._dump_snapshot(os.path.join(out_dir, f"p{i:04d}.pickle"))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    del live
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == 0
