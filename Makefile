@@ -16,7 +16,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
 ADVISE_TRACE := $(firstword $(wildcard ../shared/traces/oom/*.pickle) $(SHARED_TRACES) \
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
-TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-torch-*.txt)
+TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt)
 
 .PHONY: deps build run test wheel no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 

@@ -34,7 +34,7 @@ def install(requirements: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    print(f"pypi cache: installing {name} into {target} (downloads several GB once)", file=sys.stderr)
+    print(f"pypi cache: installing {name} into {target} (downloaded once; PyTorch is about 3 GB)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir",
                     "--disable-pip-version-check", "--root-user-action=ignore", "--quiet", "--target", str(partial),
                     "-r", str(requirements)], check=True)

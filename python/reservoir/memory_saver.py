@@ -33,9 +33,17 @@ class TorchMemorySaver:
     def __init__(self, device=0):
         self._device = device
         self._initialized = False
-        # Accepted for compatibility; reservoir has one mechanism (the
-        # pluggable allocator), so both values behave the same.
-        self.hook_mode = None
+        self._hook_mode = None
+
+    # Accepted for compatibility ("preload" or "torch"); reservoir has one
+    # mechanism (the pluggable allocator), so both values behave the same.
+    @property
+    def hook_mode(self):
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, value):
+        self._hook_mode = value
 
     def _ensure_initialized(self):
         if self._initialized:
