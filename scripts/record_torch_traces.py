@@ -2,8 +2,10 @@
 """Record allocation traces of real model architectures, as PyTorch snapshots.
 
 Runs training steps of a GPT-style transformer, a ResNet and a diffusion
-UNet on the CPU with Debian's python3-torch, and records every storage the
-step creates and frees through a TorchDispatchMode: the bytes a CUDA caching
+UNet on the CPU (with the PyTorch on PYTHONPATH: the tests use the newest
+release make deps installs; Debian's python3-torch 1.13 also works), and
+records every storage the step creates and frees through a
+TorchDispatchMode: the bytes a CUDA caching
 allocator would have been asked for, in order, with the Python stack of the
 model code that asked and the module path as annotations. The transformer
 runs on the meta device, so a full-size model is traced without its memory;
