@@ -1,0 +1,176 @@
+"""The simulated CUDA device's own calls, through ctypes, without PyTorch:
+the virtual-memory calls on real pages (reserve, create, map, set access,
+unmap, release, shareable file descriptors), cudaMalloc's address ranges
+and capacity, memory info, several devices, held events, kernel launches
+refused unless allowed, refusals that name the call, and fault injection.
+
+Run by ctest with SIMCUDA naming build/simcuda; each case runs in a fresh
+process (the device reads its settings once).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+SIMCUDA = os.environ["SIMCUDA"]
+MiB = 1 << 20
+
+PRELUDE = f"""
+import ctypes, os
+MiB = 1 << 20
+drv = ctypes.CDLL({os.path.join(SIMCUDA, "libcuda.so.1")!r})
+rt = ctypes.CDLL({os.path.join(SIMCUDA, "libcudart.so.13")!r})
+rt.cudaGetErrorString.restype = ctypes.c_char_p
+ptr = ctypes.c_uint64
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+class Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                ("location", Location), ("win32HandleMetaData", ctypes.c_void_p),
+                ("allocFlags", ctypes.c_ubyte * 8)]
+class Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+def prop(device=0):
+    p = Prop()
+    p.type, p.location.type, p.location.id = 1, 1, device  # pinned, on a device
+    p.requestedHandleTypes = 1  # POSIX file descriptor
+    return p
+def rw(device=0):
+    a = Access()
+    a.location.type, a.location.id, a.flags = 1, device, 3  # read and write
+    return a
+def free_bytes():
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    assert rt.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0
+    return free.value, total.value
+"""
+
+
+def run(body, **env):
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split(), r.stderr
+
+
+def test_virtual_memory_on_real_pages():
+    out, _ = run("""
+        assert drv.cuInit(0) == 0
+        g = ctypes.c_size_t()
+        assert drv.cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop()), 0) == 0
+        va, h1, h2 = ptr(), ptr(), ptr()
+        assert drv.cuMemAddressReserve(ctypes.byref(va), 8 * MiB, 0, 0, 0) == 0
+        assert va.value % (2 * MiB) == 0
+        free0 = free_bytes()[0]
+        assert drv.cuMemCreate(ctypes.byref(h1), 4 * MiB, ctypes.byref(prop()), 0) == 0
+        assert drv.cuMemCreate(ctypes.byref(h2), 4 * MiB, ctypes.byref(prop()), 0) == 0
+        assert free0 - free_bytes()[0] == 8 * MiB
+        assert drv.cuMemMap(ptr(va.value), 4 * MiB, 0, h1, 0) == 0
+        assert drv.cuMemMap(ptr(va.value + 4 * MiB), 4 * MiB, 0, h2, 0) == 0
+        assert drv.cuMemMap(ptr(va.value), 4 * MiB, 0, h2, 0) == 1  # over a mapping: invalid value
+        assert drv.cuMemSetAccess(ptr(va.value), 8 * MiB, ctypes.byref(rw()), 1) == 0
+        ctypes.memset(va.value, 7, 8 * MiB)
+        # The same physical memory, exported as a descriptor, imported, mapped
+        # again elsewhere: it reads what was written.
+        fd, h3, va2 = ctypes.c_int(), ptr(), ptr()
+        assert drv.cuMemExportToShareableHandle(ctypes.byref(fd), h1, 1, 0) == 0
+        assert drv.cuMemImportFromShareableHandle(ctypes.byref(h3), ctypes.c_void_p(fd.value), 1) == 0
+        assert drv.cuMemAddressReserve(ctypes.byref(va2), 4 * MiB, 0, 0, 0) == 0
+        assert drv.cuMemMap(ptr(va2.value), 4 * MiB, 0, h3, 0) == 0
+        assert drv.cuMemSetAccess(ptr(va2.value), 4 * MiB, ctypes.byref(rw()), 1) == 0
+        print(ctypes.string_at(va2.value + 12345, 1) == bytes([7]))
+        h = ptr()
+        assert drv.cuMemRetainAllocationHandle(ctypes.byref(h), ctypes.c_void_p(va.value + 5 * MiB)) == 0
+        print(h.value == h2.value)
+        assert drv.cuMemRelease(h) == 0  # the retain
+        for v, n in ((va, 8), (va2, 4)):
+            assert drv.cuMemUnmap(ptr(v.value), n * MiB) == 0
+        for x in (h1, h2, h3):
+            assert drv.cuMemRelease(x) == 0
+        assert drv.cuMemAddressFree(ptr(va.value), 8 * MiB) == 0
+        assert drv.cuMemAddressFree(ptr(va2.value), 4 * MiB) == 0
+        print(free_bytes()[0] == free0)
+    """)
+    assert out == ["True", "True", "True"]
+
+
+def test_cudamalloc_ascends_and_memory_info_follows_the_capacity():
+    out, _ = run("""
+        a, b = ctypes.c_void_p(), ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(a), 3 * MiB) == 0
+        assert rt.cudaMalloc(ctypes.byref(b), 1) == 0
+        print(b.value - a.value, free_bytes())
+        big = ctypes.c_void_p()
+        print(rt.cudaMalloc(ctypes.byref(big), 1 << 30))  # beyond 1 GiB less 6 MiB in use
+        print(rt.cudaGetLastError(), rt.cudaGetLastError())
+        ctypes.memset(a, 1, 3 * MiB)
+        assert rt.cudaFree(a) == 0 and rt.cudaFree(b) == 0
+        print(rt.cudaFree(a))  # not a live allocation: invalid value
+    """, RESERVOIR_SIMCUDA_MEMORY="1GiB")
+    # 2 MiB aligned first fit: 3 MiB takes 4 MiB; 1 GiB in all.
+    assert out == [str(4 * MiB), f"({(1 << 30) - 6 * MiB},", f"{1 << 30})", "2", "2", "0", "1"]
+
+
+def test_several_devices_and_their_names():
+    out, _ = run("""
+        n = ctypes.c_int()
+        assert rt.cudaGetDeviceCount(ctypes.byref(n)) == 0
+        assert rt.cudaSetDevice(1) == 0
+        a = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(a), MiB) == 0
+        name = ctypes.create_string_buffer(64)
+        assert drv.cuDeviceGetName(name, 64, 1) == 0
+        print(n.value, drv.reservoirSimCudaUsed(0), drv.reservoirSimCudaUsed(1), name.value.decode())
+        print(rt.cudaSetDevice(3))
+    """, RESERVOIR_SIMCUDA_DEVICES="3", RESERVOIR_SIMCUDA_NAME="SimGPU")
+    assert out == ["3", "0", str(2 * MiB), "SimGPU", "101"]
+
+
+def test_events_complete_when_recorded_or_when_released():
+    out, _ = run("""
+        e = ctypes.c_void_p()
+        assert rt.cudaEventCreateWithFlags(ctypes.byref(e), 0) == 0
+        assert rt.cudaEventRecord(e, None) == 0
+        print(rt.cudaEventQuery(e))
+        drv.reservoirSimCudaHoldEvents(1)
+        assert rt.cudaEventRecord(e, None) == 0
+        print(rt.cudaEventQuery(e))  # not ready
+        drv.reservoirSimCudaCompleteEvents()
+        print(rt.cudaEventQuery(e))
+        assert rt.cudaEventRecord(e, None) == 0
+        print(rt.cudaEventQuery(e), rt.cudaEventSynchronize(e), rt.cudaEventQuery(e))
+    """)
+    assert out == ["0", "600", "0", "600", "0", "0"]
+
+
+def test_kernels_refused_unless_allowed_and_refusals_name_the_call():
+    out, err = run("""
+        dim3 = ctypes.c_uint * 3
+        args = (ctypes.c_void_p(1), dim3(1, 1, 1), dim3(1, 1, 1), ctypes.c_void_p(), ctypes.c_size_t(0),
+                ctypes.c_void_p())
+        print(rt.cudaLaunchKernel(*args))
+        print(rt.cudaGetErrorString(801).decode().replace(" ", "_"))
+        drv.reservoirSimCudaAllowKernels(1)
+        print(rt.cudaLaunchKernel(*args))
+        m = ctypes.c_void_p()
+        print(rt.cudaMallocManaged(ctypes.byref(m), MiB, 1))  # a call the simulation does not serve
+        print(rt.cudaGetErrorString(801).decode().replace(" ", "_"))
+    """)
+    assert out == [
+        "801", "operation_not_supported:_cudaLaunchKernel_is_not_served_by_reservoir's_simulated_CUDA_device",
+        "0", "801",
+        "operation_not_supported:_cudaMallocManaged_is_not_served_by_reservoir's_simulated_CUDA_device"]
+    assert "cudaLaunchKernel is not served by the simulated device" in err
+
+
+def test_fault_injection_by_environment_and_by_call():
+    out, _ = run("""
+        a = ctypes.c_void_p()
+        print([rt.cudaMalloc(ctypes.byref(a), MiB) for _ in range(4)])
+        h = ptr()
+        drv.reservoirSimCudaFailAt(b"cuMemCreate", 2)
+        print([drv.cuMemCreate(ctypes.byref(h), 2 * MiB, ctypes.byref(prop()), 0) for _ in range(3)])
+        print(drv.reservoirSimCudaCalls(b"cudaMalloc"), drv.reservoirSimCudaCalls(b"cuMemCreate"))
+    """, RESERVOIR_SIMCUDA_FAIL="cudaMalloc:2,cudaMalloc:4")
+    # Allocation calls fail as out of memory.
+    assert out == ["[0,", "2,", "0,", "2]", "[0,", "2,", "0]", "4", "3"]
