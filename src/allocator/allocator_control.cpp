@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <string_view>
+#include <utility>
 
 #include <algorithm>
 
@@ -23,7 +24,7 @@ using detail::Segment;
 CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_index)
     : device_index_(device_index),
       device_(device),
-      config_(config),
+      config_(std::move(config)),
       large_(false, nullptr, &node_resource_),
       small_(true, nullptr, &node_resource_) {
   check_supported(config_);

@@ -6,13 +6,14 @@
 #include "reservoir/caching_allocator.hpp"
 
 #include <thread>
+#include <utility>
 
 #include "allocator_impl.hpp"
 
 namespace reservoir {
 
 CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config, int device_index)
-    : impl_(std::make_unique<Impl>(device, config, device_index)) {}
+    : impl_(std::make_unique<Impl>(device, std::move(config), device_index)) {}
 CachingAllocator::~CachingAllocator() = default;
 void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
   return impl_->checked(&Impl::allocate, size, stream);
