@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from scenarios import PAUSE_RESUME
 
 PRELOAD = os.environ["RESERVOIR_PRELOAD"]
 SIMCUDA = os.environ["LD_PRELOAD"]
@@ -73,30 +74,11 @@ def test_a_mempool_of_the_pluggable_allocator():
 
 @pytest.mark.parametrize("hook_mode", ["preload", "torch"])
 def test_pause_and_resume_keep_addresses_and_bytes(hook_mode):
-    out = run(f"""
-        import torch
-        from reservoir.memory_saver import torch_memory_saver as tms
-        tms.hook_mode = {hook_mode!r}
-        MiB = 1 << 20
-        with tms.region(tag="weights", enable_cpu_backup=True):
-            w = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-        with tms.region(tag="kv"):
-            kv = torch.empty(128 * MiB, dtype=torch.uint8, device="cuda")
-        cpu = torch.arange(64 * MiB, dtype=torch.int64).to(torch.uint8)
-        w.copy_(cpu)
-        pw, pk = w.data_ptr(), kv.data_ptr()
-        free0 = torch.cuda.mem_get_info()[0]
-        tms.pause("kv")
-        free1 = torch.cuda.mem_get_info()[0]
-        tms.pause("weights")
-        free2 = torch.cuda.mem_get_info()[0]
-        tms.resume("weights")
-        tms.resume("kv")
-        print((free1 - free0) // MiB, (free2 - free1) // MiB, w.data_ptr() == pw,
-              kv.data_ptr() == pk, torch.equal(w.cpu(), cpu), torch.cuda.mem_get_info()[0] == free0)
-    """)
+    out = run(f"from reservoir.memory_saver import torch_memory_saver as tms\n"
+              f"import torch\ntms.hook_mode = {hook_mode!r}\nMiB = 1 << 20\n"
+              + textwrap.dedent(PAUSE_RESUME))
     # The device's free memory rose by what each pause released.
-    assert out == ["128", "64", "True", "True", "True", "True"]
+    assert out == ["128", "64", "True", "True", "True", "True", "True", "True"]
 
 
 def test_the_interposer_serves_pytorchs_cudamalloc():
