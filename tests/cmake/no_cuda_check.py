@@ -1,9 +1,11 @@
 """A build without CUDA's headers must register every test that does not
 need them: compares `ctest -N` of a build with the CUDA backends and one
 configured with RESERVOIR_CUDA=OFF. The tests only the first may have are the
-CUDA backends' (on the fake CUDA: names with "Cuda") and the LD_PRELOAD
+CUDA backends' (on the fake CUDA: names with "Cuda"), the LD_PRELOAD
 interposer's (which needs CUDA's headers for the signatures it intercepts:
-names starting with "preload_"); every other test must be in both.
+names starting with "preload_") and the simulated CUDA device's, built from
+CUDA's headers (simcuda_*, and torch_<release>_simcuda, which run PyTorch
+on it); every other test must be in both.
 
 Usage: no_cuda_check.py CUDA_BUILD_DIR NO_CUDA_BUILD_DIR
 """
@@ -23,7 +25,8 @@ def registered(build):
 
 
 def cuda_only(name):
-    return "Cuda" in name or name.startswith("preload_")
+    return ("Cuda" in name or name.startswith("preload_") or name.startswith("simcuda_")
+            or re.fullmatch(r"torch_[0-9.]+_simcuda", name) is not None)
 
 
 with_cuda, without = registered(sys.argv[1]), registered(sys.argv[2])
