@@ -327,11 +327,9 @@ class Reader {
   // A list's items. A list of trace entries the decoder's hook took (a
   // device's events) is read by read_events alone: elsewhere it is an error.
   const std::vector<const Value*>& list(const Value& v, const std::string& path) const {
-    if (v.kind != Kind::list && v.kind != Kind::tuple) {
-      fail(path, fmt::format("expected a list, got {}", to_string(v.kind)));
-    }
+    const auto& items = list_items(v, path);
     if (!v.taken_runs.empty()) fail(path, "expected a list of other values, got trace entries");
-    return v.items;
+    return items;
   }
 
   // The length of a list that may hold trace entries.
