@@ -16,6 +16,8 @@ namespace {
 struct VerifyArgs {
   std::vector<std::string> traces;
   std::optional<int> device;
+  std::optional<double> fraction;
+  std::string device_memory;
 };
 
 // Prints one device's result; returns 0 agreed, 1 diverged, 3 cannot verify.
@@ -89,11 +91,20 @@ int report(const Trace& trace, const VerifyResult& r) {
 }
 
 void run(const VerifyArgs& args) {
+  VerifyOptions options;
+  options.memory_fraction = args.fraction;
+  if (!args.device_memory.empty()) options.device_memory = parse_size(args.device_memory);
+  if (options.memory_fraction.has_value() != options.device_memory.has_value()) {
+    throw CLI::ValidationError(
+        options.memory_fraction ? "--memory-fraction" : "--device-memory",
+        "give --memory-fraction and --device-memory together: PyTorch's limit is the fraction "
+        "of the device's total memory (torch.cuda.mem_get_info()[1])");
+  }
   int worst = 0;
   for (const std::string& path : args.traces) {
     const std::vector<Trace> devices = load_devices(path, args.device);
     for (const Trace& trace : devices) {
-      const int rc = report(trace, verify(trace));
+      const int rc = report(trace, verify(trace, options));
       if (rc == 1 || (rc == 3 && worst == 0)) worst = rc;  // a divergence outranks
     }
     // Devices the file holds no history for: nothing of theirs was checked.
@@ -122,6 +133,14 @@ void add_verify(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingFile);
   add_device_option(*cmd, args->device);
+  cmd->add_option("--memory-fraction", args->fraction,
+                  "the program's torch.cuda.set_per_process_memory_fraction, set before the "
+                  "recording began (a snapshot does not record it): with --device-memory, "
+                  "garbage collection and the limit are checked exactly")
+      ->check(CLI::Range(0.0, 1.0).description("") & CLI::PositiveNumber.description(""));
+  cmd->add_option("--device-memory", args->device_memory,
+                  "the device's total memory as CUDA reports it (torch.cuda.mem_get_info()[1]), "
+                  "e.g. 85899345920 or 80GiB");
   cmd->callback([args] { run(*args); });
 }
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -57,12 +58,21 @@ std::string_view cause_text(ReleaseCause cause) {
 
 class Verifier {
  public:
-  Verifier(const Trace& trace, bool first_alloc_made_its_segment, const VerifyWatch* watch,
-           std::string pytorch_rules)
+  Verifier(const Trace& trace, const VerifyOptions& options, bool first_alloc_made_its_segment,
+           const VerifyWatch* watch, std::string pytorch_rules,
+           const std::set<std::size_t>& ladder_runs)
       : trace_(trace),
+        options_(options),
         first_alloc_made_its_segment_(first_alloc_made_its_segment),
         watch_(watch),
-        pytorch_rules_(std::move(pytorch_rules)) {}
+        pytorch_rules_(std::move(pytorch_rules)),
+        ladder_runs_(ladder_runs) {}
+
+  // The undecided run (index into the release runs) that was applied as
+  // empty_cache() and did not agree, if the verification stopped there.
+  std::optional<std::size_t> undecided_run_that_diverged() const {
+    return undecided_diverged_;
+  }
 
   VerifyResult run() {
     if (!trace_.has_addresses) {
@@ -134,7 +144,7 @@ class Verifier {
     }
 
     SimDeviceOptions options;
-    options.capacity = std::size_t{1} << 50;
+    options.capacity = options_.device_memory.value_or(std::size_t{1} << 50);
     SimDevice device(options);
     device.set_address_source(
         [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
@@ -142,7 +152,15 @@ class Verifier {
         [this](std::size_t bytes, DevicePtr* va) { return serve_reservation(bytes, va); });
     device.set_physical_gate([this](std::size_t bytes) { return serve_physical(bytes); });
     CachingAllocator allocator(device, config_);
-    if (config_.garbage_collection_threshold > 0.0) {
+    if (exact_limit_) {
+      // The process's own limit: the allocator refuses past it, and
+      // collects garbage by its threshold, as PyTorch did.
+      allocator.set_memory_fraction(*options_.memory_fraction);
+      gc_above_ = static_cast<std::uint64_t>(
+          config_.garbage_collection_threshold *
+          static_cast<double>(static_cast<std::uint64_t>(
+              *options_.memory_fraction * static_cast<double>(*options_.device_memory))));
+    } else if (config_.garbage_collection_threshold > 0.0) {
       // Block ages count only under a memory fraction; one of the whole
       // (unlimited) device never triggers collection by itself.
       allocator.set_memory_fraction(1.0);
@@ -490,10 +508,15 @@ class Verifier {
   void resolve(CachingAllocator& allocator, const ReleaseRun& run, std::size_t index) {
     ReleaseCause cause = run.cause;
     const bool undecided = cause == ReleaseCause::undecided;
+    const auto run_index = static_cast<std::size_t>(&run - runs_.data());
     if (undecided) {
       // When they are all empty_cache() would free, the same segments go
-      // either way: apply it here. Otherwise they are the ladder's.
-      cause = matches_empty_cache(allocator) ? ReleaseCause::empty_cache : ReleaseCause::allocator;
+      // either way: apply it here. Otherwise they are the ladder's. (The
+      // ladder frees oversize blocks first: when the order then differs,
+      // verify runs again with this run left to the ladder.)
+      cause = !ladder_runs_.contains(run_index) && matches_empty_cache(allocator)
+                  ? ReleaseCause::empty_cache
+                  : ReleaseCause::allocator;
     }
     pending_run_ = &run;
     pending_cause_ = cause;
@@ -504,13 +527,25 @@ class Verifier {
         diverge(index, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
         return;
       }
-      if (settle(index)) ++(undecided ? result_.undecided_releases : result_.empty_cache_calls);
+      if (settle(index)) {
+        ++(undecided ? result_.undecided_releases : result_.empty_cache_calls);
+      } else if (undecided) {
+        undecided_diverged_ = run_index;
+      }
       return;
     }
     // The allocation that follows makes them: its retry ladder (the device
     // refuses it until they are made), or garbage collection first when the
-    // settings ask for it.
-    pending_gc_ = config_.garbage_collection_threshold > 0.0;
+    // settings ask for it. Under a known memory limit the allocator decides
+    // by itself; the run is garbage collection's when reserved memory is
+    // above the threshold (it collects first).
+    if (!exact_limit_) {
+      pending_gc_ = config_.garbage_collection_threshold > 0.0;
+    } else {
+      pending_gc_ = config_.garbage_collection_threshold > 0.0 &&
+                    static_cast<std::uint64_t>(
+                        allocator.stats().reserved_bytes[0].current) > gc_above_;
+    }
   }
 
   // Garbage collection runs only under a memory fraction, which a snapshot
@@ -523,7 +558,8 @@ class Verifier {
     step_assumption_ =
         "the settings enable garbage collection, which runs only under a memory fraction "
         "the snapshot does not record: verify took the releases before this allocation for "
-        "garbage collection with their total as its target";
+        "garbage collection with their total as its target (give the fraction and the "
+        "device's memory, --memory-fraction and --device-memory, to check it exactly)";
     allocator.collect_garbage(large);
   }
 
@@ -618,7 +654,7 @@ class Verifier {
     }
     void* got = nullptr;
     try {
-      if (pending_gc_) collect_garbage(allocator);
+      if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
       got = allocator.allocate(e.size, e.stream);
     } catch (const OutOfMemoryError&) {
       diverge(i, expect_.problem.empty()
@@ -644,7 +680,7 @@ class Verifier {
     const TraceEvent& e = trace_.events[i];
     expect_.oom_expected = true;
     try {
-      if (pending_gc_) collect_garbage(allocator);
+      if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
       void* got = allocator.allocate(e.size, e.stream);
       expect_.oom_expected = false;
       diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
@@ -802,9 +838,14 @@ class Verifier {
   static constexpr StreamId kHoldStreamBase = StreamId{0xfeed} << 48;
 
   const Trace& trace_;
+  const VerifyOptions options_;
+  const bool exact_limit_ = options_.memory_fraction.has_value();
+  std::uint64_t gc_above_ = 0;  // under an exact limit: reserved bytes garbage collection keeps
   const bool first_alloc_made_its_segment_;
   const VerifyWatch* watch_;
   std::string pytorch_rules_;  // pytorch_version when the settings name none
+  const std::set<std::size_t>& ladder_runs_;  // undecided runs to leave to the ladder
+  std::optional<std::size_t> undecided_diverged_;
   AllocatorConfig config_;
   VerifyResult result_;
   Expectations expect_;
@@ -826,18 +867,39 @@ class Verifier {
 
 }  // namespace
 
-VerifyResult verify(const Trace& trace) { return verify(trace, VerifyWatch{}); }
+VerifyResult verify(const Trace& trace) { return verify(trace, VerifyOptions{}, VerifyWatch{}); }
+
+VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
+  return verify(trace, VerifyOptions{}, watch);
+}
 
 namespace {
 
-VerifyResult verify_as(const Trace& trace, const VerifyWatch* w, const std::string& rules) {
-  VerifyResult r = Verifier(trace, false, w, rules).run();
+// One reading of the start; undecided runs applied as empty_cache() whose
+// order of releases disagrees are left to the ladder on a run from the
+// start again (the same segments, freed oversize first), as many times as
+// there are such runs.
+VerifyResult verify_from(const Trace& trace, const VerifyOptions& options, bool first_alloc,
+                         const VerifyWatch* w, const std::string& rules) {
+  // (A watch then sees the events again from the start.)
+  std::set<std::size_t> ladder_runs;
+  for (;;) {
+    Verifier verifier(trace, options, first_alloc, w, rules, ladder_runs);
+    VerifyResult r = verifier.run();
+    const std::optional<std::size_t> undecided = verifier.undecided_run_that_diverged();
+    if (r.agreed || !undecided || !ladder_runs.insert(*undecided).second) return r;
+  }
+}
+
+VerifyResult verify_as(const Trace& trace, const VerifyOptions& options, const VerifyWatch* w,
+                       const std::string& rules) {
+  VerifyResult r = verify_from(trace, options, false, w, rules);
   // A recording may start between an allocation's segment_alloc and its
   // alloc (a ring buffer's cut): the segment then looks present at the start.
   // If that reading fails at once, take the segment as the alloc's.
   if (!r.agreed && r.divergence_event == 0 && !trace.events.empty() &&
       trace.events[0].action == TraceAction::alloc) {
-    VerifyResult other = Verifier(trace, true, w, rules).run();
+    VerifyResult other = verify_from(trace, options, true, w, rules);
     if (other.agreed || other.divergence_event > 0) return other;
   }
   return r;
@@ -845,10 +907,23 @@ VerifyResult verify_as(const Trace& trace, const VerifyWatch* w, const std::stri
 
 }  // namespace
 
-VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
+VerifyResult verify(const Trace& trace, const VerifyOptions& options, const VerifyWatch& watch) {
+  if (options.memory_fraction.has_value() != options.device_memory.has_value()) {
+    throw UsageError(
+        "verify: a memory fraction needs the device's total memory, and the other way round "
+        "(the limit is the fraction of the total: give both)");
+  }
+  if (options.memory_fraction &&
+      !(*options.memory_fraction > 0.0 && *options.memory_fraction <= 1.0)) {
+    throw UsageError(fmt::format("verify: invalid memory fraction {}; accepted: above 0.0, up to 1.0",
+                                 *options.memory_fraction));
+  }
+  if (options.device_memory && *options.device_memory == 0) {
+    throw UsageError("verify: the device's total memory must be more than 0 bytes");
+  }
   const VerifyWatch* w = watch ? &watch : nullptr;
   const std::string& since = trace.pytorch_since;
-  VerifyResult r = verify_as(trace, w, since);
+  VerifyResult r = verify_as(trace, options, w, since);
   // 2.12 writes the settings 2.4 to 2.11 write, but takes cached blocks of
   // equal size oldest segment first: a recording that shows 2.4 to 2.11
   // and disagrees is checked by 2.12's rules too, and verified by them when
@@ -856,8 +931,8 @@ VerifyResult verify(const Trace& trace, const VerifyWatch& watch) {
   const bool could_be_2_12 = !since.empty() && compare_versions(since, "2.12") < 0 &&
                              trace.settings.pytorch_version.empty();
   if (!r.agreed && !r.cannot_verify && could_be_2_12) {
-    VerifyResult newer = verify_as(trace, nullptr, "2.12");
-    if (newer.agreed) return w == nullptr ? newer : verify_as(trace, w, "2.12");
+    VerifyResult newer = verify_as(trace, options, nullptr, "2.12");
+    if (newer.agreed) return w == nullptr ? newer : verify_as(trace, options, w, "2.12");
   }
   return r;
 }

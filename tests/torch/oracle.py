@@ -2,14 +2,19 @@
 dumped as the snapshot PyTorch writes: the oracle reservoir verify is
 checked against (tests/torch/test_oracle.py).
 
-usage: oracle.py OUT_DIR SEED PROGRAMS [--oom]
+usage: oracle.py OUT_DIR SEED PROGRAMS [--oom | --keep-going] [--fraction F]
 
 Runs PROGRAMS programs in this process under the settings of
 PYTORCH_CUDA_ALLOC_CONF, each starting from an empty allocator: sizes from a
 byte to a GiB (log-uniform), two streams, record_stream, frees in random
 order, empty_cache anywhere. With --oom each program allocates until PyTorch
 runs out of memory (on a device made small for it) and the snapshot is
-dumped at the failure, as training scripts do. Writes OUT_DIR/pNNNN.pickle.
+dumped at the failure, as training scripts do. With --keep-going a program
+that runs out of memory catches the error, frees about half of what it
+holds and goes on, as a server that sheds load does (its snapshot holds
+every oom). --fraction F calls set_per_process_memory_fraction(F) before
+the first allocation (garbage_collection_threshold acts only under one;
+without --fraction such settings get 1.0). Writes OUT_DIR/pNNNN.pickle.
 """
 import os
 import random
@@ -19,12 +24,15 @@ import torch
 
 out_dir, seed, programs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 oom = "--oom" in sys.argv
+keep_going = "--keep-going" in sys.argv
+fraction = float(sys.argv[sys.argv.index("--fraction") + 1]) if "--fraction" in sys.argv else None
+if fraction is None and "garbage_collection_threshold" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    fraction = 1.0  # garbage collection acts only under a memory fraction
 os.makedirs(out_dir, exist_ok=True)
 torch.cuda.init()
-if "garbage_collection_threshold" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-    # Garbage collection acts only under a memory fraction (one the snapshot
-    # does not record: the whole device, set before any allocation).
-    torch.cuda.set_per_process_memory_fraction(1.0)
+if fraction is not None:
+    # Set before any allocation; a snapshot does not record it.
+    torch.cuda.set_per_process_memory_fraction(fraction)
 streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
 MiB = 1 << 20
 
@@ -36,10 +44,17 @@ def program(rng):
         for _ in range(steps if not oom else 100000):
             r = rng.random()
             if oom or r < 0.55 or not live:
-                top = 30 if not oom else 32
+                top = 32 if oom or keep_going else 30
                 n = max(1, int(2 ** rng.uniform(0, top)))
-                with torch.cuda.stream(rng.choice(streams)):
-                    live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+                try:
+                    with torch.cuda.stream(rng.choice(streams)):
+                        live.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+                except torch.cuda.OutOfMemoryError:
+                    if not keep_going:
+                        raise
+                    rng.shuffle(live)
+                    del live[:(len(live) + 1) // 2]
+                    continue
                 if rng.random() < 0.05:
                     live[-1].record_stream(rng.choice(streams))
                 if oom and rng.random() < 0.3:

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <random>
 #include <set>
 
 #include "reservoir/caching_allocator.hpp"
@@ -289,6 +290,82 @@ TEST(VerifyReleases, GarbageCollectionFreesTheOlderBlock) {
   EXPECT_TRUE(v.agreed) << v.divergence;
   EXPECT_EQ(v.garbage_collections, 1u);
   EXPECT_EQ(v.segment_frees_checked, 1u);
+}
+
+// Programs that run out of memory under a memory fraction again and again
+// and go on, with garbage collection: given the fraction and the device's
+// memory, verify lets the allocator collect and refuse by itself, and agrees
+// with every one; without them some runs mix the collection's releases with
+// the retry ladder's, which the recorded run's total cannot tell apart.
+TEST(VerifyReleases, GarbageCollectionUnderAKnownMemoryFraction) {
+  const std::size_t capacity = 1024 * kMiB;
+  const VerifyOptions limit{.memory_fraction = 0.5, .device_memory = capacity};
+  int collections = 0;
+  int ooms = 0;
+  int unverified_without = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    Recorder r("garbage_collection_threshold:0.6,max_split_size_mb:40", capacity);
+    r.allocator.set_memory_fraction(0.5);
+    std::mt19937_64 rng(seed);
+    std::vector<void*> live;
+    for (int step = 0; step < 300; ++step) {
+      if (live.empty() || rng() % 100 < 60) {
+        const std::size_t bytes = std::size_t{1} << (10 + rng() % 19);  // 1 KiB to 256 MiB
+        try {
+          live.push_back(r.alloc(bytes + rng() % bytes));
+        } catch (const OutOfMemoryError&) {
+          std::shuffle(live.begin(), live.end(), rng);
+          for (std::size_t k = 0; k < (live.size() + 1) / 2; ++k) r.allocator.deallocate(live[k]);
+          live.erase(live.begin(), live.begin() + static_cast<std::ptrdiff_t>((live.size() + 1) / 2));
+        }
+      } else {
+        const std::size_t k = rng() % live.size();
+        r.allocator.deallocate(live[k]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+    const Trace t = pickled(r.finish());
+    const VerifyResult v = verify(t, limit);
+    EXPECT_TRUE(v.agreed) << "seed " << seed << ": " << v.divergence;
+    collections += static_cast<int>(v.garbage_collections);
+    ooms += static_cast<int>(v.ooms_checked);
+    const VerifyResult without = verify(t);
+    if (!without.agreed) {
+      EXPECT_TRUE(without.cannot_verify) << without.divergence;
+      EXPECT_NE(without.divergence.find("--memory-fraction and --device-memory"),
+                std::string::npos);
+      ++unverified_without;
+    }
+  }
+  EXPECT_GT(collections, 40);
+  EXPECT_GT(ooms, 40);
+  EXPECT_GT(unverified_without, 0);
+}
+
+TEST(VerifyReleases, AMemoryFractionNeedsTheDevicesMemory) {
+  Recorder r("");
+  r.allocator.deallocate(r.alloc(kMiB));
+  const Trace t = pickled(r.finish());
+  const auto refusal = [&](const VerifyOptions& o) -> std::string {
+    try {
+      (void)verify(t, o);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  const std::string both =
+      "verify: a memory fraction needs the device's total memory, and the other way round "
+      "(the limit is the fraction of the total: give both)";
+  EXPECT_EQ(refusal({.memory_fraction = 0.5, .device_memory = std::nullopt}), both);
+  EXPECT_EQ(refusal({.memory_fraction = std::nullopt, .device_memory = kMiB}), both);
+  EXPECT_EQ(refusal({.memory_fraction = 0.0, .device_memory = kMiB}),
+            "verify: invalid memory fraction 0; accepted: above 0.0, up to 1.0");
+  EXPECT_EQ(refusal({.memory_fraction = 1.5, .device_memory = kMiB}),
+            "verify: invalid memory fraction 1.5; accepted: above 0.0, up to 1.0");
+  EXPECT_EQ(refusal({.memory_fraction = 1.0, .device_memory = 0}),
+            "verify: the device's total memory must be more than 0 bytes");
+  EXPECT_TRUE(verify(t, VerifyOptions{.memory_fraction = 1.0, .device_memory = 64 * kMiB}).agreed);
 }
 
 // ---- streams, oom, private pools, zero bytes ---------------------------------------

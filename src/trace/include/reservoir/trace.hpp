@@ -304,7 +304,23 @@ struct VerifyResult {
 VerifyResult verify(const Trace& trace);
 // The same, calling `watch` after each recorded event verify has checked and
 // agreed with (index into trace.events, and the allocator in that state).
+// Where verify reads the recording again from the start (another reading of
+// a run of releases, or of the release's rules), the watch sees the events
+// again: the last call for an event is the one that holds.
 using VerifyWatch = std::function<void(std::size_t event, const CachingAllocator& allocator)>;
 VerifyResult verify(const Trace& trace, const VerifyWatch& watch);
+
+// What a snapshot does not record about the process it came from.
+struct VerifyOptions {
+  // torch.cuda.set_per_process_memory_fraction(F), set before the recording
+  // began, and the device's total memory (torch.cuda.mem_get_info()[1]):
+  // with both, the allocator's own limit (F x total) is applied, and
+  // garbage_collection_threshold collects exactly as PyTorch does, instead
+  // of taking a recorded run of releases for its work. Both or neither.
+  std::optional<double> memory_fraction;
+  std::optional<std::uint64_t> device_memory;
+};
+VerifyResult verify(const Trace& trace, const VerifyOptions& options,
+                    const VerifyWatch& watch = {});
 
 }  // namespace reservoir
