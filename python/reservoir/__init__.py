@@ -28,6 +28,7 @@ torch_library_path() is PyTorch's pluggable allocator for ctypes users
 CUDA program, cli_path() the `reservoir` command-line tool (also installed as
 the `reservoir` command, and run by `python -m reservoir`).
 """
+import logging
 import os
 
 from ._core import (  # noqa: F401
@@ -55,6 +56,8 @@ from . import _core
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_logger = logging.getLogger("reservoir")
+_torch_installed = False
 
 
 def _package_file(relative, what):
@@ -96,6 +99,7 @@ def install_torch(config=None, device_kind=None):
     config uses PYTORCH_CUDA_ALLOC_CONF's syntax (and reservoir's policies);
     device_kind is cuda-runtime (default), cuda-vmm, host or sim.
     """
+    global _torch_installed
     import torch
 
     if config is not None:
@@ -106,9 +110,55 @@ def install_torch(config=None, device_kind=None):
     if pluggable is None:
         raise RuntimeError(
             f"PyTorch {torch.__version__} has no CUDAPluggableAllocator (PyTorch 2.0 or later needed)")
+    hooks = torch_hooks_path(torch.__version__)
+    if hooks is not None:
+        # Every hook connected: empty_cache, the memory fraction,
+        # record_stream and the pools reach reservoir.
+        import ctypes
+
+        lib = ctypes.CDLL(hooks)
+        lib.reservoir_torch_install_hooks.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
+        release = torch.__version__.split("+")[0]
+        if lib.reservoir_torch_install_hooks(os.fsencode(library_path()), release.encode()) != 0:
+            raise RuntimeError("reservoir.install_torch: " + lib.reservoir_torch_hooks_error().decode())
+        _torch_installed = True
+        return torch.cuda.memory._get_current_allocator()
+    # Python's binding takes malloc and free only: PyTorch then ignores
+    # empty_cache(), set_per_process_memory_fraction() and record_stream()
+    # for this allocator (reservoir's own functions still do them).
+    _logger.warning(
+        "reservoir.install_torch: no hooks library for PyTorch %s in this package (built for: %s); "
+        "installed through CUDAPluggableAllocator's malloc and free only: torch.cuda.empty_cache(), "
+        "set_per_process_memory_fraction() and Tensor.record_stream() do not reach reservoir "
+        "(call reservoir.empty_cache(), reservoir.set_memory_fraction() instead; "
+        "record_stream is not honoured)", torch.__version__, ", ".join(torch_hook_releases()) or "none")
     allocator = pluggable(library_path(), "reservoir_torch_malloc", "reservoir_torch_free")
     torch.cuda.memory.change_current_allocator(allocator)
+    _torch_installed = True
     return allocator
+
+
+def torch_installed():
+    """Whether install_torch() made reservoir PyTorch's allocator in this process."""
+    return _torch_installed
+
+
+def torch_hook_releases():
+    """The PyTorch releases this package has a hooks library for."""
+    lib = os.path.join(_PACKAGE_DIR, "lib")
+    if not os.path.isdir(lib):
+        return []
+    return sorted(d[len("torch-"):] for d in os.listdir(lib)
+                  if d.startswith("torch-") and
+                  os.path.exists(os.path.join(lib, d, "libreservoir_torch_hooks.so")))
+
+
+def torch_hooks_path(version):
+    """The hooks library built for PyTorch `version` ("2.15.0+cu130"), or None."""
+    release = version.split("+")[0]
+    path = os.path.join(_PACKAGE_DIR, "lib", "torch-" + release, "libreservoir_torch_hooks.so")
+    return path if os.path.exists(path) else None
 
 
 def region(tag, cpu_backup=False, device=0):

@@ -53,9 +53,7 @@ class TorchMemorySaver:
             import torch
 
             if torch.cuda.is_available():
-                current = getattr(torch.cuda.memory, "_get_current_allocator", None)
-                installed = current is not None and "reservoir_torch_malloc" in repr(current())
-                if not installed:
+                if not reservoir.torch_installed():
                     try:
                         reservoir.install_torch()
                     except RuntimeError as e:

@@ -60,6 +60,7 @@ struct PerDevice {
 std::mutex mutex;
 std::array<PerDevice, kMaxDevices> devices;
 thread_local std::string last_error;
+thread_local bool last_error_out_of_memory = false;
 
 reservoir::DeviceKind backend_kind(const AllocatorConfig& config) {
   if (const char* kind = std::getenv("RESERVOIR_TORCH_DEVICE"); kind != nullptr && *kind != '\0') {
@@ -132,8 +133,13 @@ bool guarded(F&& f) {
   try {
     f();
     return true;
+  } catch (const reservoir::OutOfMemoryError& e) {
+    last_error = e.what();
+    last_error_out_of_memory = true;
+    return false;
   } catch (const std::exception& e) {
     last_error = e.what();
+    last_error_out_of_memory = false;
     return false;
   }
 }
@@ -155,7 +161,9 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
         p = saver_for(device).allocate(static_cast<std::size_t>(size),
                                        reinterpret_cast<reservoir::StreamId>(stream));
       })) {
-    // PyTorch turns a null result into its out-of-memory error; say why here.
+    // PyTorch's CUDAPluggableAllocator does not check the result: the
+    // hooks library (torch_hooks.cpp) raises PyTorch's error for a null
+    // one; through Python's binding alone, this line is all that says why.
     std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
   }
   return p;
@@ -202,8 +210,47 @@ __attribute__((visibility("default"))) void reservoir_torch_record_stream(void* 
   });
 }
 
+// The pool hooks (MemPool, CUDA graph capture), in C: a pool id is the two
+// halves of PyTorch's MempoolId_t; `filter` (with `context`) says which
+// streams' allocations go to the pool while it is routed, and is called
+// until end_allocate_to_pool returns. Errors: -1, and last_error says why.
+using reservoir_torch_stream_filter = int (*)(void* context, CUstream_st* stream);
+
+__attribute__((visibility("default"))) int reservoir_torch_begin_allocate_to_pool(
+    int device, unsigned long long pool_first, unsigned long long pool_second,
+    reservoir_torch_stream_filter filter, void* context) {
+  return guarded([&] {
+    if (filter == nullptr) {
+      throw reservoir::UsageError("begin_allocate_to_pool: no stream filter given");
+    }
+    allocator_for(device).begin_allocate_to_pool(
+        reservoir::PoolId{pool_first, pool_second}, [filter, context](reservoir::StreamId s) {
+          return filter(context, reinterpret_cast<CUstream_st*>(s)) != 0;
+        });
+  }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int reservoir_torch_end_allocate_to_pool(
+    int device, unsigned long long pool_first, unsigned long long pool_second) {
+  return guarded([&] {
+    allocator_for(device).end_allocate_to_pool(reservoir::PoolId{pool_first, pool_second});
+  }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int reservoir_torch_release_pool(
+    int device, unsigned long long pool_first, unsigned long long pool_second) {
+  return guarded([&] {
+    allocator_for(device).release_pool(reservoir::PoolId{pool_first, pool_second});
+  }) ? 0 : -1;
+}
+
 __attribute__((visibility("default"))) const char* reservoir_torch_last_error() {
   return last_error.c_str();
+}
+
+// 1 when the calling thread's last error was running out of memory.
+__attribute__((visibility("default"))) int reservoir_torch_last_error_is_oom() {
+  return last_error_out_of_memory ? 1 : 0;
 }
 
 // JSON of torch.cuda.memory_stats() keys; free with free(). Null on error.

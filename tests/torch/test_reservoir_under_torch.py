@@ -100,3 +100,137 @@ def test_the_interposer_serves_pytorchs_cudamalloc():
     # caches what PyTorch frees, and the device sees one.
     assert run(code) == ["20"]
     assert run(code, preload=PRELOAD + " " + SIMCUDA) == ["1"]  # the interposer first
+
+
+# ---- every hook of CUDAPluggableAllocator (the hooks library per release) ----
+
+HOOKS = """
+    import ctypes, os, torch, reservoir
+    MiB = 1 << 20
+    sim = ctypes.CDLL("libcuda.so.1")
+    sim.reservoirSimCudaUsed.restype = ctypes.c_size_t
+    assert reservoir.torch_hooks_path(torch.__version__), reservoir.torch_hook_releases()
+    reservoir.install_torch({config!r})
+"""
+
+
+def hooks(config, body, env=None):
+    return run(textwrap.dedent(HOOKS.format(config=config)) + textwrap.dedent(body), env=env)
+
+
+@pytest.mark.parametrize("config", ["", "expandable_segments:True", "policy:paging"])
+def test_empty_cache_reaches_reservoir(config):
+    out = hooks(config, """
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        del x
+        s = reservoir.stats(0)
+        used = sim.reservoirSimCudaUsed(0)
+        print(s["allocated_bytes.all.current"], s["reserved_bytes.all.current"] >= 64 * MiB)
+        torch.cuda.empty_cache()
+        print(reservoir.stats(0)["reserved_bytes.all.current"], used - sim.reservoirSimCudaUsed(0) >= 64 * MiB)
+    """)
+    assert out == ["0", "True", "0", "True"]
+
+
+def test_set_per_process_memory_fraction_reaches_reservoir():
+    # An 8 GiB device limited to a quarter: 1.5 GiB fits, 3 GiB does not,
+    # and PyTorch raises its out-of-memory error for it.
+    out = hooks("", """
+        torch.cuda.set_per_process_memory_fraction(0.25)
+        x = torch.empty(1536 * MiB, dtype=torch.uint8, device="cuda")
+        try:
+            y = torch.empty(3072 * MiB, dtype=torch.uint8, device="cuda")
+            print("allocated")
+        except torch.cuda.OutOfMemoryError:
+            print("OutOfMemoryError")
+        print(reservoir.stats(0)["num_ooms"])
+    """, env={"RESERVOIR_SIMCUDA_MEMORY": "8GiB"})
+    assert out == ["OutOfMemoryError", "1"]
+
+
+@pytest.mark.parametrize("config", ["", "policy:paging"])
+def test_record_stream_keeps_a_block_until_the_other_stream_is_done(config):
+    # Events held: the block freed after record_stream on a second stream is
+    # not handed out again until that stream's work completes.
+    out = hooks(config, """
+        side = torch.cuda.Stream()
+        x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        first = x.data_ptr()
+        sim.reservoirSimCudaHoldEvents(1)
+        x.record_stream(side)
+        del x
+        y = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        print(y.data_ptr() != first)
+        del y
+        sim.reservoirSimCudaCompleteEvents()
+        z = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        print(z.data_ptr() == first)
+    """)
+    assert out == ["True", "True"]
+
+
+def test_the_pool_hooks_route_allocations_to_a_private_pool():
+    # What use_mem_pool and CUDA graph capture ask of the current allocator,
+    # through PyTorch's own bindings: allocations of this thread go to a
+    # private pool of reservoir's (its segment carries the pool's id) until
+    # the route ends; releasing the pool lets empty_cache hand it back.
+    out = hooks("", """
+        pool = (0, 77)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+        x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        torch._C._cuda_endAllocateToPool(0, pool)
+        y = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        x.copy_(torch.full((8 * MiB,), 3, dtype=torch.uint8))
+        assert torch.equal(x.cpu(), torch.full((8 * MiB,), 3, dtype=torch.uint8))
+        def pools():
+            return sorted(tuple(s["segment_pool_id"]) for s in reservoir.snapshot(0)["segments"])
+        print(pools() == [(0, 0), pool])
+        del x
+        torch.cuda.empty_cache()
+        print(pools() == [(0, 0), pool])  # the pool still holds its segment
+        torch._C._cuda_releasePool(0, pool)
+        torch.cuda.empty_cache()
+        print(pools() == [(0, 0)])
+    """)
+    assert out == ["True", "True", "True"]
+
+
+def test_pytorch_refuses_a_mempool_object_for_a_pluggable_allocator():
+    # PyTorch 2.11 to 2.15 raise for torch.cuda.MemPool() when a pluggable
+    # allocator is current (reservoir as PyTorch's own allocator, not a
+    # pluggable one, is what lifts this). A release that lifts it fails here.
+    out = hooks("", """
+        try:
+            torch.cuda.MemPool()
+            print("created")
+        except RuntimeError as e:
+            print("createOrIncrefPool" in str(e))
+    """)
+    assert out == ["True"]
+
+
+def test_an_allocation_reservoir_cannot_serve_raises_pytorchs_error():
+    out = hooks("", """
+        try:
+            x = torch.empty(200 * 1024 * MiB, dtype=torch.uint8, device="cuda")
+            print("allocated", x.data_ptr())
+        except torch.cuda.OutOfMemoryError as e:
+            print("OutOfMemoryError", "Tried to allocate 200.00 GiB" in str(e))
+    """)
+    assert out == ["OutOfMemoryError", "True"]
+
+
+def test_without_a_hooks_library_install_says_what_does_not_reach_reservoir():
+    # A package without the hooks (a release it was not built for) still
+    # installs, and says which calls PyTorch will not pass on.
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent("""
+        import logging, torch, reservoir
+        logging.basicConfig()
+        reservoir.torch_hooks_path = lambda version: None
+        reservoir.install_torch("")
+        x = torch.empty(1000, device="cuda")
+        print(reservoir.stats(0)["allocation.all.current"])
+    """)], env={**os.environ, "LD_PRELOAD": SIMCUDA}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["1"], r.stderr
+    assert "no hooks library for PyTorch" in r.stderr
+    assert "record_stream is not honoured" in r.stderr
