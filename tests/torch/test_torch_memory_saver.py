@@ -9,6 +9,7 @@ runtime. What differs on purpose is listed in docs/integrations.md
 ("torch_memory_saver drop-in").
 """
 import glob
+import re
 import inspect
 import json
 import os
@@ -69,6 +70,44 @@ def test_a_double_pause_kills_the_process_there_and_is_an_error_here():
     ours = run(OURS, "torch", body)
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout.split() == ["UsageError", "alive"]
+
+
+def test_a_resume_without_a_pause_kills_the_process_there_and_is_an_error_here():
+    body = """
+        with tms.region(tag="a"):
+            x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        try:
+            tms.resume("a")
+            print("resumed")
+        except Exception as e:
+            print(type(e).__name__)
+        print("alive")
+    """
+    real = run(REAL, "torch", body)
+    assert real.returncode != 0
+    assert "Cannot resume allocation that is not paused" in real.stdout + real.stderr
+    ours = run(OURS, "torch", body)
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.split() == ["UsageError", "alive"]
+
+
+def test_tensors_before_the_first_region_work_there_and_not_here():
+    # torch_memory_saver routes regions through a MemPool beside PyTorch's
+    # own allocator; the drop-in makes reservoir PyTorch's allocator, which
+    # must happen before the first CUDA tensor, and says so.
+    body = """
+        y = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+        try:
+            with tms.region(tag="a"):
+                x = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+            print("region")
+        except RuntimeError as e:
+            print("before the first CUDA tensor" in str(e))
+        import os
+        os._exit(0)
+    """
+    assert run(REAL, "torch", body).stdout.split() == ["region"]
+    assert run(OURS, "torch", body).stdout.split() == ["True"]
 
 
 def test_disable_outside_a_region_asserts_there_and_is_allowed_here():
@@ -141,3 +180,79 @@ def test_the_public_api_name_by_name():
         "False, cpu_backup_backend: Optional[Literal['mmap', 'pinned']] = None)")
     assert ours["torch_memory_saver.region"] == (
         "(self, tag: str = 'default', enable_cpu_backup: bool = False)")
+
+
+# Cases run both ways: what the real release prints, the drop-in prints.
+SAME_BOTH_WAYS = {
+    "nested_regions_inner_tag_wins": """
+        with tms.region(tag="outer"):
+            a = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+            with tms.region(tag="inner"):
+                b = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")
+            c = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        free0 = torch.cuda.mem_get_info()[0]
+        tms.pause("inner")
+        free1 = torch.cuda.mem_get_info()[0]
+        tms.pause("outer")
+        free2 = torch.cuda.mem_get_info()[0]
+        tms.resume()
+        print((free1 - free0) // MiB, (free2 - free1) // MiB)
+    """,
+    "outside_regions_is_never_paused": """
+        with tms.region(tag="a"):
+            x = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+        y = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+        y.copy_(torch.full((16 * MiB,), 9, dtype=torch.uint8))
+        free0 = torch.cuda.mem_get_info()[0]
+        tms.pause()
+        print((torch.cuda.mem_get_info()[0] - free0) // MiB, int(y[-1].item()))
+        tms.resume()
+    """,
+    "freed_then_paused": """
+        with tms.region(tag="a"):
+            x = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+            z = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        del x
+        free0 = torch.cuda.mem_get_info()[0]
+        tms.pause("a")
+        free1 = torch.cuda.mem_get_info()[0]
+        tms.resume("a")
+        print((free1 - free0) // MiB >= 4, torch.cuda.mem_get_info()[0] == free0)
+    """,
+    "enabled": """
+        print(tms.enabled)
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_BOTH_WAYS))
+def test_behaviour_case_by_case(case):
+    body = textwrap.dedent(SAME_BOTH_WAYS[case]) + "import os\nos._exit(0)\n"
+    real = run(REAL, "preload", body)
+    ours = run(OURS, "preload", body)
+    assert real.returncode == 0, real.stderr
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.split() == real.stdout.split(), (real.stdout, ours.stdout)
+
+
+# The environment variables the real release's libraries read, and what the
+# drop-in does with each (a release that reads a new one fails this test).
+ENVIRONMENT = {
+    "TMS_DISK_BACKUP_CHUNK_MB": "not read (no disk backup in the drop-in)",
+    "TMS_DISK_BACKUP_DIR": "not read (RESERVOIR_BACKUP_DIR with RESERVOIR_BACKUP_STORAGE=mmap)",
+    "TMS_INIT_CPU_BACKUP_BACKEND": "not read (RESERVOIR_BACKUP_STORAGE)",
+    "TMS_INIT_ENABLE": "not read (regions are opened from Python)",
+    "TMS_INIT_ENABLE_CPU_BACKUP": "not read",
+    "TMS_INIT_ENABLE_DISK_BACKUP": "not read",
+    "TMS_RETAIN_CPU_BACKUP": "not read",
+}
+
+
+def test_the_environment_variables_it_reads():
+    libs = glob.glob(os.path.join(SITE, "torch_memory_saver_hook_mode_*_cu13.abi3.so"))
+    assert len(libs) == 2, libs
+    for lib in libs:
+        with open(lib, "rb") as f:
+            data = f.read()
+        words = {m.decode() for m in re.findall(rb"(?<![A-Z_])(?:TMS|TORCH_MEMORY_SAVER)_[A-Z_]+(?=\0)", data)}
+        assert words == set(ENVIRONMENT), (lib, sorted(words))
