@@ -101,10 +101,22 @@ std::uint32_t EventHistory::intern_context(std::uint32_t annotation, std::uint32
 
 namespace {
 
-// The allocator's source folder, as debug information names its files.
+// The allocator's source folder from the checkout's root ("src/allocator/"):
+// debug information names its files by an absolute path, or one relative
+// to the build folder where a compiler cache rewrote it ("../src/...").
 constexpr std::string_view source_dir() {
   constexpr std::string_view file = __FILE__;
-  return file.substr(0, file.rfind('/') + 1);
+  constexpr std::string_view dir = file.substr(0, file.rfind('/') + 1);
+  constexpr std::size_t src = dir.rfind("src/");
+  return src == std::string_view::npos ? dir : dir.substr(src);
+}
+
+bool in_source_dir(std::string_view filename) {
+  constexpr std::string_view dir = source_dir();
+  if (dir.size() <= 1) return false;
+  if (filename.starts_with(dir)) return true;
+  const std::size_t at = filename.find(dir);
+  return at != std::string_view::npos && at > 0 && filename[at - 1] == '/';
 }
 
 // Frames of the allocator itself (and of the capture, when not inlined), at
@@ -112,8 +124,7 @@ constexpr std::string_view source_dir() {
 // information names only "operator()", by the file they are in.
 bool internal_frame(const Frame& f) {
   return f.name.starts_with("reservoir::CachingAllocator") ||
-         f.name.starts_with("reservoir::detail::") ||
-         (source_dir().size() > 1 && f.filename.starts_with(source_dir()));
+         f.name.starts_with("reservoir::detail::") || in_source_dir(f.filename);
 }
 
 }  // namespace
