@@ -1,0 +1,174 @@
+// verify: each recorded event replayed (alloc, free_requested,
+// free_completed, oom, segment events) and what a disagreeing address says.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "verifier.hpp"
+
+namespace reservoir::detail {
+
+void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t i) {
+  const TraceEvent& e = trace_.events[i];
+  switch (e.action) {
+    case TraceAction::segment_alloc:
+    case TraceAction::segment_free:
+      if (vm_) {
+        settings_changed(i);
+      } else if (e.action == TraceAction::segment_alloc) {
+        expect_.segment_allocs.emplace_back(e.addr, e.size);
+      } else {
+        expect_.segment_frees.emplace_back(e.addr, e.size);
+      }
+      return;
+    case TraceAction::segment_map:
+    case TraceAction::segment_unmap:
+      if (!vm_) {
+        settings_changed(i);
+      } else if (e.action == TraceAction::segment_map) {
+        expect_.maps.emplace_back(e.addr, e.size);
+      } else {
+        expect_.segment_frees.emplace_back(e.addr, e.size);
+      }
+      return;
+    case TraceAction::alloc: alloc(allocator, i); return;
+    case TraceAction::oom: oom(allocator, i); return;
+    case TraceAction::free_requested: {
+      if (zero_size_.erase(e.addr) != 0) {
+        ++result_.zero_size_skipped;
+        return;
+      }
+      const bool completes_now = i + 1 < trace_.events.size() &&
+                                 trace_.events[i + 1].action == TraceAction::free_completed &&
+                                 trace_.events[i + 1].addr == e.addr;
+      try {
+        if (completes_now) {
+          allocator.deallocate(reinterpret_cast<void*>(e.addr));
+        } else {
+          hold_and_free(allocator, e.addr);
+        }
+      } catch (const InvalidPointerError& err) {
+        diverge(i, fmt::format("free of {:#x}: {}", e.addr, err.what()));
+      }
+      return;
+    }
+    case TraceAction::free_completed: {
+      // PyTorch records free_completed as it returns the block to the cache.
+      auto it = held_.find(e.addr);
+      if (it != held_.end()) {
+        device.complete_stream(it->second);
+        held_.erase(it);
+        try {
+          allocator.process_completed_frees();
+        } catch (const DeviceError& err) {
+          diverge(i, err.what());
+        }
+      }
+      return;
+    }
+    default: return;  // snapshot markers
+  }
+}
+
+void Verifier::hold_and_free(CachingAllocator& allocator, DevicePtr addr) {
+  const StreamId hold = kHoldStreamBase + next_hold_++;
+  allocator.record_stream(reinterpret_cast<void*>(addr), hold);
+  held_[addr] = hold;
+  allocator.deallocate(reinterpret_cast<void*>(addr));
+}
+
+void Verifier::settings_changed(std::size_t i) {
+  cannot_verify(
+      i, fmt::format("cannot verify: a {} event, but the recorded settings {} "
+                     "expandable segments (were they changed while recording?)",
+                     to_string(trace_.events[i].action), vm_ ? "enable" : "do not enable"));
+}
+
+void Verifier::alloc(CachingAllocator& allocator, std::size_t i) {
+  const TraceEvent& e = trace_.events[i];
+  if (e.size == 0) {
+    // PyTorch answers a zero-byte request without its allocator; nothing to replay.
+    zero_size_.insert(e.addr);
+    ++result_.zero_size_skipped;
+    return;
+  }
+  void* got = nullptr;
+  try {
+    if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
+    got = allocator.allocate(e.size, e.stream);
+  } catch (const OutOfMemoryError&) {
+    diverge(i, expect_.problem.empty()
+                   ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
+                                 "recording returned {:#x}",
+                                 e.size, e.addr)
+                   : expect_.problem);
+    return;
+  } catch (const DeviceError& err) {
+    diverge(i, expect_.problem.empty() ? std::string(err.what()) : expect_.problem);
+    return;
+  }
+  if (!settle(i)) return;
+  const auto ptr = reinterpret_cast<DevicePtr>(got);
+  if (ptr != e.addr) {
+    diverge(i, explain_alloc(allocator, e, ptr));
+    return;
+  }
+  ++result_.allocs_checked;
+}
+
+void Verifier::oom(CachingAllocator& allocator, std::size_t i) {
+  const TraceEvent& e = trace_.events[i];
+  expect_.oom_expected = true;
+  try {
+    if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
+    void* got = allocator.allocate(e.size, e.stream);
+    expect_.oom_expected = false;
+    diverge(i, fmt::format("the recording ran out of memory allocating {} bytes; reservoir "
+                           "returned {:#x}",
+                           e.size, reinterpret_cast<DevicePtr>(got)));
+    return;
+  } catch (const OutOfMemoryError&) {
+  } catch (const DeviceError&) {
+  }
+  expect_.oom_expected = false;
+  if (settle(i)) ++result_.ooms_checked;
+}
+
+std::string Verifier::explain_alloc(const CachingAllocator& allocator, const TraceEvent& e,
+                          DevicePtr got) const {
+  const std::size_t size = CachingAllocator::round_size(e.size, config_);
+  const bool small = size <= kSmallSize;
+  std::string out = fmt::format(
+      "alloc of {} bytes (rounded to {}, {} pool, stream {}): expected {:#x}, got {:#x}", e.size,
+      size, small ? "small" : "large", e.stream, e.addr, got);
+  const Snapshot snap = allocator.snapshot();
+  std::vector<std::pair<std::uint64_t, DevicePtr>> fits;
+  for (const SegmentInfo& s : snap.segments) {
+    for (const BlockInfo& b : s.blocks) {
+      if (e.addr >= b.address && e.addr < b.address + b.size) {
+        out += fmt::format(
+            "\n  reservoir's block holding the expected address: {:#x}, {} bytes, "
+            "{} (segment {:#x}, {} bytes, {})",
+            b.address, b.size, to_string(b.state), s.address, s.total_size,
+            s.is_large ? "large" : "small");
+      }
+      if (b.state == BlockState::inactive && s.is_large == !small && s.stream == e.stream &&
+          b.size >= size) {
+        fits.emplace_back(b.size, b.address);
+      }
+    }
+  }
+  std::sort(fits.begin(), fits.end());
+  out +=
+      fmt::format("\n  free blocks of the pool that fit, best first ({} in all):", fits.size());
+  for (std::size_t k = 0; k < fits.size() && k < 5; ++k) {
+    out += fmt::format("\n    {:#x}: {} bytes", fits[k].second, fits[k].first);
+  }
+  return out;
+}
+
+}  // namespace reservoir::detail
