@@ -12,6 +12,7 @@
 #include "reservoir/errors.hpp"
 #include "shared_traces.hpp"
 #include "trace_fixture.hpp"
+#include "source_dir.hpp"
 
 namespace reservoir {
 namespace {

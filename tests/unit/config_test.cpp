@@ -7,6 +7,7 @@
 
 #include "reservoir/config.hpp"
 #include "reservoir/errors.hpp"
+#include "source_dir.hpp"
 
 using reservoir::AllocatorConfig;
 using reservoir::compare_versions;

@@ -6,6 +6,7 @@
 
 #include "allocator_fixture.hpp"
 #include "reservoir/errors.hpp"
+#include "source_dir.hpp"
 
 namespace reservoir::testing {
 namespace {

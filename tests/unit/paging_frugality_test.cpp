@@ -12,6 +12,7 @@
 
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
+#include "source_dir.hpp"
 
 namespace reservoir {
 namespace {

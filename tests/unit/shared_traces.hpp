@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <vector>
+#include "source_dir.hpp"
 
 namespace reservoir::testing {
 

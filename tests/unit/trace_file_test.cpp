@@ -14,6 +14,7 @@
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
 #include "trace_fixture.hpp"
+#include "source_dir.hpp"
 
 namespace reservoir {
 namespace {

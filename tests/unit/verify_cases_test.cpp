@@ -18,6 +18,7 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "trace_fixture.hpp"
+#include "source_dir.hpp"
 
 namespace reservoir {
 namespace {
