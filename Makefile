@@ -88,7 +88,7 @@ tsan: deps
 	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESERVOIR_BUILD_BENCH=OFF \
 	  -DRESERVOIR_BUILD_TOOLS=OFF -DRESERVOIR_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS)
-	cd build-tsan && ctest --output-on-failure --no-tests=error -L concurrency
+	cd build-tsan && ctest --output-on-failure --no-tests=error -j $(JOBS) -L concurrency
 
 # libFuzzer targets, each run briefly from its seed corpus.
 FUZZ_SECONDS ?= 20
@@ -97,11 +97,13 @@ fuzz: deps
 	  -DRESERVOIR_BUILD_FUZZ=ON -DRESERVOIR_BUILD_TESTS=OFF -DRESERVOIR_BUILD_BENCH=OFF \
 	  -DRESERVOIR_BUILD_TOOLS=OFF >/dev/null
 	cmake --build build-fuzz -j $(JOBS)
-	for t in config pickle text_trace snapshot_json rmm_csv verify; do \
-	  mkdir -p build-fuzz/corpus-$$t && \
-	  build-fuzz/bin/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
-	    build-fuzz/corpus-$$t tests/fuzz/corpus/$$t || exit 1; \
-	done
+	@# $(JOBS) fuzzers at a time; a crash in any fails the target.
+	printf '%s\n' config pickle text_trace snapshot_json rmm_csv verify | \
+	  xargs -P $(JOBS) -I{} sh -c 'mkdir -p build-fuzz/corpus-{} && \
+	    build-fuzz/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
+	      build-fuzz/corpus-{} tests/fuzz/corpus/{} > build-fuzz/fuzz-{}.log 2>&1 || \
+	    { tail -40 build-fuzz/fuzz-{}.log; echo "fuzz_{} failed (build-fuzz/fuzz-{}.log)"; exit 255; }; \
+	    tail -1 build-fuzz/fuzz-{}.log'
 
 bench: build
 	$(BUILD)/bin/allocator_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
