@@ -121,6 +121,13 @@ install -m 755 "$bb/bin/gpu_test" "$bb/bin/gpu_bench" "$bb/bin/reservoir" "$bb/c
 install -m 755 "$bb/lib/libreservoir_torch.so" "$bb/lib/libreservoir_preload.so" "$out/lib/"
 install -m 644 "$root"/python/reservoir/*.py "$out/python/reservoir/"
 install -m 755 "$bb"/python/reservoir/_core*.so "$out/python/reservoir/"
+# PyTorch's pluggable allocator with every hook, per release in the PyPI
+# cache (the GPU machines run 2.11): install_torch() loads the running one's.
+for hooks in "$bb"/python/reservoir/lib/torch-*/libreservoir_torch_hooks.so; do
+  [ -e "$hooks" ] || continue
+  release=$(basename "$(dirname "$hooks")")
+  install -D -m 755 "$hooks" "$out/python/reservoir/lib/$release/libreservoir_torch_hooks.so"
+done
 install -m 644 "$root/python/reservoir_torch.py" "$out/python/"
 install -m 644 "$bb"/wheels/reservoir-*-cp312-cp312-*.whl "$out/wheels/"
 install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.cpp" \
@@ -130,6 +137,7 @@ install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"
 install -m 755 "$root/scripts/gpu_bundle/run.sh" "$out/"
 install -m 644 "$root/scripts/gpu_bundle/run_steps.py" "$root/scripts/gpu_bundle/README.txt" "$out/"
 strip --strip-debug "$out"/bin/* "$out"/lib/*.so "$out"/python/reservoir/*.so
+find "$out/python/reservoir/lib" -name '*.so' -exec strip --strip-debug {} +
 
 # What it was built from and what it needs of the machine it runs on.
 "$py312" - "$out" "$root" "$py312" <<'PY'

@@ -23,6 +23,10 @@ bundle = os.path.abspath(sys.argv[1])
 ALLOWED = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
            "ld-linux-x86-64.so.2", "libstdc++.so.6", "libgcc_s.so.1"}
 EXTRA = {"bin/cuda_probe": {"libcudart.so.13"}}  # a plain CUDA program links the shared runtime
+# The pluggable allocator's hooks, per PyTorch release: PyTorch's own
+# libraries, found loaded once `import torch` has run.
+TORCH_LIBS = {"libtorch_cuda.so", "libc10_cuda.so", "libc10.so"}
+GPU_TORCH = "2.11.0"  # the release the GPU machines have
 EXPECTED = ["run.sh", "run_steps.py", "README.txt", "BUILD_INFO.json",
             "bin/gpu_test", "bin/gpu_bench", "bin/reservoir", "bin/cuda_probe",
             "lib/libreservoir_torch.so", "lib/libreservoir_preload.so",
@@ -30,7 +34,8 @@ EXPECTED = ["run.sh", "run_steps.py", "README.txt", "BUILD_INFO.json",
             "python/reservoir/_core.cpython-312-x86_64-linux-gnu.so", "python/reservoir_torch.py",
             "tests/torch_training_test.py", "tests/torch_pause_test.py", "tests/torch_preload_test.py",
             "tests/torch_native_bench.py", "tests/torch_native_bench.cpp", "tests/test_reservoir.py",
-            "tests/module_smoke.py", "tests/installed_check.py", "traces/resnet_training.pickle"]
+            "tests/module_smoke.py", "tests/installed_check.py", "traces/resnet_training.pickle",
+            f"python/reservoir/lib/torch-{GPU_TORCH}/libreservoir_torch_hooks.so"]
 
 # What it holds, and how big it is.
 for rel in EXPECTED:
@@ -49,7 +54,12 @@ for d, _, files in os.walk(bundle):
         with open(path, "rb") as fh:
             if fh.read(4) == b"\x7fELF":
                 elves.append(path)
-check(len(elves) == 7, f"{len(elves)} ELF files (4 programs, 2 libraries, 1 extension module)")
+hooks = [e for e in elves if e.endswith("/libreservoir_torch_hooks.so")]
+check(len(elves) - len(hooks) == 7 and hooks,
+      f"{len(elves)} ELF files (4 programs, 2 libraries, 1 extension module, "
+      f"{len(hooks)} PyTorch hooks libraries)")
+for path in hooks:
+    EXTRA[os.path.relpath(path, bundle)] = TORCH_LIBS
 for path in sorted(elves):
     rel = os.path.relpath(path, bundle)
     text = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
