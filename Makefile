@@ -76,13 +76,18 @@ tidy: clang
 tidy-all: clang
 	python3 scripts/tidy.py build-clang all $(JOBS)
 
-# Sanitizer builds (used by .ci/run). The ASan build's tests run in
+# Sanitizer builds (used by .ci/run). The ASan build's library tests run in
 # validation mode: the validator after every call that changes an allocator.
+# The command-line tools' tests (advise replays each trace under two dozen
+# settings, many times) run under ASan and UBSan without it: the validator
+# checks the allocator, which the other tests cover call by call.
 asan: deps
 	cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DRESERVOIR_BUILD_BENCH=OFF \
 	  -DRESERVOIR_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
-	cd build-asan && RESERVOIR_VALIDATE=1 ctest --output-on-failure --no-tests=error -j $(JOBS) -LE install
+	cd build-asan && RESERVOIR_VALIDATE=1 ctest --output-on-failure --no-tests=error -j $(JOBS) \
+	  -LE 'install|cli|browser'
+	cd build-asan && ctest --output-on-failure --no-tests=error -j $(JOBS) -L 'cli|browser' -LE install
 
 tsan: deps
 	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESERVOIR_BUILD_BENCH=OFF \
