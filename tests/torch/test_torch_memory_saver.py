@@ -51,41 +51,25 @@ def test_the_same_script_gives_the_same_results(hook_mode):
         "128", "64", "True", "True", "True", "True", "True", "True"]
 
 
-def test_a_double_pause_kills_the_process_there_and_is_an_error_here():
-    body = """
-        with tms.region(tag="a"):
-            x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
-        tms.pause("a")
-        try:
-            tms.pause("a")
-            print("paused twice")
-        except Exception as e:
-            print(type(e).__name__)
-        tms.resume("a")
-        print("alive")
-    """
-    real = run(REAL, "torch", body)
-    assert real.returncode != 0
-    assert "Cannot pause allocation that is not active" in real.stdout + real.stderr
-    ours = run(OURS, "torch", body)
-    assert ours.returncode == 0, ours.stderr
-    assert ours.stdout.split() == ["UsageError", "alive"]
+# A pause of a paused tag, and a resume of a running one: the process
+# exits there (with its message); here UsageError, and the process goes on.
+MISUSE = {
+    "double_pause": ('tms.pause("a")\n', 'tms.pause("a")', 'tms.resume("a")\n',
+                     "Cannot pause allocation that is not active"),
+    "resume_running": ("", 'tms.resume("a")', "", "Cannot resume allocation that is not paused"),
+}
 
 
-def test_a_resume_without_a_pause_kills_the_process_there_and_is_an_error_here():
-    body = """
-        with tms.region(tag="a"):
-            x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
-        try:
-            tms.resume("a")
-            print("resumed")
-        except Exception as e:
-            print(type(e).__name__)
-        print("alive")
-    """
+@pytest.mark.parametrize("case", sorted(MISUSE))
+def test_misuse_kills_the_process_there_and_is_an_error_here(case):
+    before, call, after, message = MISUSE[case]
+    body = ('with tms.region(tag="a"):\n'
+            '    x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")\n'
+            + before + "try:\n    " + call + "\n    print('went through')\n"
+            "except Exception as e:\n    print(type(e).__name__)\n" + after + "print('alive')\n")
     real = run(REAL, "torch", body)
     assert real.returncode != 0
-    assert "Cannot resume allocation that is not paused" in real.stdout + real.stderr
+    assert message in real.stdout + real.stderr
     ours = run(OURS, "torch", body)
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout.split() == ["UsageError", "alive"]
