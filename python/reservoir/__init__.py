@@ -110,7 +110,8 @@ def install_torch(config=None, device_kind=None):
     if pluggable is None:
         raise RuntimeError(
             f"PyTorch {torch.__version__} has no CUDAPluggableAllocator (PyTorch 2.0 or later needed)")
-    hooks = torch_hooks_path(torch.__version__)
+    release = torch.__version__.split("+")[0]
+    hooks = torch_hooks_path(release)
     if hooks is not None:
         # Every hook connected: empty_cache, the memory fraction,
         # record_stream and the pools reach reservoir.
@@ -119,7 +120,6 @@ def install_torch(config=None, device_kind=None):
         lib = ctypes.CDLL(hooks)
         lib.reservoir_torch_install_hooks.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
         lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
-        release = torch.__version__.split("+")[0]
         if lib.reservoir_torch_install_hooks(os.fsencode(library_path()), release.encode()) != 0:
             raise RuntimeError("reservoir.install_torch: " + lib.reservoir_torch_hooks_error().decode())
         _torch_installed = True
@@ -155,7 +155,7 @@ def torch_hook_releases():
 
 
 def torch_hooks_path(version):
-    """The hooks library built for PyTorch `version` ("2.15.0+cu130"), or None."""
+    """The hooks library built for PyTorch `version` ("2.15.0" or "2.15.0+cu130"), or None."""
     release = version.split("+")[0]
     path = os.path.join(_PACKAGE_DIR, "lib", "torch-" + release, "libreservoir_torch_hooks.so")
     return path if os.path.exists(path) else None
