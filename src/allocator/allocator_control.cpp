@@ -113,6 +113,9 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
 }
 
 void CachingAllocator::Impl::apply_block_order() {
+  uses_divisions_ = std::any_of(config_.roundup_power2_divisions.begin(),
+                                config_.roundup_power2_divisions.end(),
+                                [](std::size_t d) { return d > 1; });
   const bool by_age = config_.oldest_segment_first();
   large_.set_order(by_age);
   small_.set_order(by_age);
@@ -127,14 +130,27 @@ AllocatorConfig CachingAllocator::Impl::config() const {
   return config_;
 }
 
+DeviceStats CachingAllocator::Impl::folded_stats() const {
+  DeviceStats folded = stats_;
+  for (StatArray DeviceStats::*a : kPerPoolStats) {
+    StatArray& s = folded.*a;
+    s[0].current = s[1].current + s[2].current;
+    s[0].allocated = s[1].allocated + s[2].allocated;
+    s[0].freed = s[1].freed + s[2].freed;
+  }
+  return folded;
+}
+
 DeviceStats CachingAllocator::Impl::stats() const {
   detail::LockGuard lock(mutex_);
-  return stats_;
+  return folded_stats();
 }
 
 void CachingAllocator::Impl::reset_peak_stats() {
   detail::LockGuard lock(mutex_);
-  stats_.for_each_stat([](Stat& s) { s.reset_peak(); });
+  // Every peak falls to its current value (the "all" entries' to the sum).
+  DeviceStats folded = folded_stats();
+  stats_.for_each_stat_pair(folded, [](Stat& s, const Stat& f) { s.peak = f.current; });
 }
 
 void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
@@ -142,7 +158,7 @@ void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combin
   if (!combined) throw UsageError("combine_stats: no combined statistics given");
   detail::LockGuard lock(mutex_);
   if (combined_) throw UsageError("combine_stats: this allocator's statistics are combined already");
-  combined->add(stats_, carry_peaks);
+  combined->add(folded_stats(), carry_peaks);
   combined_ = std::move(combined);
 }
 

@@ -21,6 +21,7 @@
 #include "block.hpp"
 #include "event_history.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/detail/debug_assert.hpp"
 #include "reservoir/detail/thread_safety.hpp"
 #include "reservoir/errors.hpp"
 #include "spin_mutex.hpp"
@@ -139,12 +140,59 @@ class CachingAllocator::Impl {
     s.decrease(amount);
     if (combined_) section_.note(stats_, s, -static_cast<std::int64_t>(amount));
   }
-  detail::BlockPool& pool_for(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
+  // A change of one of the nine per-pool statistics in pool kind k
+  // (stat_index). stats_ keeps their "all" entry ([0]) as a peak alone: its
+  // current value and totals are small's plus large's, added up when read
+  // (folded_stats), so a change costs one entry and one comparison.
+  void add_stats(StatArray& a, std::size_t k, std::uint64_t amount) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    a[k].increase(amount);
+    const std::int64_t all = a[1].current + a[2].current;
+    if (all > a[0].peak) a[0].peak = all;
+    if (combined_) [[unlikely]] note_stats(a, k, static_cast<std::int64_t>(amount));
+  }
+  void sub_stats(StatArray& a, std::size_t k, std::uint64_t amount) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    a[k].decrease(amount);
+    if (combined_) [[unlikely]] note_stats(a, k, -static_cast<std::int64_t>(amount));
+  }
+  // stats_ as PyTorch reports it: the "all" entries added up.
+  DeviceStats folded_stats() const RESERVOIR_REQUIRES(mutex_);
+  // The current value of a per-pool statistic over both pools.
+  static std::int64_t all_current(const StatArray& a) noexcept {
+    return a[1].current + a[2].current;
+  }
+  [[gnu::cold]] void note_stats(const StatArray& a, std::size_t k, std::int64_t delta) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    section_.note(stats_, a[0], delta);
+    section_.note(stats_, a[k], delta);
+  }
+  // The pool a request goes to: a private pool while one is routed to,
+  // else the default small or large pool (pool_for_routed: the routes).
+  detail::BlockPool& pool_for(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_) {
+    if (!routes_.empty()) [[unlikely]] return pool_for_routed(size, stream);
+    // Paging keeps one arena per stream: small requests share pages with
+    // large ones rather than holding 2 MiB pages of their own.
+    return size <= kSmallSize && vm_mode_ != VmMode::paging ? small_ : large_;
+  }
+  detail::BlockPool& pool_for_routed(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
+  // Rounds a request as round_size does, without looking up divisions when
+  // roundup_power2_divisions is not set.
+  std::size_t rounded(std::size_t size) const noexcept RESERVOIR_REQUIRES(mutex_) {
+    if (uses_divisions_) return round_size(size, config_);
+    return size < kMinBlockSize ? kMinBlockSize
+                                : kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+  }
   bool get_free_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
   detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
       RESERVOIR_REQUIRES(mutex_);
-  bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_);
+  bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_) {
+    const std::size_t remaining = block->size - size;
+    if (in_stitched(block)) return false;  // one block, kept whole
+    if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
+    return size < config_.max_split_size && remaining > kSmallSize;
+  }
   void free_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void garbage_collect_cached_blocks() RESERVOIR_REQUIRES(mutex_);
   void collect_garbage_locked(std::size_t target) RESERVOIR_REQUIRES(mutex_);
@@ -157,6 +205,9 @@ class CachingAllocator::Impl {
   // The front event of a queue completed: keep the event, free the block if it was the last.
   void retire_front(std::deque<PendingEvent>& queue) RESERVOIR_REQUIRES(mutex_);
   void process_events() RESERVOIR_REQUIRES(mutex_);
+  bool events_pending() const noexcept RESERVOIR_REQUIRES(mutex_) {
+    return !pending_events_.empty() || !deferred_event_blocks_.empty();
+  }
   void synchronize_and_free_events() RESERVOIR_REQUIRES(mutex_);
   EventId take_event() RESERVOIR_REQUIRES(mutex_);
   // The out-of-memory error for p, and what the observers are told (they run
@@ -177,11 +228,8 @@ class CachingAllocator::Impl {
     return observed_ ? emit(TraceEvent{action, addr, size, stream}) : 0;
   }
   std::uint32_t emit(const TraceEvent& entry) RESERVOIR_REQUIRES(mutex_);
+  // The statistics entry of a pool's kind: 1 small, 2 large.
   static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
-  // The statistics a pool's change counts in: "all" and its own (small or large).
-  static std::array<std::size_t, 2> stat_types(const detail::BlockPool& pool) {
-    return {0, stat_index(pool)};
-  }
   void check_supported(const AllocatorConfig& config) const;  // reads config and device_ only
 
   // ---- virtual-memory segments (vm_policy.cpp) ----
@@ -205,7 +253,9 @@ class CachingAllocator::Impl {
   // A fresh, unlinked, mapped and free block.
   detail::Block* make_block(DevicePtr ptr, std::size_t size, StreamId stream,
                             detail::BlockPool* pool, detail::Segment* segment)
-      RESERVOIR_REQUIRES(mutex_);
+      RESERVOIR_REQUIRES(mutex_) {
+    return arena_.make(ptr, size, stream, pool, segment, segment != nullptr ? segment->order : 0);
+  }
   // A new segment in segments_ (a VM segment with vm), with a head block
   // spanning it unless the caller lays out its blocks (restore).
   detail::Segment* add_segment(DevicePtr base, std::size_t size, StreamId stream,
@@ -216,7 +266,21 @@ class CachingAllocator::Impl {
   void count_segment_alloc(const detail::BlockPool& pool, std::size_t size)
       RESERVOIR_REQUIRES(mutex_);
   // Marks a block allocated for `requested` bytes, with its statistics.
-  void count_allocation(detail::Block* block, std::size_t requested) RESERVOIR_REQUIRES(mutex_);
+  [[gnu::always_inline]] void count_allocation(detail::Block* block, std::size_t requested)
+      RESERVOIR_REQUIRES(mutex_) {
+    RESERVOIR_DEBUG_ASSERT(!block->allocated && block->mapped);
+    RESERVOIR_DEBUG_ASSERT(block->size >= requested);
+    block->allocated = true;
+    block->requested_size = requested;
+    allocated_.insert(block->ptr, block);
+    const std::size_t k = stat_index(*block->pool);
+    add_stats(stats_.allocation, k, 1);
+    add_stats(stats_.allocated_bytes, k, block->size);
+    add_stats(stats_.active, k, 1);
+    add_stats(stats_.active_bytes, k, block->size);
+    add_stats(stats_.requested_bytes, k, requested);
+    if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
+  }
   // Pages of a VM segment lying wholly inside a block: [first, end).
   static std::pair<std::size_t, std::size_t> inner_pages(const detail::Segment& seg,
                                                          const detail::Block* b);
@@ -341,7 +405,8 @@ class CachingAllocator::Impl {
   std::size_t vm_segments_ RESERVOIR_GUARDED_BY(mutex_) =
       0;  // live VM segments (stitched ones included)
   std::uint64_t segments_made_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // Segment::order of the newest
-  // Orders every pool's cached blocks as config_ says (pytorch_version).
+  // Orders every pool's cached blocks as config_ says (pytorch_version),
+  // and notes whether its rounding uses divisions (uses_divisions_).
   void apply_block_order() RESERVOIR_REQUIRES(mutex_);
   // Undo steps that failed themselves, retried on each release pass and at
   // destruction: handles whose release failed, mappings that would not go,
@@ -353,6 +418,8 @@ class CachingAllocator::Impl {
   // Cached bytes at the last look that found no whole handle to release.
   std::size_t release_floor_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
+  // config_ sets roundup_power2_divisions (any interval above 1).
+  bool uses_divisions_ RESERVOIR_GUARDED_BY(mutex_) = true;
   bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure: move all it takes
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change

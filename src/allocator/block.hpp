@@ -42,9 +42,19 @@ struct Block;
 // Best fit order: stream, then size, then address; with `by_age` (the
 // rules of PyTorch 2.12 and later), stream, size, then the order in which
 // the blocks' segments were made (the oldest first), then address.
+// A search key: the first place a block of `size` on `stream` could sit
+// (before every block of that stream and size).
+struct SizeKey {
+  StreamId stream;
+  std::size_t size;
+};
+
 struct BlockBySize {
+  using is_transparent = void;  // lower_bound(SizeKey) builds no Block
   bool by_age = false;
   bool operator()(const Block* a, const Block* b) const noexcept;
+  bool operator()(const Block* a, const SizeKey& k) const noexcept;
+  bool operator()(const SizeKey& k, const Block* b) const noexcept;
 };
 
 using BlockSet = std::set<Block*, BlockBySize, RecyclingAllocator<Block*>>;
@@ -93,6 +103,14 @@ inline bool BlockBySize::operator()(const Block* a, const Block* b) const noexce
   if (by_age && a->order != b->order) return a->order < b->order;
   return a->ptr < b->ptr;
 }
+inline bool BlockBySize::operator()(const Block* a, const SizeKey& k) const noexcept {
+  if (a->stream != k.stream) return a->stream < k.stream;
+  return a->size < k.size;
+}
+inline bool BlockBySize::operator()(const SizeKey& k, const Block* b) const noexcept {
+  if (k.stream != b->stream) return k.stream < b->stream;
+  return k.size <= b->size;
+}
 
 struct BlockPool {
   BlockPool(bool small, PrivatePool* owner, NodeRecycler* nodes)
@@ -115,19 +133,25 @@ struct BlockPool {
     for (Block* b : blocks) b->pool_pos = ordered.insert(b).first;
     blocks.swap(ordered);
   }
-  // A block in the set whose key (size, address) just changed: it keeps its
-  // node when its neighbours still bracket it, and is re-inserted otherwise.
-  // It counts as newly cached (as PyTorch re-inserts it).
-  void reposition(Block* block) {
+  // A block in the set whose size just fell (shrunk) or rose (grown), its
+  // address perhaps with it: its key moved in that direction only, so it
+  // keeps its node while the neighbour on that side still brackets it, and
+  // is re-inserted otherwise. It counts as newly cached (as PyTorch
+  // re-inserts it).
+  void reposition_shrunk(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     const auto it = block->pool_pos;
-    const BlockBySize less = blocks.key_comp();
-    const bool in_order = (it == blocks.begin() || less(*std::prev(it), block)) &&
-                          (std::next(it) == blocks.end() || less(block, *std::next(it)));
-    if (!in_order) {
-      blocks.erase(it);
-      block->pool_pos = blocks.insert(block).first;
-    }
+    if (it == blocks.begin() || blocks.key_comp()(*std::prev(it), block)) return;
+    blocks.erase(it);
+    block->pool_pos = blocks.insert(block).first;
+  }
+  void reposition_grown(Block* block) {
+    block->gc_count_base = get_free_blocks_call_count;
+    const auto it = block->pool_pos;
+    const auto after = std::next(it);
+    if (after == blocks.end() || blocks.key_comp()(block, *after)) return;
+    blocks.erase(it);
+    block->pool_pos = blocks.insert(block).first;
   }
   // Age of a cached block in free-block searches, as PyTorch computes it.
   std::size_t gc_count(const Block* block) const noexcept {
@@ -219,28 +243,47 @@ struct PrivatePool {
 };
 
 // Recycles Block objects so steady-state allocation does no heap allocation.
+// A recycled block keeps its old fields (stream_uses emptied, its capacity
+// kept): make() resets them all.
 class BlockArena {
  public:
-  Block* make() {
-    if (free_.empty()) {
-      storage_.emplace_back();
-      return &storage_.back();
+  // A fresh, unlinked, mapped and free block.
+  Block* make(DevicePtr ptr, std::size_t size, StreamId stream, BlockPool* pool,
+              Segment* segment, std::uint64_t order) {
+    Block* b = free_;
+    if (b == nullptr) {
+      b = &storage_.emplace_back();
+    } else {
+      free_ = b->next;
     }
-    Block* b = free_.back();
-    free_.pop_back();
+    b->ptr = ptr;
+    b->size = size;
+    b->requested_size = 0;
+    b->stream = stream;
+    b->pool = pool;
+    b->segment = segment;
+    b->prev = nullptr;
+    b->next = nullptr;
+    b->allocated = false;
+    b->mapped = true;
+    b->lent = false;
+    b->event_count = 0;
+    b->context = 0;
+    b->gc_count_base = 0;
+    b->order = order;
+    b->pool_pos = BlockSet::iterator{};
     return b;
   }
-  void recycle(Block* b) {
-    std::vector<StreamId> uses = std::move(b->stream_uses);
-    uses.clear();
-    *b = Block{};
-    b->stream_uses = std::move(uses);  // keep capacity
-    free_.push_back(b);
+  // b must be unlinked from its pool, its segment and every map.
+  void recycle(Block* b) noexcept {
+    b->stream_uses.clear();
+    b->next = free_;  // the free list runs through `next`
+    free_ = b;
   }
 
  private:
   std::deque<Block> storage_;
-  std::vector<Block*> free_;
+  Block* free_ = nullptr;
 };
 
 }  // namespace reservoir::detail

@@ -61,10 +61,8 @@ bool CachingAllocator::Impl::release_available_cached_blocks(const AllocParams& 
   const std::size_t max_split = config_.max_split_size;
   if (max_split == std::numeric_limits<std::size_t>::max()) return false;
   BlockPool& pool = *p.pool;
-  Block key;
-  key.stream = p.stream;
-  key.size = std::max(p.size, max_split);
-  auto it = pool.blocks.lower_bound(&key);
+  const detail::SizeKey key{p.stream, std::max(p.size, max_split)};
+  auto it = pool.blocks.lower_bound(key);
   if (it == pool.blocks.end() || (*it)->stream != p.stream) {
     // No single oversize block is large enough: free oversize blocks of this
     // stream from the largest down until enough is released.
@@ -139,10 +137,8 @@ void CachingAllocator::Impl::release_block(Block* block) {
   total_reserved_ -= block->size;
   BlockPool& pool = *block->pool;
   if (pool.owner != nullptr) --pool.owner->device_alloc_count;
-  for (const std::size_t t : stat_types(pool)) {
-    sub_stat(stats_.segment[t], 1);
-    sub_stat(stats_.reserved_bytes[t], block->size);
-  }
+  sub_stats(stats_.segment, stat_index(pool), 1);
+  sub_stats(stats_.reserved_bytes, stat_index(pool), block->size);
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_segments, 1);
   pool.erase(block);
   segments_.erase(block->ptr);

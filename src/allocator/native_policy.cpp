@@ -42,27 +42,8 @@ std::size_t CachingAllocator::Impl::allocation_size(std::size_t size,
   return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
 }
 
-bool CachingAllocator::Impl::should_split(const Block* block, std::size_t size) const {
-  const std::size_t remaining = block->size - size;
-  if (in_stitched(block)) return false;  // one block, kept whole
-  if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
-  return size < config_.max_split_size && remaining > kSmallSize;
-}
-
 // ---------------------------------------------------------------------------
 // Allocation
-
-Block* CachingAllocator::Impl::make_block(DevicePtr ptr, std::size_t size, StreamId stream,
-                                          BlockPool* pool, Segment* segment) {
-  Block* b = arena_.make();
-  b->ptr = ptr;
-  b->size = size;
-  b->stream = stream;
-  b->pool = pool;
-  b->segment = segment;
-  b->order = segment != nullptr ? segment->order : 0;
-  return b;
-}
 
 Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, StreamId stream,
                                              BlockPool* pool, std::unique_ptr<detail::VmState> vm,
@@ -83,28 +64,10 @@ Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, S
 
 void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::size_t size) {
   total_reserved_ += size;
-  for (const std::size_t t : stat_types(pool)) {
-    add_stat(stats_.segment[t], 1);
-    add_stat(stats_.reserved_bytes[t], size);
-  }
+  add_stats(stats_.segment, stat_index(pool), 1);
+  add_stats(stats_.reserved_bytes, stat_index(pool), size);
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
   ++stats_.num_device_alloc;
-}
-
-void CachingAllocator::Impl::count_allocation(Block* block, std::size_t requested) {
-  RESERVOIR_DEBUG_ASSERT(!block->allocated && block->mapped);
-  RESERVOIR_DEBUG_ASSERT(block->size >= requested);
-  block->allocated = true;
-  block->requested_size = requested;
-  allocated_.insert(block->ptr, block);
-  for (const std::size_t t : stat_types(*block->pool)) {
-    add_stat(stats_.allocation[t], 1);
-    add_stat(stats_.allocated_bytes[t], block->size);
-    add_stat(stats_.active[t], 1);
-    add_stat(stats_.active_bytes[t], block->size);
-    add_stat(stats_.requested_bytes[t], requested);
-  }
-  if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
 }
 
 bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
@@ -112,10 +75,7 @@ bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
     ++pool.get_free_blocks_call_count;  // block ages are counted only when GC is on
   }
-  Block key;
-  key.stream = p.stream;
-  key.size = p.size;
-  auto it = pool.blocks.lower_bound(&key);
+  auto it = pool.blocks.lower_bound(detail::SizeKey{p.stream, p.size});
   if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
   if (in_vm(*it) && !vm_candidate(p, it)) return false;
   const std::size_t max_split = config_.max_split_size;
@@ -176,28 +136,23 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     remaining->ptr += p.size;
     remaining->size -= p.size;
     if (p.block_in_pool) {
-      pool.reposition(remaining);
+      pool.reposition_shrunk(remaining);
     } else {
       pool.insert(remaining);
     }
     if (in_vm(block)) {
       // Expandable segments stay out of the inactive_split stats (PyTorch).
     } else if (already_split) {
-      for (const std::size_t t : stat_types(pool))
-        sub_stat(stats_.inactive_split_bytes[t], block->size);
+      sub_stats(stats_.inactive_split_bytes, stat_index(pool), block->size);
     } else {
-      for (const std::size_t t : stat_types(pool)) {
-        add_stat(stats_.inactive_split_bytes[t], remaining->size);
-        add_stat(stats_.inactive_split[t], 1);
-      }
+      add_stats(stats_.inactive_split_bytes, stat_index(pool), remaining->size);
+      add_stats(stats_.inactive_split, stat_index(pool), 1);
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
     if (already_split && !in_vm(block)) {
-      for (const std::size_t t : stat_types(pool)) {
-        sub_stat(stats_.inactive_split_bytes[t], block->size);
-        sub_stat(stats_.inactive_split[t], 1);
-      }
+      sub_stats(stats_.inactive_split_bytes, stat_index(pool), block->size);
+      sub_stats(stats_.inactive_split, stat_index(pool), 1);
     }
   }
   count_allocation(block, requested);
@@ -208,8 +163,8 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
 void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
   if (requested == 0) return nullptr;
   detail::UniqueLock lock(mutex_);
-  if (routes_.empty()) process_events();
-  const std::size_t size = round_size(requested, config_);
+  if (events_pending() && routes_.empty()) process_events();
+  const std::size_t size = rounded(requested);
   AllocParams p{size, allocation_size(size, config_), stream, &pool_for(size, stream)};
 
   bool found = get_free_block(p);
@@ -246,8 +201,8 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
   if (set_fraction_) allowed_info = format_size(allowed_memory_maximum_) + " allowed; ";
   trace(TraceAction::oom, info.free, p.size, p.stream);
   ++stats_.num_ooms;
-  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  const auto allocated = static_cast<std::size_t>(all_current(stats_.allocated_bytes));
+  const auto reserved = static_cast<std::size_t>(all_current(stats_.reserved_bytes));
   // Cached free bytes held by private pools, reported as PyTorch reports them.
   std::size_t in_private_pools = 0;
   for (auto& [id, pool] : private_pools_) {
@@ -322,10 +277,9 @@ bool CachingAllocator::Impl::deallocate_held(void* raw) {
   if (deferred && routes_.empty()) insert_events(block);
   allocated_.erase(ptr);
   block->allocated = false;
-  for (const std::size_t t : stat_types(*block->pool)) {
-    sub_stat(stats_.allocation[t], 1);
-    sub_stat(stats_.allocated_bytes[t], block->size);
-  }
+  const std::size_t k = stat_index(*block->pool);
+  sub_stats(stats_.allocation, k, 1);
+  sub_stats(stats_.allocated_bytes, k, block->size);
   trace(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
   if (deferred) {
@@ -406,7 +360,7 @@ void CachingAllocator::Impl::free_block(Block* block) {
     }
     if (new_next != nullptr) new_next->prev = merged;
     arena_.recycle(block);
-    pool.reposition(merged);
+    pool.reposition_grown(merged);
   } else {
     pool.insert(block);
   }
@@ -418,21 +372,20 @@ void CachingAllocator::Impl::free_block(Block* block) {
     split_blocks_change = 0;  // expandable segments stay out of inactive_split (PyTorch)
     split_bytes_change = 0;
   }
-  for (const std::size_t t : stat_types(pool)) {
-    if (split_blocks_change > 0) {
-      add_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(split_blocks_change));
-    } else if (split_blocks_change < 0) {
-      sub_stat(stats_.inactive_split[t], static_cast<std::uint64_t>(-split_blocks_change));
-    }
-    if (split_bytes_change > 0) {
-      add_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(split_bytes_change));
-    } else if (split_bytes_change < 0) {
-      sub_stat(stats_.inactive_split_bytes[t], static_cast<std::uint64_t>(-split_bytes_change));
-    }
-    sub_stat(stats_.active[t], 1);
-    sub_stat(stats_.active_bytes[t], original_size);
-    sub_stat(stats_.requested_bytes[t], requested);
+  const std::size_t k = stat_index(pool);
+  if (split_blocks_change > 0) {
+    add_stats(stats_.inactive_split, k, static_cast<std::uint64_t>(split_blocks_change));
+  } else if (split_blocks_change < 0) {
+    sub_stats(stats_.inactive_split, k, static_cast<std::uint64_t>(-split_blocks_change));
   }
+  if (split_bytes_change > 0) {
+    add_stats(stats_.inactive_split_bytes, k, static_cast<std::uint64_t>(split_bytes_change));
+  } else if (split_bytes_change < 0) {
+    sub_stats(stats_.inactive_split_bytes, k, static_cast<std::uint64_t>(-split_bytes_change));
+  }
+  sub_stats(stats_.active, k, 1);
+  sub_stats(stats_.active_bytes, k, original_size);
+  sub_stats(stats_.requested_bytes, k, requested);
 }
 
 }  // namespace reservoir

@@ -13,15 +13,13 @@ using detail::BlockPool;
 using detail::PrivatePool;
 using detail::Segment;
 
-BlockPool& CachingAllocator::Impl::pool_for(std::size_t size, StreamId stream) {
+BlockPool& CachingAllocator::Impl::pool_for_routed(std::size_t size, StreamId stream) {
   for (auto& [id, filter] : routes_) {
     if (filter(stream)) {
       PrivatePool& pool = *private_pools_.at(id);
       return size <= kSmallSize ? pool.small : pool.large;
     }
   }
-  // Paging keeps one arena per stream: small requests share pages with large
-  // ones rather than holding 2 MiB pages of their own.
   if (vm_mode_ == VmMode::paging) return large_;
   return size <= kSmallSize ? small_ : large_;
 }

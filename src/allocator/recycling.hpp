@@ -109,7 +109,7 @@ class AddressMap {
   }
   // key must be absent and non-zero.
   void insert(std::uintptr_t key, V value) {
-    if ((size_ + 1) * 4 > slots_.size() * 3) rehash(slots_.size() * 2);
+    if (size_ >= grow_at_) [[unlikely]] rehash(slots_.size() * 2);
     std::size_t i = home(key);
     while (slots_[i].key != 0) i = (i + 1) & mask();
     slots_[i] = Slot{key, value};
@@ -152,14 +152,16 @@ class AddressMap {
     std::uintptr_t key = 0;
     V value{};
   };
-  std::size_t mask() const noexcept { return slots_.size() - 1; }
+  std::size_t mask() const noexcept { return mask_; }
   std::size_t home(std::uintptr_t key) const noexcept {
-    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_) & mask();
+    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_) & mask_;
   }
   void rehash(std::size_t capacity) {
     std::vector<Slot> old(capacity);
     old.swap(slots_);
     shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(capacity));
+    mask_ = capacity - 1;
+    grow_at_ = capacity * 3 / 4;  // at most three quarters full
     size_ = 0;
     for (const Slot& s : old) {
       if (s.key != 0) insert(s.key, s.value);
@@ -167,7 +169,9 @@ class AddressMap {
   }
   std::vector<Slot> slots_;
   std::size_t size_ = 0;
-  unsigned shift_ = 60;  // 64 - log2(16)
+  std::size_t mask_ = 15;     // slots_.size() - 1
+  std::size_t grow_at_ = 12;  // sizes from which an insert grows the table first
+  unsigned shift_ = 60;       // 64 - log2(16)
 };
 
 }  // namespace reservoir::detail

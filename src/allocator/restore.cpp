@@ -60,7 +60,8 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   vm_segments_ = 0;
   total_reserved_ = 0;
   if (combined_) {
-    withdraw_all(stats_, section_);
+    DeviceStats folded = folded_stats();
+    withdraw_all(folded, section_);
   }
   const std::int64_t max_split = stats_.max_split_size;
   stats_ = DeviceStats{};
@@ -129,10 +130,8 @@ void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {
         }
         pool.insert(b);
         if (split) {
-          for (const std::size_t t : stat_types(pool)) {
-            add_stat(stats_.inactive_split[t], 1);
-            add_stat(stats_.inactive_split_bytes[t], b->size);
-          }
+          add_stats(stats_.inactive_split, stat_index(pool), 1);
+          add_stats(stats_.inactive_split_bytes, stat_index(pool), b->size);
         }
       }
     }

@@ -160,8 +160,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   }
   Block* b = add_segment(va, bytes, p.stream, p.pool, std::move(vm))->head;
   total_reserved_ += fresh_pages * page;
-  for (const std::size_t t : stat_types(*p.pool))
-    add_stat(stats_.reserved_bytes[t], fresh_pages * page);
+  add_stats(stats_.reserved_bytes, stat_index(*p.pool), fresh_pages * page);
   ++stats_.num_device_alloc;
   trace(TraceAction::segment_map, va, bytes, p.stream);
   p.pool->insert(b);
@@ -216,8 +215,7 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
     recache(lender);
   }
   total_reserved_ -= fresh_bytes;
-  for (const std::size_t t : stat_types(*block->pool))
-    sub_stat(stats_.reserved_bytes[t], fresh_bytes);
+  sub_stats(stats_.reserved_bytes, stat_index(*block->pool), fresh_bytes);
   ++stats_.num_device_free;
   trace(TraceAction::segment_unmap, seg.base, seg.size, seg.stream);
   const DevicePtr base = seg.base;

@@ -265,17 +265,29 @@ void CachingAllocator::Impl::validate() const {
   if (reserved != total_reserved_) {
     breach(fmt::format("reserved total is {} but segments sum to {}", total_reserved_, reserved));
   }
+  // The "all" entries are kept as peaks alone (folded_stats adds them up).
+  const DeviceStats folded = folded_stats();
+  for (StatArray DeviceStats::*a : kPerPoolStats) {
+    const Stat& all = (stats_.*a)[0];
+    if (all.current != 0 || all.allocated != 0 || all.freed != 0) {
+      breach("an \"all\" statistic holds a value of its own; it is the sum of small and large");
+    }
+    if (all.peak < (folded.*a)[0].current) {
+      breach(fmt::format("an \"all\" peak of {} is below its current value {}", all.peak,
+                         (folded.*a)[0].current));
+    }
+  }
   for (std::size_t t = 0; t < kStatTypes; ++t) {
-    expect_stat("allocation", t, stats_.allocation[t].current, allocation[t]);
-    expect_stat("segment", t, stats_.segment[t].current, segment[t]);
-    expect_stat("active", t, stats_.active[t].current, active[t]);
-    expect_stat("inactive_split", t, stats_.inactive_split[t].current, inactive_split[t]);
-    expect_stat("allocated_bytes", t, stats_.allocated_bytes[t].current, allocated_bytes[t]);
-    expect_stat("reserved_bytes", t, stats_.reserved_bytes[t].current, reserved_bytes[t]);
-    expect_stat("active_bytes", t, stats_.active_bytes[t].current, active_bytes[t]);
-    expect_stat("inactive_split_bytes", t, stats_.inactive_split_bytes[t].current,
+    expect_stat("allocation", t, folded.allocation[t].current, allocation[t]);
+    expect_stat("segment", t, folded.segment[t].current, segment[t]);
+    expect_stat("active", t, folded.active[t].current, active[t]);
+    expect_stat("inactive_split", t, folded.inactive_split[t].current, inactive_split[t]);
+    expect_stat("allocated_bytes", t, folded.allocated_bytes[t].current, allocated_bytes[t]);
+    expect_stat("reserved_bytes", t, folded.reserved_bytes[t].current, reserved_bytes[t]);
+    expect_stat("active_bytes", t, folded.active_bytes[t].current, active_bytes[t]);
+    expect_stat("inactive_split_bytes", t, folded.inactive_split_bytes[t].current,
                 inactive_split_bytes[t]);
-    expect_stat("requested_bytes", t, stats_.requested_bytes[t].current, requested_bytes[t]);
+    expect_stat("requested_bytes", t, folded.requested_bytes[t].current, requested_bytes[t]);
   }
   if (!max_split_changed_) {
     if (stats_.oversize_allocations.current != oversize_allocations) {

@@ -18,7 +18,7 @@ using detail::Segment;
 using detail::VmState;
 
 std::size_t CachingAllocator::Impl::cached_bytes() const {
-  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[0].current);
+  const auto allocated = static_cast<std::size_t>(all_current(stats_.allocated_bytes));
   return total_reserved_ > allocated ? total_reserved_ - allocated : 0;
 }
 

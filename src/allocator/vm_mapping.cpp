@@ -110,7 +110,7 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   recache(to_map);  // merged with cached neighbours, into the pool
 
   total_reserved_ += mapped_bytes;
-  for (const std::size_t t : stat_types(pool)) add_stat(stats_.reserved_bytes[t], mapped_bytes);
+  add_stats(stats_.reserved_bytes, stat_index(pool), mapped_bytes);
   ++stats_.num_device_alloc;
   trace(TraceAction::segment_map, va, mapped_bytes, seg.stream);
   return true;
@@ -207,7 +207,7 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     merge_unmapped(block, block->next);
     pool.unmapped.insert(block);
     total_reserved_ -= usize;
-    for (const std::size_t t : stat_types(pool)) sub_stat(stats_.reserved_bytes[t], usize);
+    sub_stats(stats_.reserved_bytes, stat_index(pool), usize);
     ++stats_.num_device_free;
     trace(TraceAction::segment_unmap, uptr, usize, seg.stream);
   }

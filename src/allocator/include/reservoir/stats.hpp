@@ -76,6 +76,13 @@ struct DeviceStats {
   bool operator==(const DeviceStats&) const = default;
 };
 
+// The nine statistics counted per pool ("all", small_pool, large_pool).
+inline constexpr std::array<StatArray DeviceStats::*, 9> kPerPoolStats = {
+    &DeviceStats::allocation,      &DeviceStats::segment,         &DeviceStats::active,
+    &DeviceStats::inactive_split,  &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
+    &DeviceStats::active_bytes,    &DeviceStats::inactive_split_bytes,
+    &DeviceStats::requested_bytes};
+
 static_assert(std::is_standard_layout_v<DeviceStats>,
               "CombinedStats names a Stat by its byte offset in DeviceStats");
 
