@@ -34,8 +34,9 @@ class CachingAllocator::Impl {
   ~Impl();
 
   // ---- entry points (take the lock) ----
-  void* allocate(std::size_t size, StreamId stream);
-  void deallocate(void* ptr);
+  // allocate and deallocate: inlined into CachingAllocator's (native_policy.cpp).
+  inline void* allocate(std::size_t size, StreamId stream);
+  inline void deallocate(void* ptr);
   // deallocate for a held pointer; false (nothing changed) otherwise.
   bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
@@ -100,7 +101,7 @@ class CachingAllocator::Impl {
  private:
   struct AllocParams {
     std::size_t size;        // rounded request
-    std::size_t alloc_size;  // device allocation size if a new segment is needed
+    std::size_t alloc_size;  // device allocation size if a new segment is needed (set on a miss)
     StreamId stream;
     detail::BlockPool* pool;
     detail::Block* block = nullptr;
@@ -144,17 +145,50 @@ class CachingAllocator::Impl {
   // (stat_index). stats_ keeps their "all" entry ([0]) as a peak alone: its
   // current value and totals are small's plus large's, added up when read
   // (folded_stats), so a change costs one entry and one comparison.
+  // Several changes of one direction are given together, so that combined_
+  // is looked at once: add_stats(k, {{stats_.allocation, 1}, {...}}).
+  struct StatChange {
+    StatArray& stat;
+    std::uint64_t amount;
+  };
+  template <std::size_t N>
+  [[gnu::always_inline]] void add_stats(std::size_t k, const StatChange (&changes)[N]) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    change_stats<true>(k, changes, std::make_index_sequence<N>{});
+  }
+  template <std::size_t N>
+  [[gnu::always_inline]] void sub_stats(std::size_t k, const StatChange (&changes)[N]) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    change_stats<false>(k, changes, std::make_index_sequence<N>{});
+  }
   void add_stats(StatArray& a, std::size_t k, std::uint64_t amount) noexcept
       RESERVOIR_REQUIRES(mutex_) {
-    a[k].increase(amount);
-    const std::int64_t all = a[1].current + a[2].current;
-    if (all > a[0].peak) a[0].peak = all;
-    if (combined_) [[unlikely]] note_stats(a, k, static_cast<std::int64_t>(amount));
+    add_stats(k, {{a, amount}});
   }
   void sub_stats(StatArray& a, std::size_t k, std::uint64_t amount) noexcept
       RESERVOIR_REQUIRES(mutex_) {
-    a[k].decrease(amount);
-    if (combined_) [[unlikely]] note_stats(a, k, -static_cast<std::int64_t>(amount));
+    sub_stats(k, {{a, amount}});
+  }
+  template <bool kUp, std::size_t N, std::size_t... I>
+  [[gnu::always_inline]] void change_stats(std::size_t k, const StatChange (&changes)[N],
+                                           std::index_sequence<I...>) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    if constexpr (kUp) {
+      (raise(changes[I].stat, k, changes[I].amount), ...);
+    } else {
+      (changes[I].stat[k].decrease(changes[I].amount), ...);
+    }
+    if (combined_) [[unlikely]] {
+      (note_stats(changes[I].stat, k,
+                  kUp ? static_cast<std::int64_t>(changes[I].amount)
+                      : -static_cast<std::int64_t>(changes[I].amount)),
+       ...);
+    }
+  }
+  [[gnu::always_inline]] static void raise(StatArray& a, std::size_t k, std::uint64_t amount) noexcept {
+    a[k].increase(amount);
+    const std::int64_t all = a[1].current + a[2].current;
+    if (all > a[0].peak) a[0].peak = all;
   }
   // stats_ as PyTorch reports it: the "all" entries added up.
   DeviceStats folded_stats() const RESERVOIR_REQUIRES(mutex_);
@@ -183,9 +217,10 @@ class CachingAllocator::Impl {
     return size < kMinBlockSize ? kMinBlockSize
                                 : kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
   }
-  bool get_free_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // The hot path's steps, defined (and inlined) in native_policy.cpp alone.
+  inline bool get_free_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
-  detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
+  inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
       RESERVOIR_REQUIRES(mutex_);
   bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_) {
     const std::size_t remaining = block->size - size;
@@ -193,7 +228,12 @@ class CachingAllocator::Impl {
     if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
     return size < config_.max_split_size && remaining > kSmallSize;
   }
+  // Returns a block no longer in use to its pool, merged with free neighbours
+  // (cache_block: the same, inlined in native_policy.cpp).
   void free_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  inline void cache_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  // deallocate's work under the lock: false when ptr is not allocated here.
+  inline bool deallocate_locked(DevicePtr ptr) RESERVOIR_REQUIRES(mutex_);
   void garbage_collect_cached_blocks() RESERVOIR_REQUIRES(mutex_);
   void collect_garbage_locked(std::size_t target) RESERVOIR_REQUIRES(mutex_);
   bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
@@ -274,11 +314,11 @@ class CachingAllocator::Impl {
     block->requested_size = requested;
     allocated_.insert(block->ptr, block);
     const std::size_t k = stat_index(*block->pool);
-    add_stats(stats_.allocation, k, 1);
-    add_stats(stats_.allocated_bytes, k, block->size);
-    add_stats(stats_.active, k, 1);
-    add_stats(stats_.active_bytes, k, block->size);
-    add_stats(stats_.requested_bytes, k, requested);
+    add_stats(k, {{stats_.allocation, 1},
+                  {stats_.allocated_bytes, block->size},
+                  {stats_.active, 1},
+                  {stats_.active_bytes, block->size},
+                  {stats_.requested_bytes, requested}});
     if (block->size >= config_.max_split_size) add_stat(stats_.oversize_allocations, 1);
   }
   // Pages of a VM segment lying wholly inside a block: [first, end).

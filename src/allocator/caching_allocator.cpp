@@ -15,12 +15,7 @@ namespace reservoir {
 CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config, int device_index)
     : impl_(std::make_unique<Impl>(device, std::move(config), device_index)) {}
 CachingAllocator::~CachingAllocator() = default;
-void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
-  return impl_->checked(&Impl::allocate, size, stream);
-}
-void CachingAllocator::deallocate(void* ptr) {
-  impl_->checked(&Impl::deallocate, ptr);
-}
+// allocate and deallocate: native_policy.cpp, beside the hot path they run.
 bool CachingAllocator::try_deallocate(void* ptr) {
   return ptr == nullptr || impl_->checked(&Impl::deallocate_held, ptr);
 }

@@ -70,7 +70,7 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
   ++stats_.num_device_alloc;
 }
 
-bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
+[[gnu::always_inline]] inline bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   BlockPool& pool = *p.pool;
   if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
     ++pool.get_free_blocks_call_count;  // block ages are counted only when GC is on
@@ -116,7 +116,8 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   return true;
 }
 
-Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t requested) {
+[[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p,
+                                                                          std::size_t requested) {
   Block* block = p.block;
   BlockPool& pool = *p.pool;
   const bool already_split = block->is_split();
@@ -145,14 +146,14 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
     } else if (already_split) {
       sub_stats(stats_.inactive_split_bytes, stat_index(pool), block->size);
     } else {
-      add_stats(stats_.inactive_split_bytes, stat_index(pool), remaining->size);
-      add_stats(stats_.inactive_split, stat_index(pool), 1);
+      add_stats(stat_index(pool),
+                {{stats_.inactive_split_bytes, remaining->size}, {stats_.inactive_split, 1}});
     }
   } else {
     if (p.block_in_pool) pool.erase(block);
     if (already_split && !in_vm(block)) {
-      sub_stats(stats_.inactive_split_bytes, stat_index(pool), block->size);
-      sub_stats(stats_.inactive_split, stat_index(pool), 1);
+      sub_stats(stat_index(pool),
+                {{stats_.inactive_split_bytes, block->size}, {stats_.inactive_split, 1}});
     }
   }
   count_allocation(block, requested);
@@ -160,15 +161,18 @@ Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p, std::size_t req
   return block;
 }
 
-void* CachingAllocator::Impl::allocate(std::size_t requested, StreamId stream) {
+[[gnu::always_inline]] inline void* CachingAllocator::Impl::allocate(std::size_t requested,
+                                                                     StreamId stream) {
   if (requested == 0) return nullptr;
   detail::UniqueLock lock(mutex_);
   if (events_pending() && routes_.empty()) process_events();
   const std::size_t size = rounded(requested);
-  AllocParams p{size, allocation_size(size, config_), stream, &pool_for(size, stream)};
+  AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
   bool found = get_free_block(p);
-  if (!found && !free_memory_callbacks_.empty()) {
+  if (found) [[likely]] return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  p.alloc_size = allocation_size(size, config_);
+  if (!free_memory_callbacks_.empty()) {
     const std::vector<FreeMemoryCallback> callbacks = free_memory_callbacks_;
     lock.unlock();  // LOCK RELEASED: callbacks may free memory through this allocator
     bool freed = false;
@@ -259,55 +263,7 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
                   ptr, device_index_));
 }
 
-void CachingAllocator::Impl::deallocate(void* raw) {
-  if (raw == nullptr || deallocate_held(raw)) return;
-  detail::LockGuard lock(mutex_);
-  throw_invalid_pointer(reinterpret_cast<DevicePtr>(raw), "deallocate");
-}
-
-bool CachingAllocator::Impl::deallocate_held(void* raw) {
-  const auto ptr = reinterpret_cast<DevicePtr>(raw);
-  detail::LockGuard lock(mutex_);
-  Block** found = allocated_.find(ptr);
-  if (found == nullptr) return false;
-  Block* block = *found;
-  const bool deferred = !block->stream_uses.empty();
-  // Record stream events first: if the device fails, the block stays allocated
-  // and nothing has changed.
-  if (deferred && routes_.empty()) insert_events(block);
-  allocated_.erase(ptr);
-  block->allocated = false;
-  const std::size_t k = stat_index(*block->pool);
-  sub_stats(stats_.allocation, k, 1);
-  sub_stats(stats_.allocated_bytes, k, block->size);
-  trace(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
-  if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
-  if (deferred) {
-    if (!routes_.empty()) deferred_event_blocks_.push_back(block);
-  } else {
-    free_block(block);
-    if (vm_mode_ == VmMode::paging && config_.paging_release_threshold != kNoReleaseThreshold) {
-      release_above_threshold();
-    }
-  }
-  return true;
-}
-
-void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
-  if (raw == nullptr) return;
-  const auto ptr = reinterpret_cast<DevicePtr>(raw);
-  detail::LockGuard lock(mutex_);
-  Block** found = allocated_.find(ptr);
-  if (found == nullptr) throw_invalid_pointer(ptr, "record_stream");
-  Block* block = *found;
-  if (stream == block->stream) return;  // uses on the allocation stream need no event
-  if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
-      block->stream_uses.end()) {
-    block->stream_uses.push_back(stream);
-  }
-}
-
-void CachingAllocator::Impl::free_block(Block* block) {
+[[gnu::always_inline]] inline void CachingAllocator::Impl::cache_block(Block* block) {
   trace(TraceAction::free_completed, block->ptr, block->requested_size, block->stream);
   const std::size_t original_size = block->size;
   const std::size_t requested = block->requested_size;
@@ -383,9 +339,70 @@ void CachingAllocator::Impl::free_block(Block* block) {
   } else if (split_bytes_change < 0) {
     sub_stats(stats_.inactive_split_bytes, k, static_cast<std::uint64_t>(-split_bytes_change));
   }
-  sub_stats(stats_.active, k, 1);
-  sub_stats(stats_.active_bytes, k, original_size);
-  sub_stats(stats_.requested_bytes, k, requested);
+  sub_stats(k, {{stats_.active, 1},
+                {stats_.active_bytes, original_size},
+                {stats_.requested_bytes, requested}});
+}
+
+void CachingAllocator::Impl::free_block(Block* block) { cache_block(block); }
+
+[[gnu::always_inline]] inline bool CachingAllocator::Impl::deallocate_locked(DevicePtr ptr) {
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) return false;
+  Block* block = *found;
+  const bool deferred = !block->stream_uses.empty();
+  // Record stream events first: if the device fails, the block stays allocated
+  // and nothing has changed.
+  if (deferred && routes_.empty()) insert_events(block);
+  allocated_.erase_found(found);
+  block->allocated = false;
+  const std::size_t k = stat_index(*block->pool);
+  sub_stats(k, {{stats_.allocation, 1}, {stats_.allocated_bytes, block->size}});
+  trace(TraceAction::free_requested, block->ptr, block->requested_size, block->stream);
+  if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_allocations, 1);
+  if (deferred) {
+    if (!routes_.empty()) deferred_event_blocks_.push_back(block);
+  } else {
+    cache_block(block);
+    if (vm_mode_ == VmMode::paging && config_.paging_release_threshold != kNoReleaseThreshold) {
+      release_above_threshold();
+    }
+  }
+  return true;
+}
+
+[[gnu::always_inline]] inline void CachingAllocator::Impl::deallocate(void* raw) {
+  if (raw == nullptr) return;
+  const auto ptr = reinterpret_cast<DevicePtr>(raw);
+  detail::LockGuard lock(mutex_);
+  if (!deallocate_locked(ptr)) throw_invalid_pointer(ptr, "deallocate");
+}
+
+bool CachingAllocator::Impl::deallocate_held(void* raw) {
+  detail::LockGuard lock(mutex_);
+  return deallocate_locked(reinterpret_cast<DevicePtr>(raw));
+}
+
+void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
+  if (raw == nullptr) return;
+  const auto ptr = reinterpret_cast<DevicePtr>(raw);
+  detail::LockGuard lock(mutex_);
+  Block** found = allocated_.find(ptr);
+  if (found == nullptr) throw_invalid_pointer(ptr, "record_stream");
+  Block* block = *found;
+  if (stream == block->stream) return;  // uses on the allocation stream need no event
+  if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+      block->stream_uses.end()) {
+    block->stream_uses.push_back(stream);
+  }
+}
+
+// The public entry points of the hot path, here so that it inlines into them.
+void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
+  return impl_->checked(&Impl::allocate, size, stream);
+}
+void CachingAllocator::deallocate(void* ptr) {
+  impl_->checked(&Impl::deallocate, ptr);
 }
 
 }  // namespace reservoir

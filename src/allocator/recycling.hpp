@@ -108,7 +108,7 @@ class AddressMap {
     return const_cast<AddressMap*>(this)->find(key);
   }
   // key must be absent and non-zero.
-  void insert(std::uintptr_t key, V value) {
+  [[gnu::always_inline]] void insert(std::uintptr_t key, V value) {
     if (size_ >= grow_at_) [[unlikely]] rehash(slots_.size() * 2);
     std::size_t i = home(key);
     while (slots_[i].key != 0) i = (i + 1) & mask();
@@ -122,19 +122,14 @@ class AddressMap {
       if (slots_[i].key == 0) return false;
       i = (i + 1) & mask();
     }
-    // Shift later members of the probe run back over the hole.
-    std::size_t hole = i;
-    for (std::size_t j = (i + 1) & mask(); slots_[j].key != 0; j = (j + 1) & mask()) {
-      const std::size_t h = home(slots_[j].key);
-      const bool movable = hole <= j ? (h <= hole || h > j) : (h <= hole && h > j);
-      if (movable) {
-        slots_[hole] = slots_[j];
-        hole = j;
-      }
-    }
-    slots_[hole] = Slot{};
-    --size_;
+    erase_slot(i);
     return true;
+  }
+  // Erases the entry whose value find() returned (no insert or erase since).
+  void erase_found(V* value) noexcept {
+    const Slot* slot = reinterpret_cast<const Slot*>(reinterpret_cast<const char*>(value) -
+                                                     offsetof(Slot, value));
+    erase_slot(static_cast<std::size_t>(slot - slots_.data()));
   }
   void clear() {
     for (Slot& s : slots_) s = Slot{};
@@ -152,11 +147,25 @@ class AddressMap {
     std::uintptr_t key = 0;
     V value{};
   };
+  void erase_slot(std::size_t i) noexcept {
+    // Shift later members of the probe run back over the hole.
+    std::size_t hole = i;
+    for (std::size_t j = (i + 1) & mask(); slots_[j].key != 0; j = (j + 1) & mask()) {
+      const std::size_t h = home(slots_[j].key);
+      const bool movable = hole <= j ? (h <= hole || h > j) : (h <= hole && h > j);
+      if (movable) {
+        slots_[hole] = slots_[j];
+        hole = j;
+      }
+    }
+    slots_[hole] = Slot{};
+    --size_;
+  }
   std::size_t mask() const noexcept { return mask_; }
   std::size_t home(std::uintptr_t key) const noexcept {
     return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_) & mask_;
   }
-  void rehash(std::size_t capacity) {
+  [[gnu::noinline]] void rehash(std::size_t capacity) {
     std::vector<Slot> old(capacity);
     old.swap(slots_);
     shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(capacity));
