@@ -37,8 +37,8 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
   if (config_.per_process_memory_fraction != 1.0) {
     set_memory_fraction(config_.per_process_memory_fraction);
   }
-  if (const char* v = std::getenv("RESERVOIR_VALIDATE"); v != nullptr && *v != '\0' &&
-      std::string_view(v) != "0") {
+  if (const char* v = std::getenv("RESERVOIR_VALIDATE");
+      v != nullptr && *v != '\0' && std::string_view(v) != "0") {
     validate_each_call_.store(true, std::memory_order_relaxed);
   }
 }
@@ -113,9 +113,9 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
 }
 
 void CachingAllocator::Impl::apply_block_order() {
-  uses_divisions_ = std::any_of(config_.roundup_power2_divisions.begin(),
-                                config_.roundup_power2_divisions.end(),
-                                [](std::size_t d) { return d > 1; });
+  uses_divisions_ =
+      std::any_of(config_.roundup_power2_divisions.begin(), config_.roundup_power2_divisions.end(),
+                  [](std::size_t d) { return d > 1; });
   const bool by_age = config_.oldest_segment_first();
   large_.set_order(by_age);
   small_.set_order(by_age);
@@ -132,8 +132,11 @@ AllocatorConfig CachingAllocator::Impl::config() const {
 
 DeviceStats CachingAllocator::Impl::folded_stats() const {
   DeviceStats folded = stats_;
-  for (StatArray DeviceStats::*a : kPerPoolStats) {
-    StatArray& s = folded.*a;
+  for (std::size_t i = 0; i < kPerPoolStats.size(); ++i) {
+    StatArray& s = folded.*kPerPoolStats[i];
+    for (std::size_t k = 1; k < kStatTypes; ++k) {
+      s[k].allocated = s[k].freed + s[k].current - accumulated_base_[i][k];
+    }
     s[0].current = s[1].current + s[2].current;
     s[0].allocated = s[1].allocated + s[2].allocated;
     s[0].freed = s[1].freed + s[2].freed;
@@ -157,7 +160,8 @@ void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combin
                                            bool carry_peaks) {
   if (!combined) throw UsageError("combine_stats: no combined statistics given");
   detail::LockGuard lock(mutex_);
-  if (combined_) throw UsageError("combine_stats: this allocator's statistics are combined already");
+  if (combined_)
+    throw UsageError("combine_stats: this allocator's statistics are combined already");
   combined->add(folded_stats(), carry_peaks);
   combined_ = std::move(combined);
 }
@@ -165,6 +169,11 @@ void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combin
 void CachingAllocator::Impl::reset_accumulated_stats() {
   detail::LockGuard lock(mutex_);
   stats_.for_each_stat([](Stat& s) { s.reset_accumulated(); });
+  for (std::size_t i = 0; i < kPerPoolStats.size(); ++i) {
+    for (std::size_t k = 0; k < kStatTypes; ++k) {
+      accumulated_base_[i][k] = (stats_.*kPerPoolStats[i])[k].current;
+    }
+  }
   stats_.num_alloc_retries = 0;
   stats_.num_ooms = 0;
   stats_.num_sync_all_streams = 0;

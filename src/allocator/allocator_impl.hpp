@@ -122,7 +122,7 @@ class CachingAllocator::Impl {
     void lock() noexcept RESERVOIR_ACQUIRE() { spin_.lock(); }
     bool try_lock() noexcept RESERVOIR_TRY_ACQUIRE(true) { return spin_.try_lock(); }
     void unlock() noexcept RESERVOIR_RELEASE() RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
-      if (!impl_.section_.empty()) impl_.combined_->publish(impl_.section_);
+      if (impl_.combined_ && !impl_.section_.empty()) impl_.combined_->publish(impl_.section_);
       spin_.unlock();
     }
 
@@ -185,12 +185,18 @@ class CachingAllocator::Impl {
        ...);
     }
   }
-  [[gnu::always_inline]] static void raise(StatArray& a, std::size_t k, std::uint64_t amount) noexcept {
-    a[k].increase(amount);
+  // A rise leaves the total of increases ("allocated") alone: it is freed +
+  // current - the current value at the last reset, worked out when read.
+  [[gnu::always_inline]] static void raise(StatArray& a, std::size_t k,
+                                           std::uint64_t amount) noexcept {
+    Stat& s = a[k];
+    s.current += static_cast<std::int64_t>(amount);
+    if (s.current > s.peak) s.peak = s.current;
     const std::int64_t all = a[1].current + a[2].current;
     if (all > a[0].peak) a[0].peak = all;
   }
-  // stats_ as PyTorch reports it: the "all" entries added up.
+  // stats_ as PyTorch reports it: the "all" entries added up, the totals of
+  // increases worked out.
   DeviceStats folded_stats() const RESERVOIR_REQUIRES(mutex_);
   // The current value of a per-pool statistic over both pools.
   static std::int64_t all_current(const StatArray& a) noexcept {
@@ -204,7 +210,8 @@ class CachingAllocator::Impl {
   // The pool a request goes to: a private pool while one is routed to,
   // else the default small or large pool (pool_for_routed: the routes).
   detail::BlockPool& pool_for(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_) {
-    if (!routes_.empty()) [[unlikely]] return pool_for_routed(size, stream);
+    if (!routes_.empty()) [[unlikely]]
+      return pool_for_routed(size, stream);
     // Paging keeps one arena per stream: small requests share pages with
     // large ones rather than holding 2 MiB pages of their own.
     return size <= kSmallSize && vm_mode_ != VmMode::paging ? small_ : large_;
@@ -282,11 +289,9 @@ class CachingAllocator::Impl {
     return VmMode::none;
   }
   bool vm_on() const noexcept RESERVOIR_REQUIRES(mutex_) { return vm_mode_ != VmMode::none; }
-  // Whether a block lies in a VM segment. The count keeps the native policy's
-  // hot path from loading the block's segment.
-  bool in_vm(const detail::Block* b) const noexcept RESERVOIR_REQUIRES(mutex_) {
-    return vm_segments_ != 0 && b->segment->vm != nullptr;
-  }
+  // Whether a block lies in a VM segment (noted in the block when it is
+  // made: a segment's vm is set before its blocks are made, and kept).
+  static bool in_vm(const detail::Block* b) noexcept { return b->in_vm; }
   bool in_stitched(const detail::Block* b) const noexcept RESERVOIR_REQUIRES(mutex_) {
     return in_vm(b) && b->segment->vm->stitched;
   }
@@ -333,7 +338,7 @@ class CachingAllocator::Impl {
   // Moves `it`, the best fit in a VM segment, to the block that serves p
   // under the VM rules (growable size, stitched blocks whole, none while VM
   // is off); false when no block of p's stream does.
-  bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it)
+  inline bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it)
       RESERVOIR_REQUIRES(mutex_);
   detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   detail::Block* new_vm_segment(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
@@ -421,6 +426,10 @@ class CachingAllocator::Impl {
   mutable PublishingMutex mutex_{*this};
   AllocatorConfig config_ RESERVOIR_GUARDED_BY(mutex_);
   DeviceStats stats_ RESERVOIR_GUARDED_BY(mutex_);
+  // For each of kPerPoolStats, small's and large's current values at the last
+  // reset of accumulated statistics (allocated = freed + current - this).
+  std::array<std::array<std::int64_t, kStatTypes>, kPerPoolStats.size()> accumulated_base_
+      RESERVOIR_GUARDED_BY(mutex_){};
   // With combined statistics attached, what the current locked section
   // changed, published when the lock is released.
   std::shared_ptr<CombinedStats> combined_ RESERVOIR_GUARDED_BY(mutex_);
@@ -460,7 +469,8 @@ class CachingAllocator::Impl {
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
   // config_ sets roundup_power2_divisions (any interval above 1).
   bool uses_divisions_ RESERVOIR_GUARDED_BY(mutex_) = true;
-  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) = false;  // paging growth under pressure: move all it takes
+  bool recycling_ RESERVOIR_GUARDED_BY(mutex_) =
+      false;  // paging growth under pressure: move all it takes
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);

@@ -71,12 +71,14 @@ struct Block {
   bool allocated = false;
   bool mapped = true;                 // false: address space of a VM segment only
   bool lent = false;                  // pages lent to a stitched block (paging)
+  bool in_vm = false;                 // its segment is a virtual-memory one (segment->vm set)
+  bool cached = false;                // in pool->blocks (then is_free(): the validator checks)
   int event_count = 0;                // outstanding stream events
   std::uint32_t context = 0;          // history context of its allocation
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
-  std::uint64_t order = 0;            // its segment's creation order (1 = the first); 0: a search key
-  BlockSet::iterator pool_pos{};      // where it sits in pool->blocks, while free
+  std::uint64_t order = 0;        // its segment's creation order (1 = the first); 0: a search key
+  BlockSet::iterator pool_pos{};  // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
   // Cached: mapped, not allocated, no pending stream use (belongs in pool->blocks).
@@ -124,8 +126,12 @@ struct BlockPool {
   void insert(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     block->pool_pos = blocks.insert(block).first;
+    block->cached = true;
   }
-  void erase(Block* block) { blocks.erase(block->pool_pos); }
+  void erase(Block* block) {
+    blocks.erase(block->pool_pos);
+    block->cached = false;
+  }
   // Orders the cached blocks by PyTorch 2.12's rule (by_age) or before it.
   void set_order(bool by_age) {
     if (blocks.key_comp().by_age == by_age) return;
@@ -138,14 +144,14 @@ struct BlockPool {
   // keeps its node while the neighbour on that side still brackets it, and
   // is re-inserted otherwise. It counts as newly cached (as PyTorch
   // re-inserts it).
-  void reposition_shrunk(Block* block) {
+  [[gnu::always_inline]] void reposition_shrunk(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     const auto it = block->pool_pos;
     if (it == blocks.begin() || blocks.key_comp()(*std::prev(it), block)) return;
     blocks.erase(it);
     block->pool_pos = blocks.insert(block).first;
   }
-  void reposition_grown(Block* block) {
+  [[gnu::always_inline]] void reposition_grown(Block* block) {
     block->gc_count_base = get_free_blocks_call_count;
     const auto it = block->pool_pos;
     const auto after = std::next(it);
@@ -228,8 +234,8 @@ struct Segment {
   std::size_t size = 0;
   StreamId stream = 0;
   BlockPool* pool = nullptr;
-  Block* head = nullptr;           // the block at base
-  std::unique_ptr<VmState> vm;     // set for virtual-memory segments
+  Block* head = nullptr;        // the block at base
+  std::unique_ptr<VmState> vm;  // set for virtual-memory segments
 };
 
 struct PrivatePool {
@@ -248,8 +254,8 @@ struct PrivatePool {
 class BlockArena {
  public:
   // A fresh, unlinked, mapped and free block.
-  Block* make(DevicePtr ptr, std::size_t size, StreamId stream, BlockPool* pool,
-              Segment* segment, std::uint64_t order) {
+  Block* make(DevicePtr ptr, std::size_t size, StreamId stream, BlockPool* pool, Segment* segment,
+              std::uint64_t order) {
     Block* b = free_;
     if (b == nullptr) {
       b = &storage_.emplace_back();
@@ -271,6 +277,8 @@ class BlockArena {
     b->context = 0;
     b->gc_count_base = 0;
     b->order = order;
+    b->in_vm = segment != nullptr && segment->vm != nullptr;
+    b->cached = false;
     b->pool_pos = BlockSet::iterator{};
     return b;
   }

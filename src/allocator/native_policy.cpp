@@ -70,6 +70,41 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
   ++stats_.num_device_alloc;
 }
 
+// (Here rather than in vm_policy.cpp: get_free_block inlines it.)
+// get_free_block's candidate when the best fit lies in a VM segment.
+[[gnu::always_inline]] inline bool CachingAllocator::Impl::vm_candidate(
+    const AllocParams& p, detail::BlockSet::iterator& it) {
+  const BlockPool& pool = *p.pool;
+  if (vm_on()) {
+    // A cached block followed by unmapped space counts, for best fit, as
+    // the size it can grow to (PyTorch's rule).
+    auto growable = [](const Block* b) {
+      return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+    };
+    // Blocks of a stream sort by size: one that cannot grow (no unmapped
+    // space after it) is beaten by none after it.
+    while ((*it)->in_vm && (*it)->next != nullptr && !(*it)->next->mapped) {
+      const auto next = std::next(it);
+      if (next == pool.blocks.end() || (*next)->stream != p.stream ||
+          growable(*next) >= growable(*it)) {
+        break;
+      }
+      it = next;
+    }
+  } else {
+    // Virtual memory was switched off: only classic segments serve requests.
+    do {
+      ++it;
+    } while (it != pool.blocks.end() && (*it)->segment->vm && (*it)->stream == p.stream);
+    if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+  }
+  // A stitched block is never split: it serves only requests that use all its pages.
+  while (in_stitched(*it) && (*it)->size - p.size >= (*it)->segment->vm->page) {
+    if (++it == pool.blocks.end() || (*it)->stream != p.stream) return false;
+  }
+  return true;
+}
+
 [[gnu::always_inline]] inline bool CachingAllocator::Impl::get_free_block(AllocParams& p) {
   BlockPool& pool = *p.pool;
   if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
@@ -116,8 +151,8 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   return true;
 }
 
-[[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(AllocParams& p,
-                                                                          std::size_t requested) {
+[[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(
+    AllocParams& p, std::size_t requested) {
   Block* block = p.block;
   BlockPool& pool = *p.pool;
   const bool already_split = block->is_split();
@@ -170,7 +205,8 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
   bool found = get_free_block(p);
-  if (found) [[likely]] return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  if (found) [[likely]]
+    return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
   p.alloc_size = allocation_size(size, config_);
   if (!free_memory_callbacks_.empty()) {
     const std::vector<FreeMemoryCallback> callbacks = free_memory_callbacks_;
@@ -192,7 +228,8 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   if (!found) {
     Oom oom = out_of_memory(p);
     lock.unlock();  // LOCK RELEASED: observers may inspect or free memory
-    for (const auto& observer : oom.observers) observer(device_index_, p.alloc_size, oom.limit, oom.free);
+    for (const auto& observer : oom.observers)
+      observer(device_index_, p.alloc_size, oom.limit, oom.free);
     throw std::move(oom.error);
   }
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
@@ -270,8 +307,8 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
   BlockPool& pool = *block->pool;
   Block* const prev = block->prev;
   Block* const next = block->next;
-  const bool merge_prev = prev != nullptr && prev->is_free();
-  const bool merge_next = next != nullptr && next->is_free();
+  const bool merge_prev = prev != nullptr && prev->cached;  // is_free(), as kept in the pool
+  const bool merge_next = next != nullptr && next->cached;
   RESERVOIR_DEBUG_ASSERT(block->event_count == 0);
   RESERVOIR_DEBUG_ASSERT(prev == nullptr || prev->ptr + prev->size == block->ptr);
   RESERVOIR_DEBUG_ASSERT(next == nullptr || block->ptr + block->size == next->ptr);
@@ -344,7 +381,9 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
                 {stats_.requested_bytes, requested}});
 }
 
-void CachingAllocator::Impl::free_block(Block* block) { cache_block(block); }
+void CachingAllocator::Impl::free_block(Block* block) {
+  cache_block(block);
+}
 
 [[gnu::always_inline]] inline bool CachingAllocator::Impl::deallocate_locked(DevicePtr ptr) {
   Block** found = allocated_.find(ptr);

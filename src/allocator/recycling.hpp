@@ -109,7 +109,8 @@ class AddressMap {
   }
   // key must be absent and non-zero.
   [[gnu::always_inline]] void insert(std::uintptr_t key, V value) {
-    if (size_ >= grow_at_) [[unlikely]] rehash(slots_.size() * 2);
+    if (size_ >= grow_at_) [[unlikely]]
+      rehash(slots_.size() * 2);
     std::size_t i = home(key);
     while (slots_[i].key != 0) i = (i + 1) & mask();
     slots_[i] = Slot{key, value};
@@ -127,8 +128,8 @@ class AddressMap {
   }
   // Erases the entry whose value find() returned (no insert or erase since).
   void erase_found(V* value) noexcept {
-    const Slot* slot = reinterpret_cast<const Slot*>(reinterpret_cast<const char*>(value) -
-                                                     offsetof(Slot, value));
+    const Slot* slot =
+        reinterpret_cast<const Slot*>(reinterpret_cast<const char*>(value) - offsetof(Slot, value));
     erase_slot(static_cast<std::size_t>(slot - slots_.data()));
   }
   void clear() {
@@ -163,7 +164,8 @@ class AddressMap {
   }
   std::size_t mask() const noexcept { return mask_; }
   std::size_t home(std::uintptr_t key) const noexcept {
-    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_) & mask_;
+    // The top log2(capacity) bits of the product: below the capacity.
+    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_);
   }
   [[gnu::noinline]] void rehash(std::size_t capacity) {
     std::vector<Slot> old(capacity);

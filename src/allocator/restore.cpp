@@ -66,6 +66,7 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   const std::int64_t max_split = stats_.max_split_size;
   stats_ = DeviceStats{};
   stats_.max_split_size = max_split;
+  accumulated_base_ = {};
 }
 
 void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {

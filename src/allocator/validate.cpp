@@ -38,8 +38,7 @@ void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) con
   for (std::size_t i = 0; i < vm.page_handle.size(); ++i) {
     const std::uint32_t slot = vm.at(i);
     if (slot == detail::VmState::kNone) continue;
-    if (slot >= vm.handles.size() || !vm.handles[slot].live ||
-        i < vm.handles[slot].first_page ||
+    if (slot >= vm.handles.size() || !vm.handles[slot].live || i < vm.handles[slot].first_page ||
         i >= vm.handles[slot].first_page + vm.handles[slot].pages) {
       breach(fmt::format("VM segment {:#x}: page {} names a handle that does not cover it",
                          seg.base, i));
@@ -53,8 +52,8 @@ void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) con
     const std::size_t end = (b->ptr - seg.base + b->size + page - 1) / page;
     if (!b->mapped) {
       if ((b->ptr - seg.base) % page != 0 || b->size % page != 0) {
-        breach(fmt::format("unmapped block at {:#x} ({} bytes) is not page-aligned", b->ptr,
-                           b->size));
+        breach(
+            fmt::format("unmapped block at {:#x} ({} bytes) is not page-aligned", b->ptr, b->size));
       }
       if (b->allocated || b->event_count != 0 || !b->stream_uses.empty()) {
         breach(fmt::format("unmapped block at {:#x} is in use", b->ptr));
@@ -170,7 +169,8 @@ void CachingAllocator::Impl::validate() const {
       if (b->next != nullptr && b->next->prev != b) {
         breach(fmt::format("block at {:#x}: next->prev does not point back", b->ptr));
       }
-      if (b->segment != seg.get() || b->pool != seg->pool || b->stream != seg->stream) {
+      if (b->segment != seg.get() || b->pool != seg->pool || b->stream != seg->stream ||
+          b->in_vm != (seg->vm != nullptr)) {
         breach(fmt::format("block at {:#x} disagrees with its segment {:#x}", b->ptr, base));
       }
       auto ev = events_per_block.find(b);
@@ -184,6 +184,10 @@ void CachingAllocator::Impl::validate() const {
       if (b->is_free() != in_pool) {
         breach(fmt::format("block at {:#x} ({}) is {}in its pool", b->ptr,
                            b->is_free() ? "free" : "in use", in_pool ? "" : "not "));
+      }
+      if (b->cached != in_pool) {
+        breach(fmt::format("block at {:#x} is {}marked cached but is {}in its pool", b->ptr,
+                           b->cached ? "" : "not ", in_pool ? "" : "not "));
       }
       if (b->lent) {
         ++lent_found;
@@ -247,8 +251,8 @@ void CachingAllocator::Impl::validate() const {
     breach(fmt::format("{} VM segments counted but {} found", vm_segments_, vm_segments));
   }
   if (lent_listed != lent_found) {
-    breach(fmt::format("{} lent blocks found but stitched segments list {}", lent_found,
-                       lent_listed));
+    breach(
+        fmt::format("{} lent blocks found but stitched segments list {}", lent_found, lent_listed));
   }
   if (unmapped_pooled != unmapped_blocks) {
     breach(fmt::format("pools list {} unmapped blocks but segments have {}", unmapped_pooled,
@@ -271,6 +275,9 @@ void CachingAllocator::Impl::validate() const {
     const Stat& all = (stats_.*a)[0];
     if (all.current != 0 || all.allocated != 0 || all.freed != 0) {
       breach("an \"all\" statistic holds a value of its own; it is the sum of small and large");
+    }
+    if ((stats_.*a)[1].allocated != 0 || (stats_.*a)[2].allocated != 0) {
+      breach("a per-pool statistic holds a total of increases; it is worked out when read");
     }
     if (all.peak < (folded.*a)[0].current) {
       breach(fmt::format("an \"all\" peak of {} is below its current value {}", all.peak,

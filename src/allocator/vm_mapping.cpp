@@ -224,18 +224,19 @@ Block* CachingAllocator::Impl::carve(Block* block, DevicePtr start, std::size_t 
   const std::size_t before = start - block->ptr;
   const std::size_t after = block->size - before - bytes;
   // A cached block for [ptr, ptr + size), linked between prev and next.
-  auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next) RESERVOIR_REQUIRES(mutex_) {
-    Block* b = make_block(ptr, size, block->stream, &pool, &seg);
-    b->prev = prev;
-    b->next = next;
-    if (prev != nullptr) {
-      prev->next = b;
-    } else {
-      seg.head = b;
-    }
-    if (next != nullptr) next->prev = b;
-    pool.insert(b);
-  };
+  auto cached = [&](DevicePtr ptr, std::size_t size, Block* prev, Block* next)
+                    RESERVOIR_REQUIRES(mutex_) {
+                      Block* b = make_block(ptr, size, block->stream, &pool, &seg);
+                      b->prev = prev;
+                      b->next = next;
+                      if (prev != nullptr) {
+                        prev->next = b;
+                      } else {
+                        seg.head = b;
+                      }
+                      if (next != nullptr) next->prev = b;
+                      pool.insert(b);
+                    };
   if (before > 0) cached(block->ptr, before, block->prev, block);
   if (after > 0) cached(start + bytes, after, block, block->next);
   block->ptr = start;

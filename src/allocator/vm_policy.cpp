@@ -96,34 +96,6 @@ std::size_t CachingAllocator::Impl::unmapped_within(const Block* b, std::size_t 
   return bytes >= size ? unmapped : std::numeric_limits<std::size_t>::max();
 }
 
-// get_free_block's candidate when the best fit lies in a VM segment.
-bool CachingAllocator::Impl::vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it) {
-  const BlockPool& pool = *p.pool;
-  if (vm_on()) {
-    // A cached block followed by unmapped space counts, for best fit, as
-    // the size it can grow to (PyTorch's rule).
-    auto growable = [](const Block* b) {
-      return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
-    };
-    auto next = std::next(it);
-    while ((*it)->segment->vm && next != pool.blocks.end() && (*next)->stream == p.stream &&
-           growable(*next) < growable(*it)) {
-      it = next++;
-    }
-  } else {
-    // Virtual memory was switched off: only classic segments serve requests.
-    do {
-      ++it;
-    } while (it != pool.blocks.end() && (*it)->segment->vm && (*it)->stream == p.stream);
-    if (it == pool.blocks.end() || (*it)->stream != p.stream) return false;
-  }
-  // A stitched block is never split: it serves only requests that use all its pages.
-  while (in_stitched(*it) && (*it)->size - p.size >= (*it)->segment->vm->page) {
-    if (++it == pool.blocks.end() || (*it)->stream != p.stream) return false;
-  }
-  return true;
-}
-
 Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   BlockPool& pool = *p.pool;
   constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
@@ -180,7 +152,7 @@ bool CachingAllocator::Impl::alloc_vm_block(AllocParams& p) {
 }
 
 std::size_t CachingAllocator::Impl::map_ahead_bytes(const Block* to_map, std::size_t bytes,
-                                                  std::size_t request) {
+                                                    std::size_t request) {
   // Paging maps ahead of the request while memory is plentiful, so that a
   // growing workload makes few mappings (each is three driver calls: create,
   // map, set access). The chunk follows what the stream's arena has shown it

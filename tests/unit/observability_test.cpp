@@ -56,6 +56,35 @@ TEST_F(Observability, PeakAndAccumulatedResets) {
   EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * 1048576);
 }
 
+// Totals of increases and decreases count from the reset, while memory held
+// across it stays current (and peaks fall to the current value): small and
+// large pools and "all" alike.
+TEST_F(Observability, AccumulatedTotalsCountFromTheResetWithMemoryHeld) {
+  const DevicePtr small = alloc(4096);      // small pool: 4 KiB
+  const DevicePtr large = alloc(3 * kMiB);  // large pool: 3 MiB
+  allocator_->reset_accumulated_stats();
+  allocator_->reset_peak_stats();
+  EXPECT_EQ(stat("allocated_bytes.all.allocated"), 0);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 4096 + 3 * 1048576);
+  const DevicePtr more = alloc(5 * kMiB);
+  release(large);
+  release(small);
+  EXPECT_EQ(stat("allocated_bytes.large_pool.allocated"), 5 * 1048576);
+  EXPECT_EQ(stat("allocated_bytes.large_pool.freed"), 3 * 1048576);
+  EXPECT_EQ(stat("allocated_bytes.small_pool.allocated"), 0);
+  EXPECT_EQ(stat("allocated_bytes.small_pool.freed"), 4096);
+  EXPECT_EQ(stat("allocated_bytes.all.allocated"), 5 * 1048576);
+  EXPECT_EQ(stat("allocated_bytes.all.freed"), 3 * 1048576 + 4096);
+  EXPECT_EQ(stat("allocation.all.allocated"), 1);
+  EXPECT_EQ(stat("allocation.all.freed"), 2);
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), 4096 + 8 * 1048576);
+  EXPECT_EQ(stat("allocated_bytes.small_pool.peak"), 4096);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 5 * 1048576);
+  release(more);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 0);
+  EXPECT_EQ(stat("allocated_bytes.all.freed"), 8 * 1048576 + 4096);
+}
+
 // Expected text produced by torch/cuda/memory.py's memory_summary on the same stats.
 TEST(MemorySummary, MatchesPyTorchsLayout) {
   const char* names[] = {
@@ -77,7 +106,8 @@ TEST(MemorySummary, MatchesPyTorchsLayout) {
     }
   }
   for (const char* name : {"oversize_allocations", "oversize_segments"}) {
-    for (int f = 0; f < 4; ++f) stats[std::string(name) + "." + fields[f]] = std::int64_t{f + 3} * 999999;
+    for (int f = 0; f < 4; ++f)
+      stats[std::string(name) + "." + fields[f]] = std::int64_t{f + 3} * 999999;
   }
   stats["num_alloc_retries"] = 3;
   stats["num_ooms"] = 12;

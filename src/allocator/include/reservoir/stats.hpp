@@ -78,8 +78,9 @@ struct DeviceStats {
 
 // The nine statistics counted per pool ("all", small_pool, large_pool).
 inline constexpr std::array<StatArray DeviceStats::*, 9> kPerPoolStats = {
-    &DeviceStats::allocation,      &DeviceStats::segment,         &DeviceStats::active,
-    &DeviceStats::inactive_split,  &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
+    &DeviceStats::allocation,      &DeviceStats::segment,
+    &DeviceStats::active,          &DeviceStats::inactive_split,
+    &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
     &DeviceStats::active_bytes,    &DeviceStats::inactive_split_bytes,
     &DeviceStats::requested_bytes};
 
@@ -102,7 +103,8 @@ class CombinedStats {
     // `s` is a Stat of `stats` (the allocator's DeviceStats).
     void note(const DeviceStats& stats, const Stat& s, std::int64_t delta) noexcept {
       const auto slot = static_cast<std::size_t>(reinterpret_cast<const char*>(&s) -
-                                                 reinterpret_cast<const char*>(&stats)) / 8;
+                                                 reinterpret_cast<const char*>(&stats)) /
+                        8;
       dirty_[slot / 64] |= std::uint64_t{1} << (slot % 64);
       const std::int64_t net = net_[slot] += delta;
       if (net > high_[slot]) high_[slot] = net;
