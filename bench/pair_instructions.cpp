@@ -74,9 +74,11 @@ Case allocator_case(const char* config, int kind) {
   }};
 }
 
-// Through a saver: with a tag existing (the pair outside it), or inside it.
-Case saver_case(const char* config, bool inside) {
-  return {[config, inside] {
+// Through a saver: with no tag, with a tag existing (the pair outside it),
+// or inside it.
+enum class Tag { none, exists, inside };
+Case saver_case(const char* config, Tag tag) {
+  return {[config, tag] {
     struct State {
       SimDevice device;
       std::unique_ptr<Saver> saver;
@@ -86,11 +88,11 @@ Case saver_case(const char* config, bool inside) {
     reservoir::SaverOptions o;
     o.config = AllocatorConfig::parse(config);
     s->saver = std::make_unique<Saver>(s->device, o);
-    {
+    if (tag != Tag::none) {
       auto r = s->saver->region("kv_cache");
       s->saver->deallocate(s->saver->allocate(4096));
     }
-    if (inside) s->token = s->saver->push_region("kv_cache");
+    if (tag == Tag::inside) s->token = s->saver->push_region("kv_cache");
     s->saver->deallocate(s->saver->allocate(4096));
     return std::function<void(std::size_t)>([s](std::size_t) {
       void* p = s->saver->allocate(4096);
@@ -164,8 +166,9 @@ const std::map<std::string, Case>& cases() {
       m[fmt::format("{}/one_size", name)] = allocator_case(config, 0);
       m[fmt::format("{}/mixed_sizes", name)] = allocator_case(config, 1);
       m[fmt::format("{}/two_streams", name)] = allocator_case(config, 2);
-      m[fmt::format("{}/saver_tag_exists", name)] = saver_case(config, false);
-      m[fmt::format("{}/saver_inside_tag", name)] = saver_case(config, true);
+      m[fmt::format("{}/saver_no_tag", name)] = saver_case(config, Tag::none);
+      m[fmt::format("{}/saver_tag_exists", name)] = saver_case(config, Tag::exists);
+      m[fmt::format("{}/saver_inside_tag", name)] = saver_case(config, Tag::inside);
     }
     m["glibc/one_size"] = glibc_case(false);
     m["glibc/mixed_sizes"] = glibc_case(true);
@@ -192,10 +195,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const Case& c = it->second;
-  const std::size_t n = argc >= 3 ? std::strtoull(argv[2], nullptr, 10)
-                                  : std::max<std::size_t>(1, 20000 / c.units);
+  const std::size_t n =
+      argc >= 3 ? std::strtoull(argv[2], nullptr, 10) : std::max<std::size_t>(1, 20000 / c.units);
   const std::function<void(std::size_t)> op = c.make();
-  for (std::size_t i = 0; i < std::min<std::size_t>(n, 64); ++i) op(i);  // warm: every request a hit
+  for (std::size_t i = 0; i < std::min<std::size_t>(n, 64); ++i)
+    op(i);  // warm: every request a hit
   CALLGRIND_TOGGLE_COLLECT;
   for (std::size_t i = 0; i < n; ++i) op(i);
   CALLGRIND_TOGGLE_COLLECT;

@@ -24,6 +24,34 @@ import tempfile
 
 TOLERANCE = 0.02
 
+# Targets the budgets must stay within, whatever they are raised to: the
+# cache-hit pair under every policy, and what a saver's tags add to its pair.
+PAIR_LIMIT = 600
+TAG_EXISTS_LIMIT = 1.05  # times the saver's pair with no tag
+INSIDE_TAG_LIMIT = 1.15
+POLICIES = ("native", "expandable", "paging")
+
+
+def target_failures(measured):
+    failures = []
+    for policy in POLICIES:
+        for shape in ("one_size", "mixed_sizes"):
+            case = f"{policy}/{shape}"
+            if case in measured and measured[case] > PAIR_LIMIT:
+                failures.append(f"{case}: {measured[case]:.1f} instructions, over the pair's "
+                                f"target of {PAIR_LIMIT}")
+        base = measured.get(f"{policy}/saver_no_tag")
+        for name, limit in (("saver_tag_exists", TAG_EXISTS_LIMIT),
+                            ("saver_inside_tag", INSIDE_TAG_LIMIT)):
+            got = measured.get(f"{policy}/{name}")
+            if base and got:
+                print(f"{policy}/{name} is {got / base:.3f}x the pair with no tag "
+                      f"(target {limit:.2f}x)")
+                if got > base * limit:
+                    failures.append(f"{policy}/{name}: {got / base:.3f}x the saver's pair with no "
+                                    f"tag ({base:.1f}), over the target of {limit:.2f}x")
+    return failures
+
 
 def measure(binary, case):
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,6 +106,7 @@ def main():
             failures.append(f"{case}: {got:.1f} instructions, {use - 1:.1%} over its budget of {budget}")
     for case in sorted(set(budgets) - set(cases)):
         failures.append(f"{case}: a budget for a case pair_instructions does not have")
+    failures += target_failures(measured)
     for f in failures:
         print("FAIL " + f)
     glibc = {k.split("/")[1]: v for k, v in measured.items() if k.startswith("glibc/")}

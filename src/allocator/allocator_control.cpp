@@ -44,6 +44,8 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
 }
 
 CachingAllocator::Impl::~Impl() {
+  // Its current values stay in a combined sum.
+  if (CombinedStats* c = combined_.load(std::memory_order_acquire)) c->leave(*this);
   // Return everything to the device; failures cannot be reported from here.
   for (auto& [stream, queue] : pending_events_) {
     for (PendingEvent& e : queue) (void)device_.destroy_event(e.event);
@@ -132,6 +134,10 @@ AllocatorConfig CachingAllocator::Impl::config() const {
 
 DeviceStats CachingAllocator::Impl::folded_stats() const {
   DeviceStats folded = stats_;
+  if (combined_.load(std::memory_order_relaxed) != nullptr) {
+    // stats_'s peaks are thresholds; the peaks are kept apart.
+    folded.for_each_stat_pair(own_peaks_, [](Stat& s, const Stat& own) { s.peak = own.peak; });
+  }
   for (std::size_t i = 0; i < kPerPoolStats.size(); ++i) {
     StatArray& s = folded.*kPerPoolStats[i];
     for (std::size_t k = 1; k < kStatTypes; ++k) {
@@ -153,17 +159,58 @@ void CachingAllocator::Impl::reset_peak_stats() {
   detail::LockGuard lock(mutex_);
   // Every peak falls to its current value (the "all" entries' to the sum).
   DeviceStats folded = folded_stats();
-  stats_.for_each_stat_pair(folded, [](Stat& s, const Stat& f) { s.peak = f.current; });
+  if (combined_.load(std::memory_order_relaxed) != nullptr) {
+    own_peaks_.for_each_stat_pair(folded, [](Stat& s, const Stat& f) { s.peak = f.current; });
+    took_sum();
+  } else {
+    stats_.for_each_stat_pair(folded, [](Stat& s, const Stat& f) { s.peak = f.current; });
+  }
 }
 
 void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
                                            bool carry_peaks) {
   if (!combined) throw UsageError("combine_stats: no combined statistics given");
-  detail::LockGuard lock(mutex_);
-  if (combined_)
-    throw UsageError("combine_stats: this allocator's statistics are combined already");
-  combined->add(folded_stats(), carry_peaks);
-  combined_ = std::move(combined);
+  {
+    detail::LockGuard lock(mutex_);
+    if (combined_.load(std::memory_order_relaxed) != nullptr || combined_keep_) {
+      throw UsageError("combine_stats: this allocator's statistics are combined already");
+    }
+    combined_keep_ = combined;  // claimed: a second call fails
+  }
+  combined->join(*this, carry_peaks);  // takes the sum's mutex, then mutex_
+}
+
+DeviceStats CachingAllocator::Impl::member_values() const noexcept {
+  return folded_stats();
+}
+
+void CachingAllocator::Impl::joined(CombinedStats& sum) noexcept {
+  own_peaks_ = folded_stats();  // its peaks, from now on kept here
+  combined_.store(&sum, std::memory_order_release);
+}
+
+void CachingAllocator::Impl::took_sum() noexcept {
+  // Each Stat's peak field becomes the lower of its own peak and the value
+  // above which the sum (the others' values plus this one) passes its peak.
+  CombinedStats& sum = *combined_.load(std::memory_order_relaxed);
+  const DeviceStats& others = sum.sum_for_owner();
+  stats_.for_each_stat_pair(own_peaks_, [&](Stat& s, const Stat& own) {
+    const auto offset = reinterpret_cast<const char*>(&s) - reinterpret_cast<const char*>(&stats_);
+    const Stat& o = *reinterpret_cast<const Stat*>(reinterpret_cast<const char*>(&others) + offset);
+    s.peak = std::min(own.peak, o.peak - o.current);
+  });
+}
+
+void CachingAllocator::Impl::combined_peak_crossed(Stat& trigger, std::int64_t value) noexcept {
+  const auto offset =
+      reinterpret_cast<const char*>(&trigger) - reinterpret_cast<const char*>(&stats_);
+  Stat& own = *reinterpret_cast<Stat*>(reinterpret_cast<char*>(&own_peaks_) + offset);
+  Stat& sum = *reinterpret_cast<Stat*>(
+      reinterpret_cast<char*>(&combined_.load(std::memory_order_relaxed)->sum_for_owner()) +
+      offset);
+  if (value > own.peak) own.peak = value;
+  if (sum.current + value > sum.peak) sum.peak = sum.current + value;
+  trigger.peak = std::min(own.peak, sum.peak - sum.current);
 }
 
 void CachingAllocator::Impl::reset_accumulated_stats() {

@@ -28,7 +28,7 @@
 
 namespace reservoir {
 
-class CachingAllocator::Impl {
+class CachingAllocator::Impl final : private CombinedStats::Member {
  public:
   Impl(Device& device, AllocatorConfig config, int device_index);
   ~Impl();
@@ -38,7 +38,7 @@ class CachingAllocator::Impl {
   inline void* allocate(std::size_t size, StreamId stream);
   inline void deallocate(void* ptr);
   // deallocate for a held pointer; false (nothing changed) otherwise.
-  bool deallocate_held(void* ptr);
+  inline bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
   void process_completed_frees();
@@ -112,19 +112,35 @@ class CachingAllocator::Impl {
     detail::Block* block;
   };
 
-  // mutex_'s type: releasing it first publishes the statistics changed under
-  // it to the combined statistics, if any (see combine_stats).
+  // mutex_'s type. With combined statistics (combine_stats), taking it
+  // first makes this allocator the owner of the sum (CombinedStats::claim),
+  // so that every locked section may change its statistics.
   // Its own members are not analysed: they touch the statistics mutex_
   // guards, which the analysis cannot tie to *this.
-  class RESERVOIR_CAPABILITY("mutex") PublishingMutex {
+  class RESERVOIR_CAPABILITY("mutex") ClaimingMutex {
    public:
-    explicit PublishingMutex(Impl& impl) noexcept : impl_(impl) {}
-    void lock() noexcept RESERVOIR_ACQUIRE() { spin_.lock(); }
-    bool try_lock() noexcept RESERVOIR_TRY_ACQUIRE(true) { return spin_.try_lock(); }
-    void unlock() noexcept RESERVOIR_RELEASE() RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
-      if (impl_.combined_ && !impl_.section_.empty()) impl_.combined_->publish(impl_.section_);
-      spin_.unlock();
+    explicit ClaimingMutex(Impl& impl) noexcept : impl_(impl) {}
+    void lock() noexcept RESERVOIR_ACQUIRE() {
+      for (;;) {
+        spin_.lock();
+        CombinedStats* c = impl_.combined_.load(std::memory_order_relaxed);
+        if (c == nullptr || c->owned_by(impl_)) [[likely]]
+          return;
+        spin_.unlock();
+        c->claim(impl_);  // another member owns the sum: take it, then the lock
+      }
     }
+    void unlock() noexcept RESERVOIR_RELEASE() { spin_.unlock(); }
+    // The lock, owning the sum or not: for a look that may change nothing
+    // (owns_sum() says whether a change may follow).
+    void lock_unclaimed() noexcept RESERVOIR_ACQUIRE() { spin_.lock(); }
+    bool owns_sum() const noexcept {
+      const CombinedStats* c = impl_.combined_.load(std::memory_order_relaxed);
+      return c == nullptr || c->owned_by(impl_);
+    }
+    // The lock alone (CombinedStats takes it, owning or not).
+    void lock_raw() noexcept { spin_.lock(); }
+    void unlock_raw() noexcept { spin_.unlock(); }
 
    private:
     Impl& impl_;
@@ -132,21 +148,36 @@ class CachingAllocator::Impl {
   };
 
   // ---- all below: mutex_ held (checked by clang's -Wthread-safety) ----
-  // Every change of a Stat goes through these (they feed combined_).
+  // Every change of a Stat goes through these. A Stat's peak in stats_ is
+  // the value whose crossing needs a look (peak_crossed): its own peak, or
+  // with combined statistics the lower of that and the sum's threshold.
   void add_stat(Stat& s, std::uint64_t amount) noexcept RESERVOIR_REQUIRES(mutex_) {
-    s.increase(amount);
-    if (combined_) section_.note(stats_, s, static_cast<std::int64_t>(amount));
+    s.current += static_cast<std::int64_t>(amount);
+    s.allocated += static_cast<std::int64_t>(amount);
+    if (s.current > s.peak) [[unlikely]]
+      peak_crossed(s, s.current);
   }
   void sub_stat(Stat& s, std::uint64_t amount) noexcept RESERVOIR_REQUIRES(mutex_) {
     s.decrease(amount);
-    if (combined_) section_.note(stats_, s, -static_cast<std::int64_t>(amount));
   }
+  // `trigger`, a Stat of stats_ (or an "all" entry, for the value `value`),
+  // rose past its peak field.
+  [[gnu::always_inline]] void peak_crossed(Stat& trigger, std::int64_t value) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
+    if (combined_.load(std::memory_order_relaxed) == nullptr) [[likely]] {
+      trigger.peak = value;
+    } else {
+      combined_peak_crossed(trigger, value);
+    }
+  }
+  [[gnu::cold]] void combined_peak_crossed(Stat& trigger, std::int64_t value) noexcept
+      RESERVOIR_REQUIRES(mutex_);
   // A change of one of the nine per-pool statistics in pool kind k
   // (stat_index). stats_ keeps their "all" entry ([0]) as a peak alone: its
   // current value and totals are small's plus large's, added up when read
   // (folded_stats), so a change costs one entry and one comparison.
-  // Several changes of one direction are given together, so that combined_
-  // is looked at once: add_stats(k, {{stats_.allocation, 1}, {...}}).
+  // Several changes of one direction may be given together:
+  // add_stats(k, {{stats_.allocation, 1}, {...}}).
   struct StatChange {
     StatArray& stat;
     std::uint64_t amount;
@@ -178,22 +209,18 @@ class CachingAllocator::Impl {
     } else {
       (changes[I].stat[k].decrease(changes[I].amount), ...);
     }
-    if (combined_) [[unlikely]] {
-      (note_stats(changes[I].stat, k,
-                  kUp ? static_cast<std::int64_t>(changes[I].amount)
-                      : -static_cast<std::int64_t>(changes[I].amount)),
-       ...);
-    }
   }
   // A rise leaves the total of increases ("allocated") alone: it is freed +
   // current - the current value at the last reset, worked out when read.
-  [[gnu::always_inline]] static void raise(StatArray& a, std::size_t k,
-                                           std::uint64_t amount) noexcept {
+  [[gnu::always_inline]] void raise(StatArray& a, std::size_t k, std::uint64_t amount) noexcept
+      RESERVOIR_REQUIRES(mutex_) {
     Stat& s = a[k];
     s.current += static_cast<std::int64_t>(amount);
-    if (s.current > s.peak) s.peak = s.current;
+    if (s.current > s.peak) [[unlikely]]
+      peak_crossed(s, s.current);
     const std::int64_t all = a[1].current + a[2].current;
-    if (all > a[0].peak) a[0].peak = all;
+    if (all > a[0].peak) [[unlikely]]
+      peak_crossed(a[0], all);
   }
   // stats_ as PyTorch reports it: the "all" entries added up, the totals of
   // increases worked out.
@@ -201,11 +228,6 @@ class CachingAllocator::Impl {
   // The current value of a per-pool statistic over both pools.
   static std::int64_t all_current(const StatArray& a) noexcept {
     return a[1].current + a[2].current;
-  }
-  [[gnu::cold]] void note_stats(const StatArray& a, std::size_t k, std::int64_t delta) noexcept
-      RESERVOIR_REQUIRES(mutex_) {
-    section_.note(stats_, a[0], delta);
-    section_.note(stats_, a[k], delta);
   }
   // The pool a request goes to: a private pool while one is routed to,
   // else the default small or large pool (pool_for_routed: the routes).
@@ -423,17 +445,27 @@ class CachingAllocator::Impl {
   void drop_all_locked() noexcept RESERVOIR_REQUIRES(mutex_);
 
   Device& device_;
-  mutable PublishingMutex mutex_{*this};
+  mutable ClaimingMutex mutex_{*this};
   AllocatorConfig config_ RESERVOIR_GUARDED_BY(mutex_);
   DeviceStats stats_ RESERVOIR_GUARDED_BY(mutex_);
   // For each of kPerPoolStats, small's and large's current values at the last
   // reset of accumulated statistics (allocated = freed + current - this).
   std::array<std::array<std::int64_t, kStatTypes>, kPerPoolStats.size()> accumulated_base_
       RESERVOIR_GUARDED_BY(mutex_){};
-  // With combined statistics attached, what the current locked section
-  // changed, published when the lock is released.
-  std::shared_ptr<CombinedStats> combined_ RESERVOIR_GUARDED_BY(mutex_);
-  CombinedStats::Section section_ RESERVOIR_GUARDED_BY(mutex_);
+  // The combined statistics this allocator is a member of (combine_stats),
+  // set once under mutex_, read by mutex_ itself before it is held; and its
+  // own peaks while it is a member (stats_'s peaks hold the thresholds).
+  std::atomic<CombinedStats*> combined_{nullptr};
+  std::shared_ptr<CombinedStats> combined_keep_;  // keeps it alive
+  DeviceStats own_peaks_ RESERVOIR_GUARDED_BY(mutex_);
+  // CombinedStats::Member: called by the sum, under its mutex.
+  void lock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS { mutex_.lock_raw(); }
+  void unlock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
+    mutex_.unlock_raw();
+  }
+  DeviceStats member_values() const noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS;
+  void joined(CombinedStats& sum) noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS;
+  void took_sum() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS;
   detail::NodeRecycler node_resource_ RESERVOIR_GUARDED_BY(mutex_);  // set nodes of every pool
   detail::BlockArena arena_ RESERVOIR_GUARDED_BY(mutex_);
   detail::BlockPool large_ RESERVOIR_GUARDED_BY(mutex_);

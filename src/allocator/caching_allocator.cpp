@@ -16,9 +16,6 @@ CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config, int d
     : impl_(std::make_unique<Impl>(device, std::move(config), device_index)) {}
 CachingAllocator::~CachingAllocator() = default;
 // allocate and deallocate: native_policy.cpp, beside the hot path they run.
-bool CachingAllocator::try_deallocate(void* ptr) {
-  return ptr == nullptr || impl_->checked(&Impl::deallocate_held, ptr);
-}
 void CachingAllocator::record_stream(void* ptr, StreamId stream) {
   impl_->checked(&Impl::record_stream, ptr, stream);
 }

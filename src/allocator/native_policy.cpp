@@ -417,9 +417,28 @@ void CachingAllocator::Impl::free_block(Block* block) {
   if (!deallocate_locked(ptr)) throw_invalid_pointer(ptr, "deallocate");
 }
 
-bool CachingAllocator::Impl::deallocate_held(void* raw) {
-  detail::LockGuard lock(mutex_);
-  return deallocate_locked(reinterpret_cast<DevicePtr>(raw));
+[[gnu::always_inline]] inline bool CachingAllocator::Impl::deallocate_held(void* raw) {
+  // A pointer held elsewhere (a Saver asks each allocator in turn) changes
+  // nothing here: it is looked up without claiming combined statistics.
+  const auto ptr = reinterpret_cast<DevicePtr>(raw);
+  mutex_.lock_unclaimed();
+  if (allocated_.find(ptr) == nullptr) {
+    mutex_.unlock();
+    return false;
+  }
+  if (!mutex_.owns_sum()) {
+    mutex_.unlock();
+    mutex_.lock();  // claims; the pointer may have been freed meanwhile
+  }
+  bool freed = false;
+  try {
+    freed = deallocate_locked(ptr);
+  } catch (...) {
+    mutex_.unlock();
+    throw;
+  }
+  mutex_.unlock();
+  return freed;
 }
 
 void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
@@ -442,6 +461,9 @@ void* CachingAllocator::allocate(std::size_t size, StreamId stream) {
 }
 void CachingAllocator::deallocate(void* ptr) {
   impl_->checked(&Impl::deallocate, ptr);
+}
+bool CachingAllocator::try_deallocate(void* ptr) {
+  return ptr == nullptr || impl_->checked(&Impl::deallocate_held, ptr);
 }
 
 }  // namespace reservoir

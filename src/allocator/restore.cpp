@@ -27,17 +27,6 @@ void CachingAllocator::Impl::restore(const Snapshot& layout,
   }
 }
 
-namespace {
-
-// Notes every current value of `stats` as withdrawn from the combined sum.
-void withdraw_all(DeviceStats& stats, CombinedStats::Section& section) {
-  stats.for_each_stat([&](Stat& s) {
-    if (s.current != 0) section.note(stats, s, -s.current);
-  });
-}
-
-}  // namespace
-
 void CachingAllocator::Impl::drop_all_locked() noexcept {
   for (auto& [base, seg] : segments_) {
     if (seg->vm) {
@@ -59,14 +48,13 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   small_.unmapped.clear();
   vm_segments_ = 0;
   total_reserved_ = 0;
-  if (combined_) {
-    DeviceStats folded = folded_stats();
-    withdraw_all(folded, section_);
-  }
+  // Everything counted goes (from a combined sum too: it is owned here).
   const std::int64_t max_split = stats_.max_split_size;
   stats_ = DeviceStats{};
   stats_.max_split_size = max_split;
   accumulated_base_ = {};
+  own_peaks_ = DeviceStats{};
+  if (combined_.load(std::memory_order_relaxed) != nullptr) took_sum();
 }
 
 void CachingAllocator::Impl::restore_locked(const Snapshot& layout) {

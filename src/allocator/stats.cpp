@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
+
+#include "reservoir/errors.hpp"
 
 namespace reservoir {
 namespace {
@@ -149,45 +152,134 @@ std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int
   return out;
 }
 
+namespace {
+
+// A DeviceStats holding the current values and peaks of `sum` only.
+DeviceStats currents_and_peaks(const DeviceStats& sum) {
+  DeviceStats out;
+  out.for_each_stat_pair(sum, [](Stat& o, const Stat& s) {
+    o.current = s.current;
+    o.peak = s.peak;
+  });
+  return out;
+}
+
+}  // namespace
+
 DeviceStats CombinedStats::read() const {
   std::lock_guard lock(mutex_);
-  return sum_;
+  Member* owner = owner_.load(std::memory_order_relaxed);
+  if (owner == nullptr) return currents_and_peaks(sum_);
+  owner->lock_member();  // the owner changes sum_'s peaks under its lock
+  DeviceStats out = currents_and_peaks(sum_);
+  const DeviceStats values = owner->member_values();
+  owner->unlock_member();
+  out.for_each_stat_pair(values, [](Stat& o, const Stat& v) { o.current += v.current; });
+  return out;
 }
 
 void CombinedStats::reset_peaks() {
   std::lock_guard lock(mutex_);
-  sum_.for_each_stat([](Stat& s) { s.reset_peak(); });
-  ++version_;
+  Member* owner = owner_.load(std::memory_order_relaxed);
+  if (owner == nullptr) {
+    sum_.for_each_stat([](Stat& s) { s.peak = s.current; });
+    return;
+  }
+  owner->lock_member();
+  const DeviceStats values = owner->member_values();
+  sum_.for_each_stat_pair(values, [](Stat& s, const Stat& v) { s.peak = s.current + v.current; });
+  owner->took_sum();
+  owner->unlock_member();
 }
 
-std::uint64_t CombinedStats::version() const {
+void CombinedStats::check() const {
   std::lock_guard lock(mutex_);
-  return version_;
+  Member* owner = owner_.load(std::memory_order_relaxed);
+  if (owner != nullptr) owner->lock_member();
+  // The other members are frozen: they change only after claiming the sum,
+  // which takes mutex_.
+  DeviceStats members;
+  for (Member* m : members_) {
+    members.for_each_stat_pair(m->member_values(),
+                               [](Stat& s, const Stat& v) { s.current += v.current; });
+  }
+  DeviceStats sum = currents_and_peaks(sum_);
+  if (owner != nullptr) {
+    sum.for_each_stat_pair(owner->member_values(),
+                           [](Stat& s, const Stat& v) { s.current += v.current; });
+    owner->unlock_member();
+  }
+  const auto want = to_map(members);
+  const auto got = to_map(sum);
+  for (const auto& [key, value] : got) {
+    const bool current = key.size() > 8 && key.compare(key.size() - 8, 8, ".current") == 0;
+    if (current && value != want.at(key)) {
+      throw InvariantError(
+          fmt::format("combined statistics have {} = {}, the allocators add up to {}", key, value,
+                      want.at(key)));
+    }
+    const std::string peak = current ? key.substr(0, key.size() - 8) + ".peak" : std::string();
+    if (current && got.at(peak) < value) {
+      throw InvariantError(fmt::format("combined statistics have {} = {} below {} = {}", peak,
+                                       got.at(peak), key, value));
+    }
+  }
 }
 
-void CombinedStats::add(const DeviceStats& stats, bool carry_peaks) {
+void CombinedStats::join(Member& member, bool carry_peaks) {
   std::lock_guard lock(mutex_);
-  sum_.for_each_stat_pair(stats, [&](Stat& s, const Stat& f) {
-    const std::int64_t high = s.current + (carry_peaks ? f.peak : f.current);
-    s.current += f.current;
+  // The sum now is sum_.current plus the owner's values (not in sum_).
+  Member* owner = owner_.load(std::memory_order_relaxed);
+  DeviceStats owned;
+  if (owner != nullptr) {
+    owner->lock_member();
+    owned = owner->member_values();
+  }
+  member.lock_member();
+  DeviceStats added = member.member_values();
+  added.for_each_stat_pair(owned, [&](Stat& a, const Stat& o) {
+    a.peak = (carry_peaks ? a.peak : a.current) + o.current;  // the sum's high with it
+  });
+  sum_.for_each_stat_pair(added, [](Stat& s, const Stat& a) {
+    const std::int64_t high = s.current + a.peak;
+    s.current += a.current;
     if (high > s.peak) s.peak = high;
   });
-  ++version_;
+  member.joined(*this);
+  member.unlock_member();
+  if (owner != nullptr) {
+    owner->took_sum();  // its thresholds move with the others' values
+    owner->unlock_member();
+  }
+  members_.push_back(&member);
 }
 
-void CombinedStats::publish(Section& section) noexcept {
+void CombinedStats::leave(Member& member) noexcept {
   std::lock_guard lock(mutex_);
-  for (std::size_t word = 0; word < section.dirty_.size(); ++word) {
-    for (std::uint64_t bits = section.dirty_[word]; bits != 0; bits &= bits - 1) {
-      const std::size_t slot = word * 64 + static_cast<std::size_t>(__builtin_ctzll(bits));
-      Stat& s = *reinterpret_cast<Stat*>(reinterpret_cast<char*>(&sum_) + slot * 8);
-      if (s.current + section.high_[slot] > s.peak) s.peak = s.current + section.high_[slot];
-      s.current += section.net_[slot];
-      section.net_[slot] = section.high_[slot] = 0;
-    }
-    section.dirty_[word] = 0;
+  if (owner_.load(std::memory_order_relaxed) == &member) {
+    const DeviceStats values = member.member_values();
+    sum_.for_each_stat_pair(values, [](Stat& s, const Stat& v) { s.current += v.current; });
+    owner_.store(nullptr, std::memory_order_release);
   }
-  ++version_;
+  std::erase(members_, &member);
+}
+
+void CombinedStats::claim(Member& member) noexcept {
+  std::lock_guard lock(mutex_);
+  Member* old = owner_.load(std::memory_order_relaxed);
+  if (old == &member) return;
+  if (old != nullptr) {
+    old->lock_member();  // the old owner is between operations
+    owner_.store(nullptr, std::memory_order_relaxed);
+    const DeviceStats values = old->member_values();
+    old->unlock_member();
+    sum_.for_each_stat_pair(values, [](Stat& s, const Stat& v) { s.current += v.current; });
+  }
+  // The new owner is frozen too: its threads wait for mutex_ to claim.
+  const DeviceStats values = member.member_values();
+  sum_.for_each_stat_pair(values, [](Stat& s, const Stat& v) { s.current -= v.current; });
+  member.took_sum();
+  owner_.store(&member, std::memory_order_release);
 }
 
 }  // namespace reservoir

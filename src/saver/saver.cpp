@@ -30,11 +30,12 @@ void add_stats(DeviceStats& into, const DeviceStats& from) {
 void check(const SaverOptions& o) {
   const std::size_t c = o.chunk_bytes;
   if (c < (std::size_t{64} << 10) || (c & (c - 1)) != 0) {
-    throw UsageError(fmt::format(
-        "SaverOptions::chunk_bytes = {}: must be a power of two of at least 65536", c));
+    throw UsageError(
+        fmt::format("SaverOptions::chunk_bytes = {}: must be a power of two of at least 65536", c));
   }
   if (o.copy_streams < 1 || o.copy_streams > 64) {
-    throw UsageError(fmt::format("SaverOptions::copy_streams = {}: must be 1 to 64", o.copy_streams));
+    throw UsageError(
+        fmt::format("SaverOptions::copy_streams = {}: must be 1 to 64", o.copy_streams));
   }
 }
 }  // namespace
@@ -60,21 +61,35 @@ Saver::Region::~Region() {
 Saver::Region Saver::region(std::string_view tag, RegionOptions options) {
   return Region(this, push_region(tag, options));
 }
-Saver::Region Saver::untagged() { return Region(this, push_untagged()); }
+Saver::Region Saver::untagged() {
+  return Region(this, push_untagged());
+}
 std::uint64_t Saver::push_region(std::string_view tag, RegionOptions options) {
   return impl_->push(&impl_->tag_state(tag, options.cpu_backup));
 }
-std::uint64_t Saver::push_untagged() { return impl_->push(nullptr); }
-void Saver::pop_region(std::uint64_t token) { impl_->pop(token); }
+std::uint64_t Saver::push_untagged() {
+  return impl_->push(nullptr);
+}
+void Saver::pop_region(std::uint64_t token) {
+  impl_->pop(token);
+}
 std::string Saver::current_tag() const {
   const TagState* p = impl_->current();
   return p != nullptr ? p->tag : std::string();
 }
 
-void* Saver::allocate(std::size_t size, StreamId stream) { return impl_->allocate(size, stream); }
-void Saver::deallocate(void* ptr) { impl_->deallocate(ptr); }
-void Saver::record_stream(void* ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
-void Saver::empty_cache() { impl_->empty_cache(); }
+void* Saver::allocate(std::size_t size, StreamId stream) {
+  return impl_->allocate(size, stream);
+}
+void Saver::deallocate(void* ptr) {
+  impl_->deallocate(ptr);
+}
+void Saver::record_stream(void* ptr, StreamId stream) {
+  impl_->record_stream(ptr, stream);
+}
+void Saver::empty_cache() {
+  impl_->empty_cache();
+}
 
 // Pause and resume, then (validation mode) the saver's validator, also when
 // they threw: a failed pause or resume must leave every record consistent.
@@ -114,7 +129,9 @@ bool Saver::is_paused(std::string_view tag) const {
   return std::all_of(states.begin(), states.end(), Impl::paused_now);
 }
 
-void Saver::trim_backup() { impl_->host_cache_.empty_cache(); }
+void Saver::trim_backup() {
+  impl_->host_cache_.empty_cache();
+}
 
 std::vector<TagInfo> Saver::tags() const {
   std::vector<TagInfo> out;
@@ -174,56 +191,41 @@ DeviceStats Saver::stats(std::string_view tag) const {
   return total;
 }
 
-std::map<std::string, std::int64_t> Saver::stats_map() const { return to_map(stats()); }
+std::map<std::string, std::int64_t> Saver::stats_map() const {
+  return to_map(stats());
+}
 
 std::string Saver::memory_summary(bool abbreviated) const {
   std::string out = "Untagged memory\n" + impl_->untagged_.memory_summary(abbreviated);
   for (TagState* p : impl_->all_tags()) {
     const TagInfo t = impl_->info(*p);
-    out += fmt::format("\nTag '{}'{}: {}, {} bytes of physical memory, {} bytes backed up\n",
-                       t.tag, t.cpu_backup ? " (cpu backup)" : "", t.paused ? "paused" : "running",
+    out += fmt::format("\nTag '{}'{}: {}, {} bytes of physical memory, {} bytes backed up\n", t.tag,
+                       t.cpu_backup ? " (cpu backup)" : "", t.paused ? "paused" : "running",
                        t.physical_bytes, t.backup_bytes);
     out += p->allocator.memory_summary(abbreviated);
   }
   return out;
 }
 
-void Saver::record_history(const HistoryOptions& options) { impl_->record_history(options); }
+void Saver::record_history(const HistoryOptions& options) {
+  impl_->record_history(options);
+}
 
-Snapshot Saver::snapshot() const { return impl_->snapshot(); }
+Snapshot Saver::snapshot() const {
+  return impl_->snapshot();
+}
 
-CachingAllocator& Saver::untagged_allocator() { return impl_->untagged_; }
+CachingAllocator& Saver::untagged_allocator() {
+  return impl_->untagged_;
+}
 
 void Saver::validate() const {
   impl_->untagged_.validate();
   if (const std::shared_ptr<CombinedStats> combined = impl_->combined()) {
-    // Compared only when nothing was published while the allocators were
-    // read (each publishes before releasing its lock, so then the two agree).
-    const std::uint64_t before = combined->version();
-    DeviceStats summed = impl_->untagged_.stats();
-    for (TagState* p : impl_->all_tags()) add_stats(summed, p->allocator.stats());
-    const DeviceStats sum = combined->read();
-    if (combined->version() == before) {
-      const auto want = to_map(summed);
-      const auto got = to_map(sum);
-      auto ends_with = [](const std::string& key, std::string_view end) {
-        return key.size() > end.size() && key.compare(key.size() - end.size(), end.size(), end) == 0;
-      };
-      for (const auto& [key, value] : got) {
-        if (ends_with(key, ".current") && value != want.at(key)) {
-          throw InvariantError(fmt::format(
-              "saver: combined statistics have {} = {}, the allocators add up to {}", key, value,
-              want.at(key)));
-        }
-        if (ends_with(key, ".peak")) {
-          const std::int64_t current = got.at(key.substr(0, key.size() - 5) + ".current");
-          if (value < current) {
-            throw InvariantError(fmt::format(
-                "saver: combined statistics have {} = {}, below the current {}", key, value,
-                current));
-          }
-        }
-      }
+    try {
+      combined->check();  // the sum's values are the allocators', its peaks at least them
+    } catch (const InvariantError& e) {
+      throw InvariantError(fmt::format("saver: {}", e.what()));
     }
   }
   for (TagState* p : impl_->all_tags()) {

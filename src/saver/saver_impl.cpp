@@ -22,6 +22,23 @@ struct Frame {
 };
 thread_local std::vector<Frame> t_frames;
 std::atomic<std::uint64_t> next_token{1};
+std::atomic<std::uint64_t> next_saver_id{1};
+
+// The innermost frame of one saver on this thread, as push and pop leave it
+// (saver 0: nothing known): a plain thread_local, read without the
+// vector's initialization guard on every allocation.
+struct Innermost {
+  std::uint64_t saver;
+  TagState* state;
+};
+thread_local Innermost t_innermost{0, nullptr};
+
+TagState* innermost(const Saver::Impl* owner) noexcept {
+  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
+    if (it->owner == owner) return it->state;
+  }
+  return nullptr;
+}
 
 }  // namespace
 
@@ -40,8 +57,8 @@ TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
   }
   detail::UniqueLock lock(tags_mutex_);
   if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
-  auto state = std::make_unique<TagState>(key.first, cpu_backup, tag_base_, index_,
-                                        options_.config, options_.device_index);
+  auto state = std::make_unique<TagState>(key.first, cpu_backup, tag_base_, index_, options_.config,
+                                          options_.device_index);
   if (history_) state->allocator.record_history(*history_);
   if (options_.exact_peaks && !combined_) {
     // From the first tag on, the saver's peaks are those of the sum (the
@@ -63,6 +80,7 @@ std::shared_ptr<CombinedStats> Saver::Impl::combined() const {
 std::uint64_t Saver::Impl::push(TagState* state) {
   const std::uint64_t token = next_token.fetch_add(1, std::memory_order_relaxed);
   t_frames.push_back({this, state, token});
+  t_innermost = {id_, state};
   return token;
 }
 
@@ -76,16 +94,21 @@ void Saver::Impl::pop(std::uint64_t token) {
           token, it->token, it->state != nullptr ? it->state->tag : std::string("untagged")));
     }
     t_frames.erase(std::next(it).base());
+    t_innermost = {id_, innermost(this)};
     return;
   }
   throw UsageError(fmt::format("region: no open region {} on this thread", token));
 }
 
+std::uint64_t Saver::Impl::next_id() noexcept {
+  return next_saver_id.fetch_add(1, std::memory_order_relaxed);
+}
+
 TagState* Saver::Impl::current() const noexcept {
-  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
-    if (it->owner == this) return it->state;
-  }
-  return nullptr;
+  if (t_innermost.saver == id_) return t_innermost.state;
+  TagState* state = innermost(this);
+  t_innermost = {id_, state};
+  return state;
 }
 
 void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
@@ -93,27 +116,26 @@ void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
   if (state == nullptr) return untagged_.allocate(size, stream);
   detail::SharedLock lock(state->mutex);
   if (state->paused) {
-    throw UsageError(fmt::format(
-        "allocation of {} bytes into tag '{}', which is paused (resume it first, or "
-        "allocate outside it)",
-        size, state->tag));
+    throw UsageError(
+        fmt::format("allocation of {} bytes into tag '{}', which is paused (resume it first, or "
+                    "allocate outside it)",
+                    size, state->tag));
   }
   return state->allocator.allocate(size, stream);
 }
 
 TagState* Saver::Impl::owner_of(const void* ptr) const {
-  if (index_.empty()) return nullptr;
-  return static_cast<TagState*>(index_.find(reinterpret_cast<DevicePtr>(ptr)));
+  const auto addr = reinterpret_cast<DevicePtr>(ptr);
+  if (index_.empty() || !index_.may_hold(addr)) return nullptr;
+  return static_cast<TagState*>(index_.find(addr));
 }
 
 void Saver::Impl::deallocate(void* ptr) {
   if (ptr == nullptr) return;
-  // Untagged blocks first, found by the allocator's own lookup: a free
-  // outside every tag costs what it costs without a saver.
-  if (index_.empty()) return untagged_.deallocate(ptr);
-  if (untagged_.try_deallocate(ptr)) return;
+  // Tagged memory lies in its tags' address ranges (the index), untagged
+  // memory outside them.
   TagState* state = owner_of(ptr);
-  if (state == nullptr) return untagged_.deallocate(ptr);  // says why it is not ours
+  if (state == nullptr) return untagged_.deallocate(ptr);  // or says why it is not ours
   detail::SharedLock lock(state->mutex);
   if (!state->paused) return state->allocator.deallocate(ptr);
   detail::LockGuard pending(state->pending_mutex);

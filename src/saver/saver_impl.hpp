@@ -23,6 +23,7 @@
 
 #include "backup.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/detail/shared_spin_mutex.hpp"
 #include "reservoir/detail/thread_safety.hpp"
 #include "reservoir/host_caching_allocator.hpp"
 #include "reservoir/saver.hpp"
@@ -46,7 +47,7 @@ struct TagState {
   TagDevice device;
   CachingAllocator allocator;
   // Shared: allocations and frees; exclusive: pause and resume.
-  mutable detail::SharedMutex mutex;
+  mutable detail::SharedSpinMutex mutex;
   bool paused RESERVOIR_GUARDED_BY(mutex) = false;
   // While paused: the blocks live at pause that
   // were not freed since, and the frees to apply on resume.
@@ -91,6 +92,9 @@ class Saver::Impl {
   std::uint64_t push(TagState* state);
   void pop(std::uint64_t token);
   TagState* current() const noexcept;
+  // Names this saver in per-thread records (an address may be reused).
+  const std::uint64_t id_ = next_id();
+  static std::uint64_t next_id() noexcept;
 
   // ---- allocation ----
   void* allocate(std::size_t size, StreamId stream);

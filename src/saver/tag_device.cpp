@@ -2,30 +2,61 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "reservoir/errors.hpp"
 
 namespace reservoir::detail {
 
 // ---- RangeIndex --------------------------------------------------------------
 
+namespace {
+
+template <typename Ranges>
+auto first_after(Ranges& ranges, DevicePtr addr) {
+  return std::upper_bound(ranges.begin(), ranges.end(), addr,
+                          [](DevicePtr a, const auto& r) { return a < r.begin; });
+}
+
+}  // namespace
+
 void RangeIndex::insert(DevicePtr begin, std::size_t bytes, void* owner) {
-  std::unique_lock lock(mutex_);
-  ranges_[begin] = {begin + bytes, owner};
+  LockGuard lock(mutex_);
+  auto it = first_after(ranges_, begin);
+  if (it != ranges_.begin() && std::prev(it)->begin == begin) {
+    *std::prev(it) = Range{begin, begin + bytes, owner};
+  } else {
+    ranges_.insert(it, Range{begin, begin + bytes, owner});
+  }
   count_.store(ranges_.size(), std::memory_order_relaxed);
+  update_span();
+}
+
+void RangeIndex::update_span() {
+  DevicePtr low = ~DevicePtr{0};
+  DevicePtr high = 0;
+  for (const Range& r : ranges_) {
+    low = std::min(low, r.begin);
+    high = std::max(high, r.end);
+  }
+  low_.store(low, std::memory_order_relaxed);
+  high_.store(high, std::memory_order_relaxed);
 }
 
 void RangeIndex::erase(DevicePtr begin) {
-  std::unique_lock lock(mutex_);
-  ranges_.erase(begin);
+  LockGuard lock(mutex_);
+  auto it = first_after(ranges_, begin);
+  if (it != ranges_.begin() && std::prev(it)->begin == begin) ranges_.erase(std::prev(it));
   count_.store(ranges_.size(), std::memory_order_relaxed);
+  update_span();
 }
 
 void* RangeIndex::find(DevicePtr addr) const {
-  std::shared_lock lock(mutex_);
-  auto it = ranges_.upper_bound(addr);
+  SharedLock lock(mutex_);
+  auto it = first_after(ranges_, addr);
   if (it == ranges_.begin()) return nullptr;
   --it;
-  return addr < it->second.first ? it->second.second : nullptr;
+  return addr < it->end ? it->owner : nullptr;
 }
 
 // ---- TagDevice ---------------------------------------------------------------
@@ -33,7 +64,9 @@ void* RangeIndex::find(DevicePtr addr) const {
 TagDevice::TagDevice(Device& base, RangeIndex& index, void* owner)
     : base_(base), index_(index), owner_(owner) {}
 
-TagDevice::~TagDevice() { (void)retry_releases(); }
+TagDevice::~TagDevice() {
+  (void)retry_releases();
+}
 
 Status TagDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept {
   if (bytes == 0 || addr == nullptr) return Status::invalid_argument;
@@ -304,8 +337,8 @@ void TagDevice::validate() const {
   for (const auto& [va, m] : mappings_) {
     auto h = handles_.find(m.handle);
     if (h == handles_.end()) {
-      throw InvariantError(fmt::format("tag device: mapping at {:#x} names released handle {}", va,
-                                       m.handle));
+      throw InvariantError(
+          fmt::format("tag device: mapping at {:#x} names released handle {}", va, m.handle));
     }
     if (m.offset + m.bytes > h->second.bytes) {
       throw InvariantError(fmt::format("tag device: mapping at {:#x} runs past its handle", va));
@@ -317,12 +350,14 @@ void TagDevice::validate() const {
     }
     auto r = reservations_.upper_bound(va);
     if (r == reservations_.begin() || va + m.bytes > std::prev(r)->first + std::prev(r)->second) {
-      throw InvariantError(fmt::format("tag device: mapping at {:#x} lies outside its reservation", va));
+      throw InvariantError(
+          fmt::format("tag device: mapping at {:#x} lies outside its reservation", va));
     }
   }
   for (const auto& [va, handle] : segments_) {
     if (reservations_.count(va) == 0 || handles_.count(handle) == 0) {
-      throw InvariantError(fmt::format("tag device: segment at {:#x} lost its reservation or handle", va));
+      throw InvariantError(
+          fmt::format("tag device: segment at {:#x} lost its reservation or handle", va));
     }
   }
 }

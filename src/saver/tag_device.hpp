@@ -29,6 +29,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "reservoir/detail/shared_spin_mutex.hpp"
 #include "reservoir/device.hpp"
 
 namespace reservoir::detail {
@@ -41,10 +42,26 @@ class RangeIndex {
   // The owner of the range holding addr, or nullptr.
   void* find(DevicePtr addr) const;
   bool empty() const noexcept { return count_.load(std::memory_order_relaxed) == 0; }
+  // False when addr lies outside the span of every range (then find is
+  // nullptr), without the lock: a pointer handed out in a range was handed
+  // out after its range went in.
+  bool may_hold(DevicePtr addr) const noexcept {
+    return addr >= low_.load(std::memory_order_relaxed) &&
+           addr < high_.load(std::memory_order_relaxed);
+  }
 
  private:
-  mutable std::shared_mutex mutex_;
-  std::map<DevicePtr, std::pair<DevicePtr, void*>> ranges_;  // begin -> (end, owner)
+  mutable SharedSpinMutex mutex_;
+  struct Range {
+    DevicePtr begin;
+    DevicePtr end;
+    void* owner;
+  };
+  // By begin; reservations are few and change rarely, frees look them up.
+  std::vector<Range> ranges_ RESERVOIR_GUARDED_BY(mutex_);
+  void update_span() RESERVOIR_REQUIRES(mutex_);
+  std::atomic<DevicePtr> low_{~DevicePtr{0}};  // the ranges' span: [low_, high_)
+  std::atomic<DevicePtr> high_{0};
   std::atomic<std::size_t> count_{0};
 };
 

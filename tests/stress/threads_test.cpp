@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -153,7 +154,8 @@ TEST(Threads, HistoryWhileThreadsAnnotateAndAllocate) {
   std::thread observer([&] {
     for (int i = 0; !done; ++i) {
       if (i % 7 == 3) allocator.record_history({.enabled = false});
-      if (i % 7 == 4) allocator.record_history({.max_entries = 100u + i % 300u, .stacks = i % 2 == 0});
+      if (i % 7 == 4)
+        allocator.record_history({.max_entries = 100u + i % 300u, .stacks = i % 2 == 0});
       const Snapshot s = allocator.snapshot();
       ++snapshots;
       for (const TraceEvent& e : s.history) {
@@ -229,6 +231,56 @@ TEST(SaverThreads, AllocationsRaceWithPauseAndResumeOfOtherTags) {
   pauser.join();
   saver.validate();
   EXPECT_EQ(saver.stats().allocated_bytes[0].current, 0);
+}
+
+// Untagged and tagged allocations on four threads change the combined
+// statistics, each thread claiming the sum in turn, while another reads them
+// and resets their peaks: the sum stays the allocators' sum, and its peak lies
+// within the sum of their peaks.
+TEST(SaverThreads, CombinedStatisticsStayTheSumWhileOwnersChange) {
+  HostDevice host;
+  SaverOptions o;
+  o.config = AllocatorConfig::parse("expandable_segments:True");
+  Saver saver(host, o);
+  { auto r = saver.region("a"); }  // the tags exist: statistics are combined
+  { auto r = saver.region("b"); }
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 4; ++t) {
+    workers.emplace_back([&, t] {
+      std::optional<Saver::Region> r;
+      if (t >= 2) r.emplace(saver.region(t == 2 ? "a" : "b"));
+      std::vector<void*> live;
+      for (int i = 0; i < 600; ++i) {
+        live.push_back(saver.allocate(4096 + static_cast<std::size_t>((i * 7 + t) % 13) * 65536));
+        if (live.size() > 6) {
+          saver.deallocate(live.front());
+          live.erase(live.begin());
+        }
+      }
+      for (void* p : live) saver.deallocate(p);
+    });
+  }
+  std::thread reader([&] {
+    for (int i = 0; !stop; ++i) {
+      const DeviceStats s = saver.stats();
+      EXPECT_GE(s.allocated_bytes[0].peak, s.allocated_bytes[0].current);
+      if (i % 16 == 0) saver.reset_peak_stats();
+    }
+  });
+  for (auto& w : workers) w.join();
+  stop = true;
+  reader.join();
+  saver.validate();  // the combined values are the allocators' sum
+  const DeviceStats all = saver.stats();
+  EXPECT_EQ(all.allocated_bytes[0].current, 0);
+  // The allocators' peaks were reset before the sum's, each time: theirs
+  // cover the sum's.
+  std::int64_t summed = saver.untagged_allocator().stats().allocated_bytes[0].peak;
+  for (const char* tag : {"a", "b"}) summed += saver.stats(tag).allocated_bytes[0].peak;
+  EXPECT_LE(all.allocated_bytes[0].peak, summed);
+  saver.reset_peak_stats();
+  EXPECT_EQ(saver.stats().allocated_bytes[0].peak, 0);
 }
 
 }  // namespace

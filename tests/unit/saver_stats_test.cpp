@@ -46,7 +46,8 @@ TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
   const DeviceStats s = saver.stats();
   EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(3 * kMiB));
   EXPECT_EQ(saver.stats("weights").allocated_bytes[0].current, static_cast<std::int64_t>(kMiB));
-  EXPECT_EQ(saver.stats_map().at("allocated_bytes.all.current"), static_cast<std::int64_t>(3 * kMiB));
+  EXPECT_EQ(saver.stats_map().at("allocated_bytes.all.current"),
+            static_cast<std::int64_t>(3 * kMiB));
   saver.pause("weights");
   const std::string summary = saver.memory_summary();
   EXPECT_NE(summary.find("Untagged memory"), std::string::npos);
@@ -205,47 +206,59 @@ INSTANTIATE_TEST_SUITE_P(Policies, SaverPeakPolicies,
                                            "max_split_size_mb:20,garbage_collection_threshold:0.6"),
                          [](const auto& info) { return policy_name(info.param); });
 
-// A section that rises 3 MiB and ends 2 MiB down sets the peak 3 MiB above
-// where the sum stood; sections apply one after the other.
-TEST(SaverStats, ASectionsHighestPointSetsThePeak) {
-  CombinedStats combined;
-  DeviceStats start;
-  start.reserved_bytes[0].increase(8 * kMiB);
-  start.reserved_bytes[0].increase(4 * kMiB);
-  start.reserved_bytes[0].decrease(4 * kMiB);  // current 8 MiB, peak 12 MiB
-  combined.add(start, false);
-  EXPECT_EQ(combined.read().reserved_bytes[0].current, static_cast<std::int64_t>(8 * kMiB));
-  EXPECT_EQ(combined.read().reserved_bytes[0].peak, static_cast<std::int64_t>(8 * kMiB));
-  const std::uint64_t version = combined.version();
+// The sum's peak follows whichever allocator changes: each change is made by
+// the owner of the sum, and every rise of its values past the sum's peak
+// moves the peak, whoever held memory before. A member that joins later
+// adds its values (and with carry_peaks, its peak on top of the sum).
+TEST(SaverStats, TheSumsPeakFollowsEachOwnersChanges) {
+  SimDevice sim;
   const auto mib = [](std::size_t n) { return static_cast<std::int64_t>(n * kMiB); };
-  DeviceStats layout;  // the Stats a section names
-  CombinedStats::Section rise_then_fall;
-  rise_then_fall.note(layout, layout.reserved_bytes[0], mib(1));
-  rise_then_fall.note(layout, layout.reserved_bytes[0], mib(2));
-  rise_then_fall.note(layout, layout.reserved_bytes[0], -mib(5));
-  EXPECT_FALSE(rise_then_fall.empty());
-  combined.publish(rise_then_fall);
-  EXPECT_TRUE(rise_then_fall.empty());
-  EXPECT_NE(combined.version(), version);
-  DeviceStats s = combined.read();
-  EXPECT_EQ(s.reserved_bytes[0].current, mib(6));
-  EXPECT_EQ(s.reserved_bytes[0].peak, mib(11));
-  CombinedStats::Section up;
-  up.note(layout, layout.reserved_bytes[0], mib(4));
-  up.note(layout, layout.oversize_segments, 1);
-  combined.publish(up);
-  s = combined.read();
-  EXPECT_EQ(s.reserved_bytes[0].current, mib(10));
-  EXPECT_EQ(s.reserved_bytes[0].peak, mib(11));
-  EXPECT_EQ(s.oversize_segments.current, 1);
-  EXPECT_EQ(s.oversize_segments.peak, 1);
-  combined.publish(rise_then_fall);  // emptied: changes nothing
-  EXPECT_EQ(combined.read().reserved_bytes[0].current, mib(10));
-  EXPECT_EQ(s.reserved_bytes[1].peak, 0);  // other stats untouched
-  combined.add(start, true);  // carried peak: on top of the current 10 MiB
-  EXPECT_EQ(combined.read().reserved_bytes[0].peak, static_cast<std::int64_t>(22 * kMiB));
-  combined.reset_peaks();
-  EXPECT_EQ(combined.read().reserved_bytes[0].peak, static_cast<std::int64_t>(18 * kMiB));
+  CachingAllocator a(sim, AllocatorConfig{});
+  CachingAllocator b(sim, AllocatorConfig{});
+  void* a8 = a.allocate(8 * kMiB);
+  a.deallocate(a.allocate(4 * kMiB));  // a's own peak: 12 MiB
+  auto combined = std::make_shared<CombinedStats>();
+  a.combine_stats(combined, true);  // carries a's peak
+  b.combine_stats(combined, false);
+  const auto allocated = [&] { return combined->read().allocated_bytes[0]; };
+  EXPECT_EQ(allocated().current, mib(8));
+  EXPECT_EQ(allocated().peak, mib(12));
+  void* b4 = b.allocate(4 * kMiB);  // b owns: 8 + 4
+  EXPECT_EQ(allocated().current, mib(12));
+  EXPECT_EQ(allocated().peak, mib(12));
+  a.deallocate(a8);                 // a owns: 4
+  void* b6 = b.allocate(6 * kMiB);  // 10
+  EXPECT_EQ(allocated().current, mib(10));
+  EXPECT_EQ(allocated().peak, mib(12));
+  void* a3 = a.allocate(3 * kMiB);  // 13: a new peak made by a, over b's 10
+  EXPECT_EQ(allocated().peak, mib(13));
+  EXPECT_EQ(a.stats().allocated_bytes[0].peak, mib(12));  // a's own peak stays its own
+  EXPECT_EQ(b.stats().allocated_bytes[0].peak, mib(10));
+  combined->reset_peaks();
+  EXPECT_EQ(allocated().peak, mib(13));
+  b.deallocate(b4);  // 9
+  EXPECT_EQ(allocated().peak, mib(13));
+  void* b2 = b.allocate(2 * kMiB);  // 11: below the peak
+  EXPECT_EQ(allocated().peak, mib(13));
+  a.deallocate(a3);
+  combined->reset_peaks();  // peak = current = 8
+  EXPECT_EQ(allocated().peak, mib(8));
+  void* a1 = a.allocate(kMiB);  // 9: a passes the fallen peak
+  EXPECT_EQ(allocated().peak, mib(9));
+  CachingAllocator c(sim, AllocatorConfig{});
+  void* c5 = c.allocate(5 * kMiB);
+  c.combine_stats(combined, false);  // joins while a owns: 14
+  EXPECT_EQ(allocated().current, mib(14));
+  EXPECT_EQ(allocated().peak, mib(14));
+  a.deallocate(a.allocate(kMiB));  // a's threshold moved with c's values: 15
+  EXPECT_EQ(allocated().peak, mib(15));
+  combined->check();
+  for (void* p : {b6, b2}) b.deallocate(p);
+  a.deallocate(a1);
+  c.deallocate(c5);
+  EXPECT_EQ(allocated().current, 0);
+  EXPECT_EQ(allocated().peak, mib(15));
+  combined->check();
 }
 
 TEST(SaverStats, CombiningAnAllocatorTwiceOrWithNothingIsRefused) {
@@ -285,7 +298,8 @@ TEST(Saver, LiveAllocationsAreWhatSnapshotsCallActive) {
   ASSERT_EQ(live.size(), 2u);
   std::set<std::pair<DevicePtr, std::size_t>> got(live.begin(), live.end());
   EXPECT_EQ(got, (std::set<std::pair<DevicePtr, std::size_t>>{
-                     {reinterpret_cast<DevicePtr>(a), 1000}, {reinterpret_cast<DevicePtr>(b), 3 * kMiB}}));
+                     {reinterpret_cast<DevicePtr>(a), 1000},
+                     {reinterpret_cast<DevicePtr>(b), 3 * kMiB}}));
   allocator.deallocate(a);
   allocator.deallocate(b);
   EXPECT_TRUE(allocator.live_allocations().empty());
@@ -314,14 +328,19 @@ TEST(Saver, HistoryCoversEveryTagInTimeOrder) {
   }
   using A = TraceAction;
   const std::vector<std::pair<TraceAction, std::string>> expected = {
-      {A::segment_alloc, ""},        {A::alloc, ""},
-      {A::segment_alloc, "reservoir.tag=kv"}, {A::alloc, "reservoir.tag=kv"},
-      {A::free_requested, ""},       {A::free_completed, ""},
-      {A::free_requested, "reservoir.tag=kv"}, {A::free_completed, "reservoir.tag=kv"},
+      {A::segment_alloc, ""},
+      {A::alloc, ""},
+      {A::segment_alloc, "reservoir.tag=kv"},
+      {A::alloc, "reservoir.tag=kv"},
+      {A::free_requested, ""},
+      {A::free_completed, ""},
+      {A::free_requested, "reservoir.tag=kv"},
+      {A::free_completed, "reservoir.tag=kv"},
       {A::snapshot, ""}};
   EXPECT_EQ(seen, expected);
-  EXPECT_THROW(saver.record_history({.enabled = true, .max_entries = 0, .stacks = false, .max_frames = 8}),
-               UsageError);
+  EXPECT_THROW(
+      saver.record_history({.enabled = true, .max_entries = 0, .stacks = false, .max_frames = 8}),
+      UsageError);
 }
 
 }  // namespace

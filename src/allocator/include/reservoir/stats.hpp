@@ -2,12 +2,14 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace reservoir {
 
@@ -89,55 +91,72 @@ static_assert(std::is_standard_layout_v<DeviceStats>,
 
 // Current values and peaks of the sum of several allocators' statistics (a
 // Saver's untagged allocator and its tags), exact where adding each
-// allocator's peak would only bound the sum's. Allocators attached with
-// CachingAllocator::combine_stats publish the changes each of their locked
-// sections made, as one step: a peak inside a section (a segment mapped and
-// given back within one allocation) counts, and concurrent sections apply in
-// the order their locks are released.
+// allocator's peak would only bound the sum's.
+//
+// One member at a time owns the sum: its changes are not published one by
+// one. The sum is `base` (every other member's current values, frozen while
+// it does not own) plus the owner's current values, so a rise of the owner's
+// value past peak - base is a new peak of the sum; the owner keeps that
+// threshold beside its own peak and checks both with one comparison, at no
+// cost on its hot path. A member that wants to change its statistics claims
+// the sum first (under the sum's mutex, and the old owner's lock, so the old
+// owner is between operations): the old owner's values go into base, its own
+// come out. Lock order: the sum's mutex, then one member's lock.
 class CombinedStats {
  public:
-  // What one allocator's locked section changed: for each Stat, the net
-  // change and the highest running total reached within the section.
-  class Section {
+  // An allocator whose statistics are combined (CachingAllocator's).
+  class Member {
    public:
-    // `s` is a Stat of `stats` (the allocator's DeviceStats).
-    void note(const DeviceStats& stats, const Stat& s, std::int64_t delta) noexcept {
-      const auto slot = static_cast<std::size_t>(reinterpret_cast<const char*>(&s) -
-                                                 reinterpret_cast<const char*>(&stats)) /
-                        8;
-      dirty_[slot / 64] |= std::uint64_t{1} << (slot % 64);
-      const std::int64_t net = net_[slot] += delta;
-      if (net > high_[slot]) high_[slot] = net;
-    }
-    bool empty() const noexcept { return (dirty_[0] | dirty_[1]) == 0; }
+    // The member's own lock (its allocator's).
+    virtual void lock_member() noexcept = 0;
+    virtual void unlock_member() noexcept = 0;
+    // Its statistics as reported ("all" entries added up, its own peaks).
+    virtual DeviceStats member_values() const noexcept = 0;
+    // It was added to `sum` (called under the sum's mutex and its lock).
+    virtual void joined(CombinedStats& sum) noexcept = 0;
+    // It owns the sum now, or the sum's peaks changed while it owns it: its
+    // thresholds are to be set again from sum_for_owner().
+    virtual void took_sum() noexcept = 0;
 
-   private:
-    friend class CombinedStats;
-    static constexpr std::size_t kSlots = sizeof(DeviceStats) / 8;  // a Stat's offset / 8
-    static_assert(kSlots <= 128, "dirty_ has 128 bits");
-    std::array<std::uint64_t, 2> dirty_{};
-    std::array<std::int64_t, kSlots> net_{};
-    std::array<std::int64_t, kSlots> high_{};
+   protected:
+    ~Member() = default;
   };
+
+  CombinedStats() = default;
+  CombinedStats(const CombinedStats&) = delete;
+  CombinedStats& operator=(const CombinedStats&) = delete;
 
   // The current values and peaks of the sum; allocated and freed totals and
   // the counters are left zero (sum each allocator's).
   DeviceStats read() const;
   // Peaks fall to the current values.
   void reset_peaks();
-  // Changes each time something is added or published.
-  std::uint64_t version() const;
+  // Throws InvariantError unless the sum's current values are what the
+  // members' add up to.
+  void check() const;
 
-  // Adds an allocator's current values; with carry_peaks its peaks too (on
-  // top of the sum's current values: exact for the first allocator).
-  void add(const DeviceStats& stats, bool carry_peaks);
-  // Applies a section as one step, and empties it.
-  void publish(Section& section) noexcept;
+  // Adds a member with its current values; with carry_peaks its peaks too
+  // (on top of the sum's current values: exact for the first member).
+  // Called without the member's lock held.
+  void join(Member& member, bool carry_peaks);
+  // Removes a member; its current values stay in the sum.
+  void leave(Member& member) noexcept;
+  // Makes `member` the owner (called without its lock held).
+  void claim(Member& member) noexcept;
+  bool owned_by(const Member& member) const noexcept {
+    return owner_.load(std::memory_order_acquire) == &member;
+  }
+
+  // For the owner, under its lock: the sum's peaks (in each Stat's peak) and
+  // the other members' values (in each Stat's current).
+  DeviceStats& sum_for_owner() noexcept { return sum_; }
 
  private:
   mutable std::mutex mutex_;
+  std::atomic<Member*> owner_{nullptr};
+  // current: the members' values but the owner's; peak: the sum's peak.
   DeviceStats sum_;
-  std::uint64_t version_ = 0;
+  std::vector<Member*> members_;
 };
 
 // Flat, sorted map with exactly the keys torch.cuda.memory_stats() returns:
