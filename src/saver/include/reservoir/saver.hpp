@@ -81,10 +81,10 @@ struct SaverOptions {
   Device* tag_device = nullptr;
   int device_index = 0;
   // Once a tag exists, stats() reports the peaks of the sum of every
-  // allocator (CombinedStats), at the cost of publishing each allocation's
-  // and free's changes under a shared lock (see docs/benchmarks.md); false
-  // skips that, and stats()'s peaks are then the sum of each allocator's
-  // peak, an upper bound.
+  // allocator (CombinedStats: owned by one allocator at a time, claimed by
+  // another when it takes its lock; see docs/pause_resume.md); false skips
+  // that, and stats()'s peaks are then the sum of each allocator's peak, an
+  // upper bound.
   bool exact_peaks = true;
 };
 
