@@ -170,14 +170,15 @@ void CachingAllocator::Impl::reset_peak_stats() {
 void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
                                            bool carry_peaks) {
   if (!combined) throw UsageError("combine_stats: no combined statistics given");
+  CombinedStats& sum = *combined;
   {
     detail::LockGuard lock(mutex_);
     if (combined_.load(std::memory_order_relaxed) != nullptr || combined_keep_) {
       throw UsageError("combine_stats: this allocator's statistics are combined already");
     }
-    combined_keep_ = combined;  // claimed: a second call fails
+    combined_keep_ = std::move(combined);  // claimed: a second call fails
   }
-  combined->join(*this, carry_peaks);  // takes the sum's mutex, then mutex_
+  sum.join(*this, carry_peaks);  // takes the sum's mutex, then mutex_
 }
 
 DeviceStats CachingAllocator::Impl::member_values() const noexcept {

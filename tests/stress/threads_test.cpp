@@ -246,6 +246,7 @@ TEST(SaverThreads, CombinedStatisticsStayTheSumWhileOwnersChange) {
   { auto r = saver.region("b"); }
   std::atomic<bool> stop{false};
   std::vector<std::thread> workers;
+  workers.reserve(4);
   for (int t = 0; t < 4; ++t) {
     workers.emplace_back([&, t] {
       std::optional<Saver::Region> r;
