@@ -193,22 +193,16 @@ void CachingAllocator::Impl::joined(CombinedStats& sum) noexcept {
 void CachingAllocator::Impl::took_sum() noexcept {
   // Each Stat's peak field becomes the lower of its own peak and the value
   // above which the sum (the others' values plus this one) passes its peak.
-  CombinedStats& sum = *combined_.load(std::memory_order_relaxed);
-  const DeviceStats& others = sum.sum_for_owner();
+  DeviceStats& others = combined_.load(std::memory_order_relaxed)->sum_for_owner();
   stats_.for_each_stat_pair(own_peaks_, [&](Stat& s, const Stat& own) {
-    const auto offset = reinterpret_cast<const char*>(&s) - reinterpret_cast<const char*>(&stats_);
-    const Stat& o = *reinterpret_cast<const Stat*>(reinterpret_cast<const char*>(&others) + offset);
+    const Stat& o = same_stat(others, s);
     s.peak = std::min(own.peak, o.peak - o.current);
   });
 }
 
 void CachingAllocator::Impl::combined_peak_crossed(Stat& trigger, std::int64_t value) noexcept {
-  const auto offset =
-      reinterpret_cast<const char*>(&trigger) - reinterpret_cast<const char*>(&stats_);
-  Stat& own = *reinterpret_cast<Stat*>(reinterpret_cast<char*>(&own_peaks_) + offset);
-  Stat& sum = *reinterpret_cast<Stat*>(
-      reinterpret_cast<char*>(&combined_.load(std::memory_order_relaxed)->sum_for_owner()) +
-      offset);
+  Stat& own = same_stat(own_peaks_, trigger);
+  Stat& sum = same_stat(combined_.load(std::memory_order_relaxed)->sum_for_owner(), trigger);
   if (value > own.peak) own.peak = value;
   if (sum.current + value > sum.peak) sum.peak = sum.current + value;
   trigger.peak = std::min(own.peak, sum.peak - sum.current);

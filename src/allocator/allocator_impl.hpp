@@ -123,24 +123,21 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     void lock() noexcept RESERVOIR_ACQUIRE() {
       for (;;) {
         spin_.lock();
-        CombinedStats* c = impl_.combined_.load(std::memory_order_relaxed);
-        if (c == nullptr || c->owned_by(impl_)) [[likely]]
+        if (owns_sum()) [[likely]]
           return;
         spin_.unlock();
-        c->claim(impl_);  // another member owns the sum: take it, then the lock
+        // Another member owns the sum: take it, then the lock.
+        impl_.combined_.load(std::memory_order_relaxed)->claim(impl_);
       }
     }
     void unlock() noexcept RESERVOIR_RELEASE() { spin_.unlock(); }
     // The lock, owning the sum or not: for a look that may change nothing
-    // (owns_sum() says whether a change may follow).
+    // (owns_sum() says whether a change may follow), and for CombinedStats.
     void lock_unclaimed() noexcept RESERVOIR_ACQUIRE() { spin_.lock(); }
     bool owns_sum() const noexcept {
       const CombinedStats* c = impl_.combined_.load(std::memory_order_relaxed);
       return c == nullptr || c->owned_by(impl_);
     }
-    // The lock alone (CombinedStats takes it, owning or not).
-    void lock_raw() noexcept { spin_.lock(); }
-    void unlock_raw() noexcept { spin_.unlock(); }
 
    private:
     Impl& impl_;
@@ -230,19 +227,24 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     return a[1].current + a[2].current;
   }
   // The pool a request goes to: a private pool while one is routed to,
-  // else the default small or large pool (pool_for_routed: the routes).
+  // else the default small or large pool.
   detail::BlockPool& pool_for(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_) {
-    if (!routes_.empty()) [[unlikely]]
-      return pool_for_routed(size, stream);
+    if (!routes_.empty()) [[unlikely]] {
+      if (detail::BlockPool* routed = routed_pool(size, stream)) return *routed;
+    }
     // Paging keeps one arena per stream: small requests share pages with
     // large ones rather than holding 2 MiB pages of their own.
     return size <= kSmallSize && vm_mode_ != VmMode::paging ? small_ : large_;
   }
-  detail::BlockPool& pool_for_routed(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
+  // The private pool a route sends the request to, or nullptr.
+  detail::BlockPool* routed_pool(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
   // Rounds a request as round_size does, without looking up divisions when
   // roundup_power2_divisions is not set.
   std::size_t rounded(std::size_t size) const noexcept RESERVOIR_REQUIRES(mutex_) {
-    if (uses_divisions_) return round_size(size, config_);
+    return uses_divisions_ ? round_size(size, config_) : round_to_block(size);
+  }
+  // round_size without divisions: a multiple of kMinBlockSize, at least one.
+  static std::size_t round_to_block(std::size_t size) noexcept {
     return size < kMinBlockSize ? kMinBlockSize
                                 : kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
   }
@@ -459,9 +461,16 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::shared_ptr<CombinedStats> combined_keep_;  // keeps it alive
   DeviceStats own_peaks_ RESERVOIR_GUARDED_BY(mutex_);
   // CombinedStats::Member: called by the sum, under its mutex.
-  void lock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS { mutex_.lock_raw(); }
-  void unlock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
-    mutex_.unlock_raw();
+  void lock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
+    mutex_.lock_unclaimed();
+  }
+  void unlock_member() noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS { mutex_.unlock(); }
+  // The Stat of `in` that `s` is in stats_ (the same place in a DeviceStats;
+  // only stats_'s address is used).
+  Stat& same_stat(DeviceStats& in,
+                  const Stat& s) const noexcept RESERVOIR_NO_THREAD_SAFETY_ANALYSIS {
+    const auto offset = reinterpret_cast<const char*>(&s) - reinterpret_cast<const char*>(&stats_);
+    return *reinterpret_cast<Stat*>(reinterpret_cast<char*>(&in) + offset);
   }
   DeviceStats member_values() const noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS;
   void joined(CombinedStats& sum) noexcept override RESERVOIR_NO_THREAD_SAFETY_ANALYSIS;
@@ -483,8 +492,6 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<EventId> idle_events_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t total_reserved_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   VmMode vm_mode_ RESERVOIR_GUARDED_BY(mutex_) = VmMode::none;
-  std::size_t vm_segments_ RESERVOIR_GUARDED_BY(mutex_) =
-      0;  // live VM segments (stitched ones included)
   std::uint64_t segments_made_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // Segment::order of the newest
   // Orders every pool's cached blocks as config_ says (pytorch_version),
   // and notes whether its rounding uses divisions (uses_divisions_).

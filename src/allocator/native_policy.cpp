@@ -32,7 +32,7 @@ std::size_t CachingAllocator::Impl::round_size(std::size_t size, const Allocator
     const std::size_t down = size & ~(step - 1);
     return down == size ? size : down + step;
   }
-  return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+  return round_to_block(size);
 }
 
 std::size_t CachingAllocator::Impl::allocation_size(std::size_t size,
@@ -58,7 +58,6 @@ Segment* CachingAllocator::Impl::add_segment(DevicePtr base, std::size_t size, S
   seg->vm = std::move(vm);
   if (with_head) seg->head = make_block(base, size, stream, pool, seg);
   segments_.emplace(base, std::move(segment));
-  if (seg->vm) ++vm_segments_;
   return seg;
 }
 

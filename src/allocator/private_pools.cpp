@@ -13,15 +13,14 @@ using detail::BlockPool;
 using detail::PrivatePool;
 using detail::Segment;
 
-BlockPool& CachingAllocator::Impl::pool_for_routed(std::size_t size, StreamId stream) {
+BlockPool* CachingAllocator::Impl::routed_pool(std::size_t size, StreamId stream) {
   for (auto& [id, filter] : routes_) {
     if (filter(stream)) {
       PrivatePool& pool = *private_pools_.at(id);
-      return size <= kSmallSize ? pool.small : pool.large;
+      return size <= kSmallSize ? &pool.small : &pool.large;
     }
   }
-  if (vm_mode_ == VmMode::paging) return large_;
-  return size <= kSmallSize ? small_ : large_;
+  return nullptr;
 }
 
 void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter) {

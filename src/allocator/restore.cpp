@@ -46,7 +46,6 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
   small_.blocks.clear();
   large_.unmapped.clear();
   small_.unmapped.clear();
-  vm_segments_ = 0;
   total_reserved_ = 0;
   // Everything counted goes (from a combined sum too: it is owned here).
   const std::int64_t max_split = stats_.max_split_size;

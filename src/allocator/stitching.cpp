@@ -221,7 +221,6 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   const DevicePtr base = seg.base;
   arena_.recycle(block);
   segments_.erase(base);
-  --vm_segments_;
 }
 
 }  // namespace reservoir

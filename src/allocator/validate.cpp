@@ -93,7 +93,6 @@ void CachingAllocator::Impl::validate() const {
   std::size_t reserved = 0;
   std::size_t unmapped_blocks = 0;
   std::size_t lent_listed = 0;
-  std::size_t vm_segments = 0;
   std::size_t lent_found = 0;
   std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
   for (const auto& [id, pool] : private_pools_) {
@@ -116,7 +115,6 @@ void CachingAllocator::Impl::validate() const {
     }
     const std::size_t t = stat_index(*seg->pool);
     const detail::VmState* vm = seg->vm.get();
-    if (vm != nullptr) ++vm_segments;
     if (vm == nullptr) {
       segment[0] += 1;
       segment[t] += 1;
@@ -246,9 +244,6 @@ void CachingAllocator::Impl::validate() const {
   for (const BlockPool* pool : known_pools) {
     pooled += pool->blocks.size();
     unmapped_pooled += pool->unmapped.size();
-  }
-  if (vm_segments != vm_segments_) {
-    breach(fmt::format("{} VM segments counted but {} found", vm_segments_, vm_segments));
   }
   if (lent_listed != lent_found) {
     breach(

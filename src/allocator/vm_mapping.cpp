@@ -306,7 +306,6 @@ void CachingAllocator::Impl::release_vm_segment(Block* block) {
   const DevicePtr base = seg.base;
   arena_.recycle(block);
   segments_.erase(base);
-  --vm_segments_;
 }
 
 void CachingAllocator::Impl::drop_vm_segment_locked(Segment& seg) noexcept {

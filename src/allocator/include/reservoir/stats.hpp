@@ -63,17 +63,7 @@ struct DeviceStats {
   }
   // Visits every Stat beside the same Stat of `other`.
   template <typename F>
-  void for_each_stat_pair(const DeviceStats& other, F&& f) {
-    for (StatArray DeviceStats::*a :
-         {&DeviceStats::allocation, &DeviceStats::segment, &DeviceStats::active,
-          &DeviceStats::inactive_split, &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
-          &DeviceStats::active_bytes, &DeviceStats::inactive_split_bytes,
-          &DeviceStats::requested_bytes}) {
-      for (std::size_t t = 0; t < kStatTypes; ++t) f((this->*a)[t], (other.*a)[t]);
-    }
-    f(oversize_allocations, other.oversize_allocations);
-    f(oversize_segments, other.oversize_segments);
-  }
+  void for_each_stat_pair(const DeviceStats& other, F&& f);
 
   bool operator==(const DeviceStats&) const = default;
 };
@@ -85,6 +75,15 @@ inline constexpr std::array<StatArray DeviceStats::*, 9> kPerPoolStats = {
     &DeviceStats::allocated_bytes, &DeviceStats::reserved_bytes,
     &DeviceStats::active_bytes,    &DeviceStats::inactive_split_bytes,
     &DeviceStats::requested_bytes};
+
+template <typename F>
+void DeviceStats::for_each_stat_pair(const DeviceStats& other, F&& f) {
+  for (StatArray DeviceStats::*a : kPerPoolStats) {
+    for (std::size_t t = 0; t < kStatTypes; ++t) f((this->*a)[t], (other.*a)[t]);
+  }
+  f(oversize_allocations, other.oversize_allocations);
+  f(oversize_segments, other.oversize_segments);
+}
 
 static_assert(std::is_standard_layout_v<DeviceStats>,
               "CombinedStats names a Stat by its byte offset in DeviceStats");
