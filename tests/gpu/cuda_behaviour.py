@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""What the CUDA runtime and driver answer to the calls reservoir makes.
+
+Runs a fixed list of calls through ctypes -- good ones, bad ones, edge cases
+-- and prints one JSON object: for each probe, the codes the calls returned
+and the values worth comparing (alignments, address steps, granularity,
+free-memory deltas), plus median call times. Run once on a real GPU and once
+under the simulated device (LD_LIBRARY_PATH=build/simcuda, or --cudart and
+--cuda naming its libraries), then compare the two with
+tests/gpu/compare_behaviour.py: every difference is either made to agree in
+the simulated device or listed there with its reason.
+
+Nothing here touches device memory from the host (a real GPU's memory is
+not host-visible): contents are checked with cuMemcpy.
+
+    python3 tests/gpu/cuda_behaviour.py [--cudart PATH] [--cuda PATH] [--out FILE]
+"""
+import argparse
+import ctypes
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+c_size = ctypes.c_size_t
+c_ptr = ctypes.c_void_p
+c_u64 = ctypes.c_uint64
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def load(names, explicit):
+    tried = []
+    for name in ([explicit] if explicit else []) + names:
+        try:
+            return ctypes.CDLL(name), name
+        except OSError as e:
+            tried.append(f"{name}: {e}")
+    raise SystemExit("cannot load any of: " + "; ".join(tried))
+
+
+def cudart_candidates():
+    names = ["libcudart.so.13"]
+    for base in sys.path:
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so.13")))
+    names += ["/usr/local/cuda/lib64/libcudart.so.13"]
+    return names
+
+
+class AllocProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                ("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int),
+                ("win32HandleMetaData", c_ptr), ("compressionType", ctypes.c_ubyte),
+                ("gpuDirectRDMACapable", ctypes.c_ubyte), ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 4)]
+
+
+class AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+class PointerAttributes(ctypes.Structure):  # cudaPointerAttributes
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", c_ptr), ("hostPointer", c_ptr), ("reserved", ctypes.c_long * 8)]
+
+
+class Probe:
+    def __init__(self, rt, drv):
+        self.rt = rt
+        self.drv = drv
+        self.out = {}
+        self.times = {}
+
+    def fn(self, lib, name):
+        f = getattr(lib, name, None)
+        if f is None:
+            raise LookupError(f"{name} is not exported")
+        f.restype = ctypes.c_int
+        return f
+
+    def r(self, name, *args):
+        return self.fn(self.rt, name)(*args)
+
+    def d(self, name, *args):
+        return self.fn(self.drv, name)(*args)
+
+    def run(self, name, body):
+        try:
+            self.out[name] = body()
+        except Exception as e:  # a missing entry or a broken probe: recorded, the rest go on
+            self.out[name] = {"error": f"{type(e).__name__}: {e}"}
+
+    def malloc(self, size):
+        p = c_ptr()
+        code = self.r("cudaMalloc", ctypes.byref(p), c_size(size))
+        return code, p.value or 0
+
+    def timed(self, name, fn, n):
+        samples = []
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            fn()
+            samples.append(time.perf_counter_ns() - t)
+        self.times[name] = statistics.median(samples) / 1000.0  # microseconds
+
+
+def probes(p, save):
+    r, d = p.r, p.d
+
+    def init():
+        count = ctypes.c_int()
+        out = {"cudaGetDeviceCount": r("cudaGetDeviceCount", ctypes.byref(count)), "count": count.value}
+        out["cudaSetDevice(0)"] = r("cudaSetDevice", 0)
+        out["cudaFree(NULL) first call"] = r("cudaFree", c_ptr(0))
+        out["cudaSetDevice(99)"] = r("cudaSetDevice", 99)
+        out["cudaGetLastError after bad set"] = r("cudaGetLastError")
+        out["cuInit"] = d("cuInit", 0)
+        v = ctypes.c_int()
+        out["cudaDeviceGetAttribute(bad)"] = r("cudaDeviceGetAttribute", ctypes.byref(v), 99999, 0)
+        r("cudaGetLastError")
+        return out
+
+    def malloc_edges():
+        out = {}
+        code, ptr = p.malloc(0)
+        out["cudaMalloc(0)"] = code
+        out["cudaMalloc(0) pointer is null"] = ptr == 0
+        code, ptr = p.malloc(1 << 50)
+        out["cudaMalloc(1 PiB)"] = code
+        out["cudaGetLastError after"] = r("cudaGetLastError")
+        out["cudaGetLastError again"] = r("cudaGetLastError")
+        out["cudaFree(NULL)"] = r("cudaFree", c_ptr(0))
+        out["cudaFree(0x1000)"] = r("cudaFree", c_ptr(0x1000))
+        r("cudaGetLastError")
+        code, ptr = p.malloc(4 * MiB)
+        out["cudaMalloc(4 MiB)"] = code
+        out["cudaFree(interior)"] = r("cudaFree", c_ptr(ptr + 256))
+        r("cudaGetLastError")
+        out["cudaFree(ptr)"] = r("cudaFree", c_ptr(ptr))
+        out["cudaFree(ptr) again"] = r("cudaFree", c_ptr(ptr))
+        r("cudaGetLastError")
+        out["cudaMalloc(NULL out)"] = r("cudaMalloc", c_ptr(0), c_size(64))
+        r("cudaGetLastError")
+        return out
+
+    def malloc_layout():
+        out = {}
+        for size in (1, 512, 4096, MiB, 2 * MiB, 3 * MiB, 20 * MiB + 1, 1 * GiB):
+            ptrs = []
+            for _ in range(4):
+                code, ptr = p.malloc(size)
+                if code:
+                    out[str(size)] = {"code": code}
+                    break
+                ptrs.append(ptr)
+            if ptrs:
+                out[str(size)] = {
+                    "align_2MiB": all(x % (2 * MiB) == 0 for x in ptrs),
+                    "align_512": all(x % 512 == 0 for x in ptrs),
+                    "low_zero_bits": min((x & -x).bit_length() - 1 for x in ptrs),
+                    "steps": [b - a for a, b in zip(ptrs, ptrs[1:])],
+                }
+            for x in ptrs:
+                r("cudaFree", c_ptr(x))
+        return out
+
+    def mem_info():
+        free, total = c_size(), c_size()
+        out = {"cudaMemGetInfo": r("cudaMemGetInfo", ctypes.byref(free), ctypes.byref(total))}
+        out["total"] = total.value
+        f0 = free.value
+        code, ptr = p.malloc(GiB)
+        r("cudaMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+        out["free drop for 1 GiB cudaMalloc"] = f0 - free.value
+        code, ptr2 = p.malloc(MiB)
+        f1 = free.value
+        r("cudaMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+        out["free drop for 1 MiB cudaMalloc"] = f1 - free.value
+        r("cudaFree", c_ptr(ptr2))
+        r("cudaFree", c_ptr(ptr))
+        r("cudaMemGetInfo", ctypes.byref(free), ctypes.byref(total))
+        out["free back after cudaFree"] = free.value - f0
+        f, t = c_size(), c_size()
+        out["cuMemGetInfo_v2"] = d("cuMemGetInfo_v2", ctypes.byref(f), ctypes.byref(t))
+        out["cuMemGetInfo total equals"] = t.value == total.value
+        return out
+
+    def malloc_async():
+        out = {}
+        ptr = c_ptr()
+        out["cudaMallocAsync(0)"] = r("cudaMallocAsync", ctypes.byref(ptr), c_size(0), c_ptr(0))
+        out["cudaMallocAsync(0) pointer is null"] = not ptr.value
+        sizes, ptrs = (1, 4096, MiB, 3 * MiB), []
+        for size in sizes:
+            q = c_ptr()
+            out[f"cudaMallocAsync({size})"] = r("cudaMallocAsync", ctypes.byref(q), c_size(size), c_ptr(0))
+            ptrs.append(q.value or 0)
+        out["low_zero_bits"] = min((x & -x).bit_length() - 1 for x in ptrs if x)
+        for x in ptrs:
+            r("cudaFreeAsync", c_ptr(x), c_ptr(0))
+        out["cudaStreamSynchronize"] = r("cudaStreamSynchronize", c_ptr(0))
+        out["cudaFreeAsync(0x1000)"] = r("cudaFreeAsync", c_ptr(0x1000), c_ptr(0))
+        out["cudaGetLastError after"] = r("cudaGetLastError")
+        out["cudaMallocAsync(1 PiB)"] = r("cudaMallocAsync", ctypes.byref(ptr), c_size(1 << 50), c_ptr(0))
+        r("cudaGetLastError")
+        r("cudaDeviceSynchronize")
+        return out
+
+    def pointer_attributes():
+        out = {}
+        code, dev = p.malloc(MiB)
+        host = ctypes.create_string_buffer(64)
+        pinned = c_ptr()
+        out["cudaMallocHost"] = r("cudaMallocHost", ctypes.byref(pinned), c_size(4096))
+        for name, ptr in (("device", dev), ("device interior", dev + 4096), ("host", ctypes.addressof(host)),
+                          ("pinned", pinned.value or 0), ("null", 0), ("0x1000", 0x1000)):
+            a = PointerAttributes()
+            code = r("cudaPointerGetAttributes", ctypes.byref(a), c_ptr(ptr))
+            out[name] = {"code": code, "type": a.type if code == 0 else None}
+            r("cudaGetLastError")
+        base, size = c_u64(), c_size()
+        out["cuMemGetAddressRange_v2(interior)"] = d("cuMemGetAddressRange_v2", ctypes.byref(base),
+                                                     ctypes.byref(size), c_u64(dev + 4096))
+        out["address range is the allocation"] = base.value == dev and size.value == MiB
+        out["cuMemGetAddressRange_v2(0x1000)"] = d("cuMemGetAddressRange_v2", ctypes.byref(base),
+                                                   ctypes.byref(size), c_u64(0x1000))
+        out["cudaFreeHost(pinned)"] = r("cudaFreeHost", pinned)
+        out["cudaFreeHost(0x1000)"] = r("cudaFreeHost", c_ptr(0x1000))
+        r("cudaGetLastError")
+        r("cudaFree", c_ptr(dev))
+        return out
+
+    def streams_events():
+        out = {}
+        s, e1, e2 = c_ptr(), c_ptr(), c_ptr()
+        out["cudaStreamCreate"] = r("cudaStreamCreate", ctypes.byref(s))
+        out["cudaStreamQuery(new)"] = r("cudaStreamQuery", s)
+        out["cudaEventCreate"] = r("cudaEventCreate", ctypes.byref(e1))
+        r("cudaEventCreate", ctypes.byref(e2))
+        out["cudaEventQuery(never recorded)"] = r("cudaEventQuery", e1)
+        ms = ctypes.c_float()
+        out["cudaEventElapsedTime(never recorded)"] = r("cudaEventElapsedTime", ctypes.byref(ms), e1, e2)
+        r("cudaGetLastError")
+        out["cudaEventRecord"] = r("cudaEventRecord", e1, s)
+        out["cudaEventSynchronize"] = r("cudaEventSynchronize", e1)
+        out["cudaEventQuery(recorded)"] = r("cudaEventQuery", e1)
+        out["cudaStreamWaitEvent"] = r("cudaStreamWaitEvent", c_ptr(0), e1, 0)
+        out["cudaEventDestroy"] = r("cudaEventDestroy", e1)
+        r("cudaEventDestroy", e2)
+        out["cudaStreamDestroy"] = r("cudaStreamDestroy", s)
+        out["cudaMemcpy(0 bytes)"] = r("cudaMemcpy", c_ptr(0), c_ptr(0), c_size(0), 4)
+        r("cudaGetLastError")
+        return out
+
+    def vmm():
+        out = {}
+        prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=0)
+        g_min, g_rec = c_size(), c_size()
+        out["cuMemGetAllocationGranularity(min)"] = d("cuMemGetAllocationGranularity", ctypes.byref(g_min),
+                                                      ctypes.byref(prop), 0)
+        out["cuMemGetAllocationGranularity(recommended)"] = d("cuMemGetAllocationGranularity",
+                                                              ctypes.byref(g_rec), ctypes.byref(prop), 1)
+        g = g_min.value
+        out["granularity"] = [g, g_rec.value]
+        fd_prop = AllocProp(type=1, requestedHandleTypes=1, loc_type=1, loc_id=0)
+        g_fd = c_size()
+        out["granularity(posix fd)"] = [d("cuMemGetAllocationGranularity", ctypes.byref(g_fd),
+                                          ctypes.byref(fd_prop), 0), g_fd.value]
+        bad_prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=99)
+        out["granularity(device 99)"] = d("cuMemGetAllocationGranularity", ctypes.byref(g_fd),
+                                          ctypes.byref(bad_prop), 0)
+        va = c_u64()
+        out["cuMemAddressReserve(g+1)"] = d("cuMemAddressReserve", ctypes.byref(va), c_size(g + 1), c_size(0),
+                                            c_u64(0), c_u64(0))
+        if out["cuMemAddressReserve(g+1)"] == 0:
+            out["reserve(g+1) aligned"] = va.value % g == 0
+            d("cuMemAddressFree", c_u64(va.value), c_size(g + 1))
+        out["cuMemAddressReserve(0)"] = d("cuMemAddressReserve", ctypes.byref(va), c_size(0), c_size(0),
+                                          c_u64(0), c_u64(0))
+        out["cuMemAddressReserve(4g, align 3)"] = d("cuMemAddressReserve", ctypes.byref(va), c_size(4 * g),
+                                                    c_size(3), c_u64(0), c_u64(0))
+        out["cuMemAddressReserve(4g, align 16g)"] = d("cuMemAddressReserve", ctypes.byref(va), c_size(4 * g),
+                                                      c_size(16 * g), c_u64(0), c_u64(0))
+        out["reserve(align 16g) aligned"] = va.value % (16 * g) == 0
+        d("cuMemAddressFree", c_u64(va.value), c_size(4 * g))
+        out["cuMemAddressReserve(4g)"] = d("cuMemAddressReserve", ctypes.byref(va), c_size(4 * g), c_size(0),
+                                           c_u64(0), c_u64(0))
+        base = va.value
+        out["reserve aligned to g"] = base % g == 0
+        h, h2 = c_u64(), c_u64()
+        out["cuMemCreate(g/2)"] = d("cuMemCreate", ctypes.byref(h2), c_size(g // 2), ctypes.byref(prop), c_u64(0))
+        out["cuMemCreate(1<<46)"] = d("cuMemCreate", ctypes.byref(h2), c_size(1 << 46), ctypes.byref(prop),
+                                      c_u64(0))
+        out["cuMemCreate(g, device 99)"] = d("cuMemCreate", ctypes.byref(h2), c_size(g), ctypes.byref(bad_prop),
+                                             c_u64(0))
+        out["cuMemCreate(g)"] = d("cuMemCreate", ctypes.byref(h), c_size(g), ctypes.byref(prop), c_u64(0))
+        out["cuMemMap(base+g/2)"] = d("cuMemMap", c_u64(base + g // 2), c_size(g), c_size(0), h, c_u64(0))
+        out["cuMemMap(base, 2g, handle of g)"] = d("cuMemMap", c_u64(base), c_size(2 * g), c_size(0), h, c_u64(0))
+        out["cuMemMap(base, g, offset g/2)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(g // 2), h, c_u64(0))
+        out["cuMemMap(outside any reservation)"] = d("cuMemMap", c_u64(0x1000000), c_size(g), c_size(0), h,
+                                                     c_u64(0))
+        out["cuMemMap(bad handle)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), c_u64(12345), c_u64(0))
+        out["cuMemMap(base)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), h, c_u64(0))
+        out["cuMemMap(base) again"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), h, c_u64(0))
+        out["cuMemMap(base+g, same handle twice)"] = d("cuMemMap", c_u64(base + g), c_size(g), c_size(0), h,
+                                                       c_u64(0))
+        acc = AccessDesc(loc_type=1, loc_id=0, flags=3)
+        out["cuMemSetAccess(base)"] = d("cuMemSetAccess", c_u64(base), c_size(g), ctypes.byref(acc), c_size(1))
+        out["cuMemSetAccess(unmapped)"] = d("cuMemSetAccess", c_u64(base + 2 * g), c_size(g), ctypes.byref(acc),
+                                            c_size(1))
+        out["cuMemsetD8_v2"] = d("cuMemsetD8_v2", c_u64(base), ctypes.c_ubyte(0x5A), c_size(g))
+        out["cuMemRetainAllocationHandle"] = d("cuMemRetainAllocationHandle", ctypes.byref(h2), c_ptr(base))
+        if out["cuMemRetainAllocationHandle"] == 0:
+            out["retained handle equals"] = h2.value == h.value
+            d("cuMemRelease", h2)
+        out["cuMemRelease(mapped)"] = d("cuMemRelease", h)
+        buf = ctypes.create_string_buffer(16)
+        out["cuMemcpyDtoH after release"] = d("cuMemcpyDtoH_v2", buf, c_u64(base + 100), c_size(16))
+        out["contents kept after release"] = buf.raw == b"\x5a" * 16
+        out["cuMemAddressFree(mapped)"] = d("cuMemAddressFree", c_u64(base), c_size(4 * g))
+        out["cuMemUnmap(unmapped)"] = d("cuMemUnmap", c_u64(base + 2 * g), c_size(g))
+        out["cuMemUnmap(half)"] = d("cuMemUnmap", c_u64(base), c_size(g // 2))
+        out["cuMemUnmap(base)"] = d("cuMemUnmap", c_u64(base), c_size(g))
+        out["cuMemUnmap(base+g)"] = d("cuMemUnmap", c_u64(base + g), c_size(g))
+        out["cuMemRelease(bad)"] = d("cuMemRelease", c_u64(12345))
+        out["cuMemRelease(released)"] = d("cuMemRelease", h)
+        out["cuMemAddressFree(base)"] = d("cuMemAddressFree", c_u64(base), c_size(4 * g))
+        out["cuMemAddressFree(base) again"] = d("cuMemAddressFree", c_u64(base), c_size(4 * g))
+        out["cuMemAddressFree(0x1000)"] = d("cuMemAddressFree", c_u64(0x1000), c_size(g))
+        # Two handles into one reservation, unmapped in one call across both.
+        d("cuMemAddressReserve", ctypes.byref(va), c_size(2 * g), c_size(0), c_u64(0), c_u64(0))
+        base = va.value
+        d("cuMemCreate", ctypes.byref(h), c_size(g), ctypes.byref(prop), c_u64(0))
+        d("cuMemCreate", ctypes.byref(h2), c_size(g), ctypes.byref(prop), c_u64(0))
+        d("cuMemMap", c_u64(base), c_size(g), c_size(0), h, c_u64(0))
+        d("cuMemMap", c_u64(base + g), c_size(g), c_size(0), h2, c_u64(0))
+        out["cuMemSetAccess(across two handles)"] = d("cuMemSetAccess", c_u64(base), c_size(2 * g),
+                                                      ctypes.byref(acc), c_size(1))
+        out["cuMemUnmap(across two handles)"] = d("cuMemUnmap", c_u64(base), c_size(2 * g))
+        d("cuMemRelease", h)
+        d("cuMemRelease", h2)
+        d("cuMemAddressFree", c_u64(base), c_size(2 * g))
+        # Free memory: does a mapped handle count at create or at map?
+        free, total = c_size(), c_size()
+        d("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        f0 = free.value
+        d("cuMemCreate", ctypes.byref(h), c_size(64 * g), ctypes.byref(prop), c_u64(0))
+        d("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        out["free drop at cuMemCreate(64g)"] = f0 - free.value
+        d("cuMemRelease", h)
+        d("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        out["free back after cuMemRelease"] = free.value - f0
+        return out
+
+    def timings():
+        prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=0)
+        acc = AccessDesc(loc_type=1, loc_id=0, flags=3)
+        for size, label in ((2 * MiB, "2MiB"), (64 * MiB, "64MiB"), (GiB, "1GiB")):
+            def pair(size=size):
+                _, ptr = p.malloc(size)
+                r("cudaFree", c_ptr(ptr))
+            p.timed(f"cudaMalloc+cudaFree {label}", pair, 21)
+
+            def vm(size=size):
+                va, h = c_u64(), c_u64()
+                d("cuMemAddressReserve", ctypes.byref(va), c_size(size), c_size(0), c_u64(0), c_u64(0))
+                d("cuMemCreate", ctypes.byref(h), c_size(size), ctypes.byref(prop), c_u64(0))
+                d("cuMemMap", c_u64(va.value), c_size(size), c_size(0), h, c_u64(0))
+                d("cuMemSetAccess", c_u64(va.value), c_size(size), ctypes.byref(acc), c_size(1))
+                d("cuMemUnmap", c_u64(va.value), c_size(size))
+                d("cuMemRelease", h)
+                d("cuMemAddressFree", c_u64(va.value), c_size(size))
+            p.timed(f"reserve+create+map+access+unmap+release+free {label}", vm, 21)
+        return {"median_us": p.times}
+
+    for name, body in (("init", init), ("malloc_edges", malloc_edges), ("malloc_layout", malloc_layout),
+                       ("mem_info", mem_info), ("malloc_async", malloc_async),
+                       ("pointer_attributes", pointer_attributes), ("streams_events", streams_events),
+                       ("vmm", vmm), ("timings", timings)):
+        p.run(name, body)
+        save()  # what is known so far survives a crash in a later probe
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cudart")
+    ap.add_argument("--cuda")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rt, rt_name = load(cudart_candidates(), args.cudart)
+    drv, drv_name = load(["libcuda.so.1"], args.cuda)
+    p = Probe(rt, drv)
+    name = ctypes.create_string_buffer(256)
+
+    def result():
+        return {"device": name.value.decode(errors="replace"), "cudart": rt_name, "probes": p.out}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(result(), indent=1, sort_keys=True) + "\n")
+
+    probes(p, save)
+    try:
+        p.fn(drv, "cuDeviceGetName")(name, 256, 0)
+    except LookupError:
+        pass
+    save()
+    print(json.dumps(result(), indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
