@@ -28,6 +28,7 @@ c_size = ctypes.c_size_t
 c_ptr = ctypes.c_void_p
 c_u64 = ctypes.c_uint64
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -107,7 +108,11 @@ class Probe:
         self.times[name] = statistics.median(samples) / 1000.0  # microseconds
 
 
-def probes(p, save):
+PROBES = ("init", "malloc_edges", "malloc_layout", "malloc_sequence", "mem_info", "malloc_async", "pointer_attributes",
+          "streams_events", "vmm", "timings", "vmm_bad_handles")
+
+
+def probes(p, save, only):
     r, d = p.r, p.d
 
     def init():
@@ -165,6 +170,30 @@ def probes(p, save):
                 }
             for x in ptrs:
                 r("cudaFree", c_ptr(x))
+        return out
+
+    def malloc_sequence():
+        # Where cudaMalloc places a mixed sequence, and what it reuses after frees: raw addresses.
+        first = [512, MiB, 2 * MiB, 3 * MiB, 20 * MiB, 512, 64 * MiB, 1024, 2 * MiB + 1, 200 * MiB, 4096, GiB,
+                 10 * MiB, 100, 8 * MiB, 96 * KiB, 1536 * KiB]
+        second = [MiB, 3 * MiB, 512, 1024, 200 * MiB, 300 * MiB, 16 * MiB, 2 * MiB, 4096, 6 * MiB]
+        out = {"first": [], "second": []}
+        ptrs = []
+        for size in first:
+            code, ptr = p.malloc(size)
+            out["first"].append([size, code, ptr])
+            ptrs.append(ptr)
+        freed = (1, 3, 5, 7, 9, 12)
+        for i in freed:
+            r("cudaFree", c_ptr(ptrs[i]))
+        out["freed"] = list(freed)
+        for size in second:
+            code, ptr = p.malloc(size)
+            out["second"].append([size, code, ptr])
+            ptrs.append(ptr)
+        for i, ptr in enumerate(ptrs):
+            if i not in freed:
+                r("cudaFree", c_ptr(ptr))
         return out
 
     def mem_info():
@@ -302,7 +331,6 @@ def probes(p, save):
         out["cuMemMap(base, g, offset g/2)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(g // 2), h, c_u64(0))
         out["cuMemMap(outside any reservation)"] = d("cuMemMap", c_u64(0x1000000), c_size(g), c_size(0), h,
                                                      c_u64(0))
-        out["cuMemMap(bad handle)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), c_u64(12345), c_u64(0))
         out["cuMemMap(base)"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), h, c_u64(0))
         out["cuMemMap(base) again"] = d("cuMemMap", c_u64(base), c_size(g), c_size(0), h, c_u64(0))
         out["cuMemMap(base+g, same handle twice)"] = d("cuMemMap", c_u64(base + g), c_size(g), c_size(0), h,
@@ -325,7 +353,6 @@ def probes(p, save):
         out["cuMemUnmap(half)"] = d("cuMemUnmap", c_u64(base), c_size(g // 2))
         out["cuMemUnmap(base)"] = d("cuMemUnmap", c_u64(base), c_size(g))
         out["cuMemUnmap(base+g)"] = d("cuMemUnmap", c_u64(base + g), c_size(g))
-        out["cuMemRelease(bad)"] = d("cuMemRelease", c_u64(12345))
         out["cuMemRelease(released)"] = d("cuMemRelease", h)
         out["cuMemAddressFree(base)"] = d("cuMemAddressFree", c_u64(base), c_size(4 * g))
         out["cuMemAddressFree(base) again"] = d("cuMemAddressFree", c_u64(base), c_size(4 * g))
@@ -355,6 +382,21 @@ def probes(p, save):
         out["free back after cuMemRelease"] = free.value - f0
         return out
 
+    def vmm_bad_handles():
+        # A handle is the driver's own pointer: a made-up one may crash a real driver, so this runs last,
+        # alone, and a crash is itself the answer.
+        prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=0)
+        g = c_size()
+        d("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), 0)
+        va = c_u64()
+        d("cuMemAddressReserve", ctypes.byref(va), c_size(g.value), c_size(0), c_u64(0), c_u64(0))
+        out = {"cuMemRelease(0)": d("cuMemRelease", c_u64(0))}
+        out["cuMemMap(handle 0)"] = d("cuMemMap", c_u64(va.value), g, c_size(0), c_u64(0), c_u64(0))
+        out["cuMemRelease(12345)"] = d("cuMemRelease", c_u64(12345))
+        out["cuMemMap(handle 12345)"] = d("cuMemMap", c_u64(va.value), g, c_size(0), c_u64(12345), c_u64(0))
+        d("cuMemAddressFree", c_u64(va.value), g)
+        return out
+
     def timings():
         prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=0)
         acc = AccessDesc(loc_type=1, loc_id=0, flags=3)
@@ -377,11 +419,44 @@ def probes(p, save):
         return {"median_us": p.times}
 
     for name, body in (("init", init), ("malloc_edges", malloc_edges), ("malloc_layout", malloc_layout),
+                       ("malloc_sequence", malloc_sequence),
                        ("mem_info", mem_info), ("malloc_async", malloc_async),
                        ("pointer_attributes", pointer_attributes), ("streams_events", streams_events),
-                       ("vmm", vmm), ("timings", timings)):
+                       ("vmm", vmm), ("timings", timings), ("vmm_bad_handles", vmm_bad_handles)):
+        if only and name not in only:
+            continue
         p.run(name, body)
         save()  # what is known so far survives a crash in a later probe
+
+
+def isolated(args):
+    import subprocess
+    import tempfile
+    merged = {}
+    for name in PROBES:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            argv = [sys.executable, os.path.abspath(__file__), "--only", f"init,{name}", "--out", tmp.name]
+            for opt in ("cudart", "cuda"):
+                if getattr(args, opt):
+                    argv += [f"--{opt}", getattr(args, opt)]
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            try:
+                with open(tmp.name) as f:
+                    got = json.load(f)
+            except (OSError, ValueError):
+                got = {"probes": {}}
+        merged.setdefault("device", got.get("device"))
+        merged.setdefault("cudart", got.get("cudart"))
+        merged.setdefault("probes", {}).update(got.get("probes", {}))
+        if p.returncode != 0:
+            merged["probes"][name] = {"crashed": p.returncode, "partial": got.get("probes", {}).get(name),
+                                      "stderr": p.stderr[-500:]}
+    text = json.dumps(merged, indent=1, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
 
 
 def main():
@@ -389,7 +464,12 @@ def main():
     ap.add_argument("--cudart")
     ap.add_argument("--cuda")
     ap.add_argument("--out")
+    ap.add_argument("--only", default="", help="comma-separated probes (default: all, in this process)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each probe in its own process: a crash loses only that probe, and is recorded")
     args = ap.parse_args()
+    if args.isolate:
+        return isolated(args)
     rt, rt_name = load(cudart_candidates(), args.cudart)
     drv, drv_name = load(["libcuda.so.1"], args.cuda)
     p = Probe(rt, drv)
@@ -403,14 +483,15 @@ def main():
             with open(args.out, "w") as f:
                 f.write(json.dumps(result(), indent=1, sort_keys=True) + "\n")
 
-    probes(p, save)
+    probes(p, save, [x for x in args.only.split(",") if x])
     try:
         p.fn(drv, "cuDeviceGetName")(name, 256, 0)
     except LookupError:
         pass
     save()
     print(json.dumps(result(), indent=1, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
