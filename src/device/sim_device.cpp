@@ -14,26 +14,33 @@ std::size_t index(CallKind kind) {
 }  // namespace
 
 LatencyModel LatencyModel::defaults() {
+  // Fitted to one NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0: each
+  // call timed alone, medians, at 2 MiB, 64 MiB, 1 GiB and 8 GiB
+  // (tests/data/gpu/h100-2026-11-25/call_costs.json; docs/config.md).
   LatencyModel m;
-  auto set = [&m](CallKind k, double ns) { m.ns_per_call[index(k)] = ns; };
-  set(CallKind::allocate_segment, 25'000);
-  set(CallKind::free_segment, 15'000);
-  set(CallKind::reserve, 5'000);
-  set(CallKind::unreserve, 5'000);
-  set(CallKind::create_physical, 10'000);
-  set(CallKind::release_physical, 5'000);
-  set(CallKind::map, 8'000);
-  set(CallKind::unmap, 10'000);
-  set(CallKind::set_access, 8'000);
-  set(CallKind::memory_info, 1'000);
-  set(CallKind::create_event, 1'000);
-  set(CallKind::destroy_event, 500);
-  set(CallKind::record_event, 2'000);
-  set(CallKind::query_event, 500);
-  set(CallKind::synchronize_event, 5'000);
-  set(CallKind::synchronize_stream, 5'000);
-  set(CallKind::synchronize_device, 10'000);
-  m.allocate_ns_per_mib = 1'000;
+  auto set = [&m](CallKind k, double ns, double ns_per_mib = 0) {
+    m.ns_per_call[index(k)] = ns;
+    m.ns_per_mib[index(k)] = ns_per_mib;
+  };
+  set(CallKind::allocate_segment, 36'000, 83);
+  set(CallKind::free_segment, 31'000, 440);
+  // Address space only: 2.4 us at 2 MiB to 11 us at 8 GiB, not extrapolated
+  // to the policies' very large reservations (paging reserves 1.125 PiB).
+  set(CallKind::reserve, 4'000);
+  set(CallKind::unreserve, 3'500);
+  set(CallKind::create_physical, 11'000, 8);
+  set(CallKind::release_physical, 10'000, 335);
+  set(CallKind::map, 2'700, 1.2);
+  set(CallKind::unmap, 17'000, 12);
+  set(CallKind::set_access, 24'000, 34);
+  set(CallKind::memory_info, 5'500);
+  set(CallKind::create_event, 900);
+  set(CallKind::destroy_event, 800);
+  set(CallKind::record_event, 900);
+  set(CallKind::query_event, 900);
+  set(CallKind::synchronize_event, 900);
+  set(CallKind::synchronize_stream, 900);
+  set(CallKind::synchronize_device, 1'000);
   return m;
 }
 
@@ -43,8 +50,9 @@ SimDevice::SimDevice(SimDeviceOptions options)
 
 SimDevice::~SimDevice() = default;
 
-Status SimDevice::enter(CallKind kind, double extra_ns) {
-  estimated_ns_ += options_.latency.ns_per_call[index(kind)] + extra_ns;
+Status SimDevice::enter(CallKind kind, std::size_t bytes) {
+  estimated_ns_ += options_.latency.ns_per_call[index(kind)] +
+                   options_.latency.ns_per_mib[index(kind)] * static_cast<double>(bytes) / kMiB;
   return faults_.enter(kind);
 }
 
@@ -57,11 +65,7 @@ DevicePtr SimDevice::next_address(std::size_t bytes, std::size_t alignment) {
 
 Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::allocate_segment,
-                       options_.latency.allocate_ns_per_mib * static_cast<double>(bytes) / kMiB);
-      s != Status::ok) {
-    return s;
-  }
+  if (Status s = enter(CallKind::allocate_segment, bytes); s != Status::ok) return s;
   if (bytes == 0 || addr == nullptr) return Status::invalid_argument;
   if (bytes > options_.capacity - std::min(used(), options_.capacity)) return Status::out_of_memory;
   DevicePtr result = 0;
@@ -79,8 +83,11 @@ Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
 
 Status SimDevice::free_segment(DevicePtr addr) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::free_segment); s != Status::ok) return s;
   auto it = segments_.find(addr);
+  if (Status s = enter(CallKind::free_segment, it == segments_.end() ? 0 : it->second);
+      s != Status::ok) {
+    return s;
+  }
   if (it == segments_.end()) return Status::invalid_argument;
   segment_bytes_ -= it->second;
   segments_.erase(it);
@@ -89,7 +96,7 @@ Status SimDevice::free_segment(DevicePtr addr) noexcept {
 
 Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::reserve); s != Status::ok) return s;
+  if (Status s = enter(CallKind::reserve, bytes); s != Status::ok) return s;
   if (va == nullptr) return Status::invalid_argument;
   return ledger_.reserve(bytes, alignment, va, [&](DevicePtr* out) {
     if (reservation_source_) return reservation_source_(bytes, out);
@@ -100,17 +107,13 @@ Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* v
 
 Status SimDevice::unreserve(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::unreserve); s != Status::ok) return s;
+  if (Status s = enter(CallKind::unreserve, bytes); s != Status::ok) return s;
   return ledger_.unreserve(va, bytes, [] { return Status::ok; });
 }
 
 Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::create_physical,
-                       options_.latency.allocate_ns_per_mib * static_cast<double>(bytes) / kMiB);
-      s != Status::ok) {
-    return s;
-  }
+  if (Status s = enter(CallKind::create_physical, bytes); s != Status::ok) return s;
   if (handle == nullptr) return Status::invalid_argument;
   return ledger_.create(bytes, handle, [&] {
     if (physical_gate_) {
@@ -123,26 +126,28 @@ Status SimDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noe
 
 Status SimDevice::release_physical(PhysicalHandle handle) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::release_physical); s != Status::ok) return s;
+  if (Status s = enter(CallKind::release_physical, ledger_.handle_bytes(handle)); s != Status::ok) {
+    return s;
+  }
   return ledger_.release_handle(handle, [] { return Status::ok; });
 }
 
 Status SimDevice::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                       std::size_t offset) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::map); s != Status::ok) return s;
+  if (Status s = enter(CallKind::map, bytes); s != Status::ok) return s;
   return ledger_.map(va, bytes, handle, offset, [] { return Status::ok; });
 }
 
 Status SimDevice::unmap(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::unmap); s != Status::ok) return s;
+  if (Status s = enter(CallKind::unmap, bytes); s != Status::ok) return s;
   return ledger_.unmap(va, bytes, [](DevicePtr, std::size_t) { return Status::ok; });
 }
 
 Status SimDevice::set_access(DevicePtr va, std::size_t bytes) noexcept {
   std::lock_guard lock(mutex_);
-  if (Status s = enter(CallKind::set_access); s != Status::ok) return s;
+  if (Status s = enter(CallKind::set_access, bytes); s != Status::ok) return s;
   return ledger_.set_access(va, bytes, [](DevicePtr, std::size_t) { return Status::ok; });
 }
 

@@ -210,7 +210,7 @@ TEST(SimDevice, FaultInjectionCountersAndLatency) {
   SimDeviceOptions o;
   o.latency = LatencyModel::zero();
   o.latency.ns_per_call[static_cast<std::size_t>(CallKind::allocate_segment)] = 100;
-  o.latency.allocate_ns_per_mib = 10;
+  o.latency.ns_per_mib[static_cast<std::size_t>(CallKind::allocate_segment)] = 10;
   SimDevice d(o);
   d.fail_nth(CallKind::allocate_segment, 2);
   DevicePtr a = 0;

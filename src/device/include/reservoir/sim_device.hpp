@@ -30,9 +30,11 @@ namespace reservoir {
 // hundreds of microseconds; cudaFree synchronizes the device; cuMemMap and
 // cuMemUnmap cost tens of microseconds per physical handle); docs/config.md
 // lists them. A segment allocation also pays per_byte_allocate_ns per MiB.
+// A call's estimated cost: ns_per_call[kind] + ns_per_mib[kind] * MiB the
+// call covers (the segment, reservation, handle or range).
 struct LatencyModel {
   std::array<double, kCallKindCount> ns_per_call{};
-  double allocate_ns_per_mib = 0.0;
+  std::array<double, kCallKindCount> ns_per_mib{};
   static LatencyModel defaults();
   static LatencyModel zero() { return LatencyModel{}; }
 };
@@ -126,7 +128,7 @@ class SimDevice final : public Device {
   };
 
   // Counts the call and applies injected faults. Returns ok or the fault.
-  Status enter(CallKind kind, double extra_ns = 0.0);
+  Status enter(CallKind kind, std::size_t bytes = 0);
   DevicePtr next_address(std::size_t bytes, std::size_t alignment);
   // Marks complete the events recorded on *stream, or all when stream is null.
   void complete_locked(const StreamId* stream);

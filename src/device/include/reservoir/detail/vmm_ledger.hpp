@@ -126,6 +126,11 @@ class VmmLedger {
 
   // Bytes of physical memory still held (created, and not yet both released and unmapped).
   std::size_t physical_bytes() const noexcept { return physical_bytes_; }
+  // The bytes of a live handle, 0 for one this ledger does not hold.
+  std::size_t handle_bytes(PhysicalHandle handle) const noexcept {
+    auto it = physical_.find(handle);
+    return it == physical_.end() ? 0 : it->second.bytes;
+  }
   std::size_t physical_count() const noexcept { return physical_.size(); }
   std::size_t reservation_count() const noexcept { return reservations_.size(); }
   template <typename F>
