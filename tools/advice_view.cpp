@@ -138,6 +138,11 @@ std::string advice_text(const Trace& trace, const Advice& a) {
                              format_size(*d.outside_bytes))
                : "  outside this allocator unknown (--capacity gives the device's total)\n";
   }
+  if (d.limit_below) {
+    out += fmt::format("  memory limit          at least {}, below {} (the device had room: "
+                       "set_per_process_memory_fraction refused it)\n",
+                       format_size(*d.limit_at_least), format_size(*d.limit_below));
+  }
   if (d.request) {
     out += "  why no block could serve it:\n";
     for (const std::string& reason : d.request->reasons) out += "    - " + reason + "\n";
@@ -251,6 +256,8 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
                            {"pending_free_blocks", d.pending_free_blocks},
                            {"device_free_bytes", opt(d.device_free_bytes)},
                            {"outside_allocator_bytes", opt(d.outside_bytes)},
+                           {"memory_limit_at_least_bytes", opt(d.limit_at_least)},
+                           {"memory_limit_below_bytes", opt(d.limit_below)},
                            {"request", request},
                            {"worst_segments", worst}};
   nlohmann::json candidates = nlohmann::json::array();
@@ -471,6 +478,10 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
       esc(fmt::format("{} ({} blocks)", format_size(d.pending_free_bytes), d.pending_free_blocks)));
   if (d.device_free_bytes) row("device free", esc(format_size(*d.device_free_bytes)));
   if (d.outside_bytes) row("outside this allocator", esc(format_size(*d.outside_bytes)));
+  if (d.limit_below) {
+    row("memory limit", esc(fmt::format("at least {}, below {} (set_per_process_memory_fraction)",
+                                        format_size(*d.limit_at_least), format_size(*d.limit_below))));
+  }
   out += "</table>\n";
   if (d.request && !d.request->reasons.empty()) {
     out += "<ul class=\"reasons\">";

@@ -118,6 +118,10 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
   r.rounded = CachingAllocator::round_size(r.size, config);
   r.large = r.rounded > kSmallSize;
   r.segment_size = CachingAllocator::allocation_size(r.rounded, config);
+  if (d.device_free_bytes && *d.device_free_bytes >= r.segment_size) {
+    d.limit_at_least = d.reserved_bytes;
+    d.limit_below = d.reserved_bytes + r.segment_size;
+  }
   std::uint64_t largest_same_any = 0;  // ignoring the max_split_size rules
   for (const SegmentInfo& s : d.segments.segments) {
     if (s.is_large != r.large) continue;
@@ -182,7 +186,14 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
   } else if (d.cached_segments == 0) {
     r.reasons.push_back("No whole segment was cached for the retry ladder to give back.");
   }
-  if (d.device_free_bytes) {
+  if (d.limit_below) {
+    r.reasons.push_back(fmt::format(
+        "A new segment needed {} and the device had {} free: what refused it was this process's "
+        "own memory limit (torch.cuda.set_per_process_memory_fraction), at least {} (what the "
+        "allocator held) and below {} (that plus the segment).",
+        format_size(r.segment_size), format_size(*d.device_free_bytes), format_size(*d.limit_at_least),
+        format_size(*d.limit_below)));
+  } else if (d.device_free_bytes) {
     std::string outside;
     if (d.outside_bytes && *d.outside_bytes > 0) {
       outside = fmt::format(", with {} of the device held outside this allocator",
@@ -386,6 +397,11 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   if (options.capacity) {
     advice.capacity_bytes = options.capacity;
     advice.capacity_source = "given";
+  } else if (d.limit_at_least) {
+    // The program ran under its own limit: what fits is judged against the
+    // least it can have been.
+    advice.capacity_bytes = d.limit_at_least;
+    advice.capacity_source = "the process's memory limit, at least (set_per_process_memory_fraction)";
   } else if (d.device_free_bytes) {
     advice.capacity_bytes = d.reserved_bytes + *d.device_free_bytes;
     advice.capacity_source = "oom event";

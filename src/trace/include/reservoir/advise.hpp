@@ -93,6 +93,12 @@ struct Diagnosis {
   // Device memory neither this allocator's nor free: capacity - reserved -
   // device free, when a capacity was given and the oom recorded the free memory.
   std::optional<std::uint64_t> outside_bytes;
+  // When the device had room for the new segment the failed request needed,
+  // what refused it was the process's own limit
+  // (torch.cuda.set_per_process_memory_fraction): at least what the
+  // allocator held, and below that plus the segment. Set with both bounds.
+  std::optional<std::uint64_t> limit_at_least;
+  std::optional<std::uint64_t> limit_below;
   std::optional<FailedRequest> request;  // with moment "oom"
   std::vector<PinnedSegment> worst_segments;  // most unusable free memory first
   Snapshot segments;                          // the allocator's segments at the moment
