@@ -63,6 +63,9 @@ SIMCUDA_API int reservoir_simcuda_attribute(int attribute, int device, int* valu
     case CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: v = 0; break;
     case CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED: v = 0; break;
     default: {
+      // Past the last attribute CUDA knows: an invalid value, as the driver says.
+      if (attribute < 0 || attribute >= CU_DEVICE_ATTRIBUTE_MAX)
+        return reservoir::simcuda::kInvalidValue;
       const std::string what = "cudaDeviceGetAttribute / cuDeviceGetAttribute of attribute " + std::to_string(attribute);
       return Sim::get().refuse(what.c_str());
     }

@@ -401,6 +401,21 @@ SIMCUDA_API CUresult cuEventSynchronize(CUevent event) {
   ENTER("cuEventSynchronize", false);
   return code(Sim::get().synchronize(reinterpret_cast<sc::Event*>(event)));
 }
+SIMCUDA_API CUresult cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
+  ENTER("cuMemcpyDtoH_v2", false);
+  if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
+  ENTER("cuMemcpyHtoD_v2", false);
+  if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
+  return CUDA_SUCCESS;
+}
+SIMCUDA_API CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
+  ENTER("cuMemsetD8_v2", false);
+  if (count != 0) std::memset(reinterpret_cast<void*>(dst), value, count);
+  return CUDA_SUCCESS;
+}
 SIMCUDA_API CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoHAsync_v2", false);
   (void)stream;

@@ -99,8 +99,8 @@ SIMCUDA_API int nvmlDeviceGetUUID(void* device, char* uuid, unsigned int length)
 SIMCUDA_API int nvmlDeviceGetMemoryInfo(void* device, Memory* memory) {
   if (device == nullptr || memory == nullptr) return kInvalidArgument;
   const int d = index_of(device);
-  memory->total = Sim::get().capacity(d);
-  memory->used = Sim::get().used(d);
+  memory->total = Sim::get().capacity(d) + Sim::kDriverReserved;
+  memory->used = Sim::get().used(d) + Sim::kDriverReserved;
   memory->free = memory->total - memory->used;
   return Sim::get().enter("nvmlDeviceGetMemoryInfo");
 }

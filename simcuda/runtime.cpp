@@ -308,6 +308,19 @@ SIMCUDA_API cudaError_t cudaFree(void* ptr) {
   ENTER("cudaFree", false);
   return result(Sim::get().free_device(ptr));
 }
+// Stream-ordered allocation: work on a stream is done when issued here, so
+// the memory is the device's as cudaMalloc places it, given and taken back
+// at once.
+SIMCUDA_API cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
+  ENTER("cudaMallocAsync", true);
+  (void)stream;
+  return result(Sim::get().malloc_device(device(), size, ptr));
+}
+SIMCUDA_API cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
+  ENTER("cudaFreeAsync", false);
+  (void)stream;
+  return result(Sim::get().free_device(ptr));
+}
 SIMCUDA_API cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
   ENTER("cudaMemGetInfo", false);
   if (free == nullptr || total == nullptr) return result(cudaErrorInvalidValue);
@@ -506,6 +519,10 @@ SIMCUDA_API cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 SIMCUDA_API cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   ENTER("cudaEventElapsedTime", false);
   if (ms == nullptr || start == nullptr || end == nullptr) return result(cudaErrorInvalidValue);
+  // Events never recorded have no time: an invalid handle, as the runtime says.
+  if (!reinterpret_cast<Event*>(start)->recorded || !reinterpret_cast<Event*>(end)->recorded) {
+    return result(cudaErrorInvalidResourceHandle);
+  }
   *ms = static_cast<float>(reinterpret_cast<Event*>(end)->time_ms - reinterpret_cast<Event*>(start)->time_ms);
   return cudaSuccess;
 }

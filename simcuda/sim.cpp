@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -42,14 +43,14 @@ std::size_t parse_bytes(const char* text) {
 
 Sim::Sim() {
   const int count = std::atoi(env("RESERVOIR_SIMCUDA_DEVICES", "1").c_str());
-  std::size_t capacity = parse_bytes(env("RESERVOIR_SIMCUDA_MEMORY", "81559MiB").c_str());
+  std::size_t capacity = parse_bytes(env("RESERVOIR_SIMCUDA_MEMORY", "81079MiB").c_str());
   if (count <= 0 || capacity == 0) {
     std::fprintf(stderr,
                  "reservoir simulated CUDA: RESERVOIR_SIMCUDA_DEVICES must be a positive count and "
-                 "RESERVOIR_SIMCUDA_MEMORY bytes, KiB, MiB or GiB; using 1 device of 81559MiB\n");
-    capacity = std::size_t{81559} << 20;
+                 "RESERVOIR_SIMCUDA_MEMORY bytes, KiB, MiB or GiB; using 1 device of 81079MiB\n");
+    capacity = std::size_t{81079} << 20;
   }
-  devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0, 0, {}});
+  devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0, 0, {}, {}});
   name_ = env("RESERVOIR_SIMCUDA_NAME", "NVIDIA H100 80GB HBM3");
   held_ = env("RESERVOIR_SIMCUDA_EVENTS", "complete") == "held";
   kernels_ = env("RESERVOIR_SIMCUDA_KERNELS", "refuse") == "skip";
@@ -118,9 +119,58 @@ std::size_t Sim::used(int device) {
   return valid(device) ? devices_[static_cast<std::size_t>(device)].used : 0;
 }
 
-// cudaMalloc as a GPU's allocator places memory: in the device's own
-// address range (reserved once, capacity bytes), first fit from its start,
-// 2 MiB aligned, so that addresses ascend as a program allocates.
+bool Sim::open_range(Device& d) {
+  if (d.base != 0) return true;
+  void* p = ::mmap(nullptr, d.capacity + kGranularity, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return false;
+  d.base = round_up(reinterpret_cast<std::uintptr_t>(p), kGranularity);
+  d.holes[0] = d.capacity;  // offset -> length
+  return true;
+}
+
+std::uintptr_t Sim::take_range(Device& d, std::size_t bytes) {
+  for (auto it = d.holes.begin(); it != d.holes.end(); ++it) {
+    if (it->second < bytes) continue;
+    const std::uintptr_t at = d.base + it->first;
+    const std::size_t offset = it->first + bytes;
+    const std::size_t left = it->second - bytes;
+    d.holes.erase(it);
+    if (left != 0) d.holes[offset] = left;
+    d.used += bytes;
+    return at;
+  }
+  return 0;  // no hole fits: fragmented
+}
+
+// Frees go back as holes merged with their neighbours.
+void Sim::give_range(Device& d, std::uintptr_t at, std::size_t bytes) {
+  d.used -= bytes;
+  std::size_t offset = at - d.base;
+  std::size_t length = bytes;
+  auto next = d.holes.lower_bound(offset);
+  if (next != d.holes.end() && next->first == offset + length) {
+    length += next->second;
+    next = d.holes.erase(next);
+  }
+  if (next != d.holes.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      offset = prev->first;
+      length += prev->second;
+      d.holes.erase(prev);
+    }
+  }
+  d.holes[offset] = length;
+}
+
+// cudaMalloc as a GPU's allocator places memory (as measured on an H100,
+// tests/data/gpu): in the device's own address range (reserved once,
+// capacity bytes), first fit from its start, so that addresses ascend as a
+// program allocates. From 2 MiB up, whole 2 MiB pages, 2 MiB aligned;
+// below, 512-byte slots packed into shared 2 MiB pages (a 1-byte cudaMalloc
+// follows another by 512 bytes, and the device's free memory drops by the
+// page the first one opens).
 int Sim::malloc_device(int device, std::size_t size, void** out) {
   if (out == nullptr) return kInvalidValue;
   if (!valid(device)) return kInvalidDevice;
@@ -128,33 +178,50 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
     *out = nullptr;
     return kSuccess;
   }
-  const std::size_t bytes = round_up(size, kGranularity);
   std::uintptr_t at = 0;
+  std::uintptr_t open_page = 0;  // a page opened for this slot: made accessible below
+  std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = devices_[static_cast<std::size_t>(device)];
-    if (d.used + bytes > d.capacity) return kOutOfMemory;
-    if (d.base == 0) {
-      void* p = ::mmap(nullptr, d.capacity + kGranularity, PROT_NONE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) return kOutOfMemory;
-      d.base = round_up(reinterpret_cast<std::uintptr_t>(p), kGranularity);
-      d.holes[0] = d.capacity;  // offset -> length
+    if (!open_range(d)) return kOutOfMemory;
+    if (size < kGranularity) {
+      bytes = round_up(size, kSmallAlignment);
+      for (auto& [page, sp] : d.small_pages) {
+        for (auto it = sp.free.begin(); it != sp.free.end(); ++it) {
+          if (it->second < bytes) continue;
+          at = page + it->first;
+          const std::size_t offset = it->first + bytes;
+          const std::size_t left = it->second - bytes;
+          sp.free.erase(it);
+          if (left != 0) sp.free[offset] = left;
+          ++sp.live;
+          break;
+        }
+        if (at != 0) break;
+      }
+      if (at == 0) {
+        if (d.used + kGranularity > d.capacity) return kOutOfMemory;
+        open_page = take_range(d, kGranularity);
+        if (open_page == 0) return kOutOfMemory;
+        Device::SmallPage& sp = d.small_pages[open_page];
+        if (bytes < kGranularity) sp.free[bytes] = kGranularity - bytes;
+        sp.live = 1;
+        at = open_page;
+      }
+    } else {
+      bytes = round_up(size, kGranularity);
+      if (d.used + bytes > d.capacity) return kOutOfMemory;
+      at = take_range(d, bytes);
+      if (at == 0) return kOutOfMemory;
+      open_page = at;
     }
-    for (auto it = d.holes.begin(); it != d.holes.end(); ++it) {
-      if (it->second < bytes) continue;
-      at = d.base + it->first;
-      const std::size_t offset = it->first + bytes;
-      const std::size_t left = it->second - bytes;
-      d.holes.erase(it);
-      if (left != 0) d.holes[offset] = left;
-      break;
-    }
-    if (at == 0) return kOutOfMemory;  // no hole fits: fragmented
-    d.used += bytes;
     allocations_[at] = {bytes, device};
   }
-  ::mprotect(reinterpret_cast<void*>(at), bytes, PROT_READ | PROT_WRITE);
+  if (open_page != 0) {
+    ::mprotect(reinterpret_cast<void*>(open_page), std::max(bytes, kGranularity),
+               PROT_READ | PROT_WRITE);
+  }
   *out = reinterpret_cast<void*>(at);
   return kSuccess;
 }
@@ -162,36 +229,49 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
 int Sim::free_device(void* ptr) {
   if (ptr == nullptr) return kSuccess;
   const auto at = reinterpret_cast<std::uintptr_t>(ptr);
-  std::size_t bytes = 0;
+  std::uintptr_t release_at = 0;  // pages handed back: their memory leaves the process
+  std::size_t release_bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(at);
     if (it == allocations_.end()) return kInvalidValue;
-    bytes = it->second.first;
+    const std::size_t bytes = it->second.first;
     Device& d = devices_[static_cast<std::size_t>(it->second.second)];
-    d.used -= bytes;
     allocations_.erase(it);
-    // The hole, merged with its neighbours.
-    std::size_t offset = at - d.base;
-    std::size_t length = bytes;
-    auto next = d.holes.lower_bound(offset);
-    if (next != d.holes.end() && next->first == offset + length) {
-      length += next->second;
-      next = d.holes.erase(next);
-    }
-    if (next != d.holes.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == offset) {
-        offset = prev->first;
-        length += prev->second;
-        d.holes.erase(prev);
+    if (bytes < kGranularity) {
+      const std::uintptr_t page = at - (at - d.base) % kGranularity;
+      Device::SmallPage& sp = d.small_pages.at(page);
+      std::size_t offset = at - page;
+      std::size_t length = bytes;
+      auto next = sp.free.lower_bound(offset);
+      if (next != sp.free.end() && next->first == offset + length) {
+        length += next->second;
+        next = sp.free.erase(next);
       }
+      if (next != sp.free.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == offset) {
+          offset = prev->first;
+          length += prev->second;
+          sp.free.erase(prev);
+        }
+      }
+      sp.free[offset] = length;
+      if (--sp.live == 0) {
+        d.small_pages.erase(page);
+        give_range(d, page, kGranularity);
+        release_at = page, release_bytes = kGranularity;
+      }
+    } else {
+      give_range(d, at, bytes);
+      release_at = at, release_bytes = bytes;
     }
-    d.holes[offset] = length;
   }
-  // The pages go back to the system; the range stays the device's.
-  ::madvise(ptr, bytes, MADV_DONTNEED);
-  ::mprotect(ptr, bytes, PROT_NONE);
+  if (release_at != 0) {
+    // The pages go back to the system; the range stays the device's.
+    ::madvise(reinterpret_cast<void*>(release_at), release_bytes, MADV_DONTNEED);
+    ::mprotect(reinterpret_cast<void*>(release_at), release_bytes, PROT_NONE);
+  }
   return kSuccess;
 }
 
@@ -218,6 +298,7 @@ bool Sim::device_range(const void* ptr, std::uintptr_t* base, std::size_t* size,
 
 int Sim::reserve(std::size_t size, std::size_t alignment, std::uintptr_t* out) {
   if (size == 0 || size % kGranularity != 0 || out == nullptr) return kInvalidValue;
+  if ((alignment & (alignment - 1)) != 0) return kInvalidValue;  // 0 or a power of two, as CUDA's
   const std::size_t align = alignment > kGranularity ? alignment : kGranularity;
   // Over-reserve to align, then give back the ends.
   void* p = ::mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -291,10 +372,9 @@ int Sim::map(std::uintptr_t va, std::size_t size, std::size_t offset, std::uint6
   std::lock_guard<std::mutex> lock(mu_);
   auto ph = physical_.find(handle);
   if (ph == physical_.end()) return kInvalidHandle;
-  if (size == 0 || size % kGranularity != 0 || va % kGranularity != 0 ||
-      offset + size > ph->second.size) {
-    return kInvalidValue;
-  }
+  if (size == 0 || size % kGranularity != 0 || va % kGranularity != 0) return kInvalidValue;
+  // A part of a handle, or past its end: the driver answers "not supported".
+  if (offset != 0 || size > ph->second.size) return kNotSupported;
   // Inside one reservation, over nothing mapped.
   auto r = reservations_.upper_bound(va);
   if (r == reservations_.begin()) return kInvalidValue;
@@ -316,7 +396,20 @@ int Sim::map(std::uintptr_t va, std::size_t size, std::size_t offset, std::uint6
 
 int Sim::unmap(std::uintptr_t va, std::size_t size) {
   std::lock_guard<std::mutex> lock(mu_);
-  // Whole mappings only, as CUDA requires.
+  // Inside one reservation; a range with nothing mapped in it is unmapped
+  // already (the driver answers success).
+  auto r = reservations_.upper_bound(va);
+  if (size == 0 || r == reservations_.begin()) return kInvalidValue;
+  --r;
+  if (va + size > r->first + r->second) return kInvalidValue;
+  if (auto m = mappings_.lower_bound(va); m == mappings_.end() || m->first >= va + size) {
+    auto before = mappings_.lower_bound(va);
+    if (before == mappings_.begin() ||
+        std::prev(before)->first + std::prev(before)->second.size <= va) {
+      return kSuccess;
+    }
+  }
+  // Otherwise whole mappings only, as CUDA requires.
   std::uintptr_t at = va;
   while (at < va + size) {
     auto m = mappings_.find(at);

@@ -14,7 +14,9 @@
 // Configuration, read once from the environment:
 //   RESERVOIR_SIMCUDA_DEVICES   device count (default 1)
 //   RESERVOIR_SIMCUDA_MEMORY    each device's capacity: bytes, or with KiB,
-//                               MiB, GiB (default 81559MiB, an H100 80GB's)
+//                               MiB, GiB (default 81079MiB: what CUDA reports
+//                               as an H100 80GB's total; NVML adds the 480 MiB
+//                               the driver keeps, 81559 MiB as nvidia-smi shows)
 //   RESERVOIR_SIMCUDA_NAME      device name (default "NVIDIA H100 80GB HBM3")
 //   RESERVOIR_SIMCUDA_EVENTS    "complete" (default) or "held"
 //   RESERVOIR_SIMCUDA_KERNELS   "refuse" (default) or "skip" (a launch does
@@ -91,6 +93,13 @@ struct Device {
   std::size_t used = 0;                        // cudaMalloc'd and cuMemCreate'd bytes
   std::uintptr_t base = 0;                     // its cudaMalloc address range (capacity bytes)
   std::map<std::size_t, std::size_t> holes;    // free parts of that range: offset -> length
+  // cudaMalloc below 2 MiB shares 2 MiB pages, 512-byte aligned, as a GPU's
+  // does: page base -> its free slots (offset -> length) and live count.
+  struct SmallPage {
+    std::map<std::size_t, std::size_t> free;
+    std::size_t live = 0;
+  };
+  std::map<std::uintptr_t, SmallPage> small_pages;
 };
 
 class SIMCUDA_API Sim {
@@ -122,6 +131,9 @@ class SIMCUDA_API Sim {
 
   // Virtual memory.
   static constexpr std::size_t kGranularity = std::size_t{2} << 20;
+  static constexpr std::size_t kSmallAlignment = 512;
+  static constexpr std::size_t kDriverReserved = std::size_t{480}
+                                                 << 20;  // NVML's total minus CUDA's
   int reserve(std::size_t size, std::size_t alignment, std::uintptr_t* out);
   int unreserve(std::uintptr_t va, std::size_t size);
   int create_physical(int device, std::size_t size, std::uint64_t* handle);
@@ -169,6 +181,10 @@ class SIMCUDA_API Sim {
   std::unordered_map<std::string, std::uint64_t> counts_;
   std::unordered_map<std::string, std::vector<std::uint64_t>> failures_;  // call -> uses that fail
   std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations_;    // cudaMalloc: base -> size, device
+  // Holes of the device range: takes `bytes` (first fit), returns 0 when none fits.
+  std::uintptr_t take_range(Device& d, std::size_t bytes);
+  void give_range(Device& d, std::uintptr_t at, std::size_t bytes);
+  bool open_range(Device& d);
   std::map<std::uintptr_t, std::size_t> reservations_;                   // base -> size
   std::map<std::uintptr_t, Mapping> mappings_;                           // va -> mapping
   std::unordered_map<std::uint64_t, Physical> physical_;

@@ -109,7 +109,7 @@ class Probe:
 
 
 PROBES = ("init", "malloc_edges", "malloc_layout", "malloc_sequence", "mem_info", "malloc_async", "pointer_attributes",
-          "streams_events", "vmm", "timings", "vmm_bad_handles")
+          "streams_events", "vmm", "timings", "call_costs", "vmm_bad_handles")
 
 
 def probes(p, save, only):
@@ -382,6 +382,91 @@ def probes(p, save, only):
         out["free back after cuMemRelease"] = free.value - f0
         return out
 
+    def call_costs():
+        # Each call timed alone (median of n, microseconds), per size: the latency model's inputs.
+        prop = AllocProp(type=1, requestedHandleTypes=0, loc_type=1, loc_id=0)
+        acc = AccessDesc(loc_type=1, loc_id=0, flags=3)
+        out = {}
+
+        def med(samples):
+            return round(statistics.median(samples) / 1000.0, 2)
+
+        def clock(fn):
+            t = time.perf_counter_ns()
+            fn()
+            return time.perf_counter_ns() - t
+
+        n = 15
+        for size, label in ((4 * KiB, "4KiB"), (2 * MiB, "2MiB"), (64 * MiB, "64MiB"), (GiB, "1GiB"),
+                            (8 * GiB, "8GiB")):
+            ta, tf = [], []
+            for _ in range(n if size < GiB else 7):
+                ptr = c_ptr()
+                ta.append(clock(lambda: r("cudaMalloc", ctypes.byref(ptr), c_size(size))))
+                tf.append(clock(lambda: r("cudaFree", ptr)))
+            out[f"cudaMalloc {label}"], out[f"cudaFree {label}"] = med(ta), med(tf)
+            if size < 2 * MiB:
+                continue
+            cols = {k: [] for k in ("reserve", "create", "map", "set_access", "unmap", "release", "address_free")}
+            for _ in range(n if size < GiB else 7):
+                va, h = c_u64(), c_u64()
+                cols["reserve"].append(clock(lambda: d("cuMemAddressReserve", ctypes.byref(va), c_size(size),
+                                                       c_size(0), c_u64(0), c_u64(0))))
+                cols["create"].append(clock(lambda: d("cuMemCreate", ctypes.byref(h), c_size(size),
+                                                      ctypes.byref(prop), c_u64(0))))
+                cols["map"].append(clock(lambda: d("cuMemMap", c_u64(va.value), c_size(size), c_size(0), h,
+                                                   c_u64(0))))
+                cols["set_access"].append(clock(lambda: d("cuMemSetAccess", c_u64(va.value), c_size(size),
+                                                          ctypes.byref(acc), c_size(1))))
+                cols["unmap"].append(clock(lambda: d("cuMemUnmap", c_u64(va.value), c_size(size))))
+                cols["release"].append(clock(lambda: d("cuMemRelease", h)))
+                cols["address_free"].append(clock(lambda: d("cuMemAddressFree", c_u64(va.value), c_size(size))))
+            for k, v in cols.items():
+                out[f"{k} {label}"] = med(v)
+        # 2 MiB handles mapped side by side into one 64 MiB reservation (the paging policy's pattern).
+        va = c_u64()
+        pages = 32
+        d("cuMemAddressReserve", ctypes.byref(va), c_size(pages * 2 * MiB), c_size(0), c_u64(0), c_u64(0))
+        hs = [c_u64() for _ in range(pages)]
+        tc, tm, ts, tu, tr = [], [], [], [], []
+        for i, h in enumerate(hs):
+            tc.append(clock(lambda: d("cuMemCreate", ctypes.byref(h), c_size(2 * MiB), ctypes.byref(prop), c_u64(0))))
+            tm.append(clock(lambda: d("cuMemMap", c_u64(va.value + i * 2 * MiB), c_size(2 * MiB), c_size(0), h,
+                                      c_u64(0))))
+            ts.append(clock(lambda: d("cuMemSetAccess", c_u64(va.value + i * 2 * MiB), c_size(2 * MiB),
+                                      ctypes.byref(acc), c_size(1))))
+        out["set_access 64MiB over 32 handles"] = med([clock(lambda: d("cuMemSetAccess", c_u64(va.value),
+                                                                        c_size(pages * 2 * MiB), ctypes.byref(acc),
+                                                                        c_size(1))) for _ in range(5)])
+        for i, h in enumerate(hs):
+            tu.append(clock(lambda: d("cuMemUnmap", c_u64(va.value + i * 2 * MiB), c_size(2 * MiB))))
+            tr.append(clock(lambda: d("cuMemRelease", h)))
+        d("cuMemAddressFree", c_u64(va.value), c_size(pages * 2 * MiB))
+        out.update({"page create 2MiB": med(tc), "page map 2MiB": med(tm), "page set_access 2MiB": med(ts),
+                    "page unmap 2MiB": med(tu), "page release 2MiB": med(tr)})
+        free, total = c_size(), c_size()
+        out["cudaMemGetInfo"] = med([clock(lambda: r("cudaMemGetInfo", ctypes.byref(free), ctypes.byref(total)))
+                                     for _ in range(n)])
+        ev, s = c_ptr(), c_ptr()
+        r("cudaStreamCreate", ctypes.byref(s))
+        cols = {k: [] for k in ("event_create", "event_record", "event_query", "event_synchronize",
+                                "event_destroy", "stream_synchronize", "device_synchronize")}
+        for _ in range(n):
+            cols["event_create"].append(clock(lambda: r("cudaEventCreateWithFlags", ctypes.byref(ev), 2)))
+            cols["event_record"].append(clock(lambda: r("cudaEventRecord", ev, s)))
+            cols["event_query"].append(clock(lambda: r("cudaEventQuery", ev)))
+            cols["event_synchronize"].append(clock(lambda: r("cudaEventSynchronize", ev)))
+            cols["event_destroy"].append(clock(lambda: r("cudaEventDestroy", ev)))
+            cols["stream_synchronize"].append(clock(lambda: r("cudaStreamSynchronize", s)))
+            cols["device_synchronize"].append(clock(lambda: r("cudaDeviceSynchronize")))
+        r("cudaStreamDestroy", s)
+        for k, v in cols.items():
+            out[k] = med(v)
+        pinned = c_ptr()
+        out["cudaMallocHost 1GiB"] = med([clock(lambda: r("cudaMallocHost", ctypes.byref(pinned), c_size(GiB)))])
+        out["cudaFreeHost 1GiB"] = med([clock(lambda: r("cudaFreeHost", pinned))])
+        return {"median_us": out}
+
     def vmm_bad_handles():
         # A handle is the driver's own pointer: a made-up one may crash a real driver, so this runs last,
         # alone, and a crash is itself the answer.
@@ -422,7 +507,8 @@ def probes(p, save, only):
                        ("malloc_sequence", malloc_sequence),
                        ("mem_info", mem_info), ("malloc_async", malloc_async),
                        ("pointer_attributes", pointer_attributes), ("streams_events", streams_events),
-                       ("vmm", vmm), ("timings", timings), ("vmm_bad_handles", vmm_bad_handles)):
+                       ("vmm", vmm), ("timings", timings), ("call_costs", call_costs),
+                       ("vmm_bad_handles", vmm_bad_handles)):
         if only and name not in only:
             continue
         p.run(name, body)

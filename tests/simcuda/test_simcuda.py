@@ -111,6 +111,25 @@ def test_cudamalloc_ascends_and_memory_info_follows_the_capacity():
     assert out == [str(4 * MiB), f"({(1 << 30) - 6 * MiB},", f"{1 << 30})", "2", "2", "0", "1"]
 
 
+def test_small_cudamalloc_shares_pages_as_a_gpu_does():
+    out, _ = run("""
+        free0 = free_bytes()[0]
+        ptrs = [ctypes.c_void_p() for _ in range(4)]
+        for p, size in zip(ptrs, (1, 512, 4096, MiB)):
+            assert rt.cudaMalloc(ctypes.byref(p), size) == 0
+        print(",".join(str(q.value - ptrs[0].value) for q in ptrs), free0 - free_bytes()[0])
+        assert rt.cudaFree(ptrs[1]) == 0
+        again = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(again), 300) == 0  # the freed slot, first fit
+        print(again.value - ptrs[0].value)
+        for p in (ptrs[0], ptrs[2], ptrs[3], again):
+            assert rt.cudaFree(p) == 0
+        print(free0 - free_bytes()[0])  # the page went back with its last slot
+    """)
+    # 512-byte slots in one 2 MiB page (as an H100 places them: tests/data/gpu).
+    assert out == ["0,512,1024,5120", str(2 * MiB), "512", "0"]
+
+
 def test_several_devices_and_their_names():
     out, _ = run("""
         n = ctypes.c_int()
