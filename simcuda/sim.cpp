@@ -129,39 +129,51 @@ bool Sim::open_range(Device& d) {
   return true;
 }
 
-std::uintptr_t Sim::take_range(Device& d, std::size_t bytes) {
-  for (auto it = d.holes.begin(); it != d.holes.end(); ++it) {
+namespace {
+
+// A free list (offset -> length): takes `bytes` first fit, or says none fits.
+bool take_first_fit(std::map<std::size_t, std::size_t>& holes, std::size_t bytes, std::size_t* offset) {
+  for (auto it = holes.begin(); it != holes.end(); ++it) {
     if (it->second < bytes) continue;
-    const std::uintptr_t at = d.base + it->first;
-    const std::size_t offset = it->first + bytes;
+    *offset = it->first;
     const std::size_t left = it->second - bytes;
-    d.holes.erase(it);
-    if (left != 0) d.holes[offset] = left;
-    d.used += bytes;
-    return at;
+    holes.erase(it);
+    if (left != 0) holes[*offset + bytes] = left;
+    return true;
   }
-  return 0;  // no hole fits: fragmented
+  return false;
 }
 
-// Frees go back as holes merged with their neighbours.
-void Sim::give_range(Device& d, std::uintptr_t at, std::size_t bytes) {
-  d.used -= bytes;
-  std::size_t offset = at - d.base;
-  std::size_t length = bytes;
-  auto next = d.holes.lower_bound(offset);
-  if (next != d.holes.end() && next->first == offset + length) {
+// Gives a range back to a free list, merged with its neighbours.
+void give_back(std::map<std::size_t, std::size_t>& holes, std::size_t offset, std::size_t length) {
+  auto next = holes.lower_bound(offset);
+  if (next != holes.end() && next->first == offset + length) {
     length += next->second;
-    next = d.holes.erase(next);
+    next = holes.erase(next);
   }
-  if (next != d.holes.begin()) {
+  if (next != holes.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second == offset) {
       offset = prev->first;
       length += prev->second;
-      d.holes.erase(prev);
+      holes.erase(prev);
     }
   }
-  d.holes[offset] = length;
+  holes[offset] = length;
+}
+
+}  // namespace
+
+std::uintptr_t Sim::take_range(Device& d, std::size_t bytes) {
+  std::size_t offset = 0;
+  if (!take_first_fit(d.holes, bytes, &offset)) return 0;  // no hole fits: fragmented
+  d.used += bytes;
+  return d.base + offset;
+}
+
+void Sim::give_range(Device& d, std::uintptr_t at, std::size_t bytes) {
+  d.used -= bytes;
+  give_back(d.holes, at - d.base, bytes);
 }
 
 // cudaMalloc as a GPU's allocator places memory (as measured on an H100,
@@ -188,17 +200,12 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
     if (size < kGranularity) {
       bytes = round_up(size, kSmallAlignment);
       for (auto& [page, sp] : d.small_pages) {
-        for (auto it = sp.free.begin(); it != sp.free.end(); ++it) {
-          if (it->second < bytes) continue;
-          at = page + it->first;
-          const std::size_t offset = it->first + bytes;
-          const std::size_t left = it->second - bytes;
-          sp.free.erase(it);
-          if (left != 0) sp.free[offset] = left;
+        std::size_t offset = 0;
+        if (take_first_fit(sp.free, bytes, &offset)) {
+          at = page + offset;
           ++sp.live;
           break;
         }
-        if (at != 0) break;
       }
       if (at == 0) {
         if (d.used + kGranularity > d.capacity) return kOutOfMemory;
@@ -241,22 +248,7 @@ int Sim::free_device(void* ptr) {
     if (bytes < kGranularity) {
       const std::uintptr_t page = at - (at - d.base) % kGranularity;
       Device::SmallPage& sp = d.small_pages.at(page);
-      std::size_t offset = at - page;
-      std::size_t length = bytes;
-      auto next = sp.free.lower_bound(offset);
-      if (next != sp.free.end() && next->first == offset + length) {
-        length += next->second;
-        next = sp.free.erase(next);
-      }
-      if (next != sp.free.begin()) {
-        auto prev = std::prev(next);
-        if (prev->first + prev->second == offset) {
-          offset = prev->first;
-          length += prev->second;
-          sp.free.erase(prev);
-        }
-      }
-      sp.free[offset] = length;
+      give_back(sp.free, at - page, bytes);
       if (--sp.live == 0) {
         d.small_pages.erase(page);
         give_range(d, page, kGranularity);
