@@ -31,6 +31,10 @@ from debian_python_tools import BUILD_TOOLS, TEST_TOOLS, fill as debian_tools  #
 
 # What a portable build may need of the machine it runs on.
 ALLOWED_NEEDED = re.compile(r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so")
+# The hooks library of a PyTorch release binds to that PyTorch's libraries,
+# loaded (by soname) once `import torch` has run.
+HOOKS = re.compile(r"^reservoir/lib/torch-2\.[0-9]+\.[0-9]+/libreservoir_torch_hooks\.so$")
+TORCH_NEEDED = re.compile(r"^(libtorch_cuda|libc10_cuda|libc10)\.so$")
 
 failures = []
 
@@ -197,9 +201,13 @@ def wheel_for(python, args):
         expected = {"reservoir_torch.py", "reservoir/__init__.py", "reservoir/__main__.py",
                     "reservoir/memory_saver.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
                     "reservoir/lib/libreservoir_torch.so"}
+        payload = {n for n in members if not n.startswith(info + "/")}
+        hooks = {n for n in payload if HOOKS.match(n)}
         if args.expect_preload.upper() in ("ON", "1", "TRUE", "YES"):
             expected.add("reservoir/lib/libreservoir_preload.so")
-        payload = {n for n in members if not n.startswith(info + "/")}
+            # Built with CUDA's headers: a hooks library per PyTorch release in the PyPI cache.
+            check(hooks, "the wheel holds PyTorch's hooks libraries (reservoir/lib/torch-<release>/)")
+        expected |= hooks
         check(payload == expected, "the wheel holds exactly the package's files"
               + ("" if payload == expected else f": missing {sorted(expected - payload)}, "
                  f"unexpected {sorted(payload - expected)}"))
@@ -219,9 +227,11 @@ def wheel_for(python, args):
         dynamic = subprocess.run(["readelf", "-d", os.path.join(unpacked, member)], capture_output=True,
                                  text=True).stdout
         needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic)
-        extra = [n for n in needed if not ALLOWED_NEEDED.match(n)]
+        extra = [n for n in needed if not ALLOWED_NEEDED.match(n)
+                 and not (HOOKS.match(member) and TORCH_NEEDED.match(n))]
         check(needed and not extra and "RPATH" not in dynamic and "RUNPATH" not in dynamic,
-              f"{member} needs only glibc, libstdc++ and libgcc, no run path (needs {needed})")
+              f"{member} needs only glibc, libstdc++ and libgcc"
+              + (" and PyTorch's libraries" if HOOKS.match(member) else "") + f", no run path (needs {needed})")
 
     # 3. A fresh virtual environment with the wheel installed, used from a
     # folder outside the checkout.
