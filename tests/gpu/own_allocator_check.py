@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""reservoir as PyTorch's own CUDA allocator on a GPU: reservoir.install_torch()
+(the hooks library built for the release, every hook connected) under the
+native, expandable and paging policies, beside PyTorch's allocator.
+
+Each run, in its own process: ten training steps of a small transformer
+(bitwise-identical losses required), then empty_cache() (reservoir's native
+policy keeps what PyTorch's keeps; torch.cuda.memory_stats() is PyTorch's
+own, which its pluggable allocator does not forward, so reservoir.stats()
+reads reservoir's), a block recorded on a second stream, and
+set_per_process_memory_fraction driving an allocation into
+torch.cuda.OutOfMemoryError. One JSON line per run; exit 1 on a difference.
+
+    python3 tests/gpu/own_allocator_check.py    (reservoir importable, e.g. the bundle's wheel installed)
+"""
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r'''
+import json, sys, time
+config = sys.argv[1]
+import torch, torch.nn as nn, torch.nn.functional as F
+if config != "native":
+    import reservoir
+    reservoir.install_torch(config)
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+dev = torch.device("cuda")
+layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.1, batch_first=True)
+model = nn.Sequential(nn.Embedding(1000, 256), nn.TransformerEncoder(layer, 3), nn.Linear(256, 1000)).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator(device="cpu").manual_seed(1)
+losses = []
+t0 = time.perf_counter()
+for step in range(10):
+    x = torch.randint(0, 1000, (16, 128), generator=gen).to(dev)
+    loss = F.cross_entropy(model(x).view(-1, 1000), x.view(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item().hex())
+torch.cuda.synchronize()
+seconds = time.perf_counter() - t0
+del x, loss
+torch.cuda.empty_cache()
+if config == "native":
+    live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+else:  # PyTorch's pluggable allocator does not forward memory_stats(): reservoir's own
+    stats = reservoir.stats(0)
+    live, reserved = stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"]
+side = torch.cuda.Stream()
+a = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+a.record_stream(side)
+pa = a.data_ptr()
+del a
+b = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # may reuse a's block only once side is idle
+side.synchronize()
+del b
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction((reserved + (256 << 20)) / total)
+try:
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    oom = "no error"
+except torch.OutOfMemoryError as e:
+    oom = "OutOfMemoryError"
+print("RESULT " + json.dumps({"config": config, "losses": losses, "seconds": seconds, "live": live,
+                              "reserved_after_empty_cache": reserved, "oom_under_fraction": oom}))
+'''
+
+
+def main():
+    results, failures = {}, []
+    for config in ("native", "", "expandable_segments:True", "policy:paging"):
+        p = subprocess.run([sys.executable, "-c", CHILD, config], capture_output=True, text=True, timeout=180,
+                           env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode != 0 or not line:
+            failures.append(f"{config or 'reservoir native'}: exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
+            continue
+        r = json.loads(line[-1][len("RESULT "):])
+        results[config] = r
+        print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"first_loss": r["losses"][0]}))
+        if r["oom_under_fraction"] != "OutOfMemoryError":
+            failures.append(f"{config}: the memory fraction did not stop a 1 GiB allocation")
+    native = results.get("native")
+    for config, r in results.items():
+        if native and r["losses"] != native["losses"]:
+            failures.append(f"{config}: losses differ from native's ({r['losses'][:2]} vs {native['losses'][:2]})")
+    # reservoir's native policy makes PyTorch's decisions: the same memory live and reserved after empty_cache.
+    if native and "" in results:
+        for key in ("live", "reserved_after_empty_cache"):
+            if results[""][key] != native[key]:
+                failures.append(f"{key}: PyTorch {native[key]}, reservoir's native policy {results[''][key]}")
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        return 1
+    print(f"identical losses under {len(results) - 1} reservoir policies and native; empty_cache() and the memory "
+          "fraction reach reservoir (a block recorded on a second stream freed and reallocated without error)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
