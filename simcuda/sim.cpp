@@ -3,7 +3,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -191,7 +190,8 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
     return kSuccess;
   }
   std::uintptr_t at = 0;
-  std::uintptr_t open_page = 0;  // a page opened for this slot: made accessible below
+  std::uintptr_t opened = 0;  // pages taken from the range for this call: made accessible below
+  std::size_t opened_bytes = 0;
   std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -209,26 +209,23 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
       }
       if (at == 0) {
         if (d.used + kGranularity > d.capacity) return kOutOfMemory;
-        open_page = take_range(d, kGranularity);
-        if (open_page == 0) return kOutOfMemory;
-        Device::SmallPage& sp = d.small_pages[open_page];
-        if (bytes < kGranularity) sp.free[bytes] = kGranularity - bytes;
+        opened = at = take_range(d, kGranularity);
+        if (at == 0) return kOutOfMemory;
+        opened_bytes = kGranularity;
+        Device::SmallPage& sp = d.small_pages[at];
+        sp.free[bytes] = kGranularity - bytes;  // bytes < kGranularity: the rest of the page
         sp.live = 1;
-        at = open_page;
       }
     } else {
       bytes = round_up(size, kGranularity);
       if (d.used + bytes > d.capacity) return kOutOfMemory;
-      at = take_range(d, bytes);
+      opened = at = take_range(d, bytes);
       if (at == 0) return kOutOfMemory;
-      open_page = at;
+      opened_bytes = bytes;
     }
     allocations_[at] = {bytes, device};
   }
-  if (open_page != 0) {
-    ::mprotect(reinterpret_cast<void*>(open_page), std::max(bytes, kGranularity),
-               PROT_READ | PROT_WRITE);
-  }
+  if (opened != 0) ::mprotect(reinterpret_cast<void*>(opened), opened_bytes, PROT_READ | PROT_WRITE);
   *out = reinterpret_cast<void*>(at);
   return kSuccess;
 }

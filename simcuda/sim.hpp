@@ -132,8 +132,8 @@ class SIMCUDA_API Sim {
   // Virtual memory.
   static constexpr std::size_t kGranularity = std::size_t{2} << 20;
   static constexpr std::size_t kSmallAlignment = 512;
-  static constexpr std::size_t kDriverReserved = std::size_t{480}
-                                                 << 20;  // NVML's total minus CUDA's
+  // NVML's total minus CUDA's: what the driver keeps of an H100 80GB.
+  static constexpr std::size_t kDriverReserved = std::size_t{480} << 20;
   int reserve(std::size_t size, std::size_t alignment, std::uintptr_t* out);
   int unreserve(std::uintptr_t va, std::size_t size);
   int create_physical(int device, std::size_t size, std::uint64_t* handle);

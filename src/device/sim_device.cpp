@@ -16,7 +16,8 @@ std::size_t index(CallKind kind) {
 LatencyModel LatencyModel::defaults() {
   // Fitted to one NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0: each
   // call timed alone, medians, at 2 MiB, 64 MiB, 1 GiB and 8 GiB
-  // (tests/data/gpu/h100-2026-11-25/call_costs.json; docs/config.md).
+  // (call_costs in tests/data/gpu/h100-2026-11-25/cuda_behaviour.json;
+  // docs/config.md).
   LatencyModel m;
   auto set = [&m](CallKind k, double ns, double ns_per_mib = 0) {
     m.ns_per_call[index(k)] = ns;

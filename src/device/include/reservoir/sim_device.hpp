@@ -25,13 +25,10 @@
 
 namespace reservoir {
 
-// Nanoseconds per call kind. Defaults are typical figures for a recent NVIDIA
-// data-center GPU and driver (cudaMalloc of a fresh segment costs tens to
-// hundreds of microseconds; cudaFree synchronizes the device; cuMemMap and
-// cuMemUnmap cost tens of microseconds per physical handle); docs/config.md
-// lists them. A segment allocation also pays per_byte_allocate_ns per MiB.
-// A call's estimated cost: ns_per_call[kind] + ns_per_mib[kind] * MiB the
-// call covers (the segment, reservation, handle or range).
+// A call's estimated cost in nanoseconds: ns_per_call[kind] +
+// ns_per_mib[kind] * MiB the call covers (the segment, reservation, handle or
+// range). The defaults are fitted to an H100's measured call times;
+// docs/config.md lists them beside the readings.
 struct LatencyModel {
   std::array<double, kCallKindCount> ns_per_call{};
   std::array<double, kCallKindCount> ns_per_mib{};
