@@ -5,12 +5,14 @@
 #include <benchmark/benchmark.h>
 
 #include <array>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/saver.hpp"
 #include "reservoir/sim_device.hpp"
+#include "spin_mutex.hpp"
 
 namespace {
 
@@ -81,6 +83,33 @@ void BM_Glibc_MixedSizes(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Glibc_MixedSizes)->Threads(1)->Threads(2)->UseRealTime();
+
+// The least any allocator pays whose decisions for one device happen in one
+// order, as PyTorch's do (one lock per device): a pair is two decisions, each
+// taking the allocator's lock and writing one word of shared state, with no
+// work inside. With two threads the lock's cache line travels between cores
+// at every decision; this is the floor under the 2-thread reservoir rows.
+struct alignas(64) SharedDecisions {
+  reservoir::detail::SpinMutex lock;
+  std::uint64_t state = 0;
+};
+SharedDecisions& shared_decisions() {
+  static SharedDecisions d;
+  return d;
+}
+
+void BM_Floor_SerializedPair(benchmark::State& state) {
+  auto& d = shared_decisions();
+  for (auto _ : state) {
+    d.lock.lock();
+    benchmark::DoNotOptimize(++d.state);
+    d.lock.unlock();
+    d.lock.lock();
+    benchmark::DoNotOptimize(--d.state);
+    d.lock.unlock();
+  }
+}
+BENCHMARK(BM_Floor_SerializedPair)->Threads(1)->Threads(2)->UseRealTime();
 
 void BM_Reservoir_FourStreams(benchmark::State& state) {
   auto& a = shared().allocator;
