@@ -5,7 +5,7 @@ JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 DEPS := cmake ninja-build ccache g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
         libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev python3 valgrind \
-        python3-torch python3-selenium python3-pil chromium chromium-driver \
+        python3-torch python3-selenium python3-pil chromium chromium-driver zsh \
         python3-dev pybind11-dev python3-pytest \
         python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)

@@ -88,7 +88,7 @@ void run_job(const AdviseArgs& args, const std::vector<std::string>& files) {
     }
   }
   // Some ranks could not be read: the others are advised, and the status says so.
-  if (job.unreadable > 0) throw CLI::RuntimeError(3);
+  if (job.unreadable > 0) throw CLI::RuntimeError(kExitCannotVerify);
 }
 
 void run(const AdviseArgs& args) {
@@ -161,7 +161,7 @@ void add_advise(CLI::App& app) {
                   "PyTorch snapshots (or any trace replay reads); several files, a folder or a "
                   "glob ('rank*.pickle') advise on a job of many ranks")
       ->required();
-  cmd->add_option("--capacity", args->capacity,
+  add_size_option(*cmd, "--capacity", args->capacity,
                   "memory the allocator may have, e.g. 80GiB (default: what the recording's "
                   "out-of-memory event shows it had)");
   cmd->add_option("--config,-c", args->configs,
@@ -170,6 +170,14 @@ void add_advise(CLI::App& app) {
   cmd->add_option("-o,--output", args->output, "also write the advice as an HTML page");
   cmd->add_option("--threads", args->threads, "replays run in parallel (default: every core)");
   add_device_option(*cmd, args->device);
+  set_examples(*cmd, {
+      {"reservoir advise rank0.pickle",
+       "why the job ran out of memory and the PYTORCH_CUDA_ALLOC_CONF line that makes it fit"},
+      {"reservoir advise 'dumps/rank*.pickle' -o advice.html",
+       "one answer for every rank of a job, also as a page"},
+      {"reservoir advise run.pickle --capacity 40GiB --json",
+       "would it fit on a 40 GiB device? (keys: docs/tools.md)"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

@@ -170,6 +170,12 @@ void add_compare(CLI::App& app) {
   cmd->add_flag("--json", args->json, "print the comparison as JSON");
   cmd->add_option("--top", args->top, "rows per list (default 15)");
   add_device_option(*cmd, args->device);
+  set_examples(*cmd, {
+      {"reservoir compare before.pickle after.pickle",
+       "what changed between two snapshots: totals, segments, bytes by call site"},
+      {"reservoir compare a.pickle b.pickle --json --top 5",
+       "the same as JSON, five rows per list"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

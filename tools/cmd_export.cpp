@@ -90,7 +90,15 @@ void add_export(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "pickle", "json", "text"}));
   cmd->add_option("--config,-c", args->config, "replay under this allocator config first");
   add_device_option(*cmd, args->device);
-  cmd->add_option("--capacity", args->capacity, "device capacity for the replay, e.g. 24GiB");
+  add_size_option(*cmd, "--capacity", args->capacity, "device capacity for the replay, e.g. 24GiB");
+  set_examples(*cmd, {
+      {"reservoir export run.trace -o run.pickle",
+       "a PyTorch snapshot for pytorch.org/memory_viz"},
+      {"reservoir export run.pickle -c expandable_segments:True -o expandable.pickle",
+       "the snapshot of its replay under another setting"},
+      {"reservoir export run.pickle -c '' --capacity 16GiB -o at16.pickle",
+       "what PyTorch would have done on a 16 GiB device, out-of-memory errors included"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

@@ -193,6 +193,9 @@ void run(const ReplayArgs& args) {
   } else {
     print_table(rows);
   }
+  for (const Row& row : rows) {
+    if (row.r.num_ooms > 0) throw CLI::RuntimeError(kExitOutOfMemory);
+  }
 }
 
 }  // namespace
@@ -207,7 +210,7 @@ void add_replay(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--config,-c", args->configs,
                   "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults)");
-  cmd->add_option("--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
+  add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_option("--memory-fraction", args->fraction,
                   "set_per_process_memory_fraction before replaying (enables garbage collection)")
       ->check(CLI::Range(0.0, 1.0));
@@ -216,6 +219,14 @@ void add_replay(CLI::App& app) {
   cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
   cmd->add_flag("--min-capacity", args->min_capacity,
                 "also find the smallest device capacity (2 MiB steps) with no out-of-memory error");
+  set_examples(*cmd, {
+      {"reservoir replay run.pickle -c '' -c expandable_segments:True -c policy:paging",
+       "what each setting reserves for the same requests"},
+      {"reservoir replay run.pickle --capacity 24GiB",
+       "would it run on 24 GiB? (exit 4 when a replay runs out of memory)"},
+      {"reservoir replay run.pickle --min-capacity --json",
+       "the smallest device it fits, per setting, as JSON"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

@@ -161,13 +161,19 @@ void add_report(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingFile);
   cmd->add_option("--config,-c", args->configs, "allocator config (repeatable; '' = defaults)");
-  cmd->add_option("--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
+  add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_flag("--min-capacity", args->min_capacity, "also find each config's minimum capacity");
   cmd->add_flag("!--no-advice", args->advice,
                 "leave out each trace's advice (diagnosis and sweep of settings, as `advise`)");
   cmd->add_option("--top", args->top, "largest allocations listed (default 25)");
   add_device_option(*cmd, args->device);
   cmd->add_option("-o,--output", args->output, "HTML file to write (default report.html)");
+  set_examples(*cmd, {
+      {"reservoir report run.pickle -o report.html",
+       "one page: memory over time, the segments at the peak, the largest allocations"},
+      {"reservoir report run.pickle -c '' -c policy:paging --min-capacity",
+       "the same beside reservoir's paging policy"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

@@ -44,6 +44,12 @@ void add_summary(CLI::App& app) {
   cmd->add_option("--config,-c", args->config, "allocator config (default: the recorded one)");
   cmd->add_flag("--abbreviated", args->abbreviated, "the short table (all pools only)");
   add_device_option(*cmd, args->device);
+  set_examples(*cmd, {
+      {"reservoir summary run.pickle",
+       "torch.cuda.memory_summary() as it stood at the end of the recording"},
+      {"reservoir summary run.pickle -c max_split_size_mb:128 --abbreviated",
+       "the same under another setting, all pools only"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

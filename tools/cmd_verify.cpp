@@ -74,7 +74,7 @@ int report(const Trace& trace, const VerifyResult& r) {
           "  note: the snapshot records no allocator settings; PyTorch's defaults were "
           "assumed\n");
     }
-    return 0;
+    return kExitOk;
   }
   const char* what = r.cannot_verify ? "CANNOT VERIFY" : "DIVERGES";
   const std::string where = r.divergence_event >= r.events
@@ -87,7 +87,7 @@ int report(const Trace& trace, const VerifyResult& r) {
     fmt::print("  agreed before it: {} alloc addresses, {} segment_allocs, {} segment_frees\n",
                r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked);
   }
-  return r.cannot_verify ? 3 : 1;
+  return r.cannot_verify ? kExitCannotVerify : kExitDiverges;
 }
 
 void run(const VerifyArgs& args) {
@@ -100,12 +100,14 @@ void run(const VerifyArgs& args) {
         "give --memory-fraction and --device-memory together: PyTorch's limit is the fraction "
         "of the device's total memory (torch.cuda.mem_get_info()[1])");
   }
-  int worst = 0;
+  int worst = kExitOk;
   for (const std::string& path : args.traces) {
     const std::vector<Trace> devices = load_devices(path, args.device);
     for (const Trace& trace : devices) {
       const int rc = report(trace, verify(trace, options));
-      if (rc == 1 || (rc == 3 && worst == 0)) worst = rc;  // a divergence outranks
+      if (rc == kExitDiverges || (rc == kExitCannotVerify && worst == kExitOk)) {
+        worst = rc;  // a divergence outranks
+      }
     }
     // Devices the file holds no history for: nothing of theirs was checked.
     std::vector<std::size_t> silent;
@@ -118,7 +120,7 @@ void run(const VerifyArgs& args) {
                  silent.size() > 1 ? "s" : "", fmt::join(silent, ", "));
     }
   }
-  if (worst != 0) throw CLI::RuntimeError(worst);
+  if (worst != kExitOk) throw CLI::RuntimeError(worst);
 }
 
 }  // namespace
@@ -138,9 +140,15 @@ void add_verify(CLI::App& app) {
                   "recording began (a snapshot does not record it): with --device-memory, "
                   "garbage collection and the limit are checked exactly")
       ->check(CLI::Range(0.0, 1.0).description("") & CLI::PositiveNumber.description(""));
-  cmd->add_option("--device-memory", args->device_memory,
+  add_size_option(*cmd, "--device-memory", args->device_memory,
                   "the device's total memory as CUDA reports it (torch.cuda.mem_get_info()[1]), "
-                  "e.g. 85899345920 or 80GiB");
+                  "e.g. 80GiB, or 85899345920B in bytes");
+  set_examples(*cmd, {
+      {"reservoir verify run.pickle",
+       "replay the recording exactly and check every address and device request"},
+      {"reservoir verify run.pickle --memory-fraction 0.5 --device-memory 80GiB",
+       "a program that set set_per_process_memory_fraction(0.5) on an 80 GiB device"},
+  });
   cmd->callback([args] { run(*args); });
 }
 

@@ -13,5 +13,6 @@ void add_compare(CLI::App& app);
 void add_report(CLI::App& app);
 void add_advise(CLI::App& app);
 void add_settings(CLI::App& app);
+void add_completion(CLI::App& app);
 
 }  // namespace reservoir::tools

@@ -7,8 +7,35 @@
 #include <limits>
 
 #include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
 
 namespace reservoir::tools {
+
+CLI::Option* add_size_option(CLI::App& cmd, const std::string& name, std::string& value,
+                             const std::string& help) {
+  CLI::Validator size_with_unit(
+      [](std::string& text) -> std::string {
+        const bool bare = !text.empty() && text.find_first_not_of("0123456789.") == std::string::npos;
+        if (bare) {
+          return fmt::format("'{}' has no unit: write {}GiB, {}MiB or {}KiB ({}B for bytes)", text,
+                             text, text, text, text);
+        }
+        try {
+          (void)parse_size(text);
+        } catch (const UsageError& e) {
+          return e.what();
+        }
+        return "";
+      },
+      "SIZE");
+  return cmd.add_option(name, value, help)->check(size_with_unit);
+}
+
+void set_examples(CLI::App& cmd, const std::vector<std::pair<std::string, std::string>>& examples) {
+  std::string footer = "Examples:\n";
+  for (const auto& [line, what] : examples) footer += fmt::format("  {}\n      {}\n", line, what);
+  cmd.footer(footer);
+}
 
 std::string base_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
 

@@ -13,6 +13,25 @@
 
 namespace reservoir::tools {
 
+// The exit statuses of every subcommand (docs/tools.md, `reservoir --help`).
+enum ExitStatus : int {
+  kExitOk = 0,
+  kExitDiverges = 1,       // verify: a recording diverges from its replay
+  kExitBadInput = 2,       // a bad argument, file, trace or setting
+  kExitCannotVerify = 3,   // verify, advise: a recording that cannot be checked or read
+  kExitOutOfMemory = 4,    // replay: a replay ran out of memory
+};
+
+// Adds an option whose value is a size with a unit (80GiB, 512MiB, 4096B).
+// A bare number is refused at parsing (exit 2), saying what to write: sizes
+// of GPUs are read wrongly far too easily without one.
+CLI::Option* add_size_option(CLI::App& cmd, const std::string& name, std::string& value,
+                             const std::string& help);
+
+// Sets a subcommand's `--help` footer: lines of examples, each a command
+// line and what it does.
+void set_examples(CLI::App& cmd, const std::vector<std::pair<std::string, std::string>>& examples);
+
 // The frame that best says where an allocation came from: user Python code
 // before framework Python, before native frames with a line, before the
 // innermost frame. Null when the context has no frames.

@@ -50,7 +50,7 @@ check("3 empty_cache() calls" in r.stdout, r.stdout)
 # With the limit the program set (set_per_process_memory_fraction of 1.5 GiB on a device
 # CUDA reports as 85017493504 bytes), the out-of-memory error is checked against it exactly.
 r = run("verify", os.path.join(data, "oom.pickle"), "--memory-fraction", repr(1610612736 / 85017493504),
-        "--device-memory", "85017493504")
+        "--device-memory", "85017493504B")
 check(r.returncode == 0 and "1 oom checked" in r.stdout, f"oom with its limit: {r.returncode} {r.stdout}{r.stderr}")
 
 # A MemPool and a CUDA graph: the recording does not say which allocations went to the

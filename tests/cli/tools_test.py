@@ -260,6 +260,41 @@ check("classic_oom.pickle: 23/23 settings swept" in tty,
       f"no advise progress on the terminal: {tty!r}")
 check(tty.endswith("\r\x1b[K"), f"advise's progress line is not erased: {tty[-40:]!r}")
 
+# Exit statuses of our own (docs/tools.md): 2 for every kind of bad input,
+# CLI11's own codes (105, 106, 109) never reach the user; 4 when a replay runs
+# out of memory; sizes need a unit.
+def status(*args):
+    r = subprocess.run([binary, *args], capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+code, err = status("replay", os.path.join(work, "no_such_file.pickle"))
+check(code == 2 and "File does not exist" in err, f"a missing file: {code} {err}")
+code, err = status()
+check(code == 2 and "A subcommand is required" in err, f"no arguments: {code} {err}")
+code, err = status("replay", transformer, "--no-such-flag")
+check(code == 2 and "--no-such-flag" in err, f"an unknown flag: {code} {err}")
+code, err = status("replay", transformer, "--capacity", "80")
+check(code == 2 and "--capacity: '80' has no unit: write 80GiB, 80MiB or 80KiB (80B for bytes)" in err,
+      f"a bare size: {code} {err}")
+code, err = status("verify", classic, "--memory-fraction", "0.5", "--device-memory", "85017493504")
+check(code == 2 and "--device-memory: '85017493504' has no unit" in err, f"a bare size: {code} {err}")
+code, err = status("replay", transformer, "--capacity", "80XB")
+check(code == 2 and "unknown unit 'XB'" in err, f"a bad unit: {code} {err}")
+code, _ = status("replay", transformer, "--capacity", "80GiB")
+check(code == 0, f"a size with a unit: {code}")
+code, _ = status("--help")
+check(code == 0, f"--help: {code}")
+r = subprocess.run([binary, "replay", classic, "-c", "", "--capacity", "200MiB"], capture_output=True,
+                   text=True)
+check(r.returncode == 4 and "out-of-memory errors; the first, at" in r.stdout,
+      f"a replay that runs out of memory: exit {r.returncode}: {r.stdout[-300:]}{r.stderr}")
+for sub in ["replay", "verify", "export", "summary", "compare", "report", "advise", "settings",
+            "completion"]:
+    helptext = subprocess.run([binary, sub, "--help"], capture_output=True, text=True).stdout
+    check("Examples:\n  reservoir " in helptext or "Examples:\n  source <(reservoir" in helptext,
+          f"{sub} --help has no examples")
+
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)
