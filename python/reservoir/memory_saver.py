@@ -21,12 +21,20 @@ in docs/integrations.md ("torch_memory_saver drop-in").
 import contextlib
 import logging
 import os
+from typing import Literal, Optional
+
+import torch
 
 import reservoir
 
 logger = logging.getLogger(__name__)
 
 _TAG_DEFAULT = "default"
+CpuBackupBackend = Literal["mmap", "pinned"]
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class TorchMemorySaver:
@@ -61,6 +69,16 @@ class TorchMemorySaver:
                             "reservoir.memory_saver: could not make reservoir PyTorch's allocator "
                             f"({e}); call reservoir.install_torch() before the first CUDA tensor"
                         ) from e
+        saver = reservoir.default_saver(self._device)
+        # torch_memory_saver's environment, read once as it reads it.
+        if os.environ.get("TMS_DISK_BACKUP_DIR"):
+            saver.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
+        if _env_flag("TMS_RETAIN_CPU_BACKUP"):
+            saver.retain_backup = True
+        self._default_backend = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
+        if self._default_backend not in ("pinned", "mmap"):
+            raise ValueError(f"TMS_INIT_CPU_BACKUP_BACKEND={self._default_backend!r}: "
+                             "expected 'pinned' or 'mmap'")
         self._initialized = True
 
     def _saver(self):
@@ -71,9 +89,33 @@ class TorchMemorySaver:
         return any(t["tag"] == tag for t in self._saver().tags())
 
     @contextlib.contextmanager
-    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False):
-        """Allocations of this thread inside go to `tag`."""
-        with self._saver().region(tag, enable_cpu_backup):
+    def region(
+        self,
+        tag: str = _TAG_DEFAULT,
+        enable_cpu_backup: bool = False,
+        enable_disk_backup: bool = False,
+        cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ):
+        """Allocations of this thread inside go to `tag`. enable_cpu_backup
+        keeps their contents over a pause in host memory: pinned buffers, or
+        with cpu_backup_backend="mmap" a file mapping whose pages leave the
+        process's resident memory; enable_disk_backup keeps them in a file of
+        the directory set_disk_backup_dir() (or TMS_DISK_BACKUP_DIR) names."""
+        if cpu_backup_backend is not None:
+            if not enable_cpu_backup:
+                raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+            if cpu_backup_backend not in ("mmap", "pinned"):
+                raise ValueError(f"cpu_backup_backend={cpu_backup_backend!r}: expected 'pinned' or 'mmap'")
+        assert not (enable_cpu_backup and enable_disk_backup), \
+            "enable_cpu_backup and enable_disk_backup are mutually exclusive"
+        saver = self._saver()
+        if enable_disk_backup:
+            scope = saver.region(tag, True, "disk")
+        elif enable_cpu_backup:
+            scope = saver.region(tag, True, cpu_backup_backend or self._default_backend)
+        else:
+            scope = saver.region(tag, False)
+        with scope:
             yield
 
     @contextlib.contextmanager
@@ -82,7 +124,7 @@ class TorchMemorySaver:
         with self._saver().untagged():
             yield
 
-    def pause(self, tag=None):
+    def pause(self, tag: Optional[str] = None):
         """Releases the memory of `tag` (every tag when None). A tag nothing was
         allocated under is ignored, as torch_memory_saver does; pausing a paused
         tag raises reservoir.UsageError (torch_memory_saver exits)."""
@@ -91,7 +133,7 @@ class TorchMemorySaver:
             return
         self._saver().pause(tag)
 
-    def resume(self, tag=None):
+    def resume(self, tag: Optional[str] = None):
         """Restores the memory of `tag` (every tag when None) at the same addresses."""
         if tag is not None and not self._known(tag):
             logger.debug("resume(%r): nothing was allocated under this tag", tag)
@@ -101,6 +143,44 @@ class TorchMemorySaver:
     @property
     def enabled(self):
         return True
+
+    @property
+    def memory_margin_bytes(self):
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int):
+        """Tagged allocations that would leave less than this much device
+        memory free fail with PyTorch's out-of-memory error."""
+        self._saver().memory_margin = int(value)
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        return self._saver().retain_backup
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool):
+        """Keep each tag's backup after resume, so get_cpu_backup() still
+        finds it (its host memory stays held until the next pause)."""
+        self._saver().retain_backup = bool(value)
+
+    def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
+        """The host copy of `x` taken at its tag's last pause (a CPU tensor of
+        the same dtype, shape and strides), or None when there is none. Always
+        a copy: zero_copy is accepted and gives a copy too."""
+        assert x.is_cuda, f"{x.device=}"
+        assert x.is_contiguous(), f"{x.shape=} {x.stride()=} {x.dtype=}"
+        data = self._saver().read_backup(x.data_ptr(), x.nbytes)
+        if data is None:
+            return None
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return flat.view(x.dtype).view(x.shape)
+
+    def set_disk_backup_dir(self, path: str):
+        """Where enable_disk_backup regions write their backup files from the
+        next pause on (created if needed)."""
+        os.makedirs(path, exist_ok=True)
+        self._saver().set_disk_backup_dir(path)
 
     def cuda_graph(self, *args, **kwargs):
         raise NotImplementedError(

@@ -52,11 +52,13 @@ py::dict tag_dict(const TagInfo& t) {
 // thread, closed by __exit__.
 class RegionScope {
  public:
-  RegionScope(Saver& saver, std::optional<std::string> tag, bool cpu_backup)
-      : saver_(saver), tag_(std::move(tag)), cpu_backup_(cpu_backup) {}
+  RegionScope(Saver& saver, std::optional<std::string> tag, bool cpu_backup,
+              std::optional<BackupStorage> storage = std::nullopt)
+      : saver_(saver), tag_(std::move(tag)), cpu_backup_(cpu_backup), storage_(storage) {}
   RegionScope& enter() {
     if (token_ != 0) throw UsageError("region: this region is open already");
-    token_ = tag_ ? saver_.push_region(*tag_, {.cpu_backup = cpu_backup_}) : saver_.push_untagged();
+    token_ = tag_ ? saver_.push_region(*tag_, {.cpu_backup = cpu_backup_, .storage = storage_})
+                  : saver_.push_untagged();
     return *this;
   }
   void exit() {
@@ -69,6 +71,7 @@ class RegionScope {
   Saver& saver_;
   std::optional<std::string> tag_;
   bool cpu_backup_;
+  std::optional<BackupStorage> storage_;
   std::uint64_t token_ = 0;
 };
 
@@ -80,11 +83,7 @@ std::unique_ptr<Saver> make_saver(Device& device, const std::string& config,
                                   bool exact_peaks) {
   SaverOptions o;
   o.config = AllocatorConfig::parse(config);
-  if (storage == "mmap") {
-    o.storage = BackupStorage::mmap;
-  } else if (storage != "pinned") {
-    throw UsageError("Saver: storage='" + storage + "' is not 'pinned' or 'mmap'");
-  }
+  o.storage = parse_backup_storage(storage, "Saver: storage");
   o.mmap_directory = mmap_directory;
   o.chunk_bytes = chunk_bytes;
   o.copy_streams = copy_streams;
@@ -165,11 +164,15 @@ PYBIND11_MODULE(_core, m) {
            py::keep_alive<1, 8>())
       .def(
           "region",
-          [](Saver& s, const std::string& tag, bool cpu_backup) {
-            return RegionScope(s, tag, cpu_backup);
+          [](Saver& s, const std::string& tag, bool cpu_backup, std::optional<std::string> storage) {
+            return RegionScope(s, tag, cpu_backup,
+                               storage ? std::optional(parse_backup_storage(*storage, "region: storage"))
+                                       : std::nullopt);
           },
-          py::arg("tag"), py::arg("cpu_backup") = false, py::keep_alive<0, 1>(),
-          "with saver.region('kv_cache', cpu_backup=True): ... allocations go to that tag")
+          py::arg("tag"), py::arg("cpu_backup") = false, py::arg("storage") = py::none(),
+          py::keep_alive<0, 1>(),
+          "with saver.region('kv_cache', cpu_backup=True): ... allocations go to that tag; "
+          "storage: 'pinned', 'mmap' or 'disk' (the saver's when None)")
       .def(
           "untagged", [](Saver& s) { return RegionScope(s, std::nullopt, false); },
           py::keep_alive<0, 1>(), "with saver.untagged(): ... allocations outside every tag")
@@ -200,6 +203,27 @@ PYBIND11_MODULE(_core, m) {
       .def("is_paused", &Saver::is_paused, py::arg("tag"))
       .def("empty_cache", &Saver::empty_cache, release)
       .def("trim_backup", &Saver::trim_backup, release)
+      .def("set_disk_backup_dir", &Saver::set_disk_backup_dir, py::arg("path"),
+           "where storage='disk' backups go from the next pause on (created when missing)")
+      .def_property_readonly("disk_backup_dir", &Saver::disk_backup_dir)
+      .def_property("retain_backup", &Saver::retain_backup, &Saver::set_retain_backup,
+                    "keep each tag's backup after resume (read_backup still finds it)")
+      .def_property("memory_margin", &Saver::memory_margin, &Saver::set_memory_margin,
+                    "device bytes tagged allocations must leave free (0: off)")
+      .def(
+          "read_backup",
+          [](const Saver& s, std::uintptr_t ptr, std::size_t bytes) -> py::object {
+            std::string out(bytes, '\0');
+            bool found = false;
+            {
+              py::gil_scoped_release unlocked;
+              found = s.read_backup(reinterpret_cast<const void*>(ptr), bytes, out.data());
+            }
+            if (!found) return py::none();
+            return py::bytes(out);
+          },
+          py::arg("ptr"), py::arg("bytes"),
+          "the backed-up bytes of [ptr, ptr + bytes) as at the last pause, or None")
       .def("tags",
            [](const Saver& s) {
              py::list out;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "reservoir/errors.hpp"
 
@@ -103,9 +104,26 @@ void Saver::Impl::pause_tag(TagState& state) {
   }
   std::unique_ptr<detail::HostStore> store;
   if (total > 0) {
-    store = options_.storage == BackupStorage::pinned
-                ? detail::make_pinned_store(host_cache_, total, options_.chunk_bytes)
-                : detail::make_mmap_store(options_.mmap_directory, total);
+    switch (state.storage) {
+      case BackupStorage::pinned:
+        store = detail::make_pinned_store(host_cache_, total, options_.chunk_bytes);
+        break;
+      case BackupStorage::mmap:
+        store = detail::make_mmap_store(options_.mmap_directory, total);
+        break;
+      case BackupStorage::disk: {
+        const std::string directory = disk_backup_dir();
+        if (directory.empty()) {
+          throw UsageError(fmt::format(
+              "{}: its backup goes to disk, and no disk backup directory is set "
+              "(Saver::set_disk_backup_dir, SaverOptions::disk_directory; the tag is left running, "
+              "untouched)",
+              what));
+        }
+        store = detail::make_mmap_store(directory, total);
+        break;
+      }
+    }
     detail::CopyEngine engine(tag_base_, host_cache_, options_.chunk_bytes, copy_streams(), *store,
                               /*to_host=*/true);
     detail::StepFailure f;
@@ -215,8 +233,10 @@ void Saver::Impl::resume_tag(TagState& state) {
   }
   state.paused = false;
   engine.reset();
-  state.backup.reset();
-  state.pieces.clear();
+  if (!retain_backup_.load(std::memory_order_relaxed)) {
+    state.backup.reset();
+    state.pieces.clear();
+  }
   std::vector<void*> frees;
   {
     detail::LockGuard pending(state.pending_mutex);
@@ -251,6 +271,48 @@ void Saver::Impl::pause_all() {
 
 void Saver::Impl::resume_all() {
   for (TagState* p : all_tags()) resume_tag(*p);
+}
+
+void Saver::Impl::set_retain_backup(bool on) {
+  retain_backup_.store(on, std::memory_order_relaxed);
+  if (on) return;
+  for (TagState* state : all_tags()) {
+    detail::UniqueLock lock(state->mutex);
+    if (!state->paused) {
+      state->backup.reset();
+      state->pieces.clear();
+    }
+  }
+}
+
+bool Saver::Impl::read_backup(const void* ptr, std::size_t bytes, void* out) const {
+  TagState* state = owner_of(ptr);
+  if (state == nullptr) return false;
+  const auto addr = reinterpret_cast<DevicePtr>(ptr);
+  detail::SharedLock lock(state->mutex);
+  if (!state->backup) return false;
+  for (const BackupPiece& p : state->pieces) {
+    if (addr < p.addr || addr >= p.addr + p.bytes) continue;
+    if (bytes > p.addr + p.bytes - addr) {
+      throw UsageError(fmt::format(
+          "read_backup: {} bytes from {:#x} run past the backed-up allocation of tag '{}' at "
+          "{:#x} ({} bytes)",
+          bytes, addr, state->tag, p.addr, p.bytes));
+    }
+    auto* to = static_cast<std::byte*>(out);
+    std::size_t offset = p.offset + (addr - p.addr);
+    for (std::size_t left = bytes; left > 0;) {
+      std::size_t contiguous = 0;
+      const std::byte* from = state->backup->at(offset, &contiguous);
+      const std::size_t n = std::min(left, contiguous);
+      std::memcpy(to, from, n);
+      to += n;
+      offset += n;
+      left -= n;
+    }
+    return true;
+  }
+  return false;
 }
 
 }  // namespace reservoir

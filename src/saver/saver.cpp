@@ -4,6 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
+#include <system_error>
+
 #include "reservoir/errors.hpp"
 #include "saver_impl.hpp"
 
@@ -65,7 +68,7 @@ Saver::Region Saver::untagged() {
   return Region(this, push_untagged());
 }
 std::uint64_t Saver::push_region(std::string_view tag, RegionOptions options) {
-  return impl_->push(&impl_->tag_state(tag, options.cpu_backup));
+  return impl_->push(&impl_->tag_state(tag, options));
 }
 std::uint64_t Saver::push_untagged() {
   return impl_->push(nullptr);
@@ -131,6 +134,57 @@ bool Saver::is_paused(std::string_view tag) const {
 
 void Saver::trim_backup() {
   impl_->host_cache_.empty_cache();
+}
+
+void Saver::set_disk_backup_dir(const std::string& path) {
+  if (path.empty()) throw UsageError("set_disk_backup_dir: the path is empty");
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec || !std::filesystem::is_directory(path)) {
+    throw UsageError(fmt::format("set_disk_backup_dir: cannot make the directory '{}': {}", path,
+                                 ec ? ec.message() : "a file of that name exists"));
+  }
+  detail::LockGuard lock(impl_->disk_mutex_);
+  impl_->disk_directory_ = path;
+}
+std::string Saver::disk_backup_dir() const {
+  return impl_->disk_backup_dir();
+}
+void Saver::set_retain_backup(bool on) {
+  impl_->set_retain_backup(on);
+}
+bool Saver::retain_backup() const noexcept {
+  return impl_->retain_backup_.load(std::memory_order_relaxed);
+}
+void Saver::set_memory_margin(std::size_t bytes) noexcept {
+  impl_->memory_margin_.store(bytes, std::memory_order_relaxed);
+}
+std::size_t Saver::memory_margin() const noexcept {
+  return impl_->memory_margin_.load(std::memory_order_relaxed);
+}
+bool Saver::read_backup(const void* ptr, std::size_t bytes, void* out) const {
+  if (bytes == 0) return false;
+  if (out == nullptr) throw UsageError("read_backup: the destination is null");
+  return impl_->read_backup(ptr, bytes, out);
+}
+
+std::string_view to_string(BackupStorage storage) noexcept {
+  switch (storage) {
+    case BackupStorage::pinned:
+      return "pinned";
+    case BackupStorage::mmap:
+      return "mmap";
+    case BackupStorage::disk:
+      return "disk";
+  }
+  return "pinned";
+}
+
+BackupStorage parse_backup_storage(std::string_view text, std::string_view what) {
+  if (text == "pinned") return BackupStorage::pinned;
+  if (text == "mmap") return BackupStorage::mmap;
+  if (text == "disk") return BackupStorage::disk;
+  throw UsageError(fmt::format("{}: '{}' is not 'pinned', 'mmap' or 'disk'", what, text));
 }
 
 std::vector<TagInfo> Saver::tags() const {

@@ -42,23 +42,29 @@ TagState* innermost(const Saver::Impl* owner) noexcept {
 
 }  // namespace
 
-TagState& Saver::Impl::tag_state(std::string_view tag, bool cpu_backup) {
+TagState& Saver::Impl::tag_state(std::string_view tag, const RegionOptions& options) {
   if (tag.empty()) throw UsageError("region: the tag is empty");
+  if (options.storage && !options.cpu_backup) {
+    throw UsageError(fmt::format("region '{}': a backup storage ('{}') needs cpu_backup", tag,
+                                 to_string(*options.storage)));
+  }
+  const std::optional<BackupStorage> backup =
+      options.cpu_backup ? std::optional(options.storage.value_or(options_.storage)) : std::nullopt;
   if (!tag_base_.supports_virtual_memory()) {
     throw UsageError(fmt::format(
         "region '{}': tagged memory needs a device with virtual memory, and '{}' has none "
         "(use cuda-vmm, or give SaverOptions::tag_device)",
         tag, tag_base_.name()));
   }
-  const auto key = std::make_pair(std::string(tag), cpu_backup);
+  const auto key = std::make_pair(std::string(tag), backup ? 1 + static_cast<int>(*backup) : 0);
   {
     detail::SharedLock lock(tags_mutex_);
     if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
   }
   detail::UniqueLock lock(tags_mutex_);
   if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
-  auto state = std::make_unique<TagState>(key.first, cpu_backup, tag_base_, index_, options_.config,
-                                          options_.device_index);
+  auto state = std::make_unique<TagState>(key.first, backup, tag_base_, index_, &memory_margin_,
+                                          options_.config, options_.device_index);
   if (history_) state->allocator.record_history(*history_);
   if (options_.exact_peaks && !combined_) {
     // From the first tag on, the saver's peaks are those of the sum (the
@@ -169,6 +175,7 @@ TagInfo Saver::Impl::info(TagState& state) const {
   static_cast<PauseRecord&>(t) = state.record;
   t.tag = state.tag;
   t.cpu_backup = state.cpu_backup;
+  t.backup_storage = state.cpu_backup ? std::string(to_string(state.storage)) : std::string();
   t.paused = state.paused;
   const DeviceStats s = state.allocator.stats();
   t.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);

@@ -35,15 +35,17 @@ namespace detail {
 
 // One tag: its device, its allocator and its pause state.
 struct TagState {
-  TagState(std::string name, bool backup, Device& base, RangeIndex& index,
-           const AllocatorConfig& config, int device_index)
+  TagState(std::string name, std::optional<BackupStorage> backup, Device& base, RangeIndex& index,
+           const std::atomic<std::size_t>* margin, const AllocatorConfig& config, int device_index)
       : tag(std::move(name)),
-        cpu_backup(backup),
-        device(base, index, this),
+        cpu_backup(backup.has_value()),
+        storage(backup.value_or(BackupStorage::pinned)),
+        device(base, index, this, margin),
         allocator(device, config, device_index) {}
 
   const std::string tag;
   const bool cpu_backup;
+  const BackupStorage storage;  // where the backup goes (cpu_backup only)
   TagDevice device;
   CachingAllocator allocator;
   // Shared: allocations and frees; exclusive: pause and resume.
@@ -54,7 +56,8 @@ struct TagState {
   detail::Mutex pending_mutex;
   std::unordered_set<DevicePtr> live_at_pause RESERVOIR_GUARDED_BY(pending_mutex);
   std::vector<void*> pending_frees RESERVOIR_GUARDED_BY(pending_mutex);
-  // The backup taken at pause (cpu_backup only).
+  // The backup taken at pause (cpu_backup only), kept after resume while
+  // the saver retains backups.
   std::unique_ptr<HostStore> backup RESERVOIR_GUARDED_BY(mutex);
   std::vector<BackupPiece> pieces RESERVOIR_GUARDED_BY(mutex);
   PauseRecord record RESERVOIR_GUARDED_BY(mutex);
@@ -77,6 +80,9 @@ class Saver::Impl {
         v != nullptr && *v != '\0' && std::string_view(v) != "0") {
       validate_each_call_.store(true, std::memory_order_relaxed);
     }
+    retain_backup_.store(options_.retain_backup, std::memory_order_relaxed);
+    detail::LockGuard lock(disk_mutex_);
+    disk_directory_ = options_.disk_directory;
   }
 
   ~Impl() {
@@ -87,7 +93,7 @@ class Saver::Impl {
   }
 
   // ---- regions ----
-  TagState& tag_state(std::string_view tag, bool cpu_backup);
+  TagState& tag_state(std::string_view tag, const RegionOptions& options);
   std::shared_ptr<CombinedStats> combined() const;
   std::uint64_t push(TagState* state);
   void pop(std::uint64_t token);
@@ -114,6 +120,12 @@ class Saver::Impl {
   void resume(std::string_view tag);
   void pause_all();
   void resume_all();
+  std::string disk_backup_dir() const {
+    detail::LockGuard lock(disk_mutex_);
+    return disk_directory_;
+  }
+  void set_retain_backup(bool on);
+  bool read_backup(const void* ptr, std::size_t bytes, void* out) const;
 
   // ---- observation ----
   TagInfo info(TagState& state) const;
@@ -123,6 +135,12 @@ class Saver::Impl {
   // ---- validation mode: the saver's and every allocator's ----
   void set_validate_each_call(bool on);
   std::atomic<bool> validate_each_call_{false};
+
+  // ---- backup and margin settings ----
+  std::atomic<bool> retain_backup_{false};
+  std::atomic<std::size_t> memory_margin_{0};
+  mutable detail::Mutex disk_mutex_;
+  std::string disk_directory_ RESERVOIR_GUARDED_BY(disk_mutex_);
 
   // ---- state ----
   Device& device_;
@@ -142,7 +160,8 @@ class Saver::Impl {
   // tags_mutex_.
   std::shared_ptr<CombinedStats> combined_ RESERVOIR_GUARDED_BY(tags_mutex_);
   // Declared last: destroyed first, while the index and the host cache live.
-  std::map<std::pair<std::string, bool>, std::unique_ptr<TagState>> tags_
+  // By tag, then backup (none first, then by storage).
+  std::map<std::pair<std::string, int>, std::unique_ptr<TagState>> tags_
       RESERVOIR_GUARDED_BY(tags_mutex_);
 };
 

@@ -61,8 +61,17 @@ void* RangeIndex::find(DevicePtr addr) const {
 
 // ---- TagDevice ---------------------------------------------------------------
 
-TagDevice::TagDevice(Device& base, RangeIndex& index, void* owner)
-    : base_(base), index_(index), owner_(owner) {}
+TagDevice::TagDevice(Device& base, RangeIndex& index, void* owner,
+                     const std::atomic<std::size_t>* margin)
+    : base_(base), index_(index), owner_(owner), margin_(margin) {}
+
+Status TagDevice::check_margin(std::size_t bytes) noexcept {
+  const std::size_t margin = margin_ != nullptr ? margin_->load(std::memory_order_relaxed) : 0;
+  if (margin == 0) return Status::ok;
+  MemoryInfo info;
+  if (Status s = base_.memory_info(&info); s != Status::ok) return s;
+  return info.free >= bytes && info.free - bytes >= margin ? Status::ok : Status::out_of_memory;
+}
 
 TagDevice::~TagDevice() {
   (void)retry_releases();
@@ -74,6 +83,7 @@ Status TagDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
   const std::size_t size = (bytes + g - 1) / g * g;
   std::lock_guard lock(mutex_);
   if (paused_) return Status::invalid_argument;
+  if (Status s = check_margin(size); s != Status::ok) return s;
   DevicePtr va = 0;
   if (Status s = base_.reserve(size, 0, &va); s != Status::ok) return s;
   PhysicalHandle device = 0;
@@ -142,6 +152,7 @@ Status TagDevice::create_physical(std::size_t bytes, PhysicalHandle* handle) noe
   if (handle == nullptr) return Status::invalid_argument;
   std::lock_guard lock(mutex_);
   if (paused_) return Status::invalid_argument;
+  if (Status s = check_margin(bytes); s != Status::ok) return s;
   PhysicalHandle device = 0;
   const Status s = base_.create_physical(bytes, &device);
   if (s == Status::ok) {

@@ -74,7 +74,10 @@ struct StepFailure {
 
 class TagDevice final : public Device {
  public:
-  TagDevice(Device& base, RangeIndex& index, void* owner);
+  // `margin` (may be null): device bytes that must stay free after each new
+  // physical allocation while running (Saver::set_memory_margin).
+  TagDevice(Device& base, RangeIndex& index, void* owner,
+            const std::atomic<std::size_t>* margin = nullptr);
   ~TagDevice() override;  // retries releases that failed before
 
   std::string_view name() const noexcept override { return base_.name(); }
@@ -150,10 +153,13 @@ class TagDevice final : public Device {
   Status release_locked(PhysicalHandle handle) noexcept;
   // Maps and opens one recorded mapping on the device.
   Status map_one(DevicePtr va, const Mapping& m, CallKind* failed) noexcept;
+  // out_of_memory when `bytes` more would leave less than the margin free.
+  Status check_margin(std::size_t bytes) noexcept;
 
   Device& base_;
   RangeIndex& index_;
   void* owner_;
+  const std::atomic<std::size_t>* margin_;
   mutable std::mutex mutex_;
   bool paused_ = false;
   PhysicalHandle next_handle_ = 1;

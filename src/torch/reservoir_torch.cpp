@@ -102,13 +102,12 @@ reservoir::Saver& saver_for(int device) {
       options.pinned_source = d.pinned.get();
     }
     if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr) {
-      const std::string st = storage;
-      if (st == "mmap") {
-        options.storage = reservoir::BackupStorage::mmap;
-      } else if (st != "pinned" && !st.empty()) {
-        throw reservoir::UsageError(
-            fmt::format("RESERVOIR_BACKUP_STORAGE='{}' is not pinned or mmap", st));
+      if (*storage != '\0') {
+        options.storage = reservoir::parse_backup_storage(storage, "RESERVOIR_BACKUP_STORAGE");
       }
+    }
+    if (const char* dir = std::getenv("RESERVOIR_DISK_BACKUP_DIR"); dir != nullptr && *dir != '\0') {
+      options.disk_directory = dir;
     }
     if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR"); dir != nullptr) {
       options.mmap_directory = dir;

@@ -126,8 +126,8 @@ def test_errors_are_exceptions_that_say_what_was_wrong():
         saver.free(ptr)
     assert issubclass(reservoir.UsageError, reservoir.Error)
     assert issubclass(reservoir.Error, RuntimeError)
-    with pytest.raises(reservoir.UsageError, match="storage='disk' is not 'pinned' or 'mmap'"):
-        reservoir.Saver(reservoir.HostDevice(), storage="disk")
+    with pytest.raises(reservoir.UsageError, match="Saver: storage: 'tape' is not 'pinned', 'mmap' or 'disk'"):
+        reservoir.Saver(reservoir.HostDevice(), storage="tape")
     with pytest.raises(reservoir.ConfigError):
         reservoir.Saver(reservoir.HostDevice(), config="expandable_segments:maybe")
     saver.validate()
@@ -172,7 +172,7 @@ def test_stats_summary_and_snapshot_cover_tags():
     saver.pause("weights")
     assert "Tag 'weights': paused, 0 bytes of physical memory" in saver.memory_summary()
     (info,) = saver.tags()
-    assert list(info) == ["tag", "cpu_backup", "paused", "allocated_bytes", "reserved_bytes",
+    assert list(info) == ["tag", "cpu_backup", "backup_storage", "paused", "allocated_bytes", "reserved_bytes",
                           "physical_bytes", "backup_bytes", "pending_frees", "pauses", "resumes",
                           "last_pause_seconds", "last_resume_seconds", "last_pause_copied",
                           "last_resume_copied", "last_released_bytes"]

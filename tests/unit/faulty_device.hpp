@@ -82,7 +82,9 @@ class FaultyDevice final : public Device {
   Status set_access(DevicePtr va, std::size_t b) noexcept override {
     return guard(CallKind::set_access, [&] { return base_.set_access(va, b); });
   }
-  Status memory_info(MemoryInfo* i) noexcept override { return base_.memory_info(i); }
+  Status memory_info(MemoryInfo* i) noexcept override {
+    return guard(CallKind::memory_info, [&] { return base_.memory_info(i); });
+  }
   Status create_event(EventId* e) noexcept override { return base_.create_event(e); }
   Status destroy_event(EventId e) noexcept override { return base_.destroy_event(e); }
   Status record_event(EventId e, StreamId s) noexcept override { return base_.record_event(e, s); }

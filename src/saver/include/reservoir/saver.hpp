@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,13 +47,6 @@ namespace reservoir {
 class CachingAllocator;
 class PinnedMemorySource;
 
-struct RegionOptions {
-  // Copy the contents of the tag's live allocations to host memory on pause
-  // and back on resume. Without it, pause discards them (a resumed block
-  // holds whatever the new physical memory holds).
-  bool cpu_backup = false;
-};
-
 enum class BackupStorage : std::uint8_t {
   // Pinned host buffers from a caching allocator, kept for the next pause
   // (fastest; the host memory stays with the process until trim_backup()).
@@ -62,12 +56,38 @@ enum class BackupStorage : std::uint8_t {
   // process (madvise DONTNEED: they live on in the page cache or the file),
   // and after resume the mapping is unmapped and the file deleted.
   mmap,
+  // A file in the disk backup directory (SaverOptions::disk_directory,
+  // Saver::set_disk_backup_dir), written through pinned staging and read
+  // back on resume; pausing without a directory set is a UsageError. For
+  // backups larger than host memory; the directory should be a real disk,
+  // not tmpfs (whose pages are host memory).
+  disk,
+};
+
+// "pinned", "mmap" or "disk"; parse_backup_storage throws UsageError naming
+// `what` for anything else.
+std::string_view to_string(BackupStorage storage) noexcept;
+BackupStorage parse_backup_storage(std::string_view text, std::string_view what);
+
+struct RegionOptions {
+  // Copy the contents of the tag's live allocations to host memory on pause
+  // and back on resume. Without it, pause discards them (a resumed block
+  // holds whatever the new physical memory holds).
+  bool cpu_backup = false;
+  // Where the backup goes (cpu_backup only; UsageError without it): the
+  // saver's SaverOptions::storage when unset. A tag entered with different
+  // backups names one pool per backup; they pause and resume together.
+  std::optional<BackupStorage> storage = std::nullopt;
 };
 
 struct SaverOptions {
   AllocatorConfig config = AllocatorConfig::from_env();
   BackupStorage storage = BackupStorage::pinned;
   std::string mmap_directory;
+  // Where BackupStorage::disk writes its files (created when missing).
+  std::string disk_directory;
+  // Keep a tag's backup after resume (Saver::set_retain_backup).
+  bool retain_backup = false;
   // Copies are cut into pieces of at most chunk_bytes (a power of two of at
   // least 64 KiB), spread round robin over copy_streams streams (1..64;
   // stream 0 alone when the device cannot create streams).
@@ -103,6 +123,7 @@ struct PauseRecord {
 struct TagInfo : PauseRecord {
   std::string tag;
   bool cpu_backup = false;
+  std::string backup_storage;  // "pinned", "mmap" or "disk"; "" without cpu_backup
   bool paused = false;
   std::size_t allocated_bytes = 0;  // live allocations (freed-while-paused ones included)
   std::size_t reserved_bytes = 0;   // segments, mapped or not
@@ -116,6 +137,7 @@ struct TagInfo : PauseRecord {
   void for_each_field(F&& f) const {
     f("tag", tag);
     f("cpu_backup", cpu_backup);
+    f("backup_storage", backup_storage);
     f("paused", paused);
     f("allocated_bytes", allocated_bytes);
     f("reserved_bytes", reserved_bytes);
@@ -197,6 +219,27 @@ class Saver {
   bool is_paused(std::string_view tag) const;
   // Returns cached pinned backup buffers to the host.
   void trim_backup();
+
+  // The directory BackupStorage::disk writes to from the next pause on
+  // (created when missing; UsageError naming it when it cannot be).
+  void set_disk_backup_dir(const std::string& path);
+  std::string disk_backup_dir() const;
+  // With retain on, a tag keeps its backup after resume (its host memory
+  // stays held) so that read_backup still finds it; the next pause takes a
+  // new one. Turning it off drops the backups of running tags.
+  void set_retain_backup(bool on);
+  bool retain_backup() const noexcept;
+  // Tagged allocations that would leave less than `bytes` of device memory
+  // free fail as out of memory (after the allocator's retry ladder), so a
+  // co-located process keeps that margin. Resume is not limited. 0: off.
+  void set_memory_margin(std::size_t bytes) noexcept;
+  std::size_t memory_margin() const noexcept;
+  // Copies the backed-up contents of [ptr, ptr + bytes) into `out`: the
+  // bytes as they were at the tag's last pause. False when no backup holds
+  // ptr (its tag is running without a retained backup, has no cpu_backup, or
+  // ptr is not in a tag). UsageError when the range runs past the
+  // allocation it starts in.
+  bool read_backup(const void* ptr, std::size_t bytes, void* out) const;
 
   std::vector<TagInfo> tags() const;
   TagInfo tag_info(std::string_view tag) const;  // UsageError when unknown

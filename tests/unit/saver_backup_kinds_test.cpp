@@ -1,0 +1,199 @@
+// The Saver's backup kinds per region (pinned, mmap, disk), retained
+// backups, read_backup and the memory margin of tagged allocations.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/host_device.hpp"
+#include "reservoir/sim_device.hpp"
+#include "saver_fixture.hpp"
+
+namespace reservoir {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path fresh_directory(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / fmt::format("reservoir_{}_{}", name, ::getpid());
+  fs::remove_all(d);
+  return d;
+}
+
+TEST(SaverBackupKinds, EachRegionKeepsItsOwnStorageAndAllSurviveAPause) {
+  HostDevice host;
+  Saver saver(host, options());
+  const fs::path dir = fresh_directory("disk");
+  saver.set_disk_backup_dir((dir / "spill").string());
+  EXPECT_TRUE(fs::is_directory(dir / "spill"));
+  EXPECT_EQ(saver.disk_backup_dir(), (dir / "spill").string());
+  std::vector<void*> blocks;
+  const BackupStorage kinds[] = {BackupStorage::pinned, BackupStorage::mmap, BackupStorage::disk};
+  for (const BackupStorage kind : kinds) {
+    auto r = saver.region("w", {.cpu_backup = true, .storage = kind});
+    blocks.push_back(saver.allocate(3 * kMiB));
+  }
+  {
+    auto r = saver.region("w");  // no backup: a fourth pool of the same tag
+    blocks.push_back(saver.allocate(kMiB));
+  }
+  for (std::size_t i = 0; i < 3; ++i) fill(blocks[i], 3 * kMiB, static_cast<unsigned>(i + 1));
+  std::vector<std::string> storages;
+  for (const TagInfo& t : saver.tags()) storages.push_back(t.backup_storage);
+  EXPECT_EQ(storages, (std::vector<std::string>{"", "pinned", "mmap", "disk"}));
+  saver.pause("w");
+  for (const TagInfo& t : saver.tags()) {
+    EXPECT_TRUE(t.paused);
+    EXPECT_EQ(t.physical_bytes, 0u);
+    EXPECT_EQ(t.backup_bytes, t.cpu_backup ? 3 * kMiB : 0u) << t.backup_storage;
+  }
+  saver.resume("w");
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(mismatch(blocks[i], 3 * kMiB, static_cast<unsigned>(i + 1)), -1) << i;
+  }
+  for (void* p : blocks) saver.deallocate(p);
+  saver.validate();
+  fs::remove_all(dir);
+}
+
+TEST(SaverBackupKinds, BadRegionsAndADiskBackupWithoutADirectoryAreErrors) {
+  HostDevice host;
+  Saver saver(host, options());
+  EXPECT_EQ(error_of<UsageError>([&] {
+              auto r = saver.region("w", {.cpu_backup = false, .storage = BackupStorage::mmap});
+            }),
+            "region 'w': a backup storage ('mmap') needs cpu_backup");
+  void* p = nullptr;
+  {
+    auto r = saver.region("kv", {.cpu_backup = true, .storage = BackupStorage::disk});
+    p = saver.allocate(kMiB);
+  }
+  fill(p, kMiB, 4);
+  EXPECT_EQ(error_of<UsageError>([&] { saver.pause("kv"); }),
+            "pause of tag 'kv': its backup goes to disk, and no disk backup directory is set "
+            "(Saver::set_disk_backup_dir, SaverOptions::disk_directory; the tag is left running, "
+            "untouched)");
+  EXPECT_FALSE(saver.is_paused("kv"));
+  EXPECT_EQ(mismatch(p, kMiB, 4), -1);
+  EXPECT_EQ(error_of<UsageError>([&] { saver.set_disk_backup_dir(""); }),
+            "set_disk_backup_dir: the path is empty");
+  const fs::path file = fresh_directory("file");
+  { std::ofstream(file.string()) << "x"; }
+  EXPECT_NE(error_of<UsageError>([&] { saver.set_disk_backup_dir(file.string()); })
+                .find("set_disk_backup_dir: cannot make the directory '" + file.string() + "'"),
+            std::string::npos);
+  fs::remove(file);
+  EXPECT_EQ(error_of<UsageError>([] { (void)parse_backup_storage("tape", "storage"); }),
+            "storage: 'tape' is not 'pinned', 'mmap' or 'disk'");
+  saver.deallocate(p);
+  saver.validate();
+}
+
+TEST(SaverBackupKinds, ReadBackupGivesThePausedBytesAndRetainKeepsThemAfterResume) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    auto r = saver.region("w", {.cpu_backup = true});
+    p = saver.allocate(2 * kMiB + 100);
+  }
+  {
+    auto r = saver.region("kv");
+    q = saver.allocate(kMiB);
+  }
+  fill(p, 2 * kMiB + 100, 7);
+  std::vector<unsigned char> out(2 * kMiB + 100);
+  EXPECT_FALSE(saver.read_backup(p, out.size(), out.data()));  // running: no backup
+  saver.pause();
+  ASSERT_TRUE(saver.read_backup(p, out.size(), out.data()));
+  EXPECT_EQ(mismatch(out.data(), out.size(), 7), -1);
+  // From inside the allocation, across the copy chunks (1 MiB here).
+  std::vector<unsigned char> part(kMiB + 10);
+  ASSERT_TRUE(saver.read_backup(static_cast<char*>(p) + kMiB - 5, part.size(), part.data()));
+  EXPECT_EQ(std::memcmp(part.data(), out.data() + kMiB - 5, part.size()), 0);
+  EXPECT_FALSE(saver.read_backup(q, 16, out.data()));  // a tag without backup
+  EXPECT_NE(error_of<UsageError>([&] { (void)saver.read_backup(p, out.size() + 1, out.data()); })
+                .find("run past the backed-up allocation of tag 'w'"),
+            std::string::npos);
+  saver.resume();
+  EXPECT_FALSE(saver.read_backup(p, 16, out.data()));  // dropped at resume
+  saver.set_retain_backup(true);
+  EXPECT_TRUE(saver.retain_backup());
+  saver.pause("w");
+  saver.resume("w");
+  fill(p, 2 * kMiB + 100, 8);
+  ASSERT_TRUE(saver.read_backup(p, out.size(), out.data()));  // as at the pause
+  EXPECT_EQ(mismatch(out.data(), out.size(), 7), -1);
+  EXPECT_EQ(saver.tag_info("w").backup_bytes, 2 * kMiB + 100);
+  saver.set_retain_backup(false);  // drops the backups of running tags
+  EXPECT_FALSE(saver.read_backup(p, 16, out.data()));
+  EXPECT_EQ(saver.tag_info("w").backup_bytes, 0u);
+  saver.deallocate(p);
+  saver.deallocate(q);
+  saver.validate();
+}
+
+TEST(SaverBackupKinds, TheMarginTurnsTaggedAllocationsIntoOutOfMemoryAndLeavesResumeAlone) {
+  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  Saver saver(sim, options());
+  void* a = nullptr;
+  {
+    auto r = saver.region("kv");
+    a = saver.allocate(64 * kMiB);
+  }
+  saver.set_memory_margin(400 * kMiB);
+  EXPECT_EQ(saver.memory_margin(), 400 * kMiB);
+  {
+    auto r = saver.region("kv");
+    void* b = saver.allocate(20 * kMiB);  // 512 - 64 - 20 = 428 MiB free after
+    EXPECT_THROW((void)saver.allocate(64 * kMiB), OutOfMemoryError);
+    saver.deallocate(b);
+  }
+  void* untagged = saver.allocate(64 * kMiB);  // the margin is for tags only
+  saver.pause("kv");
+  saver.resume("kv");  // not limited
+  saver.set_memory_margin(0);
+  {
+    auto r = saver.region("kv");
+    void* c = saver.allocate(200 * kMiB);
+    saver.deallocate(c);
+  }
+  saver.deallocate(untagged);
+  saver.deallocate(a);
+  saver.validate();
+}
+
+TEST(SaverBackupKinds, AFailedMemoryInfoUnderAMarginFailsTheAllocationAndChangesNothing) {
+  HostDevice host;
+  FaultyDevice faulty(host);
+  Saver saver(faulty, options());
+  saver.set_memory_margin(kMiB);
+  void* a = nullptr;
+  {
+    auto r = saver.region("kv");
+    a = saver.allocate(kMiB);
+    faulty.fail_nth(CallKind::memory_info, 1, Status::device_error);
+    EXPECT_THROW((void)saver.allocate(8 * kMiB), DeviceError);
+  }
+  const TagInfo t = saver.tag_info("kv");
+  EXPECT_EQ(t.allocated_bytes, kMiB);
+  EXPECT_EQ(t.reserved_bytes, 2 * kMiB);  // the first segment alone
+  saver.validate();
+  {
+    auto r = saver.region("kv");
+    void* b = saver.allocate(8 * kMiB);  // the fault was one call
+    saver.deallocate(b);
+  }
+  saver.deallocate(a);
+  saver.validate();
+}
+
+}  // namespace
+}  // namespace reservoir
