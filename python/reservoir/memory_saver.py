@@ -182,10 +182,25 @@ class TorchMemorySaver:
         os.makedirs(path, exist_ok=True)
         self._saver().set_disk_backup_dir(path)
 
-    def cuda_graph(self, *args, **kwargs):
-        raise NotImplementedError(
-            "reservoir.memory_saver: cuda_graph() is not provided; capture CUDA graphs outside "
-            "regions (their private pool is served by the untagged allocator)")
+    @contextlib.contextmanager
+    def cuda_graph(
+            self,
+            cuda_graph, pool=None, stream=None, capture_error_mode='global',
+            tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+            cpu_backup_backend: Optional[CpuBackupBackend] = None,
+    ):
+        """torch.cuda.graph(...) whose memory goes to `tag`: the graph's
+        private pool is kept in the tag's allocator, so pause(tag) releases
+        it and resume(tag) maps it again at the same addresses (the graph
+        replays after resume)."""
+        if cpu_backup_backend is not None and not enable_cpu_backup:
+            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+        self._ensure_initialized()
+        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
+                              capture_error_mode=capture_error_mode):
+            with self.region(tag=tag, enable_cpu_backup=enable_cpu_backup,
+                             cpu_backup_backend=cpu_backup_backend):
+                yield
 
 
 torch_memory_saver = TorchMemorySaver()

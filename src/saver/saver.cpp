@@ -90,6 +90,15 @@ void Saver::deallocate(void* ptr) {
 void Saver::record_stream(void* ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);
 }
+void Saver::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
+  impl_->begin_allocate_to_pool(id, std::move(filter));
+}
+void Saver::end_allocate_to_pool(PoolId id) {
+  impl_->end_allocate_to_pool(id);
+}
+void Saver::release_pool(PoolId id) {
+  impl_->release_pool(id);
+}
 void Saver::empty_cache() {
   impl_->empty_cache();
 }

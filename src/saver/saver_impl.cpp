@@ -127,7 +127,59 @@ void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
                     "allocate outside it)",
                     size, state->tag));
   }
+  if (active_routes_.load(std::memory_order_acquire) > 0) [[unlikely]]
+    route_into(*state, stream);
   return state->allocator.allocate(size, stream);
+}
+
+void Saver::Impl::route_into(TagState& state, StreamId stream) {
+  detail::LockGuard lock(routes_mutex_);
+  for (Route& r : routes_) {
+    if (std::find(r.begun.begin(), r.begun.end(), &state.allocator) != r.begun.end()) continue;
+    if (!r.filter(stream)) continue;
+    state.allocator.begin_allocate_to_pool(r.id, r.filter);
+    r.begun.push_back(&state.allocator);
+    tag_pool_uses_[r.id].push_back(&state.allocator);
+  }
+}
+
+void Saver::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter) {
+  detail::LockGuard lock(routes_mutex_);
+  untagged_.begin_allocate_to_pool(id, filter);  // says what is wrong first
+  routes_.push_back({id, std::move(filter), {}});
+  active_routes_.fetch_add(1, std::memory_order_release);
+}
+
+void Saver::Impl::end_allocate_to_pool(PoolId id) {
+  detail::LockGuard lock(routes_mutex_);
+  untagged_.end_allocate_to_pool(id);
+  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+    if (it->id != id) continue;
+    for (CachingAllocator* a : it->begun) a->end_allocate_to_pool(id);
+    routes_.erase(it);
+    active_routes_.fetch_sub(1, std::memory_order_release);
+    return;
+  }
+}
+
+void Saver::Impl::release_pool(PoolId id) {
+  detail::LockGuard lock(routes_mutex_);
+  untagged_.release_pool(id);
+  auto it = tag_pool_uses_.find(id);
+  if (it == tag_pool_uses_.end()) return;
+  // One use per allocator, as the untagged allocator gives up one.
+  std::vector<CachingAllocator*>& uses = it->second;
+  std::vector<CachingAllocator*> released;
+  for (auto u = uses.begin(); u != uses.end();) {
+    if (std::find(released.begin(), released.end(), *u) != released.end()) {
+      ++u;
+      continue;
+    }
+    (*u)->release_pool(id);
+    released.push_back(*u);
+    u = uses.erase(u);
+  }
+  if (uses.empty()) tag_pool_uses_.erase(it);
 }
 
 TagState* Saver::Impl::owner_of(const void* ptr) const {

@@ -108,6 +108,12 @@ class Saver::Impl {
   void deallocate(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
+  void begin_allocate_to_pool(PoolId id, PoolFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);
+  // Begins, in the tag's allocator, the routes whose filter passes `stream`
+  // (a route begun outside the region).
+  void route_into(TagState& state, StreamId stream);
 
   // ---- pause and resume ----
   std::vector<TagState*> all_tags() const;
@@ -135,6 +141,18 @@ class Saver::Impl {
   // ---- validation mode: the saver's and every allocator's ----
   void set_validate_each_call(bool on);
   std::atomic<bool> validate_each_call_{false};
+
+  // ---- private pools routed across the saver's allocators ----
+  struct Route {
+    PoolId id;
+    PoolFilter filter;
+    std::vector<CachingAllocator*> begun;  // tag allocators it was begun in
+  };
+  std::atomic<int> active_routes_{0};
+  mutable detail::Mutex routes_mutex_;
+  std::vector<Route> routes_ RESERVOIR_GUARDED_BY(routes_mutex_);
+  // Per pool, the tag allocators holding a use of it (one per begin there).
+  std::map<PoolId, std::vector<CachingAllocator*>> tag_pool_uses_ RESERVOIR_GUARDED_BY(routes_mutex_);
 
   // ---- backup and margin settings ----
   std::atomic<bool> retain_backup_{false};

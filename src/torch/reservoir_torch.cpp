@@ -222,7 +222,7 @@ __attribute__((visibility("default"))) int reservoir_torch_begin_allocate_to_poo
     if (filter == nullptr) {
       throw reservoir::UsageError("begin_allocate_to_pool: no stream filter given");
     }
-    allocator_for(device).begin_allocate_to_pool(
+    saver_for(device).begin_allocate_to_pool(
         reservoir::PoolId{pool_first, pool_second}, [filter, context](reservoir::StreamId s) {
           return filter(context, reinterpret_cast<CUstream_st*>(s)) != 0;
         });
@@ -232,14 +232,14 @@ __attribute__((visibility("default"))) int reservoir_torch_begin_allocate_to_poo
 __attribute__((visibility("default"))) int reservoir_torch_end_allocate_to_pool(
     int device, unsigned long long pool_first, unsigned long long pool_second) {
   return guarded([&] {
-    allocator_for(device).end_allocate_to_pool(reservoir::PoolId{pool_first, pool_second});
+    saver_for(device).end_allocate_to_pool(reservoir::PoolId{pool_first, pool_second});
   }) ? 0 : -1;
 }
 
 __attribute__((visibility("default"))) int reservoir_torch_release_pool(
     int device, unsigned long long pool_first, unsigned long long pool_second) {
   return guarded([&] {
-    allocator_for(device).release_pool(reservoir::PoolId{pool_first, pool_second});
+    saver_for(device).release_pool(reservoir::PoolId{pool_first, pool_second});
   }) ? 0 : -1;
 }
 
@@ -302,7 +302,7 @@ using MempoolId = std::pair<unsigned long long, unsigned long long>;
 __attribute__((visibility("default"))) void reservoir_torch_begin_allocate_to_pool(
     int device, MempoolId pool, std::function<bool(CUstream_st*)> filter) {
   (void)guarded([&] {
-    allocator_for(device).begin_allocate_to_pool(
+    saver_for(device).begin_allocate_to_pool(
         {pool.first, pool.second}, [filter = std::move(filter)](reservoir::StreamId s) {
           return filter(reinterpret_cast<CUstream_st*>(s));
         });
@@ -311,9 +311,9 @@ __attribute__((visibility("default"))) void reservoir_torch_begin_allocate_to_po
 
 __attribute__((visibility("default"))) void reservoir_torch_end_allocate_to_pool(int device,
                                                                                  MempoolId pool) {
-  (void)guarded([&] { allocator_for(device).end_allocate_to_pool({pool.first, pool.second}); });
+  (void)guarded([&] { saver_for(device).end_allocate_to_pool({pool.first, pool.second}); });
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_release_pool(int device, MempoolId pool) {
-  (void)guarded([&] { allocator_for(device).release_pool({pool.first, pool.second}); });
+  (void)guarded([&] { saver_for(device).release_pool({pool.first, pool.second}); });
 }

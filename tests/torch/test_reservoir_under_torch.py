@@ -234,3 +234,53 @@ def test_without_a_hooks_library_install_says_what_does_not_reach_reservoir():
     assert r.returncode == 0 and r.stdout.split() == ["1"], r.stderr
     assert "no hooks library for PyTorch" in r.stderr
     assert "record_stream is not honoured" in r.stderr
+
+
+def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
+    # torch_memory_saver.cuda_graph's order: the capture begins a pool route
+    # (here through PyTorch's own binding, as capture does; the simulated
+    # device does not capture graphs), then the region opens. The pool's
+    # memory is the tag's: pause releases it, resume brings back its bytes.
+    out = hooks("", """
+        from reservoir.memory_saver import torch_memory_saver as tms
+        pool = (0, 91)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+        with tms.region(tag="graph", enable_cpu_backup=True):
+            x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        torch._C._cuda_endAllocateToPool(0, pool)
+        y = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")  # after: no pool, no tag
+        x.copy_(torch.full((8 * MiB,), 5, dtype=torch.uint8))
+        def pools():
+            return sorted(tuple(s["segment_pool_id"]) for s in reservoir.snapshot(0)["segments"])
+        print(pools() == [(0, 0), pool], [t["tag"] for t in reservoir.tags(0)])
+        free0 = torch.cuda.mem_get_info()[0]
+        tms.pause("graph")
+        print((torch.cuda.mem_get_info()[0] - free0) // MiB)
+        tms.resume("graph")
+        print(torch.equal(x.cpu(), torch.full((8 * MiB,), 5, dtype=torch.uint8)))
+        del x
+        torch.cuda.empty_cache()
+        print(pools() == [(0, 0), pool])  # the pool still holds its segment
+        torch._C._cuda_releasePool(0, pool)
+        torch.cuda.empty_cache()
+        print(pools() == [(0, 0)])
+    """)
+    assert out == ["True", "['graph']", "20", "True", "True", "True"]
+
+
+def test_the_drop_ins_cuda_graph_takes_torch_memory_savers_arguments():
+    # Capture needs a GPU (the GPU bundle's torch_pause step captures and
+    # replays one); here: the same signature, and its argument checks.
+    out = hooks("", """
+        import inspect
+        from reservoir.memory_saver import torch_memory_saver as tms
+        print(str(inspect.signature(tms.cuda_graph)).replace(" ", ""))
+        try:
+            with tms.cuda_graph(torch.cuda.CUDAGraph(), cpu_backup_backend="mmap"):
+                pass
+        except ValueError as e:
+            print(str(e).replace(" ", "_"))
+    """)
+    assert out == ["(cuda_graph,pool=None,stream=None,capture_error_mode='global',tag:str='default',"
+                   "enable_cpu_backup:bool=False,cpu_backup_backend:Optional[Literal['mmap','pinned']]=None)",
+                   "cpu_backup_backend_requires_enable_cpu_backup=True"]

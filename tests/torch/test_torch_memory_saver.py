@@ -156,11 +156,9 @@ def test_the_public_api_name_by_name():
     for name in shared:
         assert name in ours, name
     # The same signatures, keywords and properties both ways, but
-    # cuda_graph's (not provided yet), hook_mode's (readable here) and the
-    # class's (it takes the device here).
+    # hook_mode's (readable here) and the class's (it takes the device here).
     for name in shared:
-        if name not in ("torch_memory_saver.cuda_graph", "torch_memory_saver.hook_mode",
-                        "TorchMemorySaver"):
+        if name not in ("torch_memory_saver.hook_mode", "TorchMemorySaver"):
             assert ours[name] == real_api[name], (name, real_api[name], ours[name])
     assert real_api["torch_memory_saver.region"] == (
         "(self, tag: str = 'default', enable_cpu_backup: bool = False, enable_disk_backup: bool = "

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -192,6 +193,65 @@ TEST(SaverBackupKinds, AFailedMemoryInfoUnderAMarginFailsTheAllocationAndChanges
     saver.deallocate(b);
   }
   saver.deallocate(a);
+  saver.validate();
+}
+
+// ---- private pools across the saver's allocators (MemPool, CUDA graphs) ----
+
+std::vector<std::pair<PoolId, std::size_t>> pools_of(const Saver& saver) {
+  std::vector<std::pair<PoolId, std::size_t>> out;
+  for (const SegmentInfo& s : saver.snapshot().segments) out.emplace_back(s.pool_id, s.total_size);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(SaverPools, ARouteBegunOutsideARegionServesTheRegionFromThatTagsPool) {
+  HostDevice host;
+  Saver saver(host, options());
+  const PoolId graph{0, 7};
+  constexpr StreamId kCapture = 5;
+  saver.begin_allocate_to_pool(graph, [](StreamId s) { return s == kCapture; });
+  void* outside = saver.allocate(kMiB, kCapture);  // untagged pool (0, 7)
+  void* inside = nullptr;
+  void* other_stream = nullptr;
+  {
+    auto r = saver.region("g", {.cpu_backup = true});
+    inside = saver.allocate(3 * kMiB, kCapture);      // tag g, pool (0, 7)
+    other_stream = saver.allocate(kMiB, 0);           // tag g, its own pool
+  }
+  saver.end_allocate_to_pool(graph);
+  void* after = saver.allocate(kMiB, kCapture);  // the route ended: default pool
+  EXPECT_EQ(pools_of(saver), (std::vector<std::pair<PoolId, std::size_t>>{
+                                 {{0, 0}, 2 * kMiB}, {{0, 0}, 2 * kMiB}, {graph, 2 * kMiB},
+                                 {graph, 20 * kMiB}}));
+  fill(inside, 3 * kMiB, 3);
+  saver.pause("g");
+  EXPECT_EQ(saver.tag_info("g").physical_bytes, 0u);  // the graph's memory paused too
+  saver.resume("g");
+  EXPECT_EQ(mismatch(inside, 3 * kMiB, 3), -1);
+  for (void* p : {outside, inside, other_stream, after}) saver.deallocate(p);
+  saver.empty_cache();
+  EXPECT_EQ(pools_of(saver).size(), 2u);  // both pools still hold their segments
+  saver.release_pool(graph);
+  saver.empty_cache();
+  EXPECT_TRUE(pools_of(saver).empty());
+  saver.validate();
+}
+
+TEST(SaverPools, RoutesAreCheckedAsTheAllocatorChecksThem) {
+  HostDevice host;
+  Saver saver(host, options());
+  EXPECT_EQ(error_of<UsageError>([&] { saver.end_allocate_to_pool({0, 9}); }),
+            "end_allocate_to_pool: not allocating to pool (0, 9)");
+  EXPECT_EQ(error_of<UsageError>([&] { saver.release_pool({0, 9}); }),
+            "release_pool: no live pool (0, 9)");
+  saver.begin_allocate_to_pool({0, 9}, [](StreamId) { return true; });
+  EXPECT_EQ(error_of<UsageError>([&] {
+              saver.begin_allocate_to_pool({0, 9}, [](StreamId) { return true; });
+            }),
+            "begin_allocate_to_pool: already allocating to pool (0, 9)");
+  saver.end_allocate_to_pool({0, 9});
+  saver.release_pool({0, 9});
   saver.validate();
 }
 

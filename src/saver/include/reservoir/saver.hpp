@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "reservoir/caching_allocator.hpp"
 #include "reservoir/config.hpp"
 #include "reservoir/device.hpp"
 #include "reservoir/history.hpp"
@@ -44,7 +45,6 @@
 
 namespace reservoir {
 
-class CachingAllocator;
 class PinnedMemorySource;
 
 enum class BackupStorage : std::uint8_t {
@@ -197,6 +197,17 @@ class Saver {
   // freed on resume. InvalidPointerError for unknown or already freed ptr.
   void deallocate(void* ptr);
   void record_stream(void* ptr, StreamId stream);
+  // Private pools (PyTorch's MemPool and CUDA-graph pools), as
+  // CachingAllocator's, for every allocator of the saver: a route begun
+  // outside a region serves allocations outside regions from the untagged
+  // allocator's pool `id`, and allocations its filter passes inside a
+  // region from the same pool id in that tag, so that memory a graph
+  // captures inside a region pauses and resumes with the tag. Ending the
+  // route ends it everywhere; releasing the pool releases each allocator's
+  // use of it. UsageError as CachingAllocator's.
+  void begin_allocate_to_pool(PoolId id, PoolFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  void release_pool(PoolId id);
   // Empties the cache of the untagged allocator and of every tag (of a paused
   // tag: its cached segments are given up and not restored on resume).
   void empty_cache();
