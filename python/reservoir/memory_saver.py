@@ -19,6 +19,8 @@ start-up to choose the config. Differences from torch_memory_saver are listed
 in docs/integrations.md ("torch_memory_saver drop-in").
 """
 import contextlib
+import ctypes
+import json
 import logging
 import os
 from typing import Literal, Optional
@@ -37,14 +39,139 @@ def _env_flag(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _interposer():
+    """reservoir's LD_PRELOAD interposer when this process runs under it
+    (configure_subprocess() puts it in children's LD_PRELOAD), else None."""
+    lib = ctypes.CDLL(None)
+    try:
+        lib.reservoir_preload_region_push
+    except AttributeError:
+        return None
+    lib.reservoir_preload_last_error.restype = ctypes.c_char_p
+    lib.reservoir_preload_last_error_kind.restype = ctypes.c_char_p
+    lib.reservoir_preload_region_push.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                                  ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.reservoir_preload_region_pop.argtypes = [ctypes.c_ulonglong]
+    lib.reservoir_preload_pause.argtypes = [ctypes.c_char_p]
+    lib.reservoir_preload_resume.argtypes = [ctypes.c_char_p]
+    lib.reservoir_preload_tags_json.restype = ctypes.c_void_p
+    lib.reservoir_preload_set_disk_backup_dir.argtypes = [ctypes.c_char_p]
+    lib.reservoir_preload_set_retain_backup.argtypes = [ctypes.c_int]
+    lib.reservoir_preload_set_memory_margin.argtypes = [ctypes.c_ulonglong]
+    lib.reservoir_preload_read_backup.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return lib
+
+
+class _InterposerSaver:
+    """The saver of reservoir's interposer, with the Python module's Saver
+    methods the drop-in uses. PyTorch's own caching allocator stays in
+    charge: a region allocates from a MemPool of its own (as
+    torch_memory_saver's preload mode does), whose segments the interposer
+    serves from the tag's memory."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self._pools = {}
+
+    def _check(self, rc, what):
+        if rc < 0:
+            message = self._lib.reservoir_preload_last_error().decode()
+            kind = self._lib.reservoir_preload_last_error_kind().decode()
+            raise getattr(reservoir, kind, reservoir.Error)(message)
+        return rc
+
+    @contextlib.contextmanager
+    def _scope(self, tag, storage, pool):
+        token = ctypes.c_ulonglong(0)
+        with torch.cuda.use_mem_pool(pool):
+            self._check(self._lib.reservoir_preload_region_push(
+                None if tag is None else tag.encode(), (storage or "").encode(), ctypes.byref(token)),
+                "region")
+            try:
+                yield
+            finally:
+                self._check(self._lib.reservoir_preload_region_pop(token), "region")
+
+    def region(self, tag, cpu_backup=False, storage=None):
+        key = (tag, storage if cpu_backup else None, torch.cuda.current_device())
+        if key not in self._pools:
+            self._pools[key] = torch.cuda.MemPool()
+        return self._scope(tag, storage if cpu_backup else None, self._pools[key])
+
+    @contextlib.contextmanager
+    def untagged(self):
+        pool = torch.cuda.MemPool()  # used once, as torch_memory_saver's disable()
+        with self._scope(None, None, pool):
+            yield
+        del pool
+
+    def pause(self, tag=None):
+        self._check(self._lib.reservoir_preload_pause(None if tag is None else tag.encode()), "pause")
+
+    def resume(self, tag=None):
+        self._check(self._lib.reservoir_preload_resume(None if tag is None else tag.encode()), "resume")
+
+    def tags(self):
+        raw = self._lib.reservoir_preload_tags_json()
+        if not raw:
+            self._check(-1, "tags")
+        try:
+            return json.loads(ctypes.string_at(raw).decode())
+        finally:
+            ctypes.CDLL(None).free(ctypes.c_void_p(raw))
+
+    def set_disk_backup_dir(self, path):
+        self._check(self._lib.reservoir_preload_set_disk_backup_dir(path.encode()), "set_disk_backup_dir")
+
+    @property
+    def retain_backup(self):
+        return bool(self._check(self._lib.reservoir_preload_retain_backup(), "retain_backup"))
+
+    @retain_backup.setter
+    def retain_backup(self, value):
+        self._check(self._lib.reservoir_preload_set_retain_backup(1 if value else 0), "retain_backup")
+
+    @property
+    def memory_margin(self):
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin.setter
+    def memory_margin(self, value):
+        self._check(self._lib.reservoir_preload_set_memory_margin(int(value)), "memory_margin")
+
+    def read_backup(self, ptr, nbytes):
+        buf = ctypes.create_string_buffer(nbytes)
+        found = self._check(self._lib.reservoir_preload_read_backup(ptr, nbytes, buf), "read_backup")
+        return buf.raw if found else None
+
+
+@contextlib.contextmanager
+def configure_subprocess():
+    """Child processes started inside run under reservoir's interposer
+    (LD_PRELOAD), where the drop-in drives its tags: every CUDA allocation of
+    the child is reservoir's from the start."""
+    lib = reservoir.preload_library_path()
+    old = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = f"{lib}:{old}" if old else lib
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = old
+
+
 class TorchMemorySaver:
     def __init__(self, device=0):
         self._device = device
         self._initialized = False
         self._hook_mode = None
+        self._impl = None
 
-    # Accepted for compatibility ("preload" or "torch"); reservoir has one
-    # mechanism (the pluggable allocator), so both values behave the same.
+    # Accepted for compatibility ("preload" or "torch"); reservoir chooses by
+    # itself: under its interposer (configure_subprocess) it drives the
+    # interposer's tags, else it makes reservoir PyTorch's allocator.
     @property
     def hook_mode(self):
         return self._hook_mode
@@ -56,6 +183,16 @@ class TorchMemorySaver:
     def _ensure_initialized(self):
         if self._initialized:
             return
+        lib = _interposer()
+        if lib is not None:
+            self._impl = _InterposerSaver(lib)
+            saver = self._impl
+        else:
+            saver = self._install()
+        self._configure(saver)
+        self._initialized = True
+
+    def _install(self):
         kind = os.environ.get("RESERVOIR_TORCH_DEVICE", "")
         if kind not in ("host", "sim"):
             import torch
@@ -69,7 +206,10 @@ class TorchMemorySaver:
                             "reservoir.memory_saver: could not make reservoir PyTorch's allocator "
                             f"({e}); call reservoir.install_torch() before the first CUDA tensor"
                         ) from e
-        saver = reservoir.default_saver(self._device)
+        self._impl = reservoir.default_saver(self._device)
+        return self._impl
+
+    def _configure(self, saver):
         # torch_memory_saver's environment, read once as it reads it.
         if os.environ.get("TMS_DISK_BACKUP_DIR"):
             saver.set_disk_backup_dir(os.environ["TMS_DISK_BACKUP_DIR"])
@@ -79,11 +219,10 @@ class TorchMemorySaver:
         if self._default_backend not in ("pinned", "mmap"):
             raise ValueError(f"TMS_INIT_CPU_BACKUP_BACKEND={self._default_backend!r}: "
                              "expected 'pinned' or 'mmap'")
-        self._initialized = True
 
     def _saver(self):
         self._ensure_initialized()
-        return reservoir.default_saver(self._device)
+        return self._impl
 
     def _known(self, tag):
         return any(t["tag"] == tag for t in self._saver().tags())

@@ -24,6 +24,15 @@
 // prints each device's memory summary at exit; RESERVOIR_PRELOAD_STATS=FILE
 // writes each device's statistics there at exit, as JSON
 // ({"0": {torch.cuda.memory_stats() keys}, ...}).
+//
+// Tags: each GPU's allocator is a Saver's untagged allocator (the same
+// decisions as a plain CachingAllocator), and the reservoir_preload_* entry
+// points below open regions on the calling thread, pause and resume tags,
+// and read backups, so that a program (reservoir.memory_saver under
+// PyTorch's own allocator, as torch_memory_saver's preload mode) can release
+// the memory it allocated inside a region while keeping its addresses.
+// Tagged memory needs CUDA's virtual memory management (the driver API);
+// without it regions fail with an error that says so.
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
@@ -33,9 +42,16 @@
 #include <memory>
 #include <mutex>
 
+#include <cstring>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/cuda_device.hpp"
 #include "reservoir/errors.hpp"
+#include "reservoir/open_device.hpp"
+#include "reservoir/saver.hpp"
 
 namespace {
 
@@ -47,10 +63,18 @@ struct Real {
   cudaError_t (*get_device)(int*) = nullptr;
 };
 
+// One GPU: the runtime (untagged memory), the driver's virtual memory
+// (tags), pinned host memory (backups) and the saver over them.
+struct PerDevice {
+  std::unique_ptr<reservoir::CudaRuntimeDevice> runtime;
+  std::unique_ptr<reservoir::Device> vmm;
+  std::unique_ptr<reservoir::CudaPinnedMemory> pinned;
+  std::unique_ptr<reservoir::Saver> saver;
+};
+
 struct State {
   std::mutex mutex;
-  std::array<std::unique_ptr<reservoir::CudaRuntimeDevice>, kMaxDevices> devices;
-  std::array<std::unique_ptr<reservoir::CachingAllocator>, kMaxDevices> allocators;
+  std::array<PerDevice, kMaxDevices> devices;
   Real real;
   bool real_loaded = false;
 
@@ -63,11 +87,11 @@ struct State {
     }
     const char* sep = "";
     std::fprintf(f, "{");
-    for (std::size_t d = 0; d < allocators.size(); ++d) {
-      if (!allocators[d]) continue;
+    for (std::size_t d = 0; d < devices.size(); ++d) {
+      if (!devices[d].saver) continue;
       std::fprintf(f, "%s\"%zu\": {", sep, d);
       const char* inner = "";
-      for (const auto& [key, value] : allocators[d]->stats_map()) {
+      for (const auto& [key, value] : devices[d].saver->stats_map()) {
         std::fprintf(f, "%s\"%s\": %lld", inner, key.c_str(), static_cast<long long>(value));
         inner = ", ";
       }
@@ -80,15 +104,15 @@ struct State {
 
   ~State() {
     if (const char* s = std::getenv("RESERVOIR_PRELOAD_SUMMARY"); s != nullptr && *s == '1') {
-      for (const auto& a : allocators) {
-        if (a) std::fprintf(stderr, "%s", a->memory_summary().c_str());
+      for (const PerDevice& d : devices) {
+        if (d.saver) std::fprintf(stderr, "%s", d.saver->memory_summary().c_str());
       }
     }
     if (const char* path = std::getenv("RESERVOIR_PRELOAD_STATS"); path != nullptr && *path != '\0') {
       write_stats(path);
     }
-    // Allocators go first: they return their segments through the devices.
-    for (auto& a : allocators) a.reset();
+    // Savers go first: they return their segments through the devices.
+    for (PerDevice& d : devices) d.saver.reset();
   }
 };
 
@@ -131,30 +155,49 @@ int current_device() {
   return d;
 }
 
-// The allocator of the current GPU, created on first use; null when CUDA
-// cannot be opened (the message goes to stderr once).
-reservoir::CachingAllocator* allocator() {
-  const int device = current_device();
+// The saver of a GPU, created on first use; null when CUDA cannot be
+// opened (the message goes to stderr).
+reservoir::Saver* saver_of(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   State& s = state();
   std::lock_guard lock(s.mutex);
-  auto& a = s.allocators[static_cast<std::size_t>(device)];
-  if (!a) {
+  PerDevice& d = s.devices[static_cast<std::size_t>(device)];
+  if (!d.saver) {
     try {
-      s.devices[static_cast<std::size_t>(device)] = reservoir::CudaRuntimeDevice::open(device);
-      a = std::make_unique<reservoir::CachingAllocator>(*s.devices[static_cast<std::size_t>(device)],
-                                                        reservoir::AllocatorConfig::from_env(), device);
+      d.runtime = reservoir::CudaRuntimeDevice::open(device);
+      reservoir::SaverOptions options;
+      options.config = reservoir::AllocatorConfig::from_env();
+      options.device_index = device;
+      try {
+        d.vmm = reservoir::open_device(reservoir::DeviceKind::cuda_vmm, {.index = device});
+        options.tag_device = d.vmm.get();
+      } catch (const reservoir::DeviceUnavailableError&) {
+        // No virtual memory management: regions will say so when opened.
+      }
+      d.pinned = reservoir::CudaPinnedMemory::open();
+      options.pinned_source = d.pinned.get();
+      if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr && *storage != '\0') {
+        options.storage = reservoir::parse_backup_storage(storage, "RESERVOIR_BACKUP_STORAGE");
+      }
+      if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR"); dir != nullptr) options.mmap_directory = dir;
+      if (const char* dir = std::getenv("RESERVOIR_DISK_BACKUP_DIR"); dir != nullptr) {
+        options.disk_directory = dir;
+      }
+      d.saver = std::make_unique<reservoir::Saver>(*d.runtime, options);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "reservoir preload: %s\n", e.what());
+      d = PerDevice{};
       return nullptr;
     }
   }
-  return a.get();
+  return d.saver.get();
 }
+
+reservoir::Saver* current_saver() { return saver_of(current_device()); }
 
 cudaError_t allocate(void** ptr, size_t size, cudaStream_t stream) {
   if (ptr == nullptr) return cudaErrorInvalidValue;
-  reservoir::CachingAllocator* a = allocator();
+  reservoir::Saver* a = current_saver();
   if (a == nullptr) return cudaErrorInitializationError;
   try {
     *ptr = a->allocate(size, reinterpret_cast<reservoir::StreamId>(stream));
@@ -171,7 +214,7 @@ cudaError_t allocate(void** ptr, size_t size, cudaStream_t stream) {
 
 // Frees a pointer reservoir holds; false when it is not reservoir's.
 bool release(void* ptr, cudaStream_t stream, bool async) {
-  reservoir::CachingAllocator* a = allocator();
+  reservoir::Saver* a = current_saver();
   if (a == nullptr) return false;
   try {
     if (async && stream != nullptr) {
@@ -184,9 +227,143 @@ bool release(void* ptr, cudaStream_t stream, bool async) {
   }
 }
 
+thread_local std::string last_error;
+thread_local const char* last_error_kind = "";
+
+// Runs `f` on the current GPU's saver: 0, or -1 with last_error saying why
+// and last_error_kind naming reservoir's error class.
+template <typename F>
+int on_saver(F&& f) {
+  try {
+    reservoir::Saver* saver = current_saver();
+    if (saver == nullptr) throw reservoir::DeviceUnavailableError("reservoir preload: CUDA could not be opened");
+    f(*saver);
+    return 0;
+  } catch (const reservoir::UsageError& e) {
+    last_error_kind = "UsageError";
+    last_error = e.what();
+  } catch (const reservoir::OutOfMemoryError& e) {
+    last_error_kind = "OutOfMemoryError";
+    last_error = e.what();
+  } catch (const reservoir::DeviceError& e) {
+    last_error_kind = "DeviceError";
+    last_error = e.what();
+  } catch (const std::exception& e) {
+    last_error_kind = "Error";
+    last_error = e.what();
+  }
+  return -1;
+}
+
 }  // namespace
 
 extern "C" {
+
+// ---- tags (reservoir.memory_saver's preload mode) -------------------------
+// Every call acts on the calling thread's current GPU; -1 on an error, and
+// reservoir_preload_last_error() says why.
+
+__attribute__((visibility("default"))) const char* reservoir_preload_last_error() {
+  return last_error.c_str();
+}
+
+// The class of that error in reservoir's Python module: "UsageError",
+// "OutOfMemoryError", "DeviceError" or "Error".
+__attribute__((visibility("default"))) const char* reservoir_preload_last_error_kind() {
+  return last_error_kind;
+}
+
+// Opens a region on this thread: `tag` (null: outside every tag), with a
+// backup in `storage` ("pinned", "mmap", "disk"; null or "" for none).
+__attribute__((visibility("default"))) int reservoir_preload_region_push(const char* tag,
+                                                                        const char* storage,
+                                                                        unsigned long long* token) {
+  return on_saver([&](reservoir::Saver& saver) {
+    if (token == nullptr) throw reservoir::UsageError("region_push: token is null");
+    if (tag == nullptr) {
+      *token = saver.push_untagged();
+      return;
+    }
+    reservoir::RegionOptions options;
+    if (storage != nullptr && *storage != '\0') {
+      options.cpu_backup = true;
+      options.storage = reservoir::parse_backup_storage(storage, "region_push: storage");
+    }
+    *token = saver.push_region(tag, options);
+  });
+}
+
+__attribute__((visibility("default"))) int reservoir_preload_region_pop(unsigned long long token) {
+  return on_saver([&](reservoir::Saver& saver) { saver.pop_region(token); });
+}
+
+// Pauses or resumes `tag`, or every tag when it is null.
+__attribute__((visibility("default"))) int reservoir_preload_pause(const char* tag) {
+  return on_saver([&](reservoir::Saver& saver) { tag != nullptr ? saver.pause(tag) : saver.pause(); });
+}
+
+__attribute__((visibility("default"))) int reservoir_preload_resume(const char* tag) {
+  return on_saver([&](reservoir::Saver& saver) { tag != nullptr ? saver.resume(tag) : saver.resume(); });
+}
+
+// The tags as a JSON list of TagInfo objects; free it with free(). Null on error.
+__attribute__((visibility("default"))) char* reservoir_preload_tags_json() {
+  char* out = nullptr;
+  (void)on_saver([&](reservoir::Saver& saver) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const reservoir::TagInfo& t : saver.tags()) {
+      nlohmann::json j;
+      t.for_each_field([&](const char* name, const auto& value) { j[name] = value; });
+      list.push_back(std::move(j));
+    }
+    const std::string text = list.dump();
+    out = static_cast<char*>(std::malloc(text.size() + 1));
+    if (out == nullptr) throw reservoir::OutOfMemoryError("tags_json: no host memory", text.size() + 1, 0, 0);
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  });
+  return out;
+}
+
+__attribute__((visibility("default"))) int reservoir_preload_set_disk_backup_dir(const char* path) {
+  return on_saver([&](reservoir::Saver& saver) { saver.set_disk_backup_dir(path != nullptr ? path : ""); });
+}
+
+__attribute__((visibility("default"))) int reservoir_preload_set_retain_backup(int on) {
+  return on_saver([&](reservoir::Saver& saver) { saver.set_retain_backup(on != 0); });
+}
+
+// 1 or 0; -1 on an error.
+__attribute__((visibility("default"))) int reservoir_preload_retain_backup() {
+  int value = -1;
+  (void)on_saver([&](reservoir::Saver& saver) { value = saver.retain_backup() ? 1 : 0; });
+  return value;
+}
+
+__attribute__((visibility("default"))) int reservoir_preload_set_memory_margin(unsigned long long bytes) {
+  return on_saver([&](reservoir::Saver& saver) { saver.set_memory_margin(bytes); });
+}
+
+// 1 with the backed-up bytes of [ptr, ptr + bytes) in out, 0 when there is
+// no backup of ptr, -1 on an error.
+__attribute__((visibility("default"))) int reservoir_preload_read_backup(const void* ptr, size_t bytes,
+                                                                        void* out) {
+  int found = 0;
+  const int rc = on_saver([&](reservoir::Saver& saver) { found = saver.read_backup(ptr, bytes, out) ? 1 : 0; });
+  return rc != 0 ? rc : found;
+}
+
+// The interposer's statistics and summary (torch.cuda.memory_stats() keys).
+__attribute__((visibility("default"))) char* reservoir_preload_stats_json() {
+  char* out = nullptr;
+  (void)on_saver([&](reservoir::Saver& saver) {
+    const std::string text = nlohmann::json(saver.stats_map()).dump();
+    out = static_cast<char*>(std::malloc(text.size() + 1));
+    if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  });
+  return out;
+}
+
+// ---- the CUDA runtime's allocation calls ------------------------------------
 
 __attribute__((visibility("default"))) cudaError_t cudaMalloc(void** ptr, size_t size) {
   return allocate(ptr, size, nullptr);

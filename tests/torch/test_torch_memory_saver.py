@@ -26,9 +26,18 @@ REAL = "torch_memory_saver"
 OURS = "reservoir.memory_saver"
 
 
+# The drop-in's two ways in: reservoir as PyTorch's allocator, or under
+# reservoir's interposer (what configure_subprocess gives a child), where
+# PyTorch's own allocator asks the interposer for memory.
+OURS_UNDER_INTERPOSER = "reservoir.memory_saver under its interposer"
+
+
 def run(impl, hook_mode, body):
     env = dict(os.environ)
     env["PYTHONPATH"] = SITE + ":" + env["PYTHONPATH"]
+    if impl == OURS_UNDER_INTERPOSER:
+        impl = OURS
+        env["LD_PRELOAD"] = os.environ["RESERVOIR_PRELOAD"] + ":" + SIMCUDA
     if impl == REAL and hook_mode == "preload":
         # Its preload mode finds its library in LD_PRELOAD (colon-separated),
         # ahead of the runtime; the library needs the driver on the path.
@@ -41,10 +50,11 @@ def run(impl, hook_mode, body):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize("ours_impl", [OURS, OURS_UNDER_INTERPOSER])
 @pytest.mark.parametrize("hook_mode", ["torch", "preload"])
-def test_the_same_script_gives_the_same_results(hook_mode):
+def test_the_same_script_gives_the_same_results(hook_mode, ours_impl):
     real = run(REAL, hook_mode, PAUSE_RESUME)
-    ours = run(OURS, hook_mode, PAUSE_RESUME)
+    ours = run(ours_impl, hook_mode, PAUSE_RESUME)
     assert real.returncode == 0, real.stderr
     assert ours.returncode == 0, ours.stderr
     assert real.stdout.split() == ours.stdout.split() == [
@@ -132,9 +142,7 @@ print(json.dumps(out))
 
 # What reservoir's drop-in does not have yet, or has otherwise (checked
 # both ways: a name the real release adds or drops fails this test).
-MISSING = {
-    "configure_subprocess": "()",
-}
+MISSING = {}
 
 
 def test_the_public_api_name_by_name():
@@ -146,7 +154,7 @@ def test_the_public_api_name_by_name():
         assert real_api.get(name) == signature, name
         assert name not in ours, name
     shared = sorted(set(real_api) - set(MISSING))
-    assert shared == ["TorchMemorySaver", "torch_memory_saver.cuda_graph",
+    assert shared == ["TorchMemorySaver", "configure_subprocess", "torch_memory_saver.cuda_graph",
                       "torch_memory_saver.disable", "torch_memory_saver.enabled",
                       "torch_memory_saver.get_cpu_backup", "torch_memory_saver.hook_mode",
                       "torch_memory_saver.memory_margin_bytes",
@@ -293,16 +301,62 @@ SAME_BOTH_WAYS = {
 }
 
 
+@pytest.mark.parametrize("ours_impl", [OURS, OURS_UNDER_INTERPOSER])
 @pytest.mark.parametrize("case", sorted(SAME_BOTH_WAYS))
-def test_behaviour_case_by_case(case):
+def test_behaviour_case_by_case(case, ours_impl):
     body = textwrap.dedent(SAME_BOTH_WAYS[case]) + "import os\nos._exit(0)\n"
     real = run(REAL, "preload", body)
-    ours = run(OURS, "preload", body)
+    ours = run(ours_impl, "preload", body)
     assert real.returncode == 0, real.stderr
     assert ours.returncode == 0, ours.stderr
     # The real library logs some decisions on standard output.
     real_lines = [line for line in real.stdout.splitlines() if not line.startswith("[torch_memory_saver")]
     assert ours.stdout.split() == "\n".join(real_lines).split(), (real.stdout, ours.stdout)
+
+
+CHILD_IN_CONFIGURE_SUBPROCESS = """
+import importlib, os, torch
+tms = importlib.import_module(IMPL).torch_memory_saver
+MiB = 1 << 20
+y = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")  # before any region
+with tms.region(tag="kv"):
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+free0 = torch.cuda.mem_get_info()[0]
+tms.pause("kv")
+print((torch.cuda.mem_get_info()[0] - free0) // MiB)
+tms.resume("kv")
+print(torch.cuda.mem_get_info()[0] == free0, flush=True)
+os._exit(0)
+"""
+
+
+def test_configure_subprocess_gives_children_the_interposer():
+    # A parent (not itself under an interposer) starts a child inside
+    # configure_subprocess(); the child's regions and pauses work from its
+    # first CUDA allocation, both ways: there through torch_memory_saver's
+    # LD_PRELOAD library, here through reservoir's interposer.
+    body = f"""
+import os, subprocess, sys
+impl = next(n for n in ("torch_memory_saver", "reservoir.memory_saver")
+            if getattr(sys.modules.get(n), "torch_memory_saver", None) is tms)
+configure_subprocess = importlib.import_module(impl).configure_subprocess
+child = {CHILD_IN_CONFIGURE_SUBPROCESS!r}.replace("IMPL", repr(impl))
+os.environ["LD_LIBRARY_PATH"] = {os.path.dirname(SIMCUDA)!r}  # the real library's driver
+before = os.environ.get("LD_PRELOAD")
+with configure_subprocess():
+    inside = os.environ["LD_PRELOAD"]
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+print(r.returncode, r.stdout.strip(), r.stderr.strip()[-300:])
+print(os.environ.get("LD_PRELOAD") == before, inside.endswith(":" + before))
+os._exit(0)
+"""
+    real = run(REAL, "torch", body)
+    ours = run(OURS, "torch", body)
+    assert real.returncode == 0, real.stderr
+    assert ours.returncode == 0, ours.stderr
+    real_words = [w for w in real.stdout.split() if not w.startswith("[torch_memory_saver")]
+    assert ours.stdout.split() == real_words == ["0", "64", "True", "True", "True"], (
+        real.stdout, ours.stdout)
 
 
 def test_get_cpu_backup_without_a_backup_kills_the_process_there_and_is_none_here():
