@@ -58,6 +58,7 @@ def _interposer():
     lib.reservoir_preload_set_disk_backup_dir.argtypes = [ctypes.c_char_p]
     lib.reservoir_preload_set_retain_backup.argtypes = [ctypes.c_int]
     lib.reservoir_preload_set_memory_margin.argtypes = [ctypes.c_ulonglong]
+    lib.reservoir_preload_set_free_releases.argtypes = [ctypes.c_int]
     lib.reservoir_preload_read_backup.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return lib
 
@@ -72,6 +73,8 @@ class _InterposerSaver:
     def __init__(self, lib):
         self._lib = lib
         self._pools = {}
+        # PyTorch frees segments only to give them back (empty_cache).
+        lib.reservoir_preload_set_free_releases(1)
 
     def _check(self, rc, what):
         if rc < 0:
@@ -344,3 +347,12 @@ class TorchMemorySaver:
 
 torch_memory_saver = TorchMemorySaver()
 memory_saver = torch_memory_saver
+
+
+def install_as_torch_memory_saver():
+    """Makes `import torch_memory_saver` give this module from now on (in this
+    process), for frameworks that import torch_memory_saver by name (sglang,
+    verl, slime): call it before they import it."""
+    import sys
+
+    sys.modules["torch_memory_saver"] = sys.modules[__name__]

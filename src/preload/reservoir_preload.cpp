@@ -37,6 +37,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -75,6 +76,10 @@ struct PerDevice {
 struct State {
   std::mutex mutex;
   std::array<PerDevice, kMaxDevices> devices;
+  // cudaFree of untagged memory also empties the untagged cache: for a
+  // caching allocator above (PyTorch's), whose cudaFree means "give it back"
+  // (empty_cache), not "keep it for my next cudaMalloc".
+  std::atomic<bool> free_releases{false};
   Real real;
   bool real_loaded = false;
 
@@ -220,7 +225,11 @@ bool release(void* ptr, cudaStream_t stream, bool async) {
     if (async && stream != nullptr) {
       a->record_stream(ptr, reinterpret_cast<reservoir::StreamId>(stream));
     }
+    const bool untagged = !a->tagged(ptr);
     a->deallocate(ptr);
+    if (untagged && state().free_releases.load(std::memory_order_relaxed)) {
+      a->untagged_allocator().empty_cache();
+    }
     return true;
   } catch (const reservoir::InvalidPointerError&) {
     return false;
@@ -337,6 +346,12 @@ __attribute__((visibility("default"))) int reservoir_preload_retain_backup() {
   int value = -1;
   (void)on_saver([&](reservoir::Saver& saver) { value = saver.retain_backup() ? 1 : 0; });
   return value;
+}
+
+// On: a cudaFree of untagged memory gives its segment back to the device
+// (for PyTorch's caching allocator above the interposer). Off by default.
+__attribute__((visibility("default"))) void reservoir_preload_set_free_releases(int on) {
+  state().free_releases.store(on != 0, std::memory_order_relaxed);
 }
 
 __attribute__((visibility("default"))) int reservoir_preload_set_memory_margin(unsigned long long bytes) {

@@ -262,7 +262,34 @@ void Saver::Impl::resume(std::string_view tag) {
   if (std::none_of(states.begin(), states.end(), paused_now)) {
     throw UsageError(fmt::format("resume: tag '{}' is not paused", tag));
   }
-  for (TagState* p : states) resume_tag(*p);
+  for (TagState* p : states) resume_or_reclaim(*p);
+}
+
+std::int64_t Saver::Impl::reclaim(const TagState& except) {
+  auto reserved = [](const CachingAllocator& a) { return a.stats().reserved_bytes[0].current; };
+  std::int64_t released = reserved(untagged_);
+  untagged_.empty_cache();
+  released -= reserved(untagged_);
+  for (TagState* state : all_tags()) {
+    if (state == &except) continue;
+    detail::SharedLock lock(state->mutex);
+    if (state->paused) continue;  // its memory is gone already
+    const std::int64_t before = reserved(state->allocator);
+    state->allocator.empty_cache();
+    released += before - reserved(state->allocator);
+  }
+  return released;
+}
+
+void Saver::Impl::resume_or_reclaim(TagState& state) {
+  try {
+    resume_tag(state);
+  } catch (const OutOfMemoryError&) {
+    // Cached memory of the other allocators is memory this resume may have:
+    // give it back to the device and try once more.
+    if (reclaim(state) <= 0) throw;
+    resume_tag(state);
+  }
 }
 
 void Saver::Impl::pause_all() {
@@ -270,7 +297,7 @@ void Saver::Impl::pause_all() {
 }
 
 void Saver::Impl::resume_all() {
-  for (TagState* p : all_tags()) resume_tag(*p);
+  for (TagState* p : all_tags()) resume_or_reclaim(*p);
 }
 
 void Saver::Impl::set_retain_backup(bool on) {

@@ -87,6 +87,9 @@ void* Saver::allocate(std::size_t size, StreamId stream) {
 void Saver::deallocate(void* ptr) {
   impl_->deallocate(ptr);
 }
+bool Saver::tagged(const void* ptr) const {
+  return impl_->owner_of(ptr) != nullptr;
+}
 void Saver::record_stream(void* ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);
 }

@@ -48,23 +48,23 @@ TagState& Saver::Impl::tag_state(std::string_view tag, const RegionOptions& opti
     throw UsageError(fmt::format("region '{}': a backup storage ('{}') needs cpu_backup", tag,
                                  to_string(*options.storage)));
   }
-  const std::optional<BackupStorage> backup =
-      options.cpu_backup ? std::optional(options.storage.value_or(options_.storage)) : std::nullopt;
+  const BackupStorage storage = options.storage.value_or(options_.storage);
   if (!tag_base_.supports_virtual_memory()) {
     throw UsageError(fmt::format(
         "region '{}': tagged memory needs a device with virtual memory, and '{}' has none "
         "(use cuda-vmm, or give SaverOptions::tag_device)",
         tag, tag_base_.name()));
   }
-  const auto key = std::make_pair(std::string(tag), backup ? 1 + static_cast<int>(*backup) : 0);
+  const auto key =
+      std::make_pair(std::string(tag), options.cpu_backup ? 1 + static_cast<int>(storage) : 0);
   {
     detail::SharedLock lock(tags_mutex_);
     if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
   }
   detail::UniqueLock lock(tags_mutex_);
   if (auto it = tags_.find(key); it != tags_.end()) return *it->second;
-  auto state = std::make_unique<TagState>(key.first, backup, tag_base_, index_, &memory_margin_,
-                                          options_.config, options_.device_index);
+  auto state = std::make_unique<TagState>(key.first, options.cpu_backup, storage, tag_base_, index_,
+                                          &memory_margin_, options_.config, options_.device_index);
   if (history_) state->allocator.record_history(*history_);
   if (options_.exact_peaks && !combined_) {
     // From the first tag on, the saver's peaks are those of the sum (the
@@ -129,7 +129,15 @@ void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
   }
   if (active_routes_.load(std::memory_order_acquire) > 0) [[unlikely]]
     route_into(*state, stream);
-  return state->allocator.allocate(size, stream);
+  try {
+    return state->allocator.allocate(size, stream);
+  } catch (const OutOfMemoryError&) {
+    // The tag ran out after its own retry ladder: memory the other
+    // allocators cache goes back to the device, and it tries once more (as
+    // PyTorch's ladder frees the cached blocks of every pool).
+    if (reclaim(*state) <= 0) throw;
+    return state->allocator.allocate(size, stream);
+  }
 }
 
 void Saver::Impl::route_into(TagState& state, StreamId stream) {

@@ -35,11 +35,12 @@ namespace detail {
 
 // One tag: its device, its allocator and its pause state.
 struct TagState {
-  TagState(std::string name, std::optional<BackupStorage> backup, Device& base, RangeIndex& index,
-           const std::atomic<std::size_t>* margin, const AllocatorConfig& config, int device_index)
+  TagState(std::string name, bool backup, BackupStorage backup_storage, Device& base,
+           RangeIndex& index, const std::atomic<std::size_t>* margin, const AllocatorConfig& config,
+           int device_index)
       : tag(std::move(name)),
-        cpu_backup(backup.has_value()),
-        storage(backup.value_or(BackupStorage::pinned)),
+        cpu_backup(backup),
+        storage(backup_storage),
         device(base, index, this, margin),
         allocator(device, config, device_index) {}
 
@@ -122,6 +123,12 @@ class Saver::Impl {
   const std::vector<StreamId>& copy_streams();
   void pause_tag(TagState& state);
   void resume_tag(TagState& state);
+  // resume_tag; when it runs out of memory, the other allocators' cached
+  // memory goes back to the device (reclaim) and it tries once more.
+  void resume_or_reclaim(TagState& state);
+  // Empties the caches of the untagged allocator and of every running tag
+  // but `except`; returns the bytes of segments released.
+  std::int64_t reclaim(const TagState& except);
   void pause(std::string_view tag);
   void resume(std::string_view tag);
   void pause_all();

@@ -196,6 +196,48 @@ TEST(SaverBackupKinds, AFailedMemoryInfoUnderAMarginFailsTheAllocationAndChanges
   saver.validate();
 }
 
+// ---- memory other allocators cache goes to a tag that runs out ---------------
+
+TEST(SaverReclaim, ATagThatRunsOutTakesTheUntaggedCacheAndTriesAgain) {
+  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  Saver saver(sim, options());
+  saver.deallocate(saver.allocate(300 * kMiB));  // cached by the untagged allocator
+  ASSERT_EQ(saver.untagged_allocator().stats().reserved_bytes[0].current, 300 * kMiB);
+  void* t = nullptr;
+  {
+    auto r = saver.region("kv");
+    t = saver.allocate(300 * kMiB);
+  }
+  EXPECT_EQ(saver.untagged_allocator().stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(saver.tag_info("kv").physical_bytes, 300 * kMiB);
+  saver.deallocate(t);
+  saver.validate();
+}
+
+TEST(SaverReclaim, AResumeThatRunsOutTakesTheUntaggedCacheAndTriesAgain) {
+  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  Saver saver(sim, options());
+  void* t = nullptr;
+  {
+    auto r = saver.region("kv");
+    t = saver.allocate(300 * kMiB);
+  }
+  saver.pause("kv");
+  saver.deallocate(saver.allocate(300 * kMiB));  // the trainer's turn, then cached
+  saver.resume("kv");
+  EXPECT_FALSE(saver.is_paused("kv"));
+  EXPECT_EQ(saver.untagged_allocator().stats().reserved_bytes[0].current, 0);
+  // With nothing cached elsewhere, the error stands and the tag stays paused.
+  saver.pause("kv");
+  void* held = saver.allocate(300 * kMiB);
+  EXPECT_THROW(saver.resume("kv"), OutOfMemoryError);
+  EXPECT_TRUE(saver.is_paused("kv"));
+  saver.deallocate(held);
+  saver.resume("kv");
+  saver.deallocate(t);
+  saver.validate();
+}
+
 // ---- private pools across the saver's allocators (MemPool, CUDA graphs) ----
 
 std::vector<std::pair<PoolId, std::size_t>> pools_of(const Saver& saver) {

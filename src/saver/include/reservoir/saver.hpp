@@ -196,6 +196,8 @@ class Saver {
   // Frees into whichever allocator owns ptr. A block of a paused tag is
   // freed on resume. InvalidPointerError for unknown or already freed ptr.
   void deallocate(void* ptr);
+  // True when ptr lies in a tag's memory (any tag, paused or running).
+  bool tagged(const void* ptr) const;
   void record_stream(void* ptr, StreamId stream);
   // Private pools (PyTorch's MemPool and CUDA-graph pools), as
   // CachingAllocator's, for every allocator of the saver: a route begun
