@@ -167,6 +167,7 @@ TEST_P(SaverPeakPolicies, EveryPeakOfTheSumIsExactAfterEachOperation) {
     std::optional<Saver::Region> region;
     if (i != 0) region.emplace(saver.region(owners[i]));
     saver.reset_peak_stats();
+    const auto at_reset = to_map(saver.stats());
     if (roll < 50 || (roll < 95 && live[i].empty())) {
       const std::size_t size = roll % 3 == 0 ? 1 + rng() % 600'000 : 1 + rng() % (40 * kMiB);
       try {
@@ -187,7 +188,10 @@ TEST_P(SaverPeakPolicies, EveryPeakOfTheSumIsExactAfterEachOperation) {
     for (const auto& [key, peak] : sum) {
       if (key.size() < 5 || key.compare(key.size() - 5, 5, ".peak") != 0) continue;
       const std::string cur = key.substr(0, key.size() - 5) + ".current";
-      ASSERT_EQ(peak, sum.at(cur) - own.at(cur) + own.at(key))
+      // The others' values are constant through the step, unless a tag that
+      // ran out took back their cached memory (Saver's reclaim): then they
+      // only fell, and the peak may be the sum as it stood at the reset.
+      ASSERT_EQ(peak, std::max(at_reset.at(cur), sum.at(cur) - own.at(cur) + own.at(key)))
           << key << " after step " << step << " on '" << owners[i] << "'";
       ++checked;
     }
