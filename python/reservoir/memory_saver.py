@@ -23,9 +23,15 @@ import ctypes
 import json
 import logging
 import os
+import threading
 from typing import Literal, Optional
 
-import torch
+try:
+    import torch
+    _Tensor = torch.Tensor
+except ImportError:  # the saver works on reservoir's own devices without PyTorch
+    torch = None
+    _Tensor = "torch.Tensor"
 
 import reservoir
 
@@ -73,6 +79,7 @@ class _InterposerSaver:
     def __init__(self, lib):
         self._lib = lib
         self._pools = {}
+        self._local = threading.local()
         # PyTorch frees segments only to give them back (empty_cache).
         lib.reservoir_preload_set_free_releases(1)
 
@@ -86,14 +93,22 @@ class _InterposerSaver:
     @contextlib.contextmanager
     def _scope(self, tag, storage, pool):
         token = ctypes.c_ulonglong(0)
-        with torch.cuda.use_mem_pool(pool):
-            self._check(self._lib.reservoir_preload_region_push(
-                None if tag is None else tag.encode(), (storage or "").encode(), ctypes.byref(token)),
-                "region")
-            try:
-                yield
-            finally:
-                self._check(self._lib.reservoir_preload_region_pop(token), "region")
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                self._check(self._lib.reservoir_preload_region_push(
+                    None if tag is None else tag.encode(), (storage or "").encode(),
+                    ctypes.byref(token)), "region")
+                try:
+                    yield
+                finally:
+                    self._check(self._lib.reservoir_preload_region_pop(token), "region")
+        finally:
+            self._local.depth -= 1
+            if self._local.depth == 0:
+                # PyTorch before 2.15 asserts when a MemPool dies while another
+                # pool is in use on the thread: spent pools go here.
+                self._local.spent = []
 
     def region(self, tag, cpu_backup=False, storage=None):
         key = (tag, storage if cpu_backup else None, torch.cuda.current_device())
@@ -104,9 +119,11 @@ class _InterposerSaver:
     @contextlib.contextmanager
     def untagged(self):
         pool = torch.cuda.MemPool()  # used once, as torch_memory_saver's disable()
+        if not hasattr(self._local, "spent"):
+            self._local.spent = []
+        self._local.spent.append(pool)  # released when the outermost region closes
         with self._scope(None, None, pool):
             yield
-        del pool
 
     def pause(self, tag=None):
         self._check(self._lib.reservoir_preload_pause(None if tag is None else tag.encode()), "pause")
@@ -306,7 +323,7 @@ class TorchMemorySaver:
         finds it (its host memory stays held until the next pause)."""
         self._saver().retain_backup = bool(value)
 
-    def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
+    def get_cpu_backup(self, x: _Tensor, zero_copy: bool = False):
         """The host copy of `x` taken at its tag's last pause (a CPU tensor of
         the same dtype, shape and strides), or None when there is none. Always
         a copy: zero_copy is accepted and gives a copy too."""

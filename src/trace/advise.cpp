@@ -350,7 +350,10 @@ std::vector<std::string> default_sweep(std::string_view pytorch_since) {
     return s != nullptr && (s->since.empty() || compare_versions(s->since, release) <= 0);
   };
   std::vector<std::string> out{""};
-  for (const int mb : {20, 32, 64, 128, 256, 512, 1024, 2048}) {
+  // The smallest value each release's parser takes: above 20 before the
+  // unified allocator config of 2.9 ("must be > 20"), 20 and above from it.
+  const int smallest_split_mb = compare_versions(release, "2.9") >= 0 ? 20 : 21;
+  for (const int mb : {smallest_split_mb, 32, 64, 128, 256, 512, 1024, 2048}) {
     out.push_back(fmt::format("max_split_size_mb:{}", mb));
   }
   for (const int d : {1, 2, 4, 8, 16}) out.push_back(fmt::format("roundup_power2_divisions:{}", d));

@@ -93,9 +93,10 @@ TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
   EXPECT_EQ(defaults.min_capacity_bytes, 416 * kMiB);
   EXPECT_EQ(defaults.ooms_at_capacity, 1);
   // A max_split_size_mb below 28 MiB keeps the big block whole, so the
-  // retry ladder can give it back: the job fits at its peak request.
-  EXPECT_EQ(find(a, "max_split_size_mb:20").min_capacity_bytes, 256 * kMiB);
-  EXPECT_EQ(find(a, "max_split_size_mb:20").ooms_at_capacity, 0);
+  // retry ladder can give it back: the job fits at its peak request. (21:
+  // the smallest PyTorch before 2.9 takes; this recording names no release.)
+  EXPECT_EQ(find(a, "max_split_size_mb:21").min_capacity_bytes, 256 * kMiB);
+  EXPECT_EQ(find(a, "max_split_size_mb:21").ooms_at_capacity, 0);
   EXPECT_EQ(find(a, "max_split_size_mb:512").min_capacity_bytes, 416 * kMiB);
   // Expandable segments map the large pool in 20 MiB pages: 256 MiB takes 13.
   EXPECT_EQ(find(a, "expandable_segments:True").min_capacity_bytes, 260 * kMiB);
@@ -289,7 +290,13 @@ TEST(Advise, BadInputIsRefusedWithTheReason) {
 TEST(Advise, TheDefaultSweepCoversPyTorchsSettingsAndPaging) {
   const std::vector<std::string> s = default_sweep();
   EXPECT_EQ(s.front(), "");
-  for (const char* c : {"max_split_size_mb:20", "max_split_size_mb:2048", "roundup_power2_divisions:1",
+  // PyTorch before 2.9 refuses max_split_size_mb:20 ("must be > 20"); 2.9's
+  // unified config takes it.
+  EXPECT_EQ(std::find(s.begin(), s.end(), "max_split_size_mb:20"), s.end());
+  const std::vector<std::string> unified = default_sweep("2.9");
+  EXPECT_NE(std::find(unified.begin(), unified.end(), "max_split_size_mb:20"), unified.end());
+  EXPECT_EQ(std::find(unified.begin(), unified.end(), "max_split_size_mb:21"), unified.end());
+  for (const char* c : {"max_split_size_mb:21", "max_split_size_mb:2048", "roundup_power2_divisions:1",
                         "roundup_power2_divisions:16", "expandable_segments:True", "policy:paging"}) {
     EXPECT_NE(std::find(s.begin(), s.end(), c), s.end()) << c;
   }
