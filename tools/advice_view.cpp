@@ -40,6 +40,9 @@ std::string ago(const Diagnosis& d) {
 
 // For which PyTorch the settings are written, and why.
 std::string written_for(const Advice& a) {
+  if (a.torch_version_given) {
+    return fmt::format("for PyTorch {}, as --torch-version asks: {}", a.pytorch_since, a.pytorch_env);
+  }
   if (a.pytorch_since.empty()) {
     return fmt::format("for PyTorch before 2.4, as the snapshot records no settings: {}",
                        a.pytorch_env);
@@ -279,6 +282,7 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
   return {{"trace", a.trace},
           {"recorded_config", a.recorded_config},
           {"pytorch_since", a.pytorch_since},
+          {"torch_version_given", a.torch_version_given},
           {"pytorch_env", a.pytorch_env},
           {"peak_requested_bytes", a.peak_requested_bytes},
           {"capacity_bytes", opt(a.capacity_bytes)},

@@ -24,6 +24,7 @@ struct AdviseArgs {
   std::vector<std::string> configs;
   std::string capacity;
   std::string output;
+  std::string torch_version;
   bool json = false;
   unsigned threads = 0;
   std::optional<int> device;
@@ -34,6 +35,7 @@ struct AdviseArgs {
 void run_job(const AdviseArgs& args, const std::vector<std::string>& files) {
   JobOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+  options.torch_version = args.torch_version;
   options.configs = args.configs;
   options.device = args.device;
   options.threads = args.threads;
@@ -101,6 +103,7 @@ void run(const AdviseArgs& args) {
   }
   AdviseOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
+  options.torch_version = args.torch_version;
   options.configs = args.configs;
   options.threads = args.threads;
   for (const std::string& c : args.configs) (void)AllocatorConfig::parse(c);  // fail before replaying
@@ -164,6 +167,9 @@ void add_advise(CLI::App& app) {
   add_size_option(*cmd, "--capacity", args->capacity,
                   "memory the allocator may have, e.g. 80GiB (default: what the recording's "
                   "out-of-memory event shows it had)");
+  cmd->add_option("--torch-version", args->torch_version,
+                  "the PyTorch release the settings are written for, e.g. 2.5 (default: the "
+                  "oldest the recording shows)");
   cmd->add_option("--config,-c", args->configs,
                   "sweep these settings instead of the default list (repeatable; '' = defaults)");
   cmd->add_flag("--json", args->json, "print the advice as JSON (keys: docs/tools.md)");

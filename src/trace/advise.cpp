@@ -337,6 +337,26 @@ Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity) {
   return diagnose_with(trace, capacity, nullptr);
 }
 
+namespace {
+// A PyTorch 2.x release as people write it: 2.5, 2.11.0, 2.5.1+cu121.
+bool valid_version(std::string_view v) {
+  v = v.substr(0, v.find('+'));
+  if (v.size() < 3 || v.substr(0, 2) != "2.") return false;
+  bool digit = false;
+  for (const char c : v.substr(2)) {
+    if (c == '.') {
+      if (!digit) return false;
+      digit = false;
+    } else if (c >= '0' && c <= '9') {
+      digit = true;
+    } else {
+      return false;
+    }
+  }
+  return digit;
+}
+}  // namespace
+
 std::string_view pytorch_env_var(std::string_view pytorch_since) {
   return !pytorch_since.empty() && compare_versions(pytorch_since, "2.9") >= 0
              ? "PYTORCH_ALLOC_CONF"
@@ -387,7 +407,15 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   advice.trace = trace.name;
   advice.recorded_config = trace.recorded_config;
   advice.pytorch_since = trace.pytorch_since;
-  advice.pytorch_env = std::string(pytorch_env_var(trace.pytorch_since));
+  if (!options.torch_version.empty()) {
+    if (!valid_version(options.torch_version)) {
+      throw UsageError(fmt::format("--torch-version '{}': expected a release such as 2.5 or 2.11.0",
+                                   options.torch_version));
+    }
+    advice.torch_version_given = true;
+    advice.pytorch_since = options.torch_version;
+  }
+  advice.pytorch_env = std::string(pytorch_env_var(advice.pytorch_since));
   const AllocatorConfig recorded = recorded_settings(trace);
   ReplayProgram program = compile(trace, CompileOptions{true});
   if (program.initial.empty() && program.ops.empty()) {
@@ -412,7 +440,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
 
   // The settings, parsed before any replay; the recorded ones among them.
   std::vector<std::string> texts =
-      options.configs.empty() ? default_sweep(trace.pytorch_since) : options.configs;
+      options.configs.empty() ? default_sweep(advice.pytorch_since) : options.configs;
   std::vector<AllocatorConfig> configs;
   configs.reserve(texts.size() + 1);
   for (const std::string& t : texts) configs.push_back(AllocatorConfig::parse(t));

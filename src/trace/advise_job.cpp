@@ -142,6 +142,7 @@ JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& op
   std::size_t done = 0;
   AdviseOptions one;
   one.capacity = options.capacity;
+  one.torch_version = options.torch_version;
   one.configs = options.configs;
   one.threads = 1;  // the files are the parallel work
   auto work = [&] {

@@ -129,6 +129,8 @@ struct Advice {
   // variable advice for it is written in (pytorch_env_var).
   std::string pytorch_since;
   std::string pytorch_env = "PYTORCH_CUDA_ALLOC_CONF";
+  // pytorch_since is AdviseOptions::torch_version, not what the recording shows.
+  bool torch_version_given = false;
   std::uint64_t peak_requested_bytes = 0;
   // The memory the allocator may have: --capacity, else what the oom event
   // shows it had (reserved + device free); empty when neither is known.
@@ -151,6 +153,9 @@ struct Advice {
 
 struct AdviseOptions {
   std::optional<std::uint64_t> capacity;
+  // The PyTorch release the settings are written for ("2.5"); empty: the
+  // oldest the recording shows (Trace::pytorch_since).
+  std::string torch_version;
   // Settings to sweep; empty: default_sweep() plus the recorded settings.
   std::vector<std::string> configs;
   unsigned threads = 0;  // 0: every core
@@ -228,6 +233,7 @@ struct JobAdvice {
 
 struct JobOptions {
   std::optional<std::uint64_t> capacity;
+  std::string torch_version;  // as AdviseOptions::torch_version
   std::vector<std::string> configs;  // as AdviseOptions::configs
   std::optional<int> device;         // only this device of each file
   unsigned threads = 0;              // files analysed at once (0: every core)
