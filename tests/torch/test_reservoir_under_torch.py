@@ -169,12 +169,24 @@ def test_record_stream_keeps_a_block_until_the_other_stream_is_done(config):
     assert out == ["True", "True"]
 
 
+# Freeing the pool's tensor x leaves its segment with the pool until the
+# pool is released; then empty_cache hands it back.
+RELEASE_THE_POOL = """
+    del x
+    torch.cuda.empty_cache()
+    print(pools() == [(0, 0), pool])  # the pool still holds its segment
+    torch._C._cuda_releasePool(0, pool)
+    torch.cuda.empty_cache()
+    print(pools() == [(0, 0)])
+"""
+
+
 def test_the_pool_hooks_route_allocations_to_a_private_pool():
     # What use_mem_pool and CUDA graph capture ask of the current allocator,
     # through PyTorch's own bindings: allocations of this thread go to a
     # private pool of reservoir's (its segment carries the pool's id) until
     # the route ends; releasing the pool lets empty_cache hand it back.
-    out = hooks("", """
+    out = hooks("", textwrap.dedent("""
         pool = (0, 77)
         torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
         x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
@@ -185,13 +197,7 @@ def test_the_pool_hooks_route_allocations_to_a_private_pool():
         def pools():
             return sorted(tuple(s["segment_pool_id"]) for s in reservoir.snapshot(0)["segments"])
         print(pools() == [(0, 0), pool])
-        del x
-        torch.cuda.empty_cache()
-        print(pools() == [(0, 0), pool])  # the pool still holds its segment
-        torch._C._cuda_releasePool(0, pool)
-        torch.cuda.empty_cache()
-        print(pools() == [(0, 0)])
-    """)
+    """) + textwrap.dedent(RELEASE_THE_POOL))
     assert out == ["True", "True", "True"]
 
 
@@ -241,7 +247,7 @@ def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
     # (here through PyTorch's own binding, as capture does; the simulated
     # device does not capture graphs), then the region opens. The pool's
     # memory is the tag's: pause releases it, resume brings back its bytes.
-    out = hooks("", """
+    out = hooks("", textwrap.dedent("""
         from reservoir.memory_saver import torch_memory_saver as tms
         pool = (0, 91)
         torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
@@ -258,13 +264,7 @@ def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
         print((torch.cuda.mem_get_info()[0] - free0) // MiB)
         tms.resume("graph")
         print(torch.equal(x.cpu(), torch.full((8 * MiB,), 5, dtype=torch.uint8)))
-        del x
-        torch.cuda.empty_cache()
-        print(pools() == [(0, 0), pool])  # the pool still holds its segment
-        torch._C._cuda_releasePool(0, pool)
-        torch.cuda.empty_cache()
-        print(pools() == [(0, 0)])
-    """)
+    """) + textwrap.dedent(RELEASE_THE_POOL))
     assert out == ["True", "['graph']", "20", "True", "True", "True"]
 
 

@@ -21,6 +21,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A 512 MiB device: small enough to run out of.
+SimDeviceOptions small_device() { return SimDeviceOptions{.capacity = std::size_t{512} * kMiB}; }
+
+void* allocate_in(Saver& saver, const std::string& tag, std::size_t bytes) {
+  auto r = saver.region(tag);
+  return saver.allocate(bytes);
+}
+
 fs::path fresh_directory(const std::string& name) {
   fs::path d = fs::temp_directory_path() / fmt::format("reservoir_{}_{}", name, ::getpid());
   fs::remove_all(d);
@@ -142,13 +150,9 @@ TEST(SaverBackupKinds, ReadBackupGivesThePausedBytesAndRetainKeepsThemAfterResum
 }
 
 TEST(SaverBackupKinds, TheMarginTurnsTaggedAllocationsIntoOutOfMemoryAndLeavesResumeAlone) {
-  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  SimDevice sim(small_device());
   Saver saver(sim, options());
-  void* a = nullptr;
-  {
-    auto r = saver.region("kv");
-    a = saver.allocate(64 * kMiB);
-  }
+  void* a = allocate_in(saver, "kv", 64 * kMiB);
   saver.set_memory_margin(400 * kMiB);
   EXPECT_EQ(saver.memory_margin(), 400 * kMiB);
   {
@@ -199,15 +203,11 @@ TEST(SaverBackupKinds, AFailedMemoryInfoUnderAMarginFailsTheAllocationAndChanges
 // ---- memory other allocators cache goes to a tag that runs out ---------------
 
 TEST(SaverReclaim, ATagThatRunsOutTakesTheUntaggedCacheAndTriesAgain) {
-  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  SimDevice sim(small_device());
   Saver saver(sim, options());
   saver.deallocate(saver.allocate(300 * kMiB));  // cached by the untagged allocator
   ASSERT_EQ(saver.untagged_allocator().stats().reserved_bytes[0].current, 300 * kMiB);
-  void* t = nullptr;
-  {
-    auto r = saver.region("kv");
-    t = saver.allocate(300 * kMiB);
-  }
+  void* t = allocate_in(saver, "kv", 300 * kMiB);
   EXPECT_EQ(saver.untagged_allocator().stats().reserved_bytes[0].current, 0);
   EXPECT_EQ(saver.tag_info("kv").physical_bytes, 300 * kMiB);
   saver.deallocate(t);
@@ -215,13 +215,9 @@ TEST(SaverReclaim, ATagThatRunsOutTakesTheUntaggedCacheAndTriesAgain) {
 }
 
 TEST(SaverReclaim, AResumeThatRunsOutTakesTheUntaggedCacheAndTriesAgain) {
-  SimDevice sim(SimDeviceOptions{.capacity = std::size_t{512} * kMiB});
+  SimDevice sim(small_device());
   Saver saver(sim, options());
-  void* t = nullptr;
-  {
-    auto r = saver.region("kv");
-    t = saver.allocate(300 * kMiB);
-  }
+  void* t = allocate_in(saver, "kv", 300 * kMiB);
   saver.pause("kv");
   saver.deallocate(saver.allocate(300 * kMiB));  // the trainer's turn, then cached
   saver.resume("kv");
