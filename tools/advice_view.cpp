@@ -95,11 +95,99 @@ nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& in
   return j;
 }
 
+// The answer, before any detail: did the job run out of memory, the line to
+// set, and what it saves over the recorded settings; or, when no stock
+// setting saves more than about 1%, that the settings are fine and what would
+// help instead.
+struct Answer {
+  bool ran_out = false;
+  std::string outcome;                // one sentence
+  std::string action;                 // one or two sentences
+  const Candidate* recorded = nullptr;  // the recorded settings' replay
+  const Candidate* best = nullptr;      // the best stock PyTorch setting
+  std::int64_t saves_bytes = 0;       // recorded minus best minimum capacity
+  double saves_percent = 0.0;         // of the recorded minimum capacity
+  bool settings_matter = false;       // the best saves more than 1%
+};
+
+Answer answer_of(const Advice& a) {
+  Answer ans;
+  const Diagnosis& d = a.diagnosis;
+  ans.ran_out = d.moment == "oom";
+  if (ans.ran_out && d.request) {
+    ans.outcome = fmt::format("The job ran out of memory: a {} request found {} free on the device.",
+                              format_size(d.request->size),
+                              d.device_free_bytes ? format_size(*d.device_free_bytes) : "too little");
+  } else if (ans.ran_out) {
+    ans.outcome = "The job ran out of memory.";
+  } else if (a.capacity_bytes) {
+    ans.outcome = fmt::format(
+        "The job did not run out of memory: reserved memory peaked at {}, {:.1f}% of the {} it may have.",
+        format_size(d.reserved_bytes),
+        100.0 * static_cast<double>(d.reserved_bytes) / static_cast<double>(*a.capacity_bytes),
+        format_size(*a.capacity_bytes));
+  } else {
+    ans.outcome = fmt::format(
+        "The recording shows no out-of-memory error: reserved memory peaked at {} (give --capacity "
+        "to judge it against your GPU).",
+        format_size(d.reserved_bytes));
+  }
+  for (const Candidate& c : a.candidates) {
+    if (c.recorded) ans.recorded = &c;
+  }
+  if (a.best_pytorch) ans.best = &a.candidates[*a.best_pytorch];
+  const Candidate& reservoir_best = a.candidates[a.best_reservoir];
+  if (ans.recorded != nullptr && ans.best != nullptr && ans.recorded->min_capacity_bytes > 0) {
+    ans.saves_bytes = static_cast<std::int64_t>(ans.recorded->min_capacity_bytes) -
+                      static_cast<std::int64_t>(ans.best->min_capacity_bytes);
+    ans.saves_percent = 100.0 * static_cast<double>(ans.saves_bytes) /
+                        static_cast<double>(ans.recorded->min_capacity_bytes);
+  }
+  ans.settings_matter = ans.best != nullptr && ans.best != ans.recorded && ans.saves_percent > 1.0;
+  const auto gib = [](std::int64_t bytes) { return static_cast<double>(bytes) / double(1 << 30); };
+  if (a.shrink_bytes) {
+    ans.action = fmt::format(
+        "No setting can make it fit: the program itself holds {} at its peak, {} more than there is; "
+        "its own memory must shrink (smaller batches, activation checkpointing, lower precision).",
+        format_size(a.peak_requested_bytes), format_size(*a.shrink_bytes));
+  } else if (ans.settings_matter) {
+    ans.action = fmt::format("Set {}{}: it needs {}, {:.2f} GiB ({:.1f}%) less than your settings ({}){}.",
+                             env_line(*ans.best, false, a.pytorch_env), fraction_text(*ans.best),
+                             format_size(ans.best->min_capacity_bytes), gib(ans.saves_bytes),
+                             ans.saves_percent, format_size(ans.recorded->min_capacity_bytes),
+                             headroom_text(a, *ans.best));
+  } else if (ans.recorded != nullptr) {
+    const double within =
+        ans.best != nullptr && ans.best->min_capacity_bytes > 0
+            ? 100.0 * (static_cast<double>(ans.recorded->min_capacity_bytes) /
+                           static_cast<double>(ans.best->min_capacity_bytes) -
+                       1.0)
+            : 0.0;
+    const bool reservoir_helps =
+        reservoir_best.reservoir_only &&
+        static_cast<double>(reservoir_best.min_capacity_bytes) <
+            0.99 * static_cast<double>(ans.recorded->min_capacity_bytes);
+    ans.action = fmt::format(
+        "Your settings are already within {:.1f}% of the best stock PyTorch setting; the program itself "
+        "needs {} at its peak. What would help instead: {}less live memory at the peak (the "
+        "allocations listed below).",
+        std::max(within, 0.0), format_size(a.peak_requested_bytes),
+        reservoir_helps ? fmt::format("reservoir's {} (it needs {}), or ", reservoir_best.config,
+                                      format_size(reservoir_best.min_capacity_bytes))
+                        : std::string());
+  }
+  return ans;
+}
+
 }  // namespace
 
 std::string advice_text(const Trace& trace, const Advice& a) {
   const Diagnosis& d = a.diagnosis;
-  std::string out = fmt::format(
+  const Answer ans = answer_of(a);
+  std::string out = ans.outcome + "\n";
+  if (!ans.action.empty()) out += ans.action + "\n";
+  out += "\n";
+  out += fmt::format(
       "{} ({}, recorded with {}): {} events; {} settings replayed to their minimum capacity in "
       "{:.2f} s ({} replays)\n\n",
       trace.name, trace.format, config_label(trace.recorded_config), trace.events.size(),
@@ -279,7 +367,21 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
          {"ooms_at_capacity",
           c.ooms_at_capacity ? nlohmann::json(*c.ooms_at_capacity) : nlohmann::json(nullptr)}});
   }
-  return {{"trace", a.trace},
+  const Answer ans = answer_of(a);
+  nlohmann::json answer = {
+      {"ran_out_of_memory", ans.ran_out},
+      {"outcome", ans.outcome},
+      {"action", ans.action},
+      {"settings_matter", ans.settings_matter},
+      {"line", ans.settings_matter ? env_line(*ans.best, false, a.pytorch_env) : std::string()},
+      {"recorded_min_capacity_bytes",
+       ans.recorded != nullptr ? nlohmann::json(ans.recorded->min_capacity_bytes) : nlohmann::json(nullptr)},
+      {"best_min_capacity_bytes",
+       ans.best != nullptr ? nlohmann::json(ans.best->min_capacity_bytes) : nlohmann::json(nullptr)},
+      {"saves_bytes", ans.saves_bytes},
+      {"saves_percent", ans.saves_percent}};
+  return {{"answer", answer},
+          {"trace", a.trace},
           {"recorded_config", a.recorded_config},
           {"pytorch_since", a.pytorch_since},
           {"torch_version_given", a.torch_version_given},
@@ -453,6 +555,9 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
       "<section class=\"advice\" id=\"{}\">\n<h3>{}</h3>\n", id,
       d.moment == "oom" ? "Why it ran out of memory, and which setting fits"
                         : "Where reserved memory peaked, and which setting needs the least");
+  const Answer ans = answer_of(a);
+  out += fmt::format("<div class=\"answer\"><p class=\"outcome\">{}</p><p class=\"action\">{}</p></div>\n",
+                     esc(ans.outcome), esc(ans.action));
   out += fmt::format("<p>Diagnosis {}, from {}.</p>\n", esc(moment_text(d)), esc(source_text(d)));
   out += "<table class=\"diagnosis\">\n";
   auto row = [&](const std::string& k, const std::string& v) {

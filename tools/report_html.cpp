@@ -276,7 +276,7 @@ th{background:#f4f4f4}td:last-child{text-align:left}table.summary td:first-child
 details summary{cursor:pointer}details ol{margin:4px 0;padding-left:20px;font-size:12px;text-align:left}
 code{font-size:12px}.oom{color:#c00;font-weight:600}
 .tick.best{font-weight:700;fill:#222}table.diagnosis th{text-align:right;width:190px}table.diagnosis td{text-align:left}
-.recommendation code.env{background:#eef4ea;padding:2px 6px;font-size:13px}ul.reasons li{margin:2px 0}
+.recommendation code.env{background:#eef4ea;padding:2px 6px;font-size:13px}ul.reasons li{margin:2px 0}div.answer{background:#eef4ea;border-left:4px solid #4a7a3a;padding:6px 12px;margin:8px 0}div.answer p{margin:4px 0}p.outcome{font-weight:bold}
 )";
 
 }  // namespace reservoir::tools

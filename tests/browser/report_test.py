@@ -152,6 +152,21 @@ try:
     errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
     if errors:
         failures.append(f"advice page console errors: {errors}")
+    # The answer is on the first screen: the outcome, the line to set.
+    first = driver.execute_script("""
+      const a = document.querySelector('div.answer');
+      if (!a) return null;
+      const r = a.getBoundingClientRect();
+      return {top: r.top, bottom: r.bottom, height: window.innerHeight, text: a.innerText};""")
+    first_shot = os.path.join(out_dir, "advice_first_screen.png")
+    driver.save_screenshot(first_shot)
+    green = sum(1 for px in Image.open(first_shot).convert("RGB").getdata()
+                if all(abs(x - y) <= 3 for x, y in zip(px, (0xee, 0xf4, 0xea))))
+    if (first is None or first["bottom"] > first["height"] or green < 5000 or
+            not first["text"].startswith("The job ran out of memory: a 160.00 MiB request") or
+            "Set PYTORCH_CUDA_ALLOC_CONF=" not in first["text"]):
+        failures.append(f"the answer is not on the advice page's first screen: {first}, "
+                        f"{green} answer-coloured pixels in {first_shot}")
     drawn = driver.execute_script("""
       const w = sel => Array.from(document.querySelectorAll(sel)).map(r => r.getBBox().width);
       return {request: w('svg.advice-segments rect.request'), holes: w('svg.advice-segments rect.hole'),

@@ -209,6 +209,24 @@ text = run("advise", classic).stdout
 check("the largest was 100.00 MiB, the request needs 160.00 MiB" in text and
       "fragmentation" in text and "With PyTorch:   PYTORCH_CUDA_ALLOC_CONF=" in text,
       text)
+# The answer first, in words: did it run out, the line to set, what it saves.
+check(text.startswith(
+    "The job ran out of memory: a 160.00 MiB request found 44.00 MiB free on the device.\n"
+    "Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128, with "
+    "torch.cuda.set_per_process_memory_fraction(1.0) (garbage collection runs only under a memory "
+    "fraction): it needs 256.00 MiB, 0.16 GiB (38.5%) less than your settings (416.00 MiB); "
+    "44.00 MiB of headroom on 300.00 MiB.\n"), text[:600])
+answer = advice["answer"]
+check(answer["ran_out_of_memory"] and answer["settings_matter"] and
+      answer["recorded_min_capacity_bytes"] == 416 * MiB and answer["best_min_capacity_bytes"] == 256 * MiB
+      and answer["saves_bytes"] == 160 * MiB and abs(answer["saves_percent"] - 38.46) < 0.01 and
+      answer["line"] == advice["recommendation"]["pytorch"]["env"], answer)
+# Where no setting saves more than 1%: the settings are fine, and what would help.
+fine = json.loads(run("advise", classic, "--json", "-c", "", "-c", "roundup_power2_divisions:4").stdout)
+check(not fine["answer"]["settings_matter"] and fine["answer"]["line"] == "" and
+      fine["answer"]["action"] == "Your settings are already within 0.0% of the best stock PyTorch "
+      "setting; the program itself needs 256.00 MiB at its peak. What would help instead: less live "
+      "memory at the peak (the allocations listed below).", fine["answer"])
 # A capacity too small for the program itself: how much it must shrink.
 small = json.loads(run("advise", classic, "--capacity", "200MiB", "--json", "-c", "").stdout)
 check(small["fits"] is False and small["recommendation"]["shrink_bytes"] == 56 * MiB, small)
