@@ -65,7 +65,7 @@ std::string zsh_escape(const std::string& text) {
     }
   }
   // One line: the first sentence is enough in a menu.
-  const std::size_t end = out.find_first_of("\n");
+  const std::size_t end = out.find('\n');
   return end == std::string::npos ? out : out.substr(0, end);
 }
 
