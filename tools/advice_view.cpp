@@ -143,14 +143,15 @@ Answer answer_of(const Advice& a) {
     ans.saves_percent = 100.0 * static_cast<double>(ans.saves_bytes) /
                         static_cast<double>(ans.recorded->min_capacity_bytes);
   }
-  ans.settings_matter = ans.best != nullptr && ans.best != ans.recorded && ans.saves_percent > 1.0;
+  ans.settings_matter = ans.best != nullptr && ans.recorded != nullptr && ans.best != ans.recorded &&
+                        ans.saves_percent > 1.0;
   const auto gib = [](std::int64_t bytes) { return static_cast<double>(bytes) / double(1 << 30); };
   if (a.shrink_bytes) {
     ans.action = fmt::format(
         "No setting can make it fit: the program itself holds {} at its peak, {} more than there is; "
         "its own memory must shrink (smaller batches, activation checkpointing, lower precision).",
         format_size(a.peak_requested_bytes), format_size(*a.shrink_bytes));
-  } else if (ans.settings_matter) {
+  } else if (ans.settings_matter && ans.best != nullptr && ans.recorded != nullptr) {
     ans.action = fmt::format("Set {}{}: it needs {}, {:.2f} GiB ({:.1f}%) less than your settings ({}){}.",
                              env_line(*ans.best, false, a.pytorch_env), fraction_text(*ans.best),
                              format_size(ans.best->min_capacity_bytes), gib(ans.saves_bytes),
