@@ -93,6 +93,34 @@ def cli_path():
     return _package_file(os.path.join("bin", "reservoir"), "the reservoir command-line tool")
 
 
+def advise(path, capacity=None, configs=None, torch_version=None, device=None):
+    """`reservoir advise PATH --json` as a dict: why a recording ran out of
+    memory and which setting makes it fit, the answer first (["answer"]);
+    the same keys as the JSON (docs/tools.md). capacity is a size with a
+    unit ("80GiB"); configs a list of settings to sweep instead of the
+    default list. Raises reservoir.UsageError with the tool's message when
+    it cannot advise (exit 2), reservoir.TraceError when a rank of a job
+    cannot be read (exit 3)."""
+    import json
+    import subprocess
+
+    args = [cli_path(), "advise", os.fspath(path), "--json"]
+    if capacity is not None:
+        args += ["--capacity", str(capacity)]
+    for c in configs or []:
+        args += ["-c", c]
+    if torch_version is not None:
+        args += ["--torch-version", str(torch_version)]
+    if device is not None:
+        args += ["--device", str(int(device))]
+    r = subprocess.run(args, capture_output=True, text=True,
+                       env={**os.environ, "RESERVOIR_PROGRESS": "0"})
+    if r.returncode != 0:
+        message = r.stderr.strip() or r.stdout.strip()
+        raise (TraceError if r.returncode == 3 else UsageError)(f"advise {path}: {message}")
+    return json.loads(r.stdout)
+
+
 def install_torch(config=None, device_kind=None):
     """Make reservoir PyTorch's CUDA allocator (call before any CUDA allocation).
 

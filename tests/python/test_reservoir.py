@@ -2,6 +2,7 @@
 contents, addresses, resident memory, errors, stats, snapshots, the process
 saver PyTorch allocates from, and the torch_memory_saver drop-in."""
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -307,3 +308,20 @@ def test_native_files_and_the_tool_are_found_through_the_package():
     out = subprocess.run([sys.executable, "-m", "reservoir", "replay", "no-such-trace"], capture_output=True,
                          text=True)
     assert out.returncode != 0 and "no-such-trace" in out.stderr, out
+
+
+def test_advise_from_python_is_the_tools_json():
+    here = os.path.dirname(os.path.abspath(__file__))
+    trace = os.path.join(here, "small.trace")  # beside the installed wheel's copy of this file
+    if not os.path.exists(trace):
+        trace = os.path.join(here, "..", "..", "examples", "traces", "transformer_training.trace")
+    from_python = reservoir.advise(trace, capacity="24GiB", configs=["", "max_split_size_mb:128"])
+    tool = subprocess.run([reservoir.cli_path(), "advise", trace, "--json", "--capacity", "24GiB",
+                           "-c", "", "-c", "max_split_size_mb:128"], capture_output=True, text=True)
+    expected = json.loads(tool.stdout)
+    for d in (from_python, expected):
+        d.pop("seconds")  # wall time
+    assert from_python == expected
+    assert from_python["answer"]["outcome"].startswith("The job did not run out of memory")
+    with pytest.raises(reservoir.UsageError, match="has no unit"):
+        reservoir.advise(trace, capacity="24")
