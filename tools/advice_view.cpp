@@ -196,9 +196,9 @@ std::string advice_text(const Trace& trace, const Advice& a) {
   out += fmt::format("Diagnosis, {}, from {}\n", moment_text(d), source_text(d));
   if (d.request) {
     const FailedRequest& r = *d.request;
-    out += fmt::format("  failed request        {} on stream {:#x}, {} pool (rounded to {}; a new "
+    out += fmt::format("  failed request        {} on {}, {} pool (rounded to {}; a new "
                        "segment needs {}){}\n",
-                       format_size(r.size), r.stream, pool(r.large), format_size(r.rounded),
+                       format_size(r.size), stream_name(r.stream), pool(r.large), format_size(r.rounded),
                        format_size(r.segment_size),
                        r.context != 0 ? "\n    at " + context_label(trace, r.context) : "");
   }
@@ -212,8 +212,8 @@ std::string advice_text(const Trace& trace, const Advice& a) {
   out += fmt::format("  reserved, unallocated {}\n", format_size(d.reserved_bytes - d.allocated_bytes));
   out += fmt::format("    free in split segments   {}\n", format_size(d.split_free_bytes));
   for (const FreeGroup& g : d.split_free) {
-    out += fmt::format("      {} pool, stream {:#x}: {} in {} blocks, the largest {}{}\n", pool(g.large),
-                       g.stream, format_size(g.bytes), g.blocks, format_size(g.largest),
+    out += fmt::format("      {} pool, {}: {} in {} blocks, the largest {}{}\n", pool(g.large),
+                       stream_name(g.stream), format_size(g.bytes), g.blocks, format_size(g.largest),
                        !d.request                       ? ""
                        : g.stream == d.request->stream ? " (the request's stream)"
                                                         : " (another stream: the request's cannot use it)");
@@ -242,9 +242,9 @@ std::string advice_text(const Trace& trace, const Advice& a) {
   if (!d.worst_segments.empty()) {
     out += "  segments holding the most unusable free memory, and the allocations pinning them:\n";
     for (const PinnedSegment& s : d.worst_segments) {
-      out += fmt::format("    {:#x}  {} segment, {} free (largest piece {}), {} pool, stream {:#x}\n",
+      out += fmt::format("    {:#x}  {} segment, {} free (largest piece {}), {} pool, {}\n",
                          s.address, format_size(s.total), format_size(s.free_bytes),
-                         format_size(s.largest_free), pool(s.large), s.stream);
+                         format_size(s.largest_free), pool(s.large), stream_name(s.stream));
       for (const PinningBlock& b : s.live) {
         out += fmt::format("      {:>12} at {:#x}  {}\n", format_size(b.size), b.address,
                            context_label(trace, b.context));
@@ -566,8 +566,8 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
   };
   if (d.request) {
     const FailedRequest& r = *d.request;
-    row("failed request", esc(fmt::format("{} on stream {:#x}, {} pool (rounded to {}; a new segment needs {})",
-                                          format_size(r.size), r.stream, pool(r.large),
+    row("failed request", esc(fmt::format("{} on {}, {} pool (rounded to {}; a new segment needs {})",
+                                          format_size(r.size), stream_name(r.stream), pool(r.large),
                                           format_size(r.rounded), format_size(r.segment_size))) +
                               (r.context != 0 ? frames_html(trace.context(r.context)) : ""));
   }
@@ -578,8 +578,8 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
   row("reserved", esc(format_size(d.reserved_bytes)));
   std::string groups;
   for (const FreeGroup& g : d.split_free) {
-    groups += esc(fmt::format("; {} pool, stream {:#x}: {} in {} blocks, the largest {}", pool(g.large),
-                              g.stream, format_size(g.bytes), g.blocks, format_size(g.largest)));
+    groups += esc(fmt::format("; {} pool, {}: {} in {} blocks, the largest {}", pool(g.large),
+                              stream_name(g.stream), format_size(g.bytes), g.blocks, format_size(g.largest)));
   }
   row("free in split segments", esc(format_size(d.split_free_bytes)) + groups);
   row("cached whole segments",

@@ -135,7 +135,7 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
     }
   }
   r.largest_same_stream = largest_same_any;
-  const std::string where = fmt::format("the {} pool of stream {:#x}", pool_name(r.large), r.stream);
+  const std::string where = fmt::format("the {} pool of {}", pool_name(r.large), stream_name(r.stream));
   const std::string need =
       r.rounded == r.size ? format_size(r.rounded)
                           : fmt::format("{} (rounded from {})", format_size(r.rounded), format_size(r.size));
@@ -356,6 +356,10 @@ bool valid_version(std::string_view v) {
   return digit;
 }
 }  // namespace
+
+std::string stream_name(std::uint64_t stream) {
+  return stream == 0 ? std::string("the default stream") : fmt::format("stream {:#x}", stream);
+}
 
 std::string_view pytorch_env_var(std::string_view pytorch_since) {
   return !pytorch_since.empty() && compare_versions(pytorch_since, "2.9") >= 0

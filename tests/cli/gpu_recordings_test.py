@@ -65,7 +65,7 @@ check("agreed before it: 272 alloc addresses, 29 segment_allocs" in r.stdout, r.
 r = run("advise", os.path.join(data, "oom.pickle"))
 check(r.returncode == 0, f"advise exit {r.returncode}: {r.stderr}")
 out = r.stdout
-check("failed request        31.25 MiB on stream 0x0, large pool" in out, out[:2000])
+check("failed request        31.25 MiB on the default stream, large pool" in out, out[:2000])
 check("reserved, unallocated 79.67 MiB" in out, out[:2000])
 check("fragmentation" in out, out[:2000])
 check("record_gpu_snapshots.py:99 step" in out, out[:2000])

@@ -61,7 +61,7 @@ TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
   EXPECT_EQ(d.request->ladder_released, 0u);
   ASSERT_EQ(d.request->reasons.size(), 4u);
   EXPECT_EQ(d.request->reasons[0],
-            "No free block of the large pool of stream 0x0 was large enough: the largest was "
+            "No free block of the large pool of the default stream was large enough: the largest was "
             "100.00 MiB, the request needs 160.00 MiB.");
   EXPECT_EQ(d.request->reasons[1],
             "200.00 MiB was free inside split segments (1.2x the request), in pieces of at most "
@@ -183,7 +183,7 @@ TEST(Advise, ATraceThatCannotFitSaysHowMuchToShrink) {
   EXPECT_EQ(adv.diagnosis.reserved_bytes, 300 * kMiB);
   EXPECT_EQ(*adv.diagnosis.device_free_bytes, 0u);
   EXPECT_EQ(adv.diagnosis.request->reasons[0],
-            "No block of the large pool of stream 0x0 was free; the request needs 50.00 MiB.");
+            "No block of the large pool of the default stream was free; the request needs 50.00 MiB.");
   EXPECT_EQ(adv.peak_requested_bytes, 350 * kMiB);
   EXPECT_EQ(*adv.capacity_bytes, 300 * kMiB);
   EXPECT_FALSE(*adv.fits);

@@ -173,6 +173,10 @@ struct AdviseOptions {
 // empty: a recording that shows no release (2.0 to 2.3).
 std::vector<std::string> default_sweep(std::string_view pytorch_since = "2.3");
 
+// A stream as people know it: "the default stream" for PyTorch's default
+// (legacy) stream, else "stream 0x7f...".
+std::string stream_name(std::uint64_t stream);
+
 // The environment variable the recording's PyTorch reads its settings from:
 // PYTORCH_ALLOC_CONF from 2.9 on, PYTORCH_CUDA_ALLOC_CONF before.
 std::string_view pytorch_env_var(std::string_view pytorch_since);
