@@ -28,10 +28,10 @@ from typing import Literal, Optional
 
 try:
     import torch
-    _Tensor = torch.Tensor
 except ImportError:  # the saver works on reservoir's own devices without PyTorch
     torch = None
-    _Tensor = "torch.Tensor"
+# (A stand-in torch, as the GPU bundle's checks use without a GPU, may lack it.)
+_Tensor = getattr(torch, "Tensor", "torch.Tensor")
 
 import reservoir
 
