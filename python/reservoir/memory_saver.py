@@ -45,6 +45,17 @@ def _env_flag(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _check_backup_arguments(enable_cpu_backup, enable_disk_backup, cpu_backup_backend):
+    """torch_memory_saver's checks of a region's backup arguments, with its errors."""
+    if cpu_backup_backend is not None:
+        if not enable_cpu_backup:
+            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+        if cpu_backup_backend not in ("mmap", "pinned"):
+            raise ValueError(f"cpu_backup_backend={cpu_backup_backend!r}: expected 'pinned' or 'mmap'")
+    assert not (enable_cpu_backup and enable_disk_backup), \
+        "enable_cpu_backup and enable_disk_backup are mutually exclusive"
+
+
 def _interposer():
     """reservoir's LD_PRELOAD interposer when this process runs under it
     (configure_subprocess() puts it in children's LD_PRELOAD), else None."""
@@ -260,13 +271,7 @@ class TorchMemorySaver:
         with cpu_backup_backend="mmap" a file mapping whose pages leave the
         process's resident memory; enable_disk_backup keeps them in a file of
         the directory set_disk_backup_dir() (or TMS_DISK_BACKUP_DIR) names."""
-        if cpu_backup_backend is not None:
-            if not enable_cpu_backup:
-                raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
-            if cpu_backup_backend not in ("mmap", "pinned"):
-                raise ValueError(f"cpu_backup_backend={cpu_backup_backend!r}: expected 'pinned' or 'mmap'")
-        assert not (enable_cpu_backup and enable_disk_backup), \
-            "enable_cpu_backup and enable_disk_backup are mutually exclusive"
+        _check_backup_arguments(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
         saver = self._saver()
         if enable_disk_backup:
             scope = saver.region(tag, True, "disk")
@@ -352,8 +357,7 @@ class TorchMemorySaver:
         private pool is kept in the tag's allocator, so pause(tag) releases
         it and resume(tag) maps it again at the same addresses (the graph
         replays after resume)."""
-        if cpu_backup_backend is not None and not enable_cpu_backup:
-            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+        _check_backup_arguments(enable_cpu_backup, False, cpu_backup_backend)  # before the capture
         self._ensure_initialized()
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):

@@ -225,11 +225,11 @@ bool release(void* ptr, cudaStream_t stream, bool async) {
     if (async && stream != nullptr) {
       a->record_stream(ptr, reinterpret_cast<reservoir::StreamId>(stream));
     }
-    const bool untagged = !a->tagged(ptr);
+    // (Looked up only when asked for: a plain program's cudaFree stays a free.)
+    const bool give_back =
+        state().free_releases.load(std::memory_order_relaxed) && !a->tagged(ptr);
     a->deallocate(ptr);
-    if (untagged && state().free_releases.load(std::memory_order_relaxed)) {
-      a->untagged_allocator().empty_cache();
-    }
+    if (give_back) a->untagged_allocator().empty_cache();
     return true;
   } catch (const reservoir::InvalidPointerError&) {
     return false;
