@@ -58,7 +58,7 @@ class CMakeBuild(build_ext):
         build_dir = os.environ.get("RESERVOIR_CMAKE_BUILD_DIR") or os.path.join(BUILD_BASE, "cmake")
         configure = ["cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
                      "-DRESERVOIR_PORTABLE=ON", "-DRESERVOIR_BUILD_TESTS=OFF",
-                     "-DRESERVOIR_BUILD_BENCH=OFF", "-DRESERVOIR_BUILD_TOOLS=ON",
+                     "-DRESERVOIR_BUILD_BENCH=OFF", "-DRESERVOIR_BUILD_SIMCUDA=OFF", "-DRESERVOIR_BUILD_TOOLS=ON",
                      "-DRESERVOIR_BUILD_PYTHON=ON", f"-DPython_EXECUTABLE={sys.executable}"]
         cache = os.path.join(build_dir, "CMakeCache.txt")
         if not os.path.exists(cache):
@@ -127,8 +127,19 @@ class Install(install):
                 setattr(self, option, None)
 
 
+def license_metadata():
+    """Apache-2.0 as an SPDX expression (License-Expression, PEP 639) where
+    setuptools has it (77 and later), as the License field before."""
+    import setuptools
+    major = int(re.match(r"[0-9]+", setuptools.__version__).group(0))
+    if major >= 77:
+        return {"license_expression": "Apache-2.0", "license_files": ["LICENSE"]}
+    return {"license": "Apache-2.0", "license_files": ["LICENSE"]}
+
+
 os.makedirs(BUILD_BASE, exist_ok=True)
 setup(
+    **license_metadata(),
     version=cmake_project_version(),
     package_dir={"": "python"},
     packages=["reservoir"],

@@ -1,19 +1,23 @@
-"""reservoir as a pip package: builds the wheel from the checkout's tracked
-files (copied as a fresh clone has them) with `python -m build` or pip
-(setuptools' backend driving the project's CMake, no build isolation: no
-package index is reachable here), checks what the wheel holds, installs it
-into a fresh virtual environment and, from a folder outside the checkout,
-runs the project's Python test suite and the installed package's own checks
-against the installed package, never the build tree.
+"""reservoir as a pip package, both ways it is installed:
+
+1. Offline, as on a machine without a package index: the wheel built from the
+   checkout's tracked files (copied as a fresh clone has them) by each
+   --python with `python -m build --no-isolation` or `pip wheel
+   --no-build-isolation` (Debian's setuptools, wheel and pytest serve an
+   interpreter that lacks them: scripts/debian_python_tools.py, by
+   PYTHONPATH, never installed into the environment under test).
+2. As a release: the sdist, and from it, for every CPython 3.10+ on the
+   machine, the wheel `pip install .` builds (build isolation; setuptools,
+   wheel and pybind11 from the PyPI cache's wheelhouse) repaired by
+   auditwheel to a manylinux tag (scripts/packaging/wheels.py).
+
+Every wheel: what it holds is checked, it is installed into a fresh virtual
+environment and, from a folder outside the checkout, the project's Python
+test suite and the installed package's own checks run against the installed
+package, never the build tree.
 
 Usage: wheel_test.py --source DIR --work DIR --version X.Y.Z --python PYTHON...
-                     [--expect-preload ON|OFF]
-
-Each --python is an interpreter, or "3.12" for the machine's CPython 3.12
-(from PATH or pyenv) where there is one (it says so where there is none).
-Debian's pure-Python setuptools, wheel and pytest serve an interpreter that
-lacks them (scripts/debian_python_tools.py: by PYTHONPATH, never installed
-into the environment under test).
+                     [--release] [--expect-preload ON|OFF]
 """
 import argparse
 import glob
@@ -23,11 +27,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import zipfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 from debian_python_tools import BUILD_TOOLS, TEST_TOOLS, fill as debian_tools  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "packaging"))
+import wheels as release  # noqa: E402
 
 # What a portable build may need of the machine it runs on.
 ALLOWED_NEEDED = re.compile(r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so")
@@ -53,22 +61,6 @@ def run(cmd, env=None, cwd=None, capture=False):
     if capture:
         print(result.stdout, end="", flush=True)
     return result
-
-
-def find_python312():
-    candidates = [shutil.which("python3.12") or ""]
-    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates += sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin", "python3.12")))
-    candidates += ["/usr/local/bin/python3.12", "/usr/bin/python3.12"]
-    probe = ("import sys, sysconfig, os; sys.exit(0 if sys.version_info[:2] == (3, 12) and "
-             "os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 1)")
-    for c in candidates:
-        if c and os.access(c, os.X_OK) and subprocess.run([c, "-c", probe], stdout=subprocess.DEVNULL,
-                                                          stderr=subprocess.DEVNULL).returncode == 0:
-            # The real interpreter, not a pyenv shim.
-            return subprocess.run([c, "-c", "import sys; print(sys.executable)"], capture_output=True,
-                                  text=True, check=True).stdout.strip()
-    return None
 
 
 def interpreter_info(python):
@@ -131,7 +123,9 @@ def main():
     ap.add_argument("--source", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--version", required=True)
-    ap.add_argument("--python", required=True, action="append")
+    ap.add_argument("--python", action="append", default=[])
+    ap.add_argument("--release", action="store_true",
+                    help="also the sdist and the manylinux wheels for every CPython 3.10+ found")
     ap.add_argument("--expect-preload", default="ON")
     args = ap.parse_args()
     checkout = os.path.abspath(args.source)
@@ -143,28 +137,78 @@ def main():
           + ("" if files is None else f" ({len(files)} tracked files of {checkout})"))
     built = 0
     for python in args.python:
-        if python == "3.12":
-            python = find_python312()
-            if python is None:
-                print("no CPython 3.12 with its headers on this machine: no wheel to build for it")
-                continue
-        if wheel_for(python, args) != 0:
+        wheel = offline_wheel(python, args)
+        if wheel is None or install_and_test(wheel, python, args, release=False) != 0:
             break
         built += 1
+    if args.release and not failures:
+        try:
+            built += release_wheels(args)
+        except (subprocess.CalledProcessError, SystemExit) as e:
+            check(False, f"the release build: {e}")
     print(f"{len(failures)} failure(s)" if failures else f"{built} wheel(s): every check passed")
     return 1 if failures else 0
 
 
-def wheel_for(python, args):
-    """Builds, checks, installs and tests the wheel for one interpreter; one
-    CMake build folder serves every interpreter (only the extension module
-    differs, so a second one rebuilds little)."""
+def release_wheels(args):
+    """The sdist, and from it the manylinux wheel of every CPython found."""
+    work = os.path.join(os.path.abspath(args.work), "release")
+    out = os.path.join(work, "dist")
+    shutil.rmtree(out, ignore_errors=True)
+    pythons = release.cpythons()
+    check(pythons, "CPythons 3.10+ with headers and pip on this machine: "
+          + ", ".join(f"{tag} {exe}" for tag, exe, _ in pythons))
+    sdist = release.build_sdist(args.source, out, work)
+    name = os.path.basename(sdist)
+    check(name == f"reservoir-{args.version}.tar.gz", f"sdist {name} carries version {args.version}")
+    with tarfile.open(sdist) as t:
+        members = {m.split("/", 1)[1] for m in t.getnames() if "/" in m}
+        pkg_info = t.extractfile(f"reservoir-{args.version}/PKG-INFO").read().decode()
+    wanted = {"LICENSE", "README.md", "CMakeLists.txt", "pyproject.toml", "setup.py", "PKG-INFO",
+              "scripts/packaging/reservoir_build.py", "python/reservoir/__init__.py"}
+    check(wanted <= members, "the sdist holds " + ", ".join(sorted(wanted))
+          + ("" if wanted <= members else f" (missing {sorted(wanted - members)})"))
+    stray = sorted(m for m in members if m.startswith(("build/", "tests/", ".git")) or m.endswith(".so"))
+    check(not stray, "the sdist holds no build output, tests or git files" + (f": {stray[:10]}" if stray else ""))
+    check_metadata(pkg_info, "the sdist's PKG-INFO", args.version)
+    if args.tracked is not None:
+        left = untracked_outside_build(args.source, args.tracked)
+        check(not left, "building the sdist writes nothing into the tree outside build/"
+              + (f": {left[:10]}" if left else ""))
+    project = release.unpack_sdist(sdist, work)
+    built = 0
+    for tag, python, _ in pythons:
+        print(f"\n== release wheel for {tag} with {python}, from the sdist", flush=True)
+        raw = release.build_wheel(python, project, os.path.join(work, "raw", tag), os.path.join(work, "cmake"))
+        wheel = release.repair(raw, out)
+        if install_and_test(wheel, python, args, release=True) != 0:
+            break
+        built += 1
+    return built
+
+
+def check_metadata(text, where, version):
+    """The package's metadata as an index shows it."""
+    check(re.search(rf"^Version: {re.escape(version)}$", text, re.M) is not None,
+          f"{where}: Version is the CMake project's {version}")
+    check(re.search(r"^(License-Expression|License): Apache-2\.0$", text, re.M) is not None,
+          f"{where}: the licence is Apache-2.0")
+    check(re.search(r"^Requires-Python: >=3\.10$", text, re.M) is not None, f"{where}: Requires-Python >=3.10")
+    check(re.search(r"^Description-Content-Type: text/markdown$", text, re.M) is not None
+          and "# reservoir" in text, f"{where}: the README is the long description")
+    check(re.search(r"^Classifier: Programming Language :: Python :: 3\.13$", text, re.M) is not None,
+          f"{where}: classifiers name the Pythons the wheels are built for")
+
+
+def offline_wheel(python, args):
+    """The wheel for one interpreter from the checkout, without a package
+    index; one CMake build folder serves every interpreter (only the
+    extension module differs, so a second one rebuilds little)."""
     source = os.path.abspath(args.source)
-    tag, ext_suffix = interpreter_info(python)
-    print(f"\n== building for {tag} with {python}", flush=True)
+    tag, _ = interpreter_info(python)
+    print(f"\n== building for {tag} with {python}, offline", flush=True)
     work = os.path.join(os.path.abspath(args.work), tag)
     os.makedirs(work, exist_ok=True)
-
     # 1. The wheel, from the checkout.
     base_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("RESERVOIR_", "PYTHON", "VIRTUAL_ENV", "PIP_"))}
@@ -189,19 +233,35 @@ def wheel_for(python, args):
               + (f": {left[:10]}" if left else ""))
     wheels = glob.glob(os.path.join(dist, "*.whl"))
     check(len(wheels) == 1, f"one wheel in {dist} (found {wheels})")
-    wheel = wheels[0]
+    return wheels[0] if len(wheels) == 1 else None
+
+
+def install_and_test(wheel, python, args, release):
+    """Checks what a wheel holds, installs it into a fresh virtual
+    environment and runs the tests against it."""
+    source = os.path.abspath(args.source)
+    tag, ext_suffix = interpreter_info(python)
+    work = os.path.join(os.path.abspath(args.work), ("release-" if release else "") + tag)
+    os.makedirs(work, exist_ok=True)
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("RESERVOIR_", "PYTHON", "VIRTUAL_ENV", "PIP_"))}
 
     # 2. What the wheel holds.
     name = os.path.basename(wheel)
-    check(re.fullmatch(rf"reservoir-{re.escape(args.version)}-{tag}-{tag}-linux_x86_64\.whl", name) is not None,
-          f"wheel name {name} carries version {args.version} and tag {tag}")
+    platform = r"manylinux_2_[0-9]+_x86_64" if release else r"linux_x86_64"
+    check(re.fullmatch(rf"reservoir-{re.escape(args.version)}-{tag}-{tag}-{platform}\.whl", name) is not None,
+          f"wheel name {name} carries version {args.version}, tag {tag} and platform {platform}")
     with zipfile.ZipFile(wheel) as z:
         members = {i.filename: i for i in z.infolist()}
         info = f"reservoir-{args.version}.dist-info"
         expected = {"reservoir_torch.py", "reservoir/__init__.py", "reservoir/__main__.py",
                     "reservoir/memory_saver.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
                     "reservoir/lib/libreservoir_torch.so"}
-        payload = {n for n in members if not n.startswith(info + "/")}
+        # Folders' own entries (auditwheel writes them) are not files.
+        payload = {n for n in members if not n.startswith(info + "/") and not n.endswith("/")}
+        # auditwheel's folder of grafted libraries: none for a portable build.
+        check(not any(n.startswith("reservoir.libs/") for n in payload),
+              "nothing grafted into the wheel (reservoir.libs/ absent)")
         hooks = {n for n in payload if HOOKS.match(n)}
         if args.expect_preload.upper() in ("ON", "1", "TRUE", "YES"):
             expected.add("reservoir/lib/libreservoir_preload.so")
@@ -212,8 +272,9 @@ def wheel_for(python, args):
               + ("" if payload == expected else f": missing {sorted(expected - payload)}, "
                  f"unexpected {sorted(payload - expected)}"))
         metadata = z.read(f"{info}/METADATA").decode()
-        check(re.search(rf"^Version: {re.escape(args.version)}$", metadata, re.M) is not None,
-              f"METADATA's Version is the CMake project's {args.version}")
+        check_metadata(metadata, f"{name}'s METADATA", args.version)
+        check(f"{info}/licenses/LICENSE" in members or f"{info}/LICENSE" in members,
+              f"{name} carries the licence text")
         entry_points = z.read(f"{info}/entry_points.txt").decode()
         check(re.search(r"^reservoir = reservoir\.__main__:main$", entry_points, re.M) is not None,
               "a console script `reservoir` runs reservoir.__main__:main")
@@ -240,13 +301,19 @@ def wheel_for(python, args):
         venv = os.path.join(scratch, "venv")
         # With the interpreter's own site-packages visible (Debian's PyTorch,
         # for the suite's PyTorch test), which hold no reservoir.
-        rc = run([python, "-m", "venv", "--system-site-packages", venv], env=base_env).returncode
+        # A release wheel: a bare environment, with pytest from the wheelhouse.
+        rc = run([python, "-m", "venv", venv] + ([] if release else ["--system-site-packages"]),
+                 env=base_env).returncode
         check(rc == 0, f"{python} -m venv exits 0")
         if rc != 0:
             return 1
         vpy = os.path.join(venv, "bin", "python")
-        rc = run([vpy, "-m", "pip", "install", "--no-index", "--no-deps", wheel],
-                 env=dict(base_env, PIP_DISABLE_PIP_VERSION_CHECK="1")).returncode
+        install = [vpy, "-m", "pip", "install", "--no-index", wheel]
+        if release:
+            install += ["--find-links", release_wheelhouse(), "pytest"]
+        else:
+            install.insert(5, "--no-deps")
+        rc = run(install, env=dict(base_env, PIP_DISABLE_PIP_VERSION_CHECK="1")).returncode
         check(rc == 0, "pip install of the wheel into the fresh environment exits 0")
         if rc != 0:
             return 1
@@ -274,6 +341,10 @@ def wheel_for(python, args):
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def release_wheelhouse():
+    return release.wheelhouse()
 
 
 if __name__ == "__main__":
