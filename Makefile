@@ -17,8 +17,11 @@ ADVISE_TRACE := $(firstword $(wildcard ../shared/traces/oom/*.pickle) $(SHARED_T
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt)
+# The wheelhouse an isolated package build and its test environments use, and auditwheel.
+PACKAGING_REQUIREMENTS := scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
+                          scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
 
-.PHONY: deps build run test wheel no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps build run test wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -28,20 +31,33 @@ deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 	@# PyTorch releases from PyPI, pinned, into the cache outside the checkout
-	@# (once: about 3 GB each to download; nothing when already there).
-	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) >/dev/null
+	@# (once: about 3 GB each to download; nothing when already there), and
+	@# the packaging tools (a few MB).
+	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) $(PACKAGING_REQUIREMENTS) >/dev/null
 
 build: deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
 
+# Every line it prints fits 100 columns; it ends with where to look next.
 run: build
-	$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
-	$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
-	@if [ -n "$(SHARED_TRACES)" ]; then $(BUILD)/bin/reservoir verify $(SHARED_TRACES); fi
-	$(BUILD)/bin/reservoir advise $(ADVISE_TRACE) \
-	  -o $(BUILD)/advice.html
-	$(BUILD)/bin/reservoir report $(TRACES) $(POLICIES) --min-capacity -o $(BUILD)/report.html
+	@echo "== Replaying the bundled recordings under four settings, 24 GiB device (reservoir replay)"
+	@$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
+	@echo; echo "== The smallest device each recording fits, per policy (reservoir replay --min-capacity)"
+	@$(if $(SHARED_TRACES),,echo "   (no real recordings at ../shared/traces beside this checkout: the bundled ones only)")
+	@$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
+	@echo
+	@$(if $(SHARED_TRACES),echo "== Replaying the real recordings against what PyTorch did (reservoir verify)" && \
+	  $(BUILD)/bin/reservoir verify $(SHARED_TRACES),echo "== Skipped: verifying real recordings (none at ../shared/traces beside this checkout)")
+	@echo; echo "== Advice on $(notdir $(ADVISE_TRACE)) (reservoir advise)"
+	@$(BUILD)/bin/reservoir advise $(ADVISE_TRACE) -o $(BUILD)/advice.html
+	@echo; echo "== The replays as a page (reservoir report)"
+	@$(BUILD)/bin/reservoir report $(TRACES) $(POLICIES) --min-capacity -o $(BUILD)/report.html
+	@echo; echo "== Where to look next"
+	@printf '  %-20s %s\n' $(BUILD)/advice.html "the advice above as a page, with the memory at its moment" \
+	  $(BUILD)/report.html "every replay: reserved memory over time, segments, settings side by side" \
+	  docs/tools.md "every command; reservoir <command> --help ends with examples" \
+	  "make test" "the tests (PyTorch on the simulated CUDA device among them)"
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS)
@@ -130,6 +146,13 @@ gpu-bundle-check: gpu-bundle
 PYTHON ?= /usr/bin/python3
 wheel: deps
 	$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -w $(BUILD)/dist
+
+# What a release ships, in build/dist: the sdist and, built from it as
+# `pip install .` builds (build isolation, the PyPI cache's wheelhouse as the
+# index), a wheel per CPython 3.10+ on the machine repaired by auditwheel to a
+# manylinux tag.
+wheels: deps
+	/usr/bin/python3 scripts/packaging/wheels.py --out $(BUILD)/dist --work $(BUILD)/release
 
 clean:
 	rm -rf build build-nocuda build-clang build-asan build-tsan build-fuzz build-bundle

@@ -77,7 +77,46 @@ nlohmann::json opt(const std::optional<std::uint64_t>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
-nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& index,
+// A word for a shell: quoted where it holds anything but safe characters.
+std::string shell_word(const std::string& w) {
+  const bool plain = !w.empty() && w.find_first_not_of(
+                                       "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                       "_-./:=,+@%") == std::string::npos;
+  if (plain) return w;
+  std::string out = "'";
+  for (char ch : w) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// The command that replays the same file under a candidate at the capacity
+// advise found, so that anyone can check the claim: the same setting, the
+// same memory fraction (garbage_collection_threshold acts only under one, as
+// in PyTorch), the same device of the file.
+std::string replay_command(const Trace& trace, const Candidate& c) {
+  std::string path = trace.name;
+  const std::string suffix = fmt::format(" (device {})", trace.device);
+  if (trace.device_count > 1 && path.size() > suffix.size() &&
+      path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    path.resize(path.size() - suffix.size());
+  }
+  std::string cmd = "reservoir replay " + shell_word(path);
+  if (trace.device_count > 1) cmd += fmt::format(" --device {}", trace.device);
+  cmd += " -c " + shell_word(c.config) + fmt::format(" --capacity {}B", c.min_capacity_bytes);
+  if (c.memory_fraction) cmd += fmt::format(" --memory-fraction {}", *c.memory_fraction);
+  return cmd;
+}
+
+// The command as lines to copy: continued with a backslash before its
+// options where it would not fit in 100 columns.
+std::string command_lines(const std::string& cmd, const std::string& indent) {
+  const std::size_t cut = cmd.find(" -c ");
+  if (indent.size() + 2 + cmd.size() <= kTextWidth || cut == std::string::npos) {
+    return indent + "$ " + cmd + "\n";
+  }
+  return indent + "$ " + cmd.substr(0, cut) + " \\\n" + indent + "    " + cmd.substr(cut + 1) + "\n";
+}
+
+nlohmann::json choice_json(const Trace& trace, const Advice& a, const std::optional<std::size_t>& index,
                            bool on_reservoir) {
   if (!index) return nullptr;
   const Candidate& c = a.candidates[*index];
@@ -85,7 +124,8 @@ nlohmann::json choice_json(const Advice& a, const std::optional<std::size_t>& in
                    {"env", env_line(c, on_reservoir, a.pytorch_env)},
                    {"min_capacity_bytes", c.min_capacity_bytes},
                    {"memory_fraction", c.memory_fraction ? nlohmann::json(*c.memory_fraction)
-                                                         : nlohmann::json(nullptr)}};
+                                                         : nlohmann::json(nullptr)},
+                   {"replay_command", replay_command(trace, c)}};
   if (a.capacity_bytes) {
     j["headroom_bytes"] = static_cast<std::int64_t>(*a.capacity_bytes) -
                           static_cast<std::int64_t>(c.min_capacity_bytes);
@@ -256,17 +296,20 @@ std::string advice_text(const Trace& trace, const Advice& a) {
                      a.capacity_bytes ? fmt::format(" (capacity {}, {})", format_size(*a.capacity_bytes),
                                                     a.capacity_source)
                                       : " (no capacity known: give --capacity for OOMs at it)");
-  out += fmt::format("  {:<72} {:>13} {:>8} {:>9} {:>10} {:>5}\n", "setting", "min capacity",
+  constexpr std::size_t kSetting = 44;
+  out += fmt::format("  {:<{}} {:>13} {:>8} {:>9} {:>10} {:>5}\n", "setting", kSetting, "min capacity",
                      "min/req", "calls/1k", "call time", "OOMs");
   for (std::size_t i = 0; i < a.candidates.size(); ++i) {
     const Candidate& c = a.candidates[i];
     const bool py = i == a.best_pytorch;
     const bool res = i == a.best_reservoir;
     const char* mark = py && res ? "*+" : py ? "* " : res ? "+ " : "  ";
-    out += fmt::format("{}{:<72} {:>13} {:>8.4f} {:>9.1f} {:>8.1f}ms {:>5}\n", mark, config_cell(c),
+    const std::vector<std::string> lines = wrap_setting(config_cell(c), kSetting);
+    out += fmt::format("{}{:<{}} {:>13} {:>8.4f} {:>9.1f} {:>8.1f}ms {:>5}\n", mark, lines.front(), kSetting,
                        format_size(c.min_capacity_bytes), c.min_capacity_over_requested,
                        c.device_calls_per_1000_allocs, c.device_call_seconds * 1e3,
                        c.ooms_at_capacity ? fmt::format("{}", *c.ooms_at_capacity) : "-");
+    for (std::size_t l = 1; l < lines.size(); ++l) out += "    " + lines[l] + "\n";
   }
   out += fmt::format("  (* best with stock PyTorch, + best with reservoir; peak requested {})\n",
                      format_size(a.peak_requested_bytes));
@@ -277,11 +320,13 @@ std::string advice_text(const Trace& trace, const Advice& a) {
     out += fmt::format("  With PyTorch:   {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
                        env_line(c, false, a.pytorch_env), fraction_text(c), format_size(c.min_capacity_bytes),
                        c.min_capacity_over_requested, headroom_text(a, c));
+    out += "    check it (exit 0: it fits):\n" + command_lines(replay_command(trace, c), "      ");
   }
   const Candidate& best = a.candidates[a.best_reservoir];
   out += fmt::format("  With reservoir: {}{}\n    minimum capacity {} ({:.4f}x peak requested){}\n",
                      env_line(best, true), fraction_text(best), format_size(best.min_capacity_bytes),
                      best.min_capacity_over_requested, headroom_text(a, best));
+  out += "    check it (exit 0: it fits):\n" + command_lines(replay_command(trace, best), "      ");
   if (a.shrink_bytes) {
     out += fmt::format(
         "  No allocator setting can fit: the program itself holds {} at its peak, more than the "
@@ -394,8 +439,8 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
           {"diagnosis", diagnosis},
           {"candidates", candidates},
           {"recommendation",
-           {{"pytorch", choice_json(a, a.best_pytorch, false)},
-            {"reservoir", choice_json(a, a.best_reservoir, true)},
+           {{"pytorch", choice_json(trace, a, a.best_pytorch, false)},
+            {"reservoir", choice_json(trace, a, a.best_reservoir, true)},
             {"shrink_bytes", opt(a.shrink_bytes)}}},
           {"replays", a.replays},
           {"seconds", a.seconds}};
@@ -713,26 +758,29 @@ std::string job_text(const JobAdvice& job) {
     }
   }
   out += fmt::format("\nHow the ranks differ (at each rank's moment: its oom, else its peak of reserved)\n"
-                     "  {:<22} {:<14} {:>13} {:>13} {:>13} {:>13} {:>13}  {}\n",
+                     "  {:<22} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n",
                      "rank", "moment", "failed req.", "peak request", "reserved", "unusable",
-                     "largest alloc", "during");
+                     "largest alloc");
   for (const RankAdvice& r : job.ranks) {
     if (!r.ok) continue;
-    out += fmt::format("  {:<22} {:<14} {:>13} {:>13} {:>13} {:>13} {:>13}  {}\n", r.name,
+    out += fmt::format("  {:<22} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n", r.name,
                        r.ran_out ? "out of memory" : "peak reserved",
                        r.oom_request ? format_size(*r.oom_request) : "-",
                        format_size(r.peak_requested_bytes), format_size(r.reserved_bytes),
-                       format_size(r.unusable_bytes), format_size(r.largest_allocation),
-                       r.during.empty() ? "-" : fmt::format("{}", fmt::join(r.during, " > ")));
+                       format_size(r.unusable_bytes), format_size(r.largest_allocation));
+    if (!r.during.empty()) out += fmt::format("    during {}\n", fmt::join(r.during, " > "));
   }
   if (!job.candidates.empty()) {
-    out += fmt::format("\nSettings across ranks (the capacity the hungriest rank needs)\n  {:<72} {:>13}  {}\n",
+    out += fmt::format("\nSettings across ranks (the capacity the hungriest rank needs)\n  {:<44} {:>13}  {}\n",
                        "setting", "worst rank", "needs it");
     for (std::size_t i = 0; i < job.candidates.size(); ++i) {
       const JobCandidate& c = job.candidates[i];
       const char* mark = job.best_pytorch == i ? "*" : i == job.best_reservoir ? "+" : " ";
-      out += fmt::format("{} {:<72} {:>13}  {}\n", mark, c.config.empty() ? "native defaults" : c.config,
-                         format_size(c.worst_min_capacity_bytes), c.worst_rank);
+      const std::vector<std::string> lines =
+          wrap_setting(c.config.empty() ? "native defaults" : c.config, 44);
+      out += fmt::format("{} {:<44} {:>13}  {}\n", mark, lines.front(), format_size(c.worst_min_capacity_bytes),
+                         c.worst_rank);
+      for (std::size_t l = 1; l < lines.size(); ++l) out += "    " + lines[l] + "\n";
     }
   }
   for (const RankAdvice& r : job.ranks) {

@@ -84,7 +84,7 @@ void run_job(const AdviseArgs& args, const std::vector<std::string>& files) {
   if (args.json) {
     fmt::print("{}\n", job_json(job).dump(2));
   } else {
-    fmt::print("{}", job_text(job));
+    fmt::print("{}", wrapped(job_text(job)));
     if (!args.output.empty()) {
       fmt::print("\n{}: written, with a page per rank in {}/\n", args.output, rank_dir.string());
     }
@@ -148,7 +148,7 @@ void run(const AdviseArgs& args) {
   if (args.json) {
     fmt::print("{}\n", (all.size() == 1 ? all.front() : all).dump(2));
   } else {
-    fmt::print("{}", text);
+    fmt::print("{}", wrapped(text));
     if (!args.output.empty()) fmt::print("\n{}: written\n", args.output);
   }
 }

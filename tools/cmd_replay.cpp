@@ -27,6 +27,7 @@ struct ReplayArgs {
   bool json = false;
   bool validate = false;
   bool min_capacity = false;
+  bool wide = false;
   std::optional<int> device;
 };
 
@@ -90,6 +91,76 @@ nlohmann::json to_json(const Row& row) {
   return j;
 }
 
+// One block per trace, a line per config, in 100 columns: what a person
+// compares (reserved, device calls, out-of-memory errors, minimum capacity);
+// long settings wrap at their commas. --wide and --json give every figure.
+void print_narrow(const std::vector<Row>& rows) {
+  const bool with_min = !rows.empty() && rows.front().min_capacity.has_value();
+  // 100 columns: the setting gets what the figures leave.
+  const std::size_t kConfig = with_min ? 29 : 49;
+  std::string trace;
+  for (const Row& row : rows) {
+    const ReplayResult& r = row.r;
+    if (r.trace != trace) {
+      trace = r.trace;
+      fmt::print("{}{}\n  {} recorded events, {} allocator calls; peak requested {}\n",
+                 &row == &rows.front() ? "" : "\n", r.trace, r.events, r.ops, format_size(r.peak_requested_bytes));
+      fmt::print("  {:<{}} {:>11} {:>9} {:>9} {:>4} {:>9}", "config", kConfig, "reserved", "res/alloc",
+                 "dev.calls", "OOMs", "dev.time");
+      if (with_min) fmt::print(" {:>12} {:>7}", "min capacity", "min/req");
+      fmt::print("\n");
+    }
+    const std::vector<std::string> config = wrap_setting(config_label(r.config), kConfig);
+    fmt::print("  {:<{}} {:>11} {:>9.3f} {:>9} {:>4} {:>7.1f}ms", config.front(), kConfig,
+               format_size(r.peak_reserved_bytes), reserved_over_allocated(r), r.device_allocs + r.device_frees,
+               r.num_ooms, r.device_call_seconds * 1e3);
+    if (with_min) fmt::print(" {:>12} {:>7.3f}", format_size(*row.min_capacity), min_over_requested(row));
+    fmt::print("\n");
+    for (std::size_t i = 1; i < config.size(); ++i) fmt::print("    {}\n", config[i]);
+  }
+}
+
+void print_config_summary(const std::vector<Row>& rows) {
+  // Per config, over the traces: the figures the policies are judged by.
+  struct Summary {
+    double log_sum = 0.0;
+    double worst = 0.0;
+    double calls = 0.0;
+    int n = 0;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Summary> by_config;
+  for (const Row& row : rows) {
+    const std::string label = config_label(row.r.config);
+    if (by_config.find(label) == by_config.end()) order.push_back(label);
+    Summary& s = by_config[label];
+    const double ratio = min_over_requested(row);
+    s.log_sum += std::log(ratio);
+    s.worst = std::max(s.worst, ratio);
+    s.calls += calls_per_1000(row.r);
+    ++s.n;
+  }
+  fmt::print("\n{:<29} {:>6} {:>22} {:>14} {:>14}\n", "config", "traces", "min/req geometric mean",
+             "min/req worst", "calls/1k mean");
+  for (const std::string& label : order) {
+    const Summary& s = by_config[label];
+    const std::vector<std::string> lines = wrap_setting(label, 29);
+    fmt::print("{:<29} {:>6} {:>22.4f} {:>14.4f} {:>14.1f}\n", lines.front(), s.n, std::exp(s.log_sum / s.n),
+               s.worst, s.calls / s.n);
+    for (std::size_t i = 1; i < lines.size(); ++i) fmt::print("  {}\n", lines[i]);
+  }
+}
+
+void print_ooms(const std::vector<Row>& rows, bool wrap) {
+  for (const Row& row : rows) {
+    const ReplayResult& r = row.r;
+    if (r.first_oom.empty()) continue;
+    const std::string line = fmt::format("{} [{}]: {} out-of-memory errors; the first, at {}", r.trace,
+                                         config_label(r.config), r.num_ooms, r.first_oom);
+    fmt::print("\n{}\n", wrap ? wrap_words(line, kTextWidth, kTextWidth, "  ") : line);
+  }
+}
+
 void print_table(const std::vector<Row>& rows) {
   const bool with_min = !rows.empty() && rows.front().min_capacity.has_value();
   fmt::print("{:<44} {:<28} {:>13} {:>13} {:>13} {:>9} {:>8} {:>8} {:>8} {:>7} {:>5} {:>11}",
@@ -112,41 +183,8 @@ void print_table(const std::vector<Row>& rows) {
     if (with_min) fmt::print(" {:>13} {:>7.3f}", gib(*row.min_capacity), min_over_requested(row));
     fmt::print("\n");
   }
-  if (with_min) {
-    // Per config, over the traces: the figures the policies are judged by.
-    struct Summary {
-      double log_sum = 0.0;
-      double worst = 0.0;
-      double calls = 0.0;
-      int n = 0;
-    };
-    std::vector<std::string> order;
-    std::map<std::string, Summary> by_config;
-    for (const Row& row : rows) {
-      const std::string label = config_label(row.r.config);
-      if (by_config.find(label) == by_config.end()) order.push_back(label);
-      Summary& s = by_config[label];
-      const double ratio = min_over_requested(row);
-      s.log_sum += std::log(ratio);
-      s.worst = std::max(s.worst, ratio);
-      s.calls += calls_per_1000(row.r);
-      ++s.n;
-    }
-    fmt::print("\n{:<28} {:>8} {:>22} {:>18} {:>16}\n", "config", "traces",
-               "min/req geometric mean", "min/req worst", "mean calls/1k");
-    for (const std::string& label : order) {
-      const Summary& s = by_config[label];
-      fmt::print("{:<28} {:>8} {:>22.4f} {:>18.4f} {:>16.1f}\n", label, s.n,
-                 std::exp(s.log_sum / s.n), s.worst, s.calls / s.n);
-    }
-  }
-  for (const Row& row : rows) {
-    const ReplayResult& r = row.r;
-    if (!r.first_oom.empty()) {
-      fmt::print("\n{} [{}]: {} out-of-memory errors; the first, at {}\n", r.trace, config_label(r.config),
-                 r.num_ooms, r.first_oom);
-    }
-  }
+  if (with_min) print_config_summary(rows);
+  print_ooms(rows, false);
   for (const Row& row : rows) {
     const ReplayResult& r = row.r;
     fmt::print(
@@ -164,7 +202,17 @@ void run(const ReplayArgs& args) {
   options.validate_each_step = args.validate;
   options.memory_fraction = args.fraction;
   std::vector<std::pair<std::string, AllocatorConfig>> configs;
-  for (const std::string& c : args.configs) configs.emplace_back(c, AllocatorConfig::parse(c));
+  for (const std::string& c : args.configs) {
+    configs.emplace_back(c, AllocatorConfig::parse(c));
+    // PyTorch collects garbage only under a memory fraction: said, so that a
+    // replay without one is not taken for what advise (which sets one) claims.
+    if (configs.back().second.garbage_collection_threshold > 0.0 && !args.fraction) {
+      fmt::print(stderr, "{}", wrapped(fmt::format(
+          "note: [{}]: garbage_collection_threshold acts only under a memory fraction "
+          "(PyTorch collects garbage only after set_per_process_memory_fraction): without "
+          "--memory-fraction it never runs here\n", c)));
+    }
+  }
   if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
   std::vector<Row> rows;
   Progress progress;
@@ -190,8 +238,12 @@ void run(const ReplayArgs& args) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& row : rows) out.push_back(to_json(row));
     fmt::print("{}\n", out.dump(2));
-  } else {
+  } else if (args.wide) {
     print_table(rows);
+  } else {
+    print_narrow(rows);
+    if (args.min_capacity) print_config_summary(rows);
+    print_ooms(rows, true);
   }
   for (const Row& row : rows) {
     if (row.r.num_ooms > 0) throw CLI::RuntimeError(kExitOutOfMemory);
@@ -215,6 +267,8 @@ void add_replay(CLI::App& app) {
                   "set_per_process_memory_fraction before replaying (enables garbage collection)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
+  cmd->add_flag("--wide", args->wide,
+                "one wide line per replay with every figure (peaks, device allocs and frees, retries)");
   add_device_option(*cmd, args->device);
   cmd->add_flag("--validate", args->validate, "check allocator invariants after every operation");
   cmd->add_flag("--min-capacity", args->min_capacity,

@@ -24,55 +24,57 @@ struct VerifyArgs {
 int report(const Trace& trace, const VerifyResult& r) {
   const std::string& name = trace.name;
   if (r.agreed) {
-    fmt::print(
-        "{}: agrees with the recording\n"
-        "  {} events; started from {} segments ({} wholly free) and {} live blocks ({} with an "
+    // Lines of at most 100 columns as written (the path line aside), so
+    // that what scripts look for is never broken by wrapping.
+    fmt::print("{}: agrees with the recording\n", name);
+    print_wrapped(fmt::format(
+        "  {} events; started from {} segments ({} wholly free), {} live blocks ({} with an "
         "unsplit tail)\n"
         "  {} alloc addresses, {} segment_alloc sizes and addresses, {} segment_free, {} oom "
-        "checked; final segment layout {}\n",
-        name, r.events, r.initial_segments, r.initial_free_segments, r.initial_live_blocks,
+        "checked\n  final segment layout {}\n",
+        r.events, r.initial_segments, r.initial_free_segments, r.initial_live_blocks,
         r.unsplit_tails, r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked,
-        r.ooms_checked, r.final_state_checked ? "identical" : "not recorded");
+        r.ooms_checked, r.final_state_checked ? "identical" : "not recorded"));
     if (r.reservations_checked + r.segment_maps_checked + r.segment_unmaps_checked +
             r.initial_reservations >
         0) {
-      fmt::print(
-          "  expandable segments: {} reservations at the start, {} new reservations, {} "
-          "segment_map and {} segment_unmap checked\n",
-          r.initial_reservations, r.reservations_checked, r.segment_maps_checked,
-          r.segment_unmaps_checked);
+      print_wrapped(fmt::format(
+          "  expandable segments: {} new reservations, {} segment_map and {} segment_unmap checked "
+          "({} reserved at the start)\n",
+          r.reservations_checked, r.segment_maps_checked, r.segment_unmaps_checked,
+          r.initial_reservations));
     }
     if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections + r.undecided_releases >
         0) {
-      fmt::print(
-          "  segment releases: {} empty_cache() calls, {} by the retry ladder, {} by "
-          "garbage collection, {} of all unused segments before a device request "
-          "(empty_cache() or the ladder; the same either way)\n",
-          r.empty_cache_calls, r.allocator_releases, r.garbage_collections, r.undecided_releases);
+      print_wrapped(fmt::format(
+          "  segment releases: {} empty_cache() calls, {} by the retry ladder, {} by garbage "
+          "collection,\n  {} of all unused segments before a device request (empty_cache() or "
+          "the ladder: the same)\n",
+          r.empty_cache_calls, r.allocator_releases, r.garbage_collections, r.undecided_releases));
     }
     if (r.zero_size_skipped > 0) {
-      fmt::print("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped);
+      print_wrapped(fmt::format("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped));
     }
     if (!r.pytorch_rules.empty() && compare_versions(r.pytorch_rules, "2.12") >= 0) {
       const bool inferred = trace.pytorch_since.empty() ||
                             compare_versions(trace.pytorch_since, "2.12") < 0;
-      fmt::print(
+      print_wrapped(fmt::format(
           "  rules of PyTorch 2.12 and later (of cached blocks of equal size, the oldest "
           "segment's first){}\n",
           inferred ? fmt::format(": the snapshot shows {} or later, and only these rules agree",
                                  trace.pytorch_since)
-                   : "");
+                   : ""));
     }
     if (r.private_pool_segments > 0) {
-      fmt::print(
+      print_wrapped(fmt::format(
           "  not checked: {} segments ({}) of private pools (CUDA graphs, torch.cuda.MemPool): "
           "a recording does not say which allocations were routed there\n",
-          r.private_pool_segments, format_size(r.private_pool_bytes));
+          r.private_pool_segments, format_size(r.private_pool_bytes)));
     }
     if (!trace.settings_recorded) {
-      fmt::print(
+      print_wrapped(fmt::format(
           "  note: the snapshot records no allocator settings; PyTorch's defaults were "
-          "assumed\n");
+          "assumed\n"));
     }
     return kExitOk;
   }
@@ -82,10 +84,10 @@ int report(const Trace& trace, const VerifyResult& r) {
                                 : fmt::format("at event {} of {}", r.divergence_event, r.events);
   // A reason about the whole recording has no event to name.
   const bool whole = r.cannot_verify && r.divergence_event >= r.events;
-  fmt::print("{}: {}{}\n  {}\n", name, what, whole ? "" : " " + where, r.divergence);
+  print_wrapped(fmt::format("{}: {}{}\n  {}\n", name, what, whole ? "" : " " + where, r.divergence));
   if (!whole || r.allocs_checked > 0) {
-    fmt::print("  agreed before it: {} alloc addresses, {} segment_allocs, {} segment_frees\n",
-               r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked);
+    print_wrapped(fmt::format("  agreed before it: {} alloc addresses, {} segment_allocs, {} segment_frees\n",
+               r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked));
   }
   return r.cannot_verify ? kExitCannotVerify : kExitDiverges;
 }
@@ -116,8 +118,8 @@ void run(const VerifyArgs& args) {
       if (counts[d] == 0) silent.push_back(d);
     }
     if (counts.size() > 1 && !silent.empty() && !args.device) {
-      fmt::print("{}: not checked: device{} {} of the file recorded no events\n", path,
-                 silent.size() > 1 ? "s" : "", fmt::join(silent, ", "));
+      print_wrapped(fmt::format("{}: not checked: device{} {} of the file recorded no events\n", path,
+                                silent.size() > 1 ? "s" : "", fmt::join(silent, ", ")));
     }
   }
   if (worst != kExitOk) throw CLI::RuntimeError(worst);

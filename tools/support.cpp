@@ -51,6 +51,96 @@ std::string config_label(const std::string& config) {
   return config.empty() ? "native defaults" : config;
 }
 
+std::vector<std::string> wrap_setting(const std::string& setting, std::size_t width) {
+  // Pieces end after a comma, or after a colon where an option alone is
+  // wider than the column; each keeps its separator, so that the wrapped
+  // lines read back as the setting.
+  std::vector<std::string> pieces;
+  std::size_t start = 0;
+  while (start < setting.size()) {
+    const std::size_t comma = setting.find(',', start);
+    const std::size_t end = comma == std::string::npos ? setting.size() : comma + 1;
+    std::string option = setting.substr(start, end - start);
+    start = end;
+    std::size_t colon = 0;
+    while (option.size() > width && (colon = option.find(':')) != std::string::npos && colon + 1 < option.size()) {
+      pieces.push_back(option.substr(0, colon + 1));
+      option.erase(0, colon + 1);
+    }
+    pieces.push_back(option);
+  }
+  std::vector<std::string> lines;
+  std::string line;
+  for (const std::string& piece : pieces) {
+    if (!line.empty() && line.size() + piece.size() > width) {
+      lines.push_back(line);
+      line.clear();
+    }
+    line += piece;
+    while (line.size() > width) {
+      lines.push_back(line.substr(0, width));
+      line.erase(0, width);
+    }
+  }
+  if (!line.empty() || lines.empty()) lines.push_back(line);
+  return lines;
+}
+
+std::string wrap_words(const std::string& text, std::size_t first_width, std::size_t width,
+                       const std::string& indent) {
+  // Each word keeps the spaces before it (a table's alignment survives),
+  // except where the line breaks.
+  std::string out;
+  std::size_t room = first_width;
+  std::size_t used = 0;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    const std::size_t start = text.find_first_not_of(' ', pos);
+    if (start == std::string::npos) break;
+    const std::size_t end = std::min(text.find(' ', start), text.size());
+    const std::string gap = used > 0 ? text.substr(pos, start - pos) : "";
+    const std::string word = text.substr(start, end - start);
+    pos = end;
+    if (used > 0 && used + gap.size() + word.size() > room) {
+      out += "\n" + indent;
+      room = width > indent.size() ? width - indent.size() : 1;
+      used = 0;
+    } else {
+      out += gap;
+      used += gap.size();
+    }
+    out += word;
+    used += word.size();
+  }
+  return out;
+}
+
+void print_wrapped(const std::string& text) {
+  const std::string out = wrapped(text);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+}
+
+std::string wrapped(const std::string& text) {
+  std::string out;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    const std::size_t nl = text.find('\n', start);
+    const std::size_t end = nl == std::string::npos ? text.size() : nl;
+    const std::string line = text.substr(start, end - start);
+    const std::size_t lead = line.find_first_not_of(' ');
+    // A command to copy ("$ ...") stays whole.
+    if (line.size() <= kTextWidth || line.compare(lead == std::string::npos ? 0 : lead, 2, "$ ") == 0) {
+      out += line;
+    } else {
+      const std::string indent(lead == std::string::npos ? 0 : lead, ' ');
+      out += indent + wrap_words(line.substr(indent.size()), kTextWidth - indent.size(), kTextWidth, indent + "  ");
+    }
+    if (nl != std::string::npos) out += '\n';
+    start = end + 1;
+  }
+  return out;
+}
+
 ReplayResult Recorder::run(const std::string& config, ReplayOptions options) {
   options.observer = this;
   return replay(compile(source_), AllocatorConfig::parse(config), config, options);

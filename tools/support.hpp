@@ -50,6 +50,25 @@ void write_file(const std::string& path, const std::string& content, const std::
 // A config string for people: "native defaults" for the empty one.
 std::string config_label(const std::string& config);
 
+// The width text output keeps to: lines of at most 100 columns.
+inline constexpr std::size_t kTextWidth = 100;
+
+// A setting split at its commas into pieces of at most `width` characters
+// (a single longer option is cut), for a table column that wraps instead of
+// truncating: "a:1,b:2" in width 4 gives {"a:1,", "b:2"}.
+std::vector<std::string> wrap_setting(const std::string& setting, std::size_t width);
+
+// Words wrapped to `width` columns; lines after the first start with
+// `indent` (the first carries whatever the caller printed before it).
+std::string wrap_words(const std::string& text, std::size_t first_width, std::size_t width,
+                       const std::string& indent);
+
+// Text with each line longer than kTextWidth wrapped at its spaces;
+// continuation lines are indented two more than the line they continue. A
+// command to copy (a line whose text starts with "$ ") is never wrapped.
+std::string wrapped(const std::string& text);
+void print_wrapped(const std::string& text);
+
 // Replays with history on and gives the result as a trace whose events and
 // live blocks carry the contexts of the source trace's requests (the k-th
 // alloc the allocator records is the k-th request that succeeded).

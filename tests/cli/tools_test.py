@@ -60,6 +60,35 @@ check(piped.stderr == "", f"progress written to a pipe: {piped.stderr!r}")
 quiet = run_on_terminal("replay", transformer, env={"RESERVOIR_PROGRESS": "0"})
 check(quiet == "", f"progress despite RESERVOIR_PROGRESS=0: {quiet!r}")
 
+# replay's text: one block per trace in 100 columns, long settings wrapped at
+# their commas (the wrapped lines read back as the setting); --wide keeps the
+# wide table of every figure.
+long = "garbage_collection_threshold:0.6,max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
+for extra in ([], ["--min-capacity"]):
+    text = run("replay", transformer, "-c", "", "-c", long, *extra).stdout
+    lines = text.splitlines()
+    check(all(len(line) <= 100 for line in lines),
+          f"replay {extra}: lines over 100 columns: {[line for line in lines if len(line) > 100]}")
+    check(lines[0] == transformer and lines[1] == "  3591 recorded events, 3591 allocator calls; "
+          "peak requested 4.61 GiB", f"replay {extra}: the trace's heading: {lines[:2]}")
+    row = next(i for i, line in enumerate(lines) if line.startswith("  garbage_collection_threshold"))
+    pieces = [lines[row][2:].split()[0]]
+    for line in lines[row + 1:]:
+        if not line.startswith("    "):
+            break
+        pieces.append(line.strip())
+    check("".join(pieces) == long, f"replay {extra}: the wrapped setting reads back as {''.join(pieces)!r}")
+    check(any(line.startswith("  native defaults") and " 4.90 GiB " in line for line in lines),
+          f"replay {extra}: the native row: {lines}")
+wide = run("replay", transformer, "--wide").stdout.splitlines()
+check(wide[0].split()[:4] == ["trace", "config", "peak", "request"] and len(wide[1]) > 100,
+      f"replay --wide: the wide table: {wide[:2]}")
+for args in (["verify", os.path.join(src, "tests", "data", "torch", "mixed_sizes_expandable_2.15.0.pickle")],
+             ["advise", os.path.join(traces, "gpt_training.pickle")], ["advise", transformer]):
+    text = run(*args).stdout
+    check(text and all(len(line) <= 100 for line in text.splitlines()),
+          f"{args[0]}: lines over 100 columns: {[x for x in text.splitlines() if len(x) > 100][:3]}")
+
 # summary: PyTorch's table for the replayed trace.
 s = run("summary", transformer).stdout
 check("| GPU reserved memory   |   5022 MiB |   5022 MiB |   5022 MiB |      0 B   |" in s, s)
@@ -206,16 +235,21 @@ check(advice["recommendation"]["reservoir"]["env"].startswith("RESERVOIR_ALLOC_C
       advice["recommendation"]["reservoir"])
 check(advice["recommendation"]["shrink_bytes"] is None, advice["recommendation"])
 text = run("advise", classic).stdout
-check("the largest was 100.00 MiB, the request needs 160.00 MiB" in text and
-      "fragmentation" in text and "With PyTorch:   PYTORCH_CUDA_ALLOC_CONF=" in text,
+# Lines longer than 100 columns wrap at spaces: the checks read the words.
+flat = " ".join(text.split())
+check("the largest was 100.00 MiB, the request needs 160.00 MiB" in flat and
+      "fragmentation" in flat and "With PyTorch:   PYTORCH_CUDA_ALLOC_CONF=" in text,
       text)
+check(all(len(line) <= 100 for line in text.splitlines()), "advise: a line over 100 columns")
 # The answer first, in words: did it run out, the line to set, what it saves.
-check(text.startswith(
-    "The job ran out of memory: a 160.00 MiB request found 44.00 MiB free on the device.\n"
-    "Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128, with "
-    "torch.cuda.set_per_process_memory_fraction(1.0) (garbage collection runs only under a memory "
-    "fraction): it needs 256.00 MiB, 0.16 GiB (38.5%) less than your settings (416.00 MiB); "
-    "44.00 MiB of headroom on 300.00 MiB.\n"), text[:600])
+lines = text.splitlines()
+check(lines[0] == "The job ran out of memory: a 160.00 MiB request found 44.00 MiB free on the device."
+      and lines[1].startswith("Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128,")
+      and " ".join(" ".join(lines[1:lines.index("")]).split()) ==
+      "Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128, with "
+      "torch.cuda.set_per_process_memory_fraction(1.0) (garbage collection runs only under a memory "
+      "fraction): it needs 256.00 MiB, 0.16 GiB (38.5%) less than your settings (416.00 MiB); "
+      "44.00 MiB of headroom on 300.00 MiB.", text[:600])
 answer = advice["answer"]
 check(answer["ran_out_of_memory"] and answer["settings_matter"] and
       answer["recorded_min_capacity_bytes"] == 416 * MiB and answer["best_min_capacity_bytes"] == 256 * MiB
@@ -305,7 +339,7 @@ code, _ = status("--help")
 check(code == 0, f"--help: {code}")
 r = subprocess.run([binary, "replay", classic, "-c", "", "--capacity", "200MiB"], capture_output=True,
                    text=True)
-check(r.returncode == 4 and "out-of-memory errors; the first, at" in r.stdout,
+check(r.returncode == 4 and "out-of-memory errors; the first, at" in " ".join(r.stdout.split()),
       f"a replay that runs out of memory: exit {r.returncode}: {r.stdout[-300:]}{r.stderr}")
 for sub in ["replay", "verify", "export", "summary", "compare", "report", "advise", "settings",
             "completion"]:
