@@ -113,10 +113,16 @@ if [ ! -f "$bb/cuda/cuda_probe" ] || [ "$root/tests/gpu/cuda_probe.cu" -nt "$bb/
     -o "$bb/cuda/cuda_probe" "$root/tests/gpu/cuda_probe.cu"
 fi
 
+# The real torch_memory_saver and RMM's CUDA 13 wheels, run beside reservoir
+# there (from the PyPI cache; `make deps` downloads them once).
+thirdparty=$(/usr/bin/python3 "$root/scripts/pypi_cache.py" "$root/scripts/gpu_bundle/wheelhouse-gpu-bundle.txt") ||
+  die "the GPU bundle's wheels (scripts/gpu_bundle/wheelhouse-gpu-bundle.txt) are not in the PyPI cache and could not be fetched"
+
 # Assemble.
 say "assembling $out"
 rm -rf "$out"
-mkdir -p "$out"/{bin,lib,python/reservoir,tests,traces,wheels}
+mkdir -p "$out"/{bin,lib,python/reservoir,tests,traces,wheels,thirdparty}
+install -m 644 "$thirdparty"/*.whl "$out/thirdparty/"
 install -m 755 "$bb/bin/gpu_test" "$bb/bin/gpu_bench" "$bb/bin/reservoir" "$bb/cuda/cuda_probe" "$out/bin/"
 install -m 755 "$bb/lib/libreservoir_torch.so" "$bb/lib/libreservoir_preload.so" "$out/lib/"
 install -m 644 "$root"/python/reservoir/*.py "$out/python/reservoir/"
@@ -132,6 +138,7 @@ install -m 644 "$root/python/reservoir_torch.py" "$out/python/"
 install -m 644 "$bb"/wheels/reservoir-*-cp312-cp312-*.whl "$out/wheels/"
 install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.cpp" \
   "$root/tests/gpu/cuda_behaviour.py" "$root/tests/gpu/record_gpu_snapshots.py" \
+  "$root/tests/gpu/rmm_compare.py" \
   "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" \
   "$root/tests/wheel/installed_check.py" "$out/tests/"
 install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"

@@ -628,6 +628,79 @@ def step_torch_native_bench(run):
         for k, v in r.items())
 
 
+def thirdparty_site(run, names):
+    """The bundle's third-party wheels whose names start with `names`,
+    installed with pip into a folder of this run (no index, no deps)."""
+    wheels = sorted(os.path.join(HERE, "thirdparty", f) for f in os.listdir(os.path.join(HERE, "thirdparty"))
+                    if f.endswith(".whl") and f.startswith(tuple(names)))
+    if len(wheels) < len(names):
+        raise StepFailed(f"thirdparty/ lacks some of {names}: has {wheels}")
+    site = os.path.join(run.scratch, "site-" + names[0].rstrip("-_"))
+    shutil.rmtree(site, ignore_errors=True)
+    rc, text = run.cmd([run.torch_python, "-m", "pip", "install", "--no-index", "--no-deps",
+                        "--disable-pip-version-check", "--quiet", "--target", site] + wheels,
+                       env=run.env_torch, timeout=120)
+    if rc != 0:
+        raise StepFailed("pip could not install the bundled wheels: " + first_error(text))
+    return site
+
+
+def result_lines(text):
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"impl"' in line:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
+def step_tms_beside_reservoir(run):
+    """The real torch_memory_saver (PyPI's wheel) and reservoir's drop-in
+    pause and resume the same tensors (1 GiB backed up, 1 GiB not), each in
+    its own process: addresses and bytes kept, memory given back, pause and
+    resume GiB/s side by side."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    site = thirdparty_site(run, ["torch_memory_saver-"])
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "torch_saver_compare.py"), "--tms", site,
+                        "--reservoir", run.python_path(), "--gib", "1", "--cycles", "3"],
+                       env=run.env_torch, timeout=280, cwd=run.scratch)
+    rows = {r["impl"]: r for r in result_lines(text)}
+    run.results["figures"]["tms_beside_reservoir"] = rows
+    bad = [f"{k}: {v.get('error') or 'addresses or bytes changed'}" for k, v in rows.items()
+           if v.get("error") or not v.get("addresses_and_bytes_kept")]
+    short = [f"{k}: gave back {v['released_bytes']} of {v['expected_release']} bytes" for k, v in rows.items()
+             if "released_bytes" in v and v["released_bytes"] < v["expected_release"]]
+    if rc != 0 or len(rows) != 2 or bad or short:
+        raise StepFailed("; ".join(bad + short) or first_error(text))
+    t, r = rows["torch_memory_saver"], rows["reservoir"]
+    return (f"1 GiB backed up: pause GiB/s tms {t['pause_GiB_per_s']:.1f}, reservoir {r['pause_GiB_per_s']:.1f}; "
+            f"resume tms {t['resume_GiB_per_s']:.1f}, reservoir {r['resume_GiB_per_s']:.1f}")
+
+
+def step_rmm_beside_reservoir(run):
+    """RMM's cuda, pool, arena and cuda_async resources (PyPI's CUDA 13
+    wheels) beside reservoir's pluggable allocator (native policy and
+    paging) and PyTorch's own, each serving PyTorch in its own process: the
+    cache-hit pair and first-time growth."""
+    need_torch_cuda(run)
+    site = thirdparty_site(run, ["rmm_cu13-", "librmm_cu13-", "rapids_logger-", "numpy-"])
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "rmm_compare.py"),
+                        "--reservoir-lib", os.path.join(LIB, "libreservoir_torch.so"), "--rmm", site],
+                       env=run.env_torch, timeout=280, cwd=run.scratch)
+    rows = {r["impl"]: r for r in result_lines(text)}
+    run.results["figures"]["rmm_beside_reservoir"] = rows
+    bad = [f"{k}: {v['error']}: {first_error(v.get('output', ''))}" for k, v in rows.items() if v.get("error")]
+    if rc != 0 or bad or not rows:
+        raise StepFailed("; ".join(bad)[:400] or first_error(text))
+    mib = str(1 << 20)
+    return "1 MiB hit pair, ns: " + ", ".join(f"{k} {v['hit_pair_ns'][mib]:.0f}" for k, v in rows.items())
+
+
 STEPS = [
     ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
     ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
@@ -643,6 +716,10 @@ STEPS = [
      step_torch_native_bench, 420),
     ("pause_resume_bench", "pause/resume of 1, 4, 16 GiB vs a pinned copy; without backup per policy",
      step_pause_resume_bench, 400),
+    ("tms_beside_reservoir", "the real torch_memory_saver and reservoir's drop-in on the same tensors",
+     step_tms_beside_reservoir, 300),
+    ("rmm_beside_reservoir", "RMM's pool, arena, cuda_async resources vs reservoir's cache hit and growth",
+     step_rmm_beside_reservoir, 300),
 ]
 
 

@@ -35,11 +35,15 @@ EXPECTED = ["run.sh", "run_steps.py", "README.txt", "BUILD_INFO.json",
             "tests/torch_training_test.py", "tests/torch_pause_test.py", "tests/torch_preload_test.py",
             "tests/torch_native_bench.py", "tests/torch_native_bench.cpp", "tests/test_reservoir.py",
             "tests/module_smoke.py", "tests/installed_check.py", "traces/resnet_training.pickle",
+            "tests/torch_saver_compare.py", "tests/rmm_compare.py",
             f"python/reservoir/lib/torch-{GPU_TORCH}/libreservoir_torch_hooks.so"]
 
 # What it holds, and how big it is.
 for rel in EXPECTED:
     check(os.path.isfile(os.path.join(bundle, rel)), f"holds {rel}")
+third = sorted(f for f in os.listdir(os.path.join(bundle, "thirdparty")) if f.endswith(".whl"))
+for name in ("torch_memory_saver-0.0.10-", "rmm_cu13-26.10.0-", "librmm_cu13-26.10.0-", "rapids_logger-", "numpy-"):
+    check(any(f.startswith(name) for f in third), f"thirdparty/ holds {name}* ({third})")
 wheels = sorted(f for f in os.listdir(os.path.join(bundle, "wheels")) if f.endswith(".whl"))
 check(len(wheels) == 1 and wheels[0].startswith("reservoir-") and "-cp312-cp312-linux_x86_64" in wheels[0],
       f"holds the package as one CPython 3.12 wheel ({wheels})")

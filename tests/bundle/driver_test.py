@@ -136,6 +136,18 @@ print(json.dumps({"cache_hit": {"4096": {"torch": 100.0, "reservoir": 60.0}},
                   "ratio_reservoir_over_torch": {"4096": 0.6, "1048576": 0.62}}))
 '''
 
+SAVERS = '''import json
+for impl, p, r in (("torch_memory_saver", 20.0, 21.0), ("reservoir", 22.0, 23.0)):
+    print(json.dumps({"impl": impl, "gib": 1, "cycles": 3, "pause_GiB_per_s": p, "resume_GiB_per_s": r,
+                      "released_bytes": 2 << 30, "expected_release": 2 << 30, "addresses_and_bytes_kept": True}))
+'''
+RMM = '''import json
+for impl, ns in (("torch_native", 900.0), ("reservoir", 700.0), ("reservoir_paging", 710.0),
+                 ("rmm_cuda", 9000.0), ("rmm_pool", 1500.0), ("rmm_arena", 1400.0), ("rmm_cuda_async", 1300.0)):
+    print(json.dumps({"impl": impl, "hit_pair_ns": {"4096": ns, "1048576": ns, "67108864": ns},
+                      "growth_us_median": 5.0, "growth_us_first": 6.0, "pairs": 2000}))
+'''
+
 
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
@@ -144,7 +156,8 @@ def make_fake(top, fail_gpu_test):
     write(os.path.join(fake, "bin", "gpu_bench"), GPU_BENCH, True)
     write(os.path.join(fake, "bin", "cuda_probe"), CUDA_PROBE, True)
     for name, text in (("torch_training_test.py", TRAINING), ("torch_pause_test.py", PAUSE),
-                       ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE)):
+                       ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
+                       ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -218,7 +231,16 @@ check(sorted(vs) == ["1024 MiB", "16384 MiB", "4096 MiB"] and abs(vs["1024 MiB"]
 check(fig.get("torch_native_bench", {}).get("ratio_reservoir_over_torch", {}).get("4096") == 0.6,
       "torch_native_bench figures")
 check("4 KiB 0.60x, 1 MiB 0.62x" in steps["torch_native_bench"]["note"], f"native note: {steps['torch_native_bench']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (9)" in summary, "verdict and summary")
+tms = fig.get("tms_beside_reservoir", {})
+check(sorted(tms) == ["reservoir", "torch_memory_saver"] and tms["reservoir"]["pause_GiB_per_s"] == 22.0,
+      f"tms_beside_reservoir figures: {tms}")
+check(steps["tms_beside_reservoir"]["note"] == "1 GiB backed up: pause GiB/s tms 20.0, reservoir 22.0; "
+      "resume tms 21.0, reservoir 23.0", f"tms note: {steps['tms_beside_reservoir']['note']}")
+rmm = fig.get("rmm_beside_reservoir", {})
+check(len(rmm) == 7 and rmm["rmm_pool"]["hit_pair_ns"]["1048576"] == 1500.0, f"rmm figures: {sorted(rmm)}")
+check(steps["rmm_beside_reservoir"]["note"].startswith("1 MiB hit pair, ns: torch_native 900, reservoir 700"),
+      f"rmm note: {steps['rmm_beside_reservoir']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (11)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -227,11 +249,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 9, "every step reported")
+check(len(steps) == 11, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 9 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 11 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")
