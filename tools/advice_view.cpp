@@ -15,9 +15,38 @@ namespace {
 
 std::string pool(bool large) { return large ? "large" : "small"; }
 
-std::string moment_text(const Diagnosis& d) {
-  return d.moment == "oom" ? fmt::format("at the first out-of-memory error (event {})", d.event)
-                           : fmt::format("where reserved memory peaked (event {})", d.event);
+// 3274 as "3,274".
+std::string grouped(std::uint64_t n) {
+  std::string digits = std::to_string(n);
+  for (std::size_t i = digits.size(); i > 3; i -= 3) digits.insert(i - 3, ",");
+  return digits;
+}
+
+// Where in the recording an event falls, in words: "the 3,274th of 3,274
+// recorded events, 12.5 s into the recording" (the time where recorded).
+std::string when_text(const Trace& trace, std::uint64_t event) {
+  const std::uint64_t nth = event + 1;
+  const char* suffix = (nth % 100 >= 11 && nth % 100 <= 13) ? "th"
+                       : nth % 10 == 1                      ? "st"
+                       : nth % 10 == 2                      ? "nd"
+                       : nth % 10 == 3                      ? "rd"
+                                                            : "th";
+  std::string out = fmt::format("the {}{} of {} recorded events", grouped(nth), suffix, grouped(trace.events.size()));
+  if (event < trace.events.size() && !trace.events.empty() && trace.events.front().time_us > 0 &&
+      trace.events[event].time_us >= trace.events.front().time_us) {
+    const double s = static_cast<double>(trace.events[event].time_us - trace.events.front().time_us) / 1e6;
+    out += s < 1.0 ? fmt::format(", {:.0f} ms into the recording", s * 1e3)
+                   : fmt::format(", {:.1f} s into the recording", s);
+  }
+  return out;
+}
+
+std::string moment_text(const Trace& trace, const Diagnosis& d) {
+  if (d.moment == "oom") return fmt::format("at the first out-of-memory error ({})", when_text(trace, d.event));
+  if (d.at_recording_start) {
+    return "when your recording started (reserved memory never rose above what was reserved then)";
+  }
+  return fmt::format("where reserved memory peaked ({})", when_text(trace, d.event));
 }
 
 std::string source_text(const Diagnosis& d) {
@@ -175,6 +204,27 @@ Answer answer_of(const Advice& a) {
   for (const Candidate& c : a.candidates) {
     if (c.recorded) ans.recorded = &c;
   }
+  // One peak, with its meaning: the reserved memory at the moment counts
+  // segments cached before the recording, which the replays (and so every
+  // capacity below) start without.
+  if (!ans.ran_out && ans.recorded != nullptr && d.reserved_bytes != ans.recorded->min_capacity_bytes) {
+    ans.outcome += d.at_recording_start
+                       ? fmt::format(" That was when your recording started, {} of it in segments cached "
+                                     "before the recording, which replays start without: under your "
+                                     "settings the recording's own requests need {}.",
+                                     format_size(d.cached_segment_bytes),
+                                     format_size(ans.recorded->min_capacity_bytes))
+                   : d.cached_segment_bytes > 0
+                       ? fmt::format(" The smallest device it fits under your settings is {}: cached, "
+                                     "unused segments ({} at the peak) are given back when memory runs "
+                                     "short, and replays start with an empty cache.",
+                                     format_size(ans.recorded->min_capacity_bytes),
+                                     format_size(d.cached_segment_bytes))
+                       : fmt::format(" The smallest device it fits under your settings is {} (replays "
+                                     "start with an empty cache; the recording started with segments "
+                                     "cached before it).",
+                                     format_size(ans.recorded->min_capacity_bytes));
+  }
   if (a.best_pytorch) ans.best = &a.candidates[*a.best_pytorch];
   const Candidate& reservoir_best = a.candidates[a.best_reservoir];
   if (ans.recorded != nullptr && ans.best != nullptr && ans.recorded->min_capacity_bytes > 0) {
@@ -233,7 +283,7 @@ std::string advice_text(const Trace& trace, const Advice& a) {
       "{:.2f} s ({} replays)\n\n",
       trace.name, trace.format, config_label(trace.recorded_config), trace.events.size(),
       a.candidates.size(), a.seconds, a.replays);
-  out += fmt::format("Diagnosis, {}, from {}\n", moment_text(d), source_text(d));
+  out += fmt::format("Diagnosis, {}, from {}\n", moment_text(trace, d), source_text(d));
   if (d.request) {
     const FailedRequest& r = *d.request;
     out += fmt::format("  failed request        {} on {}, {} pool (rounded to {}; a new "
@@ -374,6 +424,7 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
   }
   nlohmann::json diagnosis{{"moment", d.moment},
                            {"event", d.event},
+                           {"at_recording_start", d.at_recording_start},
                            {"source", d.source},
                            {"source_note", d.source_note},
                            {"during", d.during},
@@ -425,7 +476,11 @@ nlohmann::json advice_json(const Trace& trace, const Advice& a) {
       {"best_min_capacity_bytes",
        ans.best != nullptr ? nlohmann::json(ans.best->min_capacity_bytes) : nlohmann::json(nullptr)},
       {"saves_bytes", ans.saves_bytes},
-      {"saves_percent", ans.saves_percent}};
+      {"saves_percent", ans.saves_percent},
+      // The one peak and what it means (the outcome says it in words).
+      {"reserved_at_moment_bytes", d.reserved_bytes},
+      {"moment", moment_text(trace, d)},
+      {"peak_at_recording_start", d.at_recording_start}};
   return {{"answer", answer},
           {"trace", a.trace},
           {"recorded_config", a.recorded_config},
@@ -604,7 +659,7 @@ std::string advice_html(const Trace& trace, const Advice& a, const std::string& 
   const Answer ans = answer_of(a);
   out += fmt::format("<div class=\"answer\"><p class=\"outcome\">{}</p><p class=\"action\">{}</p></div>\n",
                      esc(ans.outcome), esc(ans.action));
-  out += fmt::format("<p>Diagnosis {}, from {}.</p>\n", esc(moment_text(d)), esc(source_text(d)));
+  out += fmt::format("<p>Diagnosis {}, from {}.</p>\n", esc(moment_text(trace, d)), esc(source_text(d)));
   out += "<table class=\"diagnosis\">\n";
   auto row = [&](const std::string& k, const std::string& v) {
     out += fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", esc(k), v);

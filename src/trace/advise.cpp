@@ -23,7 +23,9 @@ constexpr std::size_t kPinsPerSegment = 8;
 
 // The event after which the recorded reserved memory is highest (the first
 // such), from the segment events: the starting level is a constant offset.
-std::size_t reserved_peak_event(const Trace& trace) {
+// The event after which reserved memory was highest, counted from the
+// recording's start; `rose` tells whether it ever rose above the start.
+std::size_t reserved_peak_event(const Trace& trace, bool& rose) {
   std::int64_t level = 0;
   std::int64_t best = 0;
   std::size_t at = 0;
@@ -40,6 +42,7 @@ std::size_t reserved_peak_event(const Trace& trace) {
       at = i;
     }
   }
+  rose = best > 0;
   return at;
 }
 
@@ -220,7 +223,9 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
   }
   const bool at_oom = oom_at < trace.events.size();
   d.moment = at_oom ? "oom" : "peak_reserved";
-  d.event = at_oom ? oom_at : reserved_peak_event(trace);
+  bool rose = true;
+  d.event = at_oom ? oom_at : reserved_peak_event(trace, rose);
+  d.at_recording_start = !at_oom && !rose;
   if (!at_oom) {
     // The state after the allocation that the peak's segment was made for.
     for (std::size_t i = d.event; i < trace.events.size(); ++i) {

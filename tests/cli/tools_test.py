@@ -347,6 +347,23 @@ for sub in ["replay", "verify", "export", "summary", "compare", "report", "advis
     check("Examples:\n  reservoir " in helptext or "Examples:\n  source <(reservoir" in helptext,
           f"{sub} --help has no examples")
 
+# advise names one peak and what it means: resnet_training's reserved memory
+# never rose above what was cached when its recording started (82.00 MiB);
+# replays start without that cache, and the recorded settings need 78.00 MiB.
+resnet = json.loads(run("advise", os.path.join(traces, "resnet_training.pickle"), "--json").stdout)
+ans = resnet["answer"]
+check(ans["peak_at_recording_start"] and ans["reserved_at_moment_bytes"] == 82 << 20 and
+      ans["recorded_min_capacity_bytes"] == 78 << 20 and ans["moment"].startswith("when your recording started")
+      and "That was when your recording started" in ans["outcome"]
+      and "the recording's own requests need 78.00 MiB" in ans["outcome"], ans)
+# Every capacity advise claims holds under the command it prints to check it.
+for which in ("pytorch", "reservoir"):
+    choice = advice["recommendation"][which] if which == "pytorch" else resnet["recommendation"][which]
+    command = choice["replay_command"].split()
+    check(command[:2] == ["reservoir", "replay"], command)
+    r = subprocess.run([binary, *[c.strip("'") for c in command[1:]]], capture_output=True, text=True)
+    check(r.returncode == 0, f"{choice['replay_command']}: exit {r.returncode} {r.stdout[-300:]}{r.stderr}")
+
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)

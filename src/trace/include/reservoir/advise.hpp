@@ -65,6 +65,9 @@ struct Diagnosis {
   // where reserved memory peaked (the recording has no oom event).
   std::string moment;
   std::uint64_t event = 0;  // index into the recorded events
+  // The peak is where the recording started: reserved memory never rose
+  // above what was already reserved then (segments cached before it).
+  bool at_recording_start = false;
   // "verified": the state of an exact replay of the recording (verify's);
   // "replayed": of a replay under the recorded settings (verify could not
   // reach the moment: text traces, private pools, divergences).
