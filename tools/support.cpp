@@ -179,7 +179,26 @@ const Frame* telling_frame(const Context& c) {
   }
   if (const Frame* f = first([&](const Frame& f) { return python(f) && !stdlib(f); })) return f;
   if (const Frame* f = first(python)) return f;
+  // C++ frames alone (stacks="cpp", or Python frames not recorded): the
+  // operator PyTorch was running (at::_ops::<op>::call), then a frame of the
+  // program's own (not the unwinder's, the allocator's, PyTorch's, the C++
+  // library's or the interpreter's), then any frame with a line; never the
+  // unwinder or an unknown (??) one while there is another.
+  auto op = [](const Frame& f) { return f.name.find("at::_ops::") != std::string::npos; };
+  auto internal = [](const Frame& f) {
+    static constexpr std::string_view kInternal[] = {"torch::", "c10::", "at::", "std::", "_Py", "Py",
+                                                      "pybind11::", "__libc", "_start", "clone"};
+    for (std::string_view prefix : kInternal) {
+      if (std::string_view(f.name).starts_with(prefix)) return true;
+    }
+    return f.filename == "??" || f.name.empty() || f.name == "??";
+  };
+  if (const Frame* f = first(op)) return f;
+  if (const Frame* f = first([&](const Frame& f) { return !internal(f); })) return f;
   if (const Frame* f = first([](const Frame& f) { return f.line > 0; })) return f;
+  auto unwinder = [](const Frame& f) { return f.name.find("unwind") != std::string::npos; };
+  if (const Frame* f = first([&](const Frame& f) { return !unwinder(f) && f.filename != "??"; })) return f;
+  if (const Frame* f = first([&](const Frame& f) { return !unwinder(f); })) return f;
   return c.frames.empty() ? nullptr : &c.frames.front();
 }
 
@@ -190,8 +209,17 @@ std::string context_label(const Trace& trace, std::uint32_t context) {
   if (const Frame* telling = telling_frame(c)) {
     const Frame& f = *telling;
     if (!out.empty()) out += "  ";
-    out += f.line > 0 ? fmt::format("{}:{} {}", base_name(f.filename), f.line, f.name)
-                      : fmt::format("{} {}", base_name(f.filename), f.name);
+    // An operator's frame reads as the operator; an unknown file ("??") is left out.
+    const std::size_t op = f.name.find("at::_ops::");
+    if (op != std::string::npos) {
+      const std::size_t start = op + std::string_view("at::_ops::").size();
+      out += fmt::format("aten::{} (C++)", f.name.substr(start, f.name.find("::", start) - start));
+    } else if (f.filename.empty() || f.filename == "??") {
+      out += f.name;
+    } else {
+      out += f.line > 0 ? fmt::format("{}:{} {}", base_name(f.filename), f.line, f.name)
+                        : fmt::format("{} {}", base_name(f.filename), f.name);
+    }
   }
   return out.empty() ? "(no context)" : out;
 }

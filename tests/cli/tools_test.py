@@ -364,6 +364,24 @@ for which in ("pytorch", "reservoir"):
     r = subprocess.run([binary, *[c.strip("'") for c in command[1:]]], capture_output=True, text=True)
     check(r.returncode == 0, f"{choice['replay_command']}: exit {r.returncode} {r.stdout[-300:]}{r.stderr}")
 
+# A snapshot recorded with C++ stacks alone: the request is named by the
+# operator PyTorch ran (at::_ops::mm::call), never by the unwinder or "??".
+import pickle  # noqa: E402
+cpp_frames = [{"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+              {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::Native::malloc(...)"},
+              {"filename": "??", "line": 0, "name": "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)"},
+              {"filename": "??", "line": 0, "name": "_PyEval_EvalFrameDefault"}]
+seg = 0x7F0000000000
+snapshot = {"segments": [], "device_traces": [[
+    {"action": "segment_alloc", "addr": seg, "size": 20 * MiB, "stream": 0, "frames": cpp_frames},
+    {"action": "alloc", "addr": seg, "size": 20 * MiB, "stream": 0, "frames": cpp_frames},
+    {"action": "oom", "addr": 0, "size": 40 * MiB, "stream": 0, "device_free": 10 * MiB, "frames": cpp_frames}]]}
+cpp_only = os.path.join(work, "cpp_frames.pickle")
+with open(cpp_only, "wb") as fh:
+    pickle.dump(snapshot, fh)
+text = run("advise", cpp_only).stdout
+check("at aten::mm (C++)" in text and "unwind" not in text and "??" not in text, text[:1500])
+
 if failures:
     print("FAILED:\n  " + "\n  ".join(failures))
     sys.exit(1)
