@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "report_html.hpp"
 #include "reservoir/format.hpp"
@@ -536,16 +537,17 @@ std::string segments_svg(const Trace& trace, const Diagnosis& d, const std::stri
         "<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">failed request</text>\n"
         "<rect class=\"request\" x=\"{}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"none\" "
         "stroke=\"#c00\" stroke-width=\"2\" stroke-dasharray=\"5 3\"><title>the request that ran "
-        "out of memory: {} (rounded), stream {:#x}</title></rect>\n"
+        "out of memory: {} (rounded), {}</title></rect>\n"
         "<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\" fill=\"#c00\">{}</text>\n",
         L - 6, y + row - 3, L, y, static_cast<double>(r.rounded) * scale, row,
-        esc(format_size(r.rounded)), r.stream, L + 4, y + row - 3, esc(format_size(r.rounded)));
+        esc(format_size(r.rounded)), esc(stream_name(r.stream)), L + 4, y + row - 3, esc(format_size(r.rounded)));
     y += row + gap + 8;
   }
   for (const SegmentInfo* s : rows) {
-    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{}{} s{:#x}</text>\n",
+    // The stream only where it is not the default one (the compute stream).
+    out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\" text-anchor=\"end\">{}{}{}</text>\n",
                        L - 6, y + row - 3, esc(format_size(s->total_size)), s->is_large ? "" : " small",
-                       s->stream);
+                       s->stream == 0 ? std::string() : esc(", " + stream_name(s->stream)));
     const bool whole_free = s->blocks.size() == 1 && s->blocks[0].state == BlockState::inactive;
     double x = L;
     for (const BlockInfo& b : s->blocks) {
@@ -587,21 +589,23 @@ std::string segments_svg(const Trace& trace, const Diagnosis& d, const std::stri
 // Minimum capacity per setting, as horizontal bars, with the peak of
 // requested memory and the capacity marked.
 std::string sweep_svg(const Advice& a, const std::string& id) {
-  constexpr double W = 900, L = 360, R = 90, row = 16, gap = 4, T = 18;
+  constexpr double W = 900, L = 360, R = 170, row = 16, gap = 4, T = 18, line = 12;
+  constexpr std::size_t kLabel = 52;
   std::uint64_t top = a.peak_requested_bytes;
-  for (const Candidate& c : a.candidates) top = std::max(top, c.min_capacity_bytes);
+  std::uint64_t best_bytes = std::numeric_limits<std::uint64_t>::max();
+  std::size_t label_lines = 0;
+  for (const Candidate& c : a.candidates) {
+    top = std::max(top, c.min_capacity_bytes);
+    best_bytes = std::min(best_bytes, c.min_capacity_bytes);
+    label_lines += wrap_setting(config_cell(c), kLabel).size();
+  }
   if (a.capacity_bytes) top = std::max(top, *a.capacity_bytes);
-  // Bars start below the smallest figure by as much again as the figures
-  // spread (at least 5% of it), so that differences of a percent show; the
-  // axis says where.
-  std::uint64_t low = a.peak_requested_bytes;
-  for (const Candidate& c : a.candidates) low = std::min(low, c.min_capacity_bytes);
-  if (a.capacity_bytes) low = std::min(low, *a.capacity_bytes);
-  const double spread = static_cast<double>(top - low);
-  const double x0 = std::max(0.0, static_cast<double>(low) - std::max(spread, static_cast<double>(low) * 0.05));
-  const double span = std::max(1.0, static_cast<double>(top) + spread * 0.02 - x0);
-  auto x = [&](std::uint64_t v) { return L + (W - L - R) * (static_cast<double>(v) - x0) / span; };
-  const double height = T + static_cast<double>(a.candidates.size()) * (row + gap) + 24;
+  // The axis starts at zero, so that bars compare as the bytes do; the
+  // difference to the best setting is written beside each bar.
+  const double span = std::max(1.0, static_cast<double>(top) * 1.02);
+  auto x = [&](std::uint64_t v) { return L + (W - L - R) * static_cast<double>(v) / span; };
+  const double height = T + static_cast<double>(a.candidates.size()) * (row + gap) +
+                        static_cast<double>(label_lines - a.candidates.size()) * line + 24;
   std::string out = fmt::format(
       "<svg class=\"advice-sweep\" id=\"{}\" viewBox=\"0 0 {} {:.0f}\" width=\"{}\" height=\"{:.0f}\" "
       "role=\"img\">\n",
@@ -611,21 +615,29 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
     const Candidate& c = a.candidates[i];
     const bool best = i == a.best_pytorch || i == a.best_reservoir;
     const std::string fill = c.reservoir_only ? "#59a14f" : "#4e79a7";
-    std::string label = config_cell(c);
-    if (label.size() > 52) label = label.substr(0, 49) + "...";
+    // A long setting wraps at its commas, one line under the other.
+    const std::vector<std::string> label = wrap_setting(config_cell(c), kLabel);
+    std::string tspans;
+    for (std::size_t l = 0; l < label.size(); ++l) {
+      tspans += fmt::format("<tspan x=\"{}\" dy=\"{}\">{}</tspan>", L - 6, l == 0 ? 0.0 : line, esc(label[l]));
+    }
+    const double over = best_bytes > 0 ? 100.0 * (static_cast<double>(c.min_capacity_bytes) /
+                                                      static_cast<double>(best_bytes) - 1.0)
+                                       : 0.0;
+    const std::string figure =
+        format_size(c.min_capacity_bytes) + (over < 0.05 ? std::string(" (least)") : fmt::format(" (+{:.1f}%)", over));
     out += fmt::format(
         "<text x=\"{}\" y=\"{:.1f}\" class=\"tick{}\" text-anchor=\"end\">{}</text>\n"
         "<rect class=\"bar{}\" data-config=\"{}\" x=\"{}\" y=\"{:.1f}\" width=\"{:.2f}\" "
         "height=\"{}\" fill=\"{}\"{}><title>{}: minimum capacity {} ({:.4f}x peak requested), "
         "{:.1f} device calls per 1,000 allocations</title></rect>\n"
         "<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"tick\">{}</text>\n",
-        L - 6, y + row - 4, best ? " best" : "", esc(label), best ? " best" : "",
+        L - 6, y + row - 4, best ? " best" : "", tspans, best ? " best" : "",
         esc(c.config), L, y, std::max(1.0, x(c.min_capacity_bytes) - L), row, fill,
         best ? " stroke=\"#222\" stroke-width=\"2\"" : "",
         esc(config_cell(c)), esc(format_size(c.min_capacity_bytes)), c.min_capacity_over_requested,
-        c.device_calls_per_1000_allocs, x(c.min_capacity_bytes) + 4, y + row - 4,
-        esc(format_size(c.min_capacity_bytes)));
-    y += row + gap;
+        c.device_calls_per_1000_allocs, x(c.min_capacity_bytes) + 4, y + row - 4, esc(figure));
+    y += row + gap + static_cast<double>(label.size() - 1) * line;
   }
   auto mark = [&](std::uint64_t v, const char* cls, const char* color, const std::string& label) {
     return fmt::format(
@@ -640,8 +652,7 @@ std::string sweep_svg(const Advice& a, const std::string& id) {
   if (a.capacity_bytes) {
     out += mark(*a.capacity_bytes, "capacity", "#c00", "capacity " + format_size(*a.capacity_bytes));
   }
-  out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\">axis from {}</text>\n", L,
-                     height - 2, esc(format_size(static_cast<std::uint64_t>(x0))));
+  out += fmt::format("<text x=\"{}\" y=\"{:.1f}\" class=\"tick\">axis from 0 bytes</text>\n", L, height - 2);
   out += "</svg>\n<div class=\"legend\"><span><i style=\"background:#4e79a7\"></i>stock PyTorch "
          "setting</span><span><i style=\"background:#59a14f\"></i>reservoir policy</span><span><i "
          "style=\"border:2px solid #222\"></i>recommended</span></div>\n";

@@ -12,6 +12,7 @@ two free holes drawn beside the failed request, to scale, and the sweep's
 bars. The screenshots are kept in OUTPUT_DIR.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -122,6 +123,11 @@ try:
         segments: sec.querySelectorAll('svg.advice-segments rect').length,
         bars: Array.from(sec.querySelectorAll('svg.advice-sweep rect.bar')).map(
                 r => r.getBBox().width),
+        bytes: Array.from(sec.querySelectorAll('svg.advice-sweep rect.bar title')).map(
+                t => t.textContent),
+        labels: Array.from(sec.querySelectorAll('svg.advice-sweep text.tick')).filter(
+                t => t.querySelector('tspan')).map(
+                t => Array.from(t.querySelectorAll('tspan')).map(s => s.textContent)),
         best: sec.querySelectorAll('svg.advice-sweep rect.bar.best').length,
         env: Array.from(sec.querySelectorAll('code.env')).map(c => c.textContent)}));""")
     if len(sections) != len(traces):
@@ -131,6 +137,18 @@ try:
             failures.append(f"advice section drawn as {sec}")
         if sec["best"] < 1 or len(sec["env"]) != 2:
             failures.append(f"advice section without its recommendation: {sec}")
+        # Bars from zero: each bar's width is to its minimum capacity as every other's.
+        sizes = []
+        for title in sec["bytes"]:
+            m = re.search(r"minimum capacity ([0-9.]+) (GiB|MiB|KiB)", title)
+            sizes.append(float(m.group(1)) * {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}[m.group(2)])
+        ratios = [w / b for w, b in zip(sec["bars"], sizes) if b > 0]
+        if not ratios or max(ratios) > min(ratios) * 1.01:
+            failures.append(f"sweep bars not drawn from zero: width/bytes from {min(ratios)} to {max(ratios)}")
+        # Long settings wrap at their commas and read back whole.
+        for lines in sec["labels"]:
+            if len(lines) > 1 and not all(x.endswith((",", ":")) for x in lines[:-1]):
+                failures.append(f"a setting wrapped elsewhere than at a comma or colon: {lines}")
 
     # advise -o on the classic case: a 256 MiB segment with two 100 MiB holes
     # and a 160 MiB request that ran out of memory on a 300 MiB device.
