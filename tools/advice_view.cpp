@@ -787,16 +787,84 @@ std::string job_headroom(const JobAdvice& job, const JobCandidate& c) {
                      : fmt::format(", more than the {} each rank has", format_size(*job.capacity_bytes));
 }
 
+// The job's answer, before any detail: which ranks ran out of memory, the
+// one line to set on every rank and what it saves over the recorded settings
+// for the hungriest rank, or that the settings are already close to the best.
+struct JobAnswer {
+  std::string outcome;
+  std::string action;
+  std::vector<std::string> ran_out;
+  bool settings_matter = false;
+  std::string line;
+  std::optional<std::uint64_t> recorded_worst;  // the recorded settings, hungriest rank
+  std::string recorded_worst_rank;
+  std::optional<std::uint64_t> best_worst;
+  std::int64_t saves_bytes = 0;
+  double saves_percent = 0.0;
+};
+
+JobAnswer job_answer_of(const JobAdvice& job) {
+  JobAnswer ans;
+  std::size_t ok = 0;
+  for (const RankAdvice& r : job.ranks) {
+    if (!r.ok) continue;
+    ++ok;
+    if (r.ran_out) ans.ran_out.push_back(r.name);
+    for (const Candidate& c : r.candidates) {
+      if (c.recorded && (!ans.recorded_worst || c.min_capacity_bytes > *ans.recorded_worst)) {
+        ans.recorded_worst = c.min_capacity_bytes;
+        ans.recorded_worst_rank = r.name;
+      }
+    }
+  }
+  const std::string names = ans.ran_out.size() > 6
+                                ? fmt::format("{}, ...", fmt::join(ans.ran_out.begin(), ans.ran_out.begin() + 6, ", "))
+                                : fmt::format("{}", fmt::join(ans.ran_out, ", "));
+  ans.outcome = ans.ran_out.empty()
+                    ? fmt::format("No rank of the {} ran out of memory.", ok)
+                    : fmt::format("{} of {} ranks ran out of memory: {}.", ans.ran_out.size(), ok, names);
+  if (job.best_pytorch) {
+    const JobCandidate& best = job.candidates[*job.best_pytorch];
+    ans.best_worst = best.worst_min_capacity_bytes;
+    if (ans.recorded_worst && *ans.recorded_worst > 0) {
+      ans.saves_bytes = static_cast<std::int64_t>(*ans.recorded_worst) -
+                        static_cast<std::int64_t>(best.worst_min_capacity_bytes);
+      ans.saves_percent = 100.0 * static_cast<double>(ans.saves_bytes) / static_cast<double>(*ans.recorded_worst);
+    }
+    ans.settings_matter = ans.recorded_worst && ans.saves_percent > 1.0;
+    if (ans.settings_matter) {
+      ans.line = job_env_line(job, best, false);
+      ans.action = fmt::format(
+          "Set {} on every rank: the hungriest rank ({}) needs {}, {:.2f} GiB ({:.1f}%) less than your "
+          "settings need ({}, {}){}.",
+          ans.line, best.worst_rank, format_size(best.worst_min_capacity_bytes),
+          static_cast<double>(ans.saves_bytes) / double(1 << 30), ans.saves_percent,
+          format_size(*ans.recorded_worst), ans.recorded_worst_rank, job_headroom(job, best));
+    } else if (ans.recorded_worst) {
+      ans.action = fmt::format(
+          "Your settings are already within {:.1f}% of the best stock PyTorch setting: the hungriest "
+          "rank ({}) needs {} under them. What would help instead: less live memory on that rank at "
+          "its peak (its own advice names the allocations), or reservoir's policy ({}).",
+          std::max(0.0, ans.saves_percent), ans.recorded_worst_rank, format_size(*ans.recorded_worst),
+          job.candidates.empty() ? std::string("RESERVOIR_ALLOC_CONF=policy:paging")
+                                 : job_env_line(job, job.candidates[job.best_reservoir], true));
+    }
+  }
+  return ans;
+}
+
 }  // namespace
 
 std::string job_text(const JobAdvice& job) {
+  const JobAnswer ans = job_answer_of(job);
+  std::string answer = ans.outcome + "\n" + (ans.action.empty() ? "" : ans.action + "\n") + "\n";
   std::size_t ok = 0;
   std::size_t out_of_memory = 0;
   for (const RankAdvice& r : job.ranks) {
     ok += r.ok ? 1 : 0;
     out_of_memory += r.ok && r.ran_out ? 1 : 0;
   }
-  std::string out = fmt::format("Job of {} ranks, advised in {:.2f} s", job.ranks.size(), job.seconds);
+  std::string out = answer + fmt::format("Job of {} ranks, advised in {:.2f} s", job.ranks.size(), job.seconds);
   out += job.unreadable ? fmt::format(" ({} could not be read)\n", job.unreadable) : "\n";
   if (out_of_memory > 0) {
     out += fmt::format("  ran out of memory: {}\n", rank_list(job, true));
@@ -892,7 +960,23 @@ nlohmann::json job_json(const JobAdvice& job) {
     return {{"config", c.config}, {"env", job_env_line(job, c, on_reservoir)},
             {"worst_min_capacity_bytes", c.worst_min_capacity_bytes}, {"worst_rank", c.worst_rank}};
   };
-  return {{"ranks", ranks},
+  const JobAnswer ans = job_answer_of(job);
+  const auto optional_bytes = [](const std::optional<std::uint64_t>& v) {
+    return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+  };
+  nlohmann::json answer{{"ran_out_of_memory", !ans.ran_out.empty()},
+                        {"ranks_out_of_memory", ans.ran_out},
+                        {"outcome", ans.outcome},
+                        {"action", ans.action},
+                        {"settings_matter", ans.settings_matter},
+                        {"line", ans.line},
+                        {"recorded_worst_min_capacity_bytes", optional_bytes(ans.recorded_worst)},
+                        {"recorded_worst_rank", ans.recorded_worst_rank},
+                        {"best_worst_min_capacity_bytes", optional_bytes(ans.best_worst)},
+                        {"saves_bytes", ans.saves_bytes},
+                        {"saves_percent", ans.saves_percent}};
+  return {{"answer", answer},
+          {"ranks", ranks},
           {"candidates", candidates},
           {"recommendation",
            {{"pytorch", choice(job.best_pytorch, false)},
@@ -907,8 +991,11 @@ nlohmann::json job_json(const JobAdvice& job) {
 }
 
 std::string job_html(const JobAdvice& job, const std::vector<std::string>& rank_pages) {
-  std::string body = fmt::format("<p class=\"note\">{} ranks, {}.</p>\n<pre class=\"job\">{}</pre>\n",
-                                 job.ranks.size(), utc_now(), esc(job_text(job)));
+  const JobAnswer ans = job_answer_of(job);
+  std::string body = fmt::format(
+      "<div class=\"answer\"><p class=\"outcome\">{}</p><p class=\"action\">{}</p></div>\n"
+      "<p class=\"note\">{} ranks, {}.</p>\n<pre class=\"job\">{}</pre>\n",
+      esc(ans.outcome), esc(ans.action), job.ranks.size(), utc_now(), esc(job_text(job)));
   body += "<h2>Each rank</h2>\n<table class=\"summary\"><tr><th>rank</th><th>moment</th><th>failed "
           "request</th><th>peak requested</th><th>reserved</th><th>unusable</th><th>largest "
           "allocation</th><th>file</th></tr>\n";

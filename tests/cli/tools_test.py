@@ -267,6 +267,15 @@ check(small["fits"] is False and small["recommendation"]["shrink_bytes"] == 56 *
 # Several traces: one job, a rank each; the job's page and a page per rank.
 page = os.path.join(work, "advice.html")
 both = json.loads(run("advise", classic, transformer, "--json", "-o", page).stdout)
+# The job's answer first: which ranks ran out, the one line for every rank.
+job_answer = both["answer"]
+check(job_answer["ranks_out_of_memory"] == ["classic_oom.pickle"] and job_answer["ran_out_of_memory"]
+      and job_answer["outcome"] == "1 of 2 ranks ran out of memory: classic_oom.pickle."
+      and job_answer["recorded_worst_rank"] == "transformer_training.trace"
+      and job_answer["recorded_worst_min_capacity_bytes"] > job_answer["best_worst_min_capacity_bytes"]
+      and job_answer["action"].startswith("Set " + job_answer["line"] + " on every rank"), job_answer)
+job_text = run("advise", classic, transformer).stdout
+check(job_text.splitlines()[0] == job_answer["outcome"], job_text[:300])
 check(isinstance(both, dict) and [r["name"] for r in both["ranks"]] ==
       ["classic_oom.pickle", "transformer_training.trace"] and both["ranks"][0]["ran_out"] and
       not both["ranks"][1]["ran_out"] and both["recommendation"]["pytorch"]["worst_rank"] ==
