@@ -133,7 +133,8 @@ std::string wrapped(const std::string& text) {
       out += line;
     } else {
       const std::string indent(lead == std::string::npos ? 0 : lead, ' ');
-      out += indent + wrap_words(line.substr(indent.size()), kTextWidth - indent.size(), kTextWidth, indent + "  ");
+      out += indent;
+      out += wrap_words(line.substr(indent.size()), kTextWidth - indent.size(), kTextWidth, indent + "  ");
     }
     if (nl != std::string::npos) out += '\n';
     start = end + 1;
