@@ -109,13 +109,7 @@ def build_sdist(source, out, work):
     fresh = fresh_folder(out)
     run(["/usr/bin/python3", "-m", "build", "--sdist", "--outdir", fresh, source],
         env=build_env(os.path.join(work, "cmake-unused")))
-    made = glob.glob(os.path.join(fresh, "*.tar.gz"))
-    if len(made) != 1:
-        raise SystemExit(f"python -m build --sdist made {made}, not one sdist")
-    target = os.path.join(out, os.path.basename(made[0]))
-    os.replace(made[0], target)
-    shutil.rmtree(fresh, ignore_errors=True)
-    return target
+    return move_one(fresh, out, "python -m build --sdist", "*.tar.gz")
 
 
 def unpack_sdist(sdist, work):
@@ -169,10 +163,11 @@ def fresh_folder(out):
     return fresh
 
 
-def move_one(fresh, out, tool):
-    made = glob.glob(os.path.join(fresh, "*.whl"))
+def move_one(fresh, out, tool, pattern="*.whl"):
+    """The one file `tool` made in `fresh`, moved into `out`."""
+    made = glob.glob(os.path.join(fresh, pattern))
     if len(made) != 1:
-        raise SystemExit(f"{tool} made {made}, not one wheel")
+        raise SystemExit(f"{tool} made {made}, not one {pattern}")
     target = os.path.join(out, os.path.basename(made[0]))
     os.replace(made[0], target)
     shutil.rmtree(fresh, ignore_errors=True)
