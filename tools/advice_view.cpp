@@ -18,9 +18,13 @@ std::string pool(bool large) { return large ? "large" : "small"; }
 
 // 3274 as "3,274".
 std::string grouped(std::uint64_t n) {
-  std::string digits = std::to_string(n);
-  for (std::size_t i = digits.size(); i > 3; i -= 3) digits.insert(i - 3, ",");
-  return digits;
+  const std::string digits = std::to_string(n);
+  std::string out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
 }
 
 // Where in the recording an event falls, in words: "the 3,274th of 3,274

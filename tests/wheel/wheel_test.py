@@ -226,7 +226,7 @@ def offline_wheel(python, args):
     rc = run(command, env=build_env).returncode
     check(rc == 0, f"{' '.join(command[1:4])} ... exits 0 (got {rc})")
     if rc != 0:
-        return 1
+        return None
     if args.tracked is not None:
         left = untracked_outside_build(source, args.tracked)
         check(not left, "building the wheel writes nothing into the tree outside build/"
