@@ -181,13 +181,7 @@ reservoir::Saver* saver_of(int device) {
       }
       d.pinned = reservoir::CudaPinnedMemory::open();
       options.pinned_source = d.pinned.get();
-      if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr && *storage != '\0') {
-        options.storage = reservoir::parse_backup_storage(storage, "RESERVOIR_BACKUP_STORAGE");
-      }
-      if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR"); dir != nullptr) options.mmap_directory = dir;
-      if (const char* dir = std::getenv("RESERVOIR_DISK_BACKUP_DIR"); dir != nullptr) {
-        options.disk_directory = dir;
-      }
+      reservoir::read_saver_environment(options);
       d.saver = std::make_unique<reservoir::Saver>(*d.runtime, options);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "reservoir preload: %s\n", e.what());

@@ -1,5 +1,7 @@
 // Saver: tags, regions, pause and resume (reservoir/saver.hpp): the public
 // class, forwarding to Saver::Impl (saver_impl.hpp).
+#include <cctype>
+#include <cstdlib>
 #include "reservoir/saver.hpp"
 
 #include <fmt/format.h>
@@ -67,6 +69,70 @@ Saver::Region Saver::region(std::string_view tag, RegionOptions options) {
 Saver::Region Saver::untagged() {
   return Region(this, push_untagged());
 }
+namespace {
+
+// A torch_memory_saver flag: on, off, or (anything else) a UsageError.
+bool tms_flag(const char* value, const char* name) {
+  if (value == nullptr || *value == '\0') return false;
+  std::string v(value);
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  throw UsageError(fmt::format("{}={}: not a flag (1, true, yes, on; or 0, false, no, off)", name, value));
+}
+
+}  // namespace
+
+std::optional<SaverOptions::InitialRegion> initial_region_from_tms_env(const char* enable,
+                                                                       const char* cpu_backup,
+                                                                       const char* disk_backup,
+                                                                       const char* backend) {
+  const bool on = tms_flag(enable, "TMS_INIT_ENABLE");
+  const bool cpu = tms_flag(cpu_backup, "TMS_INIT_ENABLE_CPU_BACKUP");
+  const bool disk = tms_flag(disk_backup, "TMS_INIT_ENABLE_DISK_BACKUP");
+  if (!on) return std::nullopt;
+  SaverOptions::InitialRegion region;
+  if (disk) {
+    region.options.cpu_backup = true;
+    region.options.storage = BackupStorage::disk;
+  } else if (cpu) {
+    region.options.cpu_backup = true;
+    region.options.storage = backend != nullptr && *backend != '\0'
+                                 ? parse_backup_storage(backend, "TMS_INIT_CPU_BACKUP_BACKEND")
+                                 : BackupStorage::pinned;
+  }
+  return region;
+}
+
+void read_saver_environment(SaverOptions& options) {
+  auto get = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  };
+  if (const char* storage = get("RESERVOIR_BACKUP_STORAGE")) {
+    options.storage = parse_backup_storage(storage, "RESERVOIR_BACKUP_STORAGE");
+  }
+  if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR")) options.mmap_directory = dir;
+  if (const char* dir = get("RESERVOIR_DISK_BACKUP_DIR")) {
+    options.disk_directory = dir;
+  } else if (const char* tms_dir = get("TMS_DISK_BACKUP_DIR")) {
+    options.disk_directory = tms_dir;
+  }
+  if (const char* mib = get("TMS_DISK_BACKUP_CHUNK_MB")) {
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(mib, &end, 10);
+    if (end == mib || *end != '\0' || n == 0 || n > (std::uint64_t{1} << 20)) {
+      throw UsageError(fmt::format("TMS_DISK_BACKUP_CHUNK_MB={}: not a number of MiB from 1 to 1048576", mib));
+    }
+    std::size_t bytes = std::size_t{1} << 20;
+    while (bytes * 2 <= (static_cast<std::size_t>(n) << 20)) bytes *= 2;
+    options.chunk_bytes = bytes;
+  }
+  options.initial_region = initial_region_from_tms_env(get("TMS_INIT_ENABLE"), get("TMS_INIT_ENABLE_CPU_BACKUP"),
+                                                       get("TMS_INIT_ENABLE_DISK_BACKUP"),
+                                                       get("TMS_INIT_CPU_BACKUP_BACKEND"));
+}
+
 std::uint64_t Saver::push_region(std::string_view tag, RegionOptions options) {
   return impl_->push(&impl_->tag_state(tag, options));
 }

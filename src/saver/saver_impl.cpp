@@ -33,11 +33,13 @@ struct Innermost {
 };
 thread_local Innermost t_innermost{0, nullptr};
 
-TagState* innermost(const Saver::Impl* owner) noexcept {
+// The innermost region of `owner` on this thread: its tag (null when
+// untagged), or `initial` when the thread opened none.
+TagState* innermost(const Saver::Impl* owner, TagState* initial) noexcept {
   for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
     if (it->owner == owner) return it->state;
   }
-  return nullptr;
+  return initial;
 }
 
 }  // namespace
@@ -100,7 +102,7 @@ void Saver::Impl::pop(std::uint64_t token) {
           token, it->token, it->state != nullptr ? it->state->tag : std::string("untagged")));
     }
     t_frames.erase(std::next(it).base());
-    t_innermost = {id_, innermost(this)};
+    t_innermost = {id_, innermost(this, initial_state_)};
     return;
   }
   throw UsageError(fmt::format("region: no open region {} on this thread", token));
@@ -112,7 +114,7 @@ std::uint64_t Saver::Impl::next_id() noexcept {
 
 TagState* Saver::Impl::current() const noexcept {
   if (t_innermost.saver == id_) return t_innermost.state;
-  TagState* state = innermost(this);
+  TagState* state = innermost(this, initial_state_);
   t_innermost = {id_, state};
   return state;
 }

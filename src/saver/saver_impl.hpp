@@ -82,8 +82,13 @@ class Saver::Impl {
       validate_each_call_.store(true, std::memory_order_relaxed);
     }
     retain_backup_.store(options_.retain_backup, std::memory_order_relaxed);
-    detail::LockGuard lock(disk_mutex_);
-    disk_directory_ = options_.disk_directory;
+    {
+      detail::LockGuard lock(disk_mutex_);
+      disk_directory_ = options_.disk_directory;
+    }
+    if (options_.initial_region) {
+      initial_state_ = &tag_state(options_.initial_region->tag, options_.initial_region->options);
+    }
   }
 
   ~Impl() {
@@ -101,6 +106,9 @@ class Saver::Impl {
   TagState* current() const noexcept;
   // Names this saver in per-thread records (an address may be reused).
   const std::uint64_t id_ = next_id();
+  // SaverOptions::initial_region's tag (null without one): where a thread
+  // that opened no region allocates. Set once, in the constructor.
+  TagState* initial_state_ = nullptr;
   static std::uint64_t next_id() noexcept;
 
   // ---- allocation ----

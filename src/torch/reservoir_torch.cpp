@@ -101,17 +101,7 @@ reservoir::Saver& saver_for(int device) {
       d.pinned = reservoir::CudaPinnedMemory::open();
       options.pinned_source = d.pinned.get();
     }
-    if (const char* storage = std::getenv("RESERVOIR_BACKUP_STORAGE"); storage != nullptr) {
-      if (*storage != '\0') {
-        options.storage = reservoir::parse_backup_storage(storage, "RESERVOIR_BACKUP_STORAGE");
-      }
-    }
-    if (const char* dir = std::getenv("RESERVOIR_DISK_BACKUP_DIR"); dir != nullptr && *dir != '\0') {
-      options.disk_directory = dir;
-    }
-    if (const char* dir = std::getenv("RESERVOIR_BACKUP_DIR"); dir != nullptr) {
-      options.mmap_directory = dir;
-    }
+    reservoir::read_saver_environment(options);
     d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
   }
   return *d.saver;

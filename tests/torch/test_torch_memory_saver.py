@@ -32,8 +32,9 @@ OURS = "reservoir.memory_saver"
 OURS_UNDER_INTERPOSER = "reservoir.memory_saver under its interposer"
 
 
-def run(impl, hook_mode, body):
+def run(impl, hook_mode, body, extra_env=None):
     env = dict(os.environ)
+    env.update(extra_env or {})
     env["PYTHONPATH"] = SITE + ":" + env["PYTHONPATH"]
     if impl == OURS_UNDER_INTERPOSER:
         impl = OURS
@@ -59,6 +60,40 @@ def test_the_same_script_gives_the_same_results(hook_mode, ours_impl):
     assert ours.returncode == 0, ours.stderr
     assert real.stdout.split() == ours.stdout.split() == [
         "128", "64", "True", "True", "True", "True", "True", "True"]
+
+
+# TMS_INIT_ENABLE: every allocation of the process is tagged from the start,
+# with no region() at all (what sglang's subprocesses get); with
+# TMS_INIT_ENABLE_CPU_BACKUP its contents survive a pause of every tag.
+INIT_ENABLE = """
+x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+src = torch.arange(8 * MiB, dtype=torch.int64).to(torch.uint8)
+x.copy_(src)
+torch.cuda.synchronize()
+free0 = torch.cuda.mem_get_info()[0]
+tms.pause()
+free1 = torch.cuda.mem_get_info()[0]
+tms.resume()
+print(free1 - free0 >= 8 * MiB, torch.equal(x.cpu(), src), x.data_ptr() == x.data_ptr())
+"""
+
+
+@pytest.mark.parametrize("backup", ["1", "0"])
+def test_tms_init_enable_tags_every_allocation_from_the_start(backup):
+    env = {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": backup}
+    real = run(REAL, "preload", INIT_ENABLE, env)
+    ours = run(OURS_UNDER_INTERPOSER, "preload", INIT_ENABLE, env)
+    assert real.returncode == 0, real.stderr
+    assert ours.returncode == 0, ours.stderr
+    # Without a backup the bytes after resume are whatever the new memory holds.
+    expected = ["True", "True", "True"] if backup == "1" else ["True"]
+    assert real.stdout.split()[:len(expected)] == expected, real.stdout
+    assert ours.stdout.split()[:len(expected)] == expected, ours.stdout
+
+
+def test_a_bad_tms_init_value_is_an_error_naming_the_variable():
+    ours = run(OURS_UNDER_INTERPOSER, "preload", INIT_ENABLE, {"TMS_INIT_ENABLE": "maybe"})
+    assert "TMS_INIT_ENABLE=maybe: not a flag" in ours.stderr, ours.stderr
 
 
 # A pause of a paused tag, and a resume of a running one: the process
@@ -379,12 +414,12 @@ def test_get_cpu_backup_without_a_backup_kills_the_process_there_and_is_none_her
 # The environment variables the real release's libraries read, and what the
 # drop-in does with each (a release that reads a new one fails this test).
 ENVIRONMENT = {
-    "TMS_DISK_BACKUP_CHUNK_MB": "not read (copies are cut by the saver's chunk_bytes)",
-    "TMS_DISK_BACKUP_DIR": "read: the directory of enable_disk_backup regions",
+    "TMS_DISK_BACKUP_CHUNK_MB": "read by the interposer and the plug-in: chunk_bytes of the copies",
+    "TMS_DISK_BACKUP_DIR": "read: the directory of enable_disk_backup regions (and the interposer's)",
     "TMS_INIT_CPU_BACKUP_BACKEND": "read: the backend of enable_cpu_backup regions that name none",
-    "TMS_INIT_ENABLE": "not read (regions are opened from Python; preload mode)",
-    "TMS_INIT_ENABLE_CPU_BACKUP": "not read (preload mode)",
-    "TMS_INIT_ENABLE_DISK_BACKUP": "not read (preload mode)",
+    "TMS_INIT_ENABLE": "read by the interposer and the plug-in: every thread starts in tag 'default'",
+    "TMS_INIT_ENABLE_CPU_BACKUP": "read: that initial tag backed up (TMS_INIT_CPU_BACKUP_BACKEND)",
+    "TMS_INIT_ENABLE_DISK_BACKUP": "read: that initial tag backed up on disk",
     "TMS_RETAIN_CPU_BACKUP": "read: retain_cpu_backup's starting value",
 }
 

@@ -1,5 +1,6 @@
 // The Saver's backup kinds per region (pinned, mmap, disk), retained
 // backups, read_backup and the memory margin of tagged allocations.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <vector>
 
 #include "reservoir/errors.hpp"
@@ -291,6 +293,69 @@ TEST(SaverPools, RoutesAreCheckedAsTheAllocatorChecksThem) {
   saver.end_allocate_to_pool({0, 9});
   saver.release_pool({0, 9});
   saver.validate();
+}
+
+// torch_memory_saver's TMS_INIT_ENABLE: a thread that opened no region
+// allocates into the initial tag, here and on another thread; regions and
+// untagged regions nest inside it; its backup survives a pause.
+TEST(SaverInitialRegion, EveryThreadStartsInsideTheInitialTagAndRegionsNestInIt) {
+  HostDevice host;
+  SaverOptions o = options();
+  o.initial_region = SaverOptions::InitialRegion{.tag = "default", .options = {.cpu_backup = true}};
+  Saver saver(host, o);
+  void* a = saver.allocate(3 * kMiB);
+  void* b = nullptr;
+  std::thread([&] { b = saver.allocate(kMiB); }).join();
+  void* plain = nullptr;
+  void* other = nullptr;
+  {
+    auto r = saver.untagged();
+    plain = saver.allocate(kMiB);
+  }
+  {
+    auto r = saver.region("kv");
+    other = saver.allocate(kMiB);
+  }
+  void* again = saver.allocate(kMiB);  // back in the initial tag once the regions close
+  for (void* p : {a, b, other, again}) EXPECT_TRUE(saver.tagged(p));
+  EXPECT_FALSE(saver.tagged(plain));
+  EXPECT_EQ(saver.tag_info("default").allocated_bytes, 5 * kMiB);  // a, b and again
+  EXPECT_EQ(saver.tag_info("kv").allocated_bytes, kMiB);
+  EXPECT_EQ(saver.untagged_allocator().stats().allocated_bytes[0].current, static_cast<std::int64_t>(kMiB));
+  fill(a, 3 * kMiB, 7);
+  saver.pause("default");
+  saver.resume("default");
+  EXPECT_EQ(mismatch(a, 3 * kMiB, 7), -1);
+  for (void* p : {a, b, plain, other, again}) saver.deallocate(p);
+}
+
+TEST(SaverInitialRegion, TheEnvironmentNamesTheBackupAndABadValueIsAnErrorNamingTheVariable) {
+  EXPECT_FALSE(initial_region_from_tms_env(nullptr, "1", nullptr, nullptr).has_value());
+  EXPECT_FALSE(initial_region_from_tms_env("0", nullptr, nullptr, nullptr).has_value());
+  const auto plain = initial_region_from_tms_env("1", nullptr, nullptr, nullptr);
+  ASSERT_TRUE(plain.has_value());
+  EXPECT_EQ(plain->tag, "default");
+  EXPECT_FALSE(plain->options.cpu_backup);
+  const auto mmap = initial_region_from_tms_env("true", "yes", nullptr, "mmap");
+  ASSERT_TRUE(mmap.has_value());
+  EXPECT_TRUE(mmap->options.cpu_backup);
+  EXPECT_EQ(mmap->options.storage, BackupStorage::mmap);
+  const auto disk = initial_region_from_tms_env("ON", "1", "1", nullptr);
+  ASSERT_TRUE(disk.has_value());
+  EXPECT_EQ(disk->options.storage, BackupStorage::disk);
+  EXPECT_THAT(error_of<UsageError>([] { (void)initial_region_from_tms_env("maybe", nullptr, nullptr, nullptr); }),
+              ::testing::HasSubstr("TMS_INIT_ENABLE=maybe: not a flag"));
+  EXPECT_THAT(error_of<UsageError>([] { (void)initial_region_from_tms_env("1", "1", nullptr, "floppy"); }),
+              ::testing::HasSubstr("TMS_INIT_CPU_BACKUP_BACKEND"));
+}
+
+TEST(SaverInitialRegion, ADeviceWithoutVirtualMemoryRefusesTheInitialTagWhenTheSaverIsMade) {
+  HostDevice host;
+  FaultyDevice no_vm(host, /*virtual_memory=*/false);
+  SaverOptions o = options();
+  o.initial_region = SaverOptions::InitialRegion{};
+  EXPECT_THAT(error_of<UsageError>([&] { Saver saver(no_vm, o); }),
+              ::testing::HasSubstr("region 'default': tagged memory needs a device with virtual memory"));
 }
 
 }  // namespace

@@ -106,7 +106,35 @@ struct SaverOptions {
   // that, and stats()'s peaks are then the sum of each allocator's peak, an
   // upper bound.
   bool exact_peaks = true;
+  // A thread that opened no region of this saver allocates into this tag
+  // (torch_memory_saver's TMS_INIT_ENABLE: every allocation is tagged from
+  // the start); regions, untagged ones included, nest inside it as usual.
+  // Created with the saver (UsageError then when it cannot be).
+  struct InitialRegion {
+    std::string tag = "default";
+    RegionOptions options;
+  };
+  std::optional<InitialRegion> initial_region;
 };
+
+// The initial region torch_memory_saver's environment asks for, from the
+// variables' values (null when unset): TMS_INIT_ENABLE (on: "1", "true",
+// "yes", "on", any case), TMS_INIT_ENABLE_CPU_BACKUP (a backup in
+// `backend`: TMS_INIT_CPU_BACKUP_BACKEND, "pinned" when unset, or "mmap"),
+// TMS_INIT_ENABLE_DISK_BACKUP (a backup on disk). Null when not enabled;
+// UsageError naming the variable for a value it cannot read.
+std::optional<SaverOptions::InitialRegion> initial_region_from_tms_env(const char* enable,
+                                                                       const char* cpu_backup,
+                                                                       const char* disk_backup,
+                                                                       const char* backend);
+
+// The options the integrations (the interposer, the PyTorch plug-in) take
+// from the environment, read here and nowhere else: RESERVOIR_BACKUP_STORAGE,
+// RESERVOIR_BACKUP_DIR (mmap files), RESERVOIR_DISK_BACKUP_DIR, else
+// TMS_DISK_BACKUP_DIR; torch_memory_saver's TMS_INIT_* (initial_region_from_tms_env)
+// and TMS_DISK_BACKUP_CHUNK_MB (chunk_bytes: the largest power of two of at
+// most that many MiB). UsageError naming the variable for a bad value.
+void read_saver_environment(SaverOptions& options);
 
 // What a tag's pauses and resumes did: counts, and the last of each.
 struct PauseRecord {
