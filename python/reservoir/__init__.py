@@ -167,6 +167,45 @@ def install_torch(config=None, device_kind=None):
     return allocator
 
 
+def use_as_allocator(config=None, device_kind=None):
+    """Make reservoir PyTorch's own CUDA allocator (a CUDAAllocator, as PyTorch's
+    native caching allocator is), before any CUDA allocation: unlike
+    install_torch()'s pluggable allocator, torch.cuda.memory_stats(),
+    memory_summary(), empty_cache(), set_per_process_memory_fraction(),
+    reset_peak_memory_stats(), record_stream, MemPool and CUDA-graph pools and
+    the out-of-memory observers all reach reservoir. Needs this package's
+    library for the running PyTorch release (torch_hook_releases()); a
+    RuntimeError names what is missing otherwise (install_torch() then).
+    What reservoir does not implement yet (torch.cuda.memory._snapshot, IPC
+    handles, ...) raises PyTorch's error naming the method.
+
+    config uses PYTORCH_CUDA_ALLOC_CONF's syntax (and reservoir's policies).
+    """
+    global _torch_installed
+    import ctypes
+
+    import torch
+
+    if config is not None:
+        os.environ["RESERVOIR_ALLOC_CONF"] = config
+    if device_kind is not None:
+        os.environ["RESERVOIR_TORCH_DEVICE"] = device_kind
+    release = torch.__version__.split("+")[0]
+    hooks = torch_hooks_path(release)
+    if hooks is None:
+        raise RuntimeError(
+            f"reservoir.use_as_allocator: this package has no library for PyTorch {torch.__version__} "
+            f"(built for: {', '.join(torch_hook_releases()) or 'none'}); build reservoir against it, "
+            "or use reservoir.install_torch() (the pluggable allocator)")
+    lib = ctypes.CDLL(hooks)
+    lib.reservoir_torch_use_as_allocator.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
+    if lib.reservoir_torch_use_as_allocator(os.fsencode(library_path()), release.encode()) != 0:
+        raise RuntimeError("reservoir.use_as_allocator: " + lib.reservoir_torch_hooks_error().decode())
+    _torch_installed = True
+    return torch.cuda.memory._get_current_allocator()
+
+
 def torch_installed():
     """Whether install_torch() made reservoir PyTorch's allocator in this process."""
     return _torch_installed

@@ -249,6 +249,16 @@ __attribute__((visibility("default"))) char* reservoir_torch_stats_json(int devi
   return out;
 }
 
+// torch.cuda.reset_peak_memory_stats() and reset_accumulated_memory_stats():
+// 0, or -1 with last_error.
+__attribute__((visibility("default"))) int reservoir_torch_reset_peak_stats(int device) {
+  return guarded([&] { saver_for(device).reset_peak_stats(); }) ? 0 : -1;
+}
+
+__attribute__((visibility("default"))) int reservoir_torch_reset_accumulated_stats(int device) {
+  return guarded([&] { saver_for(device).reset_accumulated_stats(); }) ? 0 : -1;
+}
+
 __attribute__((visibility("default"))) char* reservoir_torch_memory_summary(int device,
                                                                             int abbreviated) {
   char* out = nullptr;

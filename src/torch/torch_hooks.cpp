@@ -31,28 +31,14 @@
 #error "RESERVOIR_TORCH_RELEASE (the PyTorch release the headers are of) must be defined"
 #endif
 
+#include "torch_entry.hpp"
+
+namespace reservoir_torch_hooks {
+
 namespace {
 
-using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
-using StreamFilter = int (*)(void*, cudaStream_t);
-
-std::string last_error;
-
-// reservoir's entry points, as reservoir_torch.cpp exports them.
-struct Entry {
-  void* (*malloc)(ssize_t, int, cudaStream_t);
-  void (*free)(void*, ssize_t, int, cudaStream_t);
-  void (*init)(int);
-  void (*reset)();
-  void (*set_memory_fraction)(double, int);
-  void (*record_stream)(void*, cudaStream_t);
-  int (*begin_allocate_to_pool)(int, unsigned long long, unsigned long long, StreamFilter, void*);
-  int (*end_allocate_to_pool)(int, unsigned long long, unsigned long long);
-  int (*release_pool)(int, unsigned long long, unsigned long long);
-  const char* (*error)();
-  int (*error_is_oom)();
-};
-Entry entry;
+Entry the_entry;
+std::string the_last_error;
 
 template <typename F>
 void find(void* lib, const char* name, F& out) {
@@ -64,6 +50,42 @@ void find(void* lib, const char* name, F& out) {
   out = reinterpret_cast<F>(sym);
 }
 
+}  // namespace
+
+Entry& entry() { return the_entry; }
+std::string& last_error() { return the_last_error; }
+
+void load(const char* path, const char* release) {
+  if (std::string(release) != RESERVOIR_TORCH_RELEASE) {
+    throw std::runtime_error(std::string("this library was built for PyTorch ") + RESERVOIR_TORCH_RELEASE +
+                             ", and PyTorch " + release + " is running: build reservoir against it");
+  }
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) throw std::runtime_error(std::string("cannot load ") + path + ": " + dlerror());
+  Entry& e = the_entry;
+  find(lib, "reservoir_torch_malloc", e.malloc);
+  find(lib, "reservoir_torch_free", e.free);
+  find(lib, "reservoir_torch_init", e.init);
+  find(lib, "reservoir_torch_reset", e.reset);
+  find(lib, "reservoir_torch_set_memory_fraction", e.set_memory_fraction);
+  find(lib, "reservoir_torch_record_stream", e.record_stream);
+  find(lib, "reservoir_torch_begin_allocate_to_pool", e.begin_allocate_to_pool);
+  find(lib, "reservoir_torch_end_allocate_to_pool", e.end_allocate_to_pool);
+  find(lib, "reservoir_torch_release_pool", e.release_pool);
+  find(lib, "reservoir_torch_last_error", e.error);
+  find(lib, "reservoir_torch_last_error_is_oom", e.error_is_oom);
+  find(lib, "reservoir_torch_stats_json", e.stats_json);
+  find(lib, "reservoir_torch_reset_peak_stats", e.reset_peak_stats);
+  find(lib, "reservoir_torch_reset_accumulated_stats", e.reset_accumulated_stats);
+}
+
+}  // namespace reservoir_torch_hooks
+
+namespace {
+
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using reservoir_torch_hooks::entry;
+
 // The stream filters of pools being allocated to, kept until the route ends.
 std::mutex filters_mutex;
 std::map<std::pair<int, c10::cuda::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
@@ -74,49 +96,32 @@ int call_filter(void* context, cudaStream_t stream) {
 }
 
 void check(int rc, const char* what) {
-  if (rc != 0) throw std::runtime_error(std::string("reservoir: ") + what + ": " + entry.error());
+  if (rc != 0) throw std::runtime_error(std::string("reservoir: ") + what + ": " + entry().error());
 }
 
 // PyTorch's pluggable allocator hands a null result on as a tensor without
 // memory: raise PyTorch's own error instead (torch.cuda.OutOfMemoryError
 // when reservoir ran out of memory, RuntimeError otherwise).
 void* allocate(size_t size, int device, cudaStream_t stream) {
-  void* p = entry.malloc(static_cast<ssize_t>(size), device, stream);
+  void* p = entry().malloc(static_cast<ssize_t>(size), device, stream);
   if (p == nullptr && size > 0) {
-    if (entry.error_is_oom() != 0) {
-      TORCH_CHECK_WITH(OutOfMemoryError, false, entry.error());
+    if (entry().error_is_oom() != 0) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, entry().error());
     }
-    TORCH_CHECK(false, "reservoir: ", entry.error());
+    TORCH_CHECK(false, "reservoir: ", entry().error());
   }
   return p;
 }
 
 void install(const char* path, const char* release) {
-  if (std::string(release) != RESERVOIR_TORCH_RELEASE) {
-    throw std::runtime_error(std::string("this hooks library was built for PyTorch ") +
-                             RESERVOIR_TORCH_RELEASE + ", and PyTorch " + release +
-                             " is running: build reservoir against it");
-  }
-  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) throw std::runtime_error(std::string("cannot load ") + path + ": " + dlerror());
-  find(lib, "reservoir_torch_malloc", entry.malloc);
-  find(lib, "reservoir_torch_free", entry.free);
-  find(lib, "reservoir_torch_init", entry.init);
-  find(lib, "reservoir_torch_reset", entry.reset);
-  find(lib, "reservoir_torch_set_memory_fraction", entry.set_memory_fraction);
-  find(lib, "reservoir_torch_record_stream", entry.record_stream);
-  find(lib, "reservoir_torch_begin_allocate_to_pool", entry.begin_allocate_to_pool);
-  find(lib, "reservoir_torch_end_allocate_to_pool", entry.end_allocate_to_pool);
-  find(lib, "reservoir_torch_release_pool", entry.release_pool);
-  find(lib, "reservoir_torch_last_error", entry.error);
-  find(lib, "reservoir_torch_last_error_is_oom", entry.error_is_oom);
-
+  reservoir_torch_hooks::load(path, release);
+  const reservoir_torch_hooks::Entry& e = entry();
   auto allocator = std::static_pointer_cast<Pluggable>(
-      torch::cuda::CUDAPluggableAllocator::createCustomAllocator(allocate, entry.free));
-  allocator->set_init_fn(entry.init);
-  allocator->set_reset_fn(entry.reset);
-  allocator->set_memory_fraction_fn(entry.set_memory_fraction);
-  allocator->set_record_stream_fn(entry.record_stream);
+      torch::cuda::CUDAPluggableAllocator::createCustomAllocator(allocate, e.free));
+  allocator->set_init_fn(e.init);
+  allocator->set_reset_fn(e.reset);
+  allocator->set_memory_fraction_fn(e.set_memory_fraction);
+  allocator->set_record_stream_fn(e.record_stream);
   allocator->set_begin_allocate_to_pool(
       [](int device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
         auto owned = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
@@ -125,16 +130,16 @@ void install(const char* path, const char* release) {
           std::lock_guard lock(filters_mutex);
           filters[{device, id}] = std::move(owned);
         }
-        check(entry.begin_allocate_to_pool(device, id.first, id.second, call_filter, context),
+        check(entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context),
               "beginAllocateToPool");
       });
   allocator->set_end_allocate_to_pool_fn([](int device, c10::cuda::MempoolId_t id) {
-    check(entry.end_allocate_to_pool(device, id.first, id.second), "endAllocateToPool");
+    check(entry().end_allocate_to_pool(device, id.first, id.second), "endAllocateToPool");
     std::lock_guard lock(filters_mutex);
     filters.erase({device, id});
   });
   allocator->set_release_pool([](int device, c10::cuda::MempoolId_t id) {
-    check(entry.release_pool(device, id.first, id.second), "releasePool");
+    check(entry().release_pool(device, id.first, id.second), "releasePool");
   });
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
 }
@@ -149,16 +154,16 @@ __attribute__((visibility("default"))) int reservoir_torch_install_hooks(const c
     install(path, release);
     return 0;
   } catch (const c10::Error& e) {
-    last_error = e.what_without_backtrace();
+    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
     return -1;
   } catch (const std::exception& e) {
-    last_error = e.what();
+    reservoir_torch_hooks::last_error() = e.what();
     return -1;
   }
 }
 
 __attribute__((visibility("default"))) const char* reservoir_torch_hooks_error() {
-  return last_error.c_str();
+  return reservoir_torch_hooks::last_error().c_str();
 }
 
 __attribute__((visibility("default"))) const char* reservoir_torch_hooks_release() {

@@ -1,0 +1,389 @@
+// reservoir as PyTorch's own allocator: a c10::cuda::CUDACachingAllocator::
+// CUDAAllocator (the interface PyTorch's native caching allocator
+// implements), built per PyTorch release against its headers into the
+// release's libreservoir_torch_hooks.so, so that torch.cuda.memory_stats(),
+// memory_summary(), empty_cache(), set_per_process_memory_fraction(),
+// reset_peak_memory_stats(), Tensor.record_stream, MemPool and CUDA-graph
+// pools and the out-of-memory observers keep working with reservoir
+// underneath, under every policy. (The pluggable allocator, torch_hooks.cpp,
+// reaches only what CUDAPluggableAllocator forwards.)
+//
+// What reservoir cannot do yet raises PyTorch's error naming the method and
+// why (torch.cuda.memory._snapshot, IPC handles, checkpointed pool state,
+// trace trackers), never a silent no-op.
+//
+// reservoir_torch_use_as_allocator(path, release) installs it before the
+// first CUDA allocation; reservoir.use_as_allocator() calls it.
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torch_entry.hpp"
+
+#ifndef RESERVOIR_TORCH_MINOR
+#error "RESERVOIR_TORCH_MINOR (the minor release of the PyTorch headers) must be defined"
+#endif
+
+namespace {
+
+using c10::cuda::CUDACachingAllocator::CUDAAllocator;
+using reservoir_torch_hooks::entry;
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+// What a method reservoir does not implement says, as PyTorch's own
+// allocators do: the method, and why.
+[[noreturn]] void unsupported(const char* method, const char* why) {
+  TORCH_CHECK(false, "reservoir (PyTorch's allocator): ", method, " is not supported: ", why);
+}
+
+// torch.cuda.memory_stats()'s keys, from reservoir, into PyTorch's struct.
+void fill(c10::CachingDeviceAllocator::StatArray& out, const nlohmann::json& stats, const std::string& name) {
+  static const char* const kTypes[] = {"all", "small_pool", "large_pool"};
+  for (std::size_t t = 0; t < 3; ++t) {
+    const std::string prefix = name + "." + kTypes[t] + ".";
+    c10::CachingDeviceAllocator::Stat& s = out[t];
+    s.current = stats.value(prefix + "current", std::int64_t{0});
+    s.peak = stats.value(prefix + "peak", std::int64_t{0});
+    s.allocated = stats.value(prefix + "allocated", std::int64_t{0});
+    s.freed = stats.value(prefix + "freed", std::int64_t{0});
+  }
+}
+
+void raw_delete_fn(void* ptr);
+
+class ReservoirAllocator final : public CUDAAllocator {
+ public:
+  // ---- allocation ----
+  c10::DataPtr allocate(size_t size) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    void* p = size == 0 ? nullptr : malloc_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+  void* raw_alloc(size_t size) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    return raw_alloc_with_stream(size, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+  void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
+    return size == 0 ? nullptr : malloc_on(size, c10::cuda::current_device(), stream);
+  }
+  void raw_delete(void* ptr) override {
+    if (ptr == nullptr) return;
+    Live live;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = live_.find(ptr);
+      TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): raw_delete of ", ptr,
+                  ", which it did not allocate or has freed");
+      live = it->second;
+      live_.erase(it);
+    }
+    entry().free(ptr, static_cast<ssize_t>(live.size), live.device, live.stream);
+  }
+
+  // ---- set-up and state ----
+  void init(int device_count) override {
+    entry().init(device_count);
+    std::lock_guard lock(mutex_);
+    fractions_.assign(static_cast<std::size_t>(device_count), 1.0);
+    initialized_ = true;
+  }
+  bool initialized() override {
+    std::lock_guard lock(mutex_);
+    return initialized_;
+  }
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::size_t>(device) < fractions_.size() ? fractions_[device] : 1.0;
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    entry().set_memory_fraction(fraction, device);
+    std::lock_guard lock(mutex_);
+    if (static_cast<std::size_t>(device) >= fractions_.size()) fractions_.resize(device + 1, 1.0);
+    fractions_[device] = fraction;
+  }
+  void enable(bool value) override { enabled_ = value; }
+  bool isEnabled() const override { return enabled_; }
+  std::string name() override { return "reservoir"; }
+
+  // ---- caches and statistics ----
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    if (mempool_id.first != 0 || mempool_id.second != 0) {
+      // A pool whose last user released it gave all its memory back then
+      // (PyTorch's MemPool empties it after releasing it): nothing is cached.
+      {
+        std::lock_guard lock(mutex_);
+        if (pool_users_.find({c10::cuda::current_device(), mempool_id}) == pool_users_.end()) return;
+      }
+      unsupported("emptyCache of a pool still in use",
+                  "reservoir gives a private pool's memory back when its last user releases it");
+    }
+    entry().reset();
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    char* text = entry().stats_json(device);
+    TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): getDeviceStats: ", entry().error());
+    const nlohmann::json stats = nlohmann::json::parse(text);
+    std::free(text);
+    c10::CachingDeviceAllocator::DeviceStats out;
+    fill(out.allocation, stats, "allocation");
+    fill(out.segment, stats, "segment");
+    fill(out.active, stats, "active");
+    fill(out.inactive_split, stats, "inactive_split");
+    fill(out.allocated_bytes, stats, "allocated_bytes");
+    fill(out.reserved_bytes, stats, "reserved_bytes");
+    fill(out.active_bytes, stats, "active_bytes");
+    fill(out.inactive_split_bytes, stats, "inactive_split_bytes");
+    fill(out.requested_bytes, stats, "requested_bytes");
+    out.num_alloc_retries = stats.value("num_alloc_retries", std::int64_t{0});
+    out.num_ooms = stats.value("num_ooms", std::int64_t{0});
+    out.num_sync_all_streams = stats.value("num_sync_all_streams", std::int64_t{0});
+    out.num_device_alloc = stats.value("num_device_alloc", std::int64_t{0});
+    out.num_device_free = stats.value("num_device_free", std::int64_t{0});
+    out.oversize_allocations.current = stats.value("oversize_allocations.current", std::int64_t{0});
+    out.oversize_allocations.peak = stats.value("oversize_allocations.peak", std::int64_t{0});
+    out.oversize_allocations.allocated = stats.value("oversize_allocations.allocated", std::int64_t{0});
+    out.oversize_allocations.freed = stats.value("oversize_allocations.freed", std::int64_t{0});
+    out.oversize_segments.current = stats.value("oversize_segments.current", std::int64_t{0});
+    out.oversize_segments.peak = stats.value("oversize_segments.peak", std::int64_t{0});
+    out.oversize_segments.allocated = stats.value("oversize_segments.allocated", std::int64_t{0});
+    out.oversize_segments.freed = stats.value("oversize_segments.freed", std::int64_t{0});
+    out.max_split_size = stats.value("max_split_size", std::int64_t{0});
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(entry().reset_accumulated_stats(device) == 0, "reservoir (PyTorch's allocator): ",
+                entry().error());
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(entry().reset_peak_stats(device) == 0, "reservoir (PyTorch's allocator): ", entry().error());
+  }
+  void cacheInfo(c10::DeviceIndex, size_t*) override {
+    unsupported("cacheInfo", "reservoir does not report its largest cached block yet");
+  }
+  void* getBaseAllocation(void*, size_t*) override {
+    unsupported("getBaseAllocation", "reservoir does not expose segment bases yet");
+  }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    unsupported("getExpandableSegmentSizes", "reservoir's expandable segments are not reported per stream yet");
+  }
+
+  // ---- streams, pools, graphs ----
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get() == nullptr) return;
+    entry().record_stream(ptr.get(), stream.stream());
+  }
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    auto owned = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
+    void* context = owned.get();
+    {
+      // A route is a user of the pool too (PyTorch releases it after
+      // endAllocateToPool, as it does a MemPool's).
+      std::lock_guard lock(mutex_);
+      filters_[{device, id}] = std::move(owned);
+      ++pool_users_[{device, id}];
+    }
+    TORCH_CHECK(entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context) == 0,
+                "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
+  }
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    TORCH_CHECK(entry().end_allocate_to_pool(device, id.first, id.second) == 0,
+                "reservoir (PyTorch's allocator): endAllocateToPool: ", entry().error());
+    std::lock_guard lock(mutex_);
+    filters_.erase({device, id});
+  }
+  // A pool's users (MemPool objects, graphs): created or counted up here,
+  // counted down by releasePool, whose last user gives its memory back.
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
+                          std::shared_ptr<CUDAAllocator> allocator) override {
+    if (allocator != nullptr && allocator.get() != this) {
+      unsupported("createOrIncrefPool with another allocator (MemPool(allocator=...))",
+                  "a pool of reservoir's allocator is served by reservoir itself");
+    }
+    std::lock_guard lock(mutex_);
+    ++pool_users_[{device, id}];
+  }
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    std::lock_guard lock(mutex_);
+    auto it = pool_users_.find({device, id});
+    return it == pool_users_.end() ? 0 : it->second;
+  }
+  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
+    if (use_on_oom) {
+      unsupported("setUseOnOOM (MemPool(use_on_oom=True))",
+                  "reservoir does not fall back on a private pool when the device runs out");
+    }
+  }
+  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
+    unsupported("setNoSplit (MemPool(no_split=True))", "reservoir splits the blocks of every pool");
+  }
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    {
+      std::lock_guard lock(mutex_);
+      auto it = pool_users_.find({device, id});
+      if (it != pool_users_.end() && --it->second > 0) return;
+      if (it != pool_users_.end()) pool_users_.erase(it);
+    }
+    TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
+                "reservoir (PyTorch's allocator): releasePool: ", entry().error());
+  }
+
+  // ---- history and observers ----
+  cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override {
+    unsupported("snapshot (torch.cuda.memory._snapshot)",
+                "not yet translated into PyTorch's SnapshotInfo; reservoir_torch.dump_snapshot(path) writes "
+                "the same pickle");
+  }
+  void recordHistory(bool, cca::CreateContextFn, size_t, cca::RecordContext, bool,
+                     const std::vector<std::string>&) override {
+    unsupported("recordHistory (torch.cuda.memory._record_memory_history)",
+                "not yet; reservoir_torch.record_memory_history() records reservoir's own history");
+  }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard lock(mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+#if RESERVOIR_TORCH_MINOR >= 15
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    // reservoir rejects no allocation ahead of the device (PyTorch's
+    // throw_on_cudamalloc_oom policy): there is nothing to observe.
+    std::lock_guard lock(mutex_);
+    rejection_observers_.push_back(std::move(observer));
+  }
+#endif
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
+    unsupported("attachAllocatorTraceTracker", "reservoir does not call trace trackers yet");
+  }
+
+  // ---- devices and IPC ----
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    const cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // clear it
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+  cca::ShareableHandle shareIpcHandle(void*) override {
+    unsupported("shareIpcHandle (torch.multiprocessing's CUDA tensors)",
+                "reservoir's segments cannot be exported as IPC handles yet");
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    unsupported("getIpcDevPtr", "reservoir cannot open IPC handles yet");
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, c10::MempoolId_t) override {
+    unsupported("getCheckpointState (CUDA graph trees)", "reservoir cannot checkpoint a pool's state");
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override {
+    unsupported("setCheckpointPoolState (CUDA graph trees)", "reservoir cannot restore a pool's state");
+  }
+
+ private:
+  struct Live {
+    size_t size = 0;
+    int device = 0;
+    cudaStream_t stream = nullptr;
+  };
+
+  static int call_filter(void* context, cudaStream_t stream) {
+    return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
+  }
+
+  void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    void* p = entry().malloc(static_cast<ssize_t>(size), device, stream);
+    if (p == nullptr) {
+      if (entry().error_is_oom() != 0) {
+        const std::string message = entry().error();
+        std::vector<cca::OutOfMemoryObserver> observers;
+        {
+          std::lock_guard lock(mutex_);
+          observers = oom_observers_;
+        }
+        if (!observers.empty()) {
+          size_t device_free = 0;
+          size_t device_total = 0;
+          c10::cuda::CUDAGuard guard(device);
+          if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
+          for (const auto& observer : observers) observer(device, size, device_total, device_free);
+        }
+        TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+      }
+      TORCH_CHECK(false, "reservoir (PyTorch's allocator): ", entry().error());
+    }
+    std::lock_guard lock(mutex_);
+    live_[p] = Live{size, device, stream};
+    return p;
+  }
+
+  std::mutex mutex_;
+  bool initialized_ = false;
+  std::atomic<bool> enabled_{true};
+  std::vector<double> fractions_;
+  std::unordered_map<void*, Live> live_;
+  std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
+  std::map<std::pair<int, c10::MempoolId_t>, int> pool_users_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+#if RESERVOIR_TORCH_MINOR >= 15
+  std::vector<cca::OomRejectionObserver> rejection_observers_;
+#endif
+};
+
+std::shared_ptr<ReservoirAllocator>& the_allocator() {
+  static std::shared_ptr<ReservoirAllocator> instance;
+  return instance;
+}
+
+void raw_delete_fn(void* ptr) { the_allocator()->raw_delete(ptr); }
+
+}  // namespace
+
+extern "C" {
+
+// Makes reservoir PyTorch's CUDA allocator (before any CUDA allocation):
+// `path` holds reservoir's entry points, `release` is the running PyTorch.
+// 0, or -1 with the reason in reservoir_torch_hooks_error().
+__attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(const char* path,
+                                                                           const char* release) {
+  try {
+    reservoir_torch_hooks::load(path, release);
+    the_allocator() = std::make_shared<ReservoirAllocator>();
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(the_allocator());
+    return 0;
+  } catch (const c10::Error& e) {
+    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
+    return -1;
+  } catch (const std::exception& e) {
+    reservoir_torch_hooks::last_error() = e.what();
+    return -1;
+  }
+}
+
+}  // extern "C"

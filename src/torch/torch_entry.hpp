@@ -1,0 +1,45 @@
+// reservoir's entry points, as reservoir_torch.cpp exports them, looked up
+// by the per-release libraries (torch_hooks.cpp: the pluggable allocator
+// with every hook; torch_allocator.cpp: reservoir as PyTorch's own
+// CUDAAllocator). Internal to those libraries.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <sys/types.h>
+
+#include <string>
+
+namespace reservoir_torch_hooks {
+
+using StreamFilter = int (*)(void*, cudaStream_t);
+
+struct Entry {
+  void* (*malloc)(ssize_t, int, cudaStream_t) = nullptr;
+  void (*free)(void*, ssize_t, int, cudaStream_t) = nullptr;
+  void (*init)(int) = nullptr;
+  void (*reset)() = nullptr;
+  void (*set_memory_fraction)(double, int) = nullptr;
+  void (*record_stream)(void*, cudaStream_t) = nullptr;
+  int (*begin_allocate_to_pool)(int, unsigned long long, unsigned long long, StreamFilter, void*) = nullptr;
+  int (*end_allocate_to_pool)(int, unsigned long long, unsigned long long) = nullptr;
+  int (*release_pool)(int, unsigned long long, unsigned long long) = nullptr;
+  const char* (*error)() = nullptr;
+  int (*error_is_oom)() = nullptr;
+  char* (*stats_json)(int) = nullptr;
+  int (*reset_peak_stats)(int) = nullptr;
+  int (*reset_accumulated_stats)(int) = nullptr;
+};
+
+// The entry points, once load() found them.
+Entry& entry();
+
+// Checks that PyTorch is the release these libraries were built for
+// (RESERVOIR_TORCH_RELEASE), dlopens the library holding reservoir's entry
+// points (libreservoir_torch.so or the Python module) and finds every one;
+// std::runtime_error saying what is wrong otherwise.
+void load(const char* path, const char* release);
+
+// The message of the last failed install, for Python.
+std::string& last_error();
+
+}  // namespace reservoir_torch_hooks

@@ -1,0 +1,175 @@
+"""reservoir as PyTorch's own allocator (reservoir.use_as_allocator(): a
+CUDAAllocator, as PyTorch's native caching allocator is) under the real
+PyTorch on the simulated CUDA device, beside PyTorch's native allocator: the
+same programs in two processes, compared.
+
+The simulated device hands out host memory the operating system places, so
+addresses are compared relative to the first allocation of each process.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+PRELUDE = """
+import json, os, sys
+import torch
+mode = sys.argv[1]
+if mode != "native":
+    import reservoir
+    reservoir.use_as_allocator("" if mode == "reservoir" else mode)
+MiB = 1 << 20
+def emit(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+"""
+
+
+def run(mode, body, env=None):
+    code = PRELUDE + textwrap.dedent(body)
+    r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"{mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# Sizes of both pools, a split, frees that leave holes, reuse of the holes.
+PROGRAM = """
+sizes = [512, MiB, 3 * MiB, 7 * MiB + 123, 25 * MiB, 100, 64 * MiB, 1500, 11 * MiB]
+ts = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+ptrs = [t.data_ptr() for t in ts]
+for i in (1, 3, 5):
+    ts[i] = None
+more = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (2 * MiB, 6 * MiB, 200, 20 * MiB)]
+ptrs += [t.data_ptr() for t in more]
+stats = torch.cuda.memory_stats()
+summary = torch.cuda.memory_summary()
+ts = more = None
+free_before = torch.cuda.mem_get_info()[0]
+torch.cuda.empty_cache()
+free_after = torch.cuda.mem_get_info()[0]
+after_empty = torch.cuda.memory_stats()
+torch.cuda.reset_peak_memory_stats()
+after_reset = torch.cuda.memory_stats()
+torch.cuda.reset_accumulated_memory_stats()
+after_accumulated = torch.cuda.memory_stats()
+emit(ptrs=[p - ptrs[0] for p in ptrs], stats=stats, summary=summary, after_empty=after_empty,
+     released=free_after - free_before, after_reset=after_reset, after_accumulated=after_accumulated,
+     backend=torch.cuda.get_allocator_backend())
+"""
+
+
+def test_the_same_statistics_addresses_and_summary_as_the_native_allocator():
+    native = run("native", PROGRAM)
+    ours = run("reservoir", PROGRAM)
+    assert native["backend"] == "native" and ours["backend"] == "reservoir"
+    assert ours["ptrs"] == native["ptrs"]
+    assert ours["stats"] == native["stats"]
+    assert ours["summary"] == native["summary"]
+    assert ours["stats"]["reserved_bytes.all.current"] > 0
+    # empty_cache() gives every cached segment back, as the native allocator does.
+    assert ours["after_empty"] == native["after_empty"]
+    assert ours["after_empty"]["reserved_bytes.all.current"] == 0
+    assert ours["released"] == native["released"] == ours["stats"]["reserved_bytes.all.current"]
+    assert ours["after_reset"] == native["after_reset"]
+    assert ours["after_accumulated"] == native["after_accumulated"]
+    assert ours["after_accumulated"]["allocation.all.allocated"] == 0
+
+
+# Blocks freed between larger ones: the native policy keeps the holes, paging
+# gives their pages back.
+FRAGMENTING = """
+keep = []
+for step in range(12):
+    big = torch.empty((40 + 3 * step) * MiB, dtype=torch.uint8, device="cuda")
+    small = torch.empty((2 + step) * MiB, dtype=torch.uint8, device="cuda")
+    keep.append(small)
+    big = None
+emit(reserved=torch.cuda.memory_stats()["reserved_bytes.all.peak"],
+     allocated=torch.cuda.memory_stats()["allocated_bytes.all.current"])
+"""
+
+
+def test_policy_paging_reserves_less_on_a_fragmenting_program():
+    native = run("native", FRAGMENTING)
+    paging = run("policy:paging", FRAGMENTING)
+    assert paging["allocated"] == native["allocated"]
+    assert paging["reserved"] < native["reserved"], (paging, native)
+
+
+OOM = """
+seen = []
+torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(list(args)))
+total = torch.cuda.mem_get_info()[1]
+torch.cuda.set_per_process_memory_fraction(0.25)
+fraction = torch.cuda.get_per_process_memory_fraction() if hasattr(torch.cuda, "get_per_process_memory_fraction") else None
+ok = torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+try:
+    torch.empty(int(total * 0.3), dtype=torch.uint8, device="cuda")
+    kind, message = "none", ""
+except torch.OutOfMemoryError as e:
+    kind, message = "OutOfMemoryError", str(e)
+emit(kind=kind, message=message, observed=[s[0] for s in seen], fraction=fraction,
+     ooms=torch.cuda.memory_stats()["num_ooms"])
+"""
+
+
+def test_the_memory_fraction_is_enforced_with_pytorchs_error_and_the_observers_run():
+    native = run("native", OOM)
+    ours = run("reservoir", OOM)
+    for r in (native, ours):
+        assert r["kind"] == "OutOfMemoryError", r
+        assert "CUDA out of memory. Tried to allocate" in r["message"], r["message"]
+        assert r["observed"] == [0], r
+        assert r["ooms"] == 1, r
+    assert ours["fraction"] == native["fraction"]
+
+
+MEMPOOL = """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    x = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+y = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+in_pool = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+x = None
+del pool
+emit(allocated=in_pool, apart=y.data_ptr() != 0)
+"""
+
+
+def test_a_mempool_allocates_apart_and_is_released():
+    native = run("native", MEMPOOL)
+    ours = run("reservoir", MEMPOOL)
+    assert ours == native
+
+
+def test_what_is_not_supported_names_the_method_and_why():
+    body = """
+    try:
+        torch.cuda.memory._snapshot()
+        emit(error="")
+    except RuntimeError as e:
+        emit(error=str(e))
+    """
+    r = run("reservoir", body)
+    assert "snapshot (torch.cuda.memory._snapshot) is not supported" in r["error"], r
+
+
+def test_a_release_without_a_library_is_refused_with_what_to_do():
+    body = """
+    import reservoir
+    real = torch.__version__
+    torch.__version__ = "2.99.0"
+    try:
+        reservoir.use_as_allocator("")
+        emit(error="")
+    except RuntimeError as e:
+        emit(error=str(e))
+    """
+    r = run("native", body)
+    assert "no library for PyTorch 2.99.0" in r["error"] and "install_torch()" in r["error"], r
