@@ -277,6 +277,54 @@ __attribute__((visibility("default"))) int reservoir_torch_record_history(int de
   }) ? 0 : -1;
 }
 
+// The state and history of a device for PyTorch's SnapshotInfo (the
+// per-release CUDAAllocator builds it): {"segments": [...], "history":
+// [...], "config": {...}}; free with free(). Null on error.
+__attribute__((visibility("default"))) char* reservoir_torch_snapshot_json(int device) {
+  char* out = nullptr;
+  (void)guarded([&] {
+    reservoir::Saver& saver = saver_for(device);
+    const reservoir::Snapshot snap = saver.snapshot();
+    nlohmann::json segments = nlohmann::json::array();
+    for (const reservoir::SegmentInfo& seg : snap.segments) {
+      nlohmann::json blocks = nlohmann::json::array();
+      for (const reservoir::BlockInfo& b : seg.blocks) {
+        blocks.push_back({{"address", b.address}, {"size", b.size}, {"requested_size", b.requested_size},
+                          {"state", std::string(reservoir::to_string(b.state))}});
+      }
+      segments.push_back({{"device", seg.device}, {"address", seg.address}, {"total_size", seg.total_size},
+                          {"allocated_size", seg.allocated_size}, {"active_size", seg.active_size},
+                          {"requested_size", seg.requested_size}, {"stream", seg.stream},
+                          {"is_large", seg.is_large}, {"is_expandable", seg.is_expandable},
+                          {"pool", {seg.pool_id.first, seg.pool_id.second}}, {"blocks", blocks}});
+    }
+    nlohmann::json history = nlohmann::json::array();
+    for (const reservoir::TraceEvent& e : snap.history) {
+      history.push_back({{"action", std::string(reservoir::to_string(e.action))}, {"addr", e.addr},
+                         {"size", e.size}, {"stream", e.stream}, {"time_us", e.time_us}});
+    }
+    const reservoir::AllocatorConfig& config = saver.untagged_allocator().config();
+    std::vector<std::size_t> divisions(config.roundup_power2_divisions.begin(),
+                                       config.roundup_power2_divisions.end());
+    nlohmann::json j{{"segments", segments},
+                     {"history", history},
+                     {"config",
+                      {{"garbage_collection_threshold", config.garbage_collection_threshold},
+                       {"max_split_size", config.max_split_size},
+                       {"expandable_segments", config.expandable_segments},
+                       {"release_lock_on_malloc", config.release_lock_on_cudamalloc},
+                       {"pinned_use_host_register", config.pinned_use_host_register},
+                       {"pinned_num_register_threads", config.pinned_num_register_threads},
+                       {"graph_capture_record_stream_reuse", config.graph_capture_record_stream_reuse},
+                       {"roundup_power2_divisions", divisions},
+                       {"max_round_threshold", config.pinned_max_round_threshold},
+                       {"max_cached_size", config.pinned_max_cached_size},
+                       {"settings", config.to_string()}}}};
+    out = copy_string(j.dump());
+  });
+  return out;
+}
+
 // The snapshot as a PyTorch pickle, written to path (for memory_viz).
 __attribute__((visibility("default"))) int reservoir_torch_dump_snapshot(int device,
                                                                          const char* path) {

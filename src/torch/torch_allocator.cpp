@@ -25,7 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -89,8 +91,10 @@ class ReservoirAllocator final : public CUDAAllocator {
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
     Live live;
+    std::shared_ptr<c10::GatheredContext> context = record_context(false);
     {
       std::lock_guard lock(mutex_);
+      if (recorder_ != nullptr) contexts_[reinterpret_cast<std::size_t>(ptr)].frees.push_back(std::move(context));
       auto it = live_.find(ptr);
       TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): raw_delete of ", ptr,
                   ", which it did not allocate or has freed");
@@ -249,15 +253,132 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
 
   // ---- history and observers ----
-  cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override {
-    unsupported("snapshot (torch.cuda.memory._snapshot)",
-                "not yet translated into PyTorch's SnapshotInfo; reservoir_torch.dump_snapshot(path) writes "
-                "the same pickle");
+  // torch.cuda.memory._snapshot(): every device's segments and blocks, and
+  // with history on, its trace, from reservoir's own record; the contexts
+  // are PyTorch's (its context recorder, called here on each allocation, and
+  // on each free when it records everything).
+  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
+    cca::SnapshotInfo out;
+    int devices = 0;
+    {
+      std::lock_guard lock(mutex_);
+      devices = static_cast<int>(fractions_.size());
+    }
+    out.device_traces.resize(static_cast<std::size_t>(devices));
+    std::unordered_map<std::size_t, std::size_t> alloc_seen;
+    std::unordered_map<std::size_t, std::size_t> free_seen;
+    for (int device = 0; device < devices; ++device) {
+      char* text = entry().snapshot_json(device);
+      TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): snapshot: ", entry().error());
+      const nlohmann::json snap = nlohmann::json::parse(text);
+      std::free(text);
+      std::lock_guard lock(mutex_);
+      for (const nlohmann::json& seg : snap["segments"]) {
+        const c10::MempoolId_t pool{seg["pool"][0].get<unsigned long long>(), seg["pool"][1].get<unsigned long long>()};
+        if ((mempool_id.first != 0 || mempool_id.second != 0) && pool != mempool_id) continue;
+        c10::CachingDeviceAllocator::SegmentInfo info;
+        info.device = static_cast<c10::DeviceIndex>(device);
+        info.address = seg["address"].get<std::size_t>();
+        info.total_size = seg["total_size"].get<std::size_t>();
+        info.requested_size = seg["requested_size"].get<std::size_t>();
+        info.allocated_size = seg["allocated_size"].get<std::size_t>();
+        info.active_size = seg["active_size"].get<std::size_t>();
+        info.stream = reinterpret_cast<void*>(seg["stream"].get<std::uintptr_t>());
+        info.is_large = seg["is_large"].get<bool>();
+        info.is_expandable = seg["is_expandable"].get<bool>();
+        info.owner_private_pool_id = pool;
+        for (const nlohmann::json& b : seg["blocks"]) {
+          c10::CachingDeviceAllocator::BlockInfo block;
+          block.size = b["size"].get<std::size_t>();
+          block.requested_size = b["requested_size"].get<std::size_t>();
+          const std::string state = b["state"].get<std::string>();
+          block.allocated = state == "active_allocated";
+          block.active = state != "inactive";
+          if (block.allocated) {
+            auto it = contexts_.find(b["address"].get<std::size_t>());
+            if (it != contexts_.end() && !it->second.allocs.empty()) {
+              block.context_when_allocated = it->second.allocs.back();
+            }
+          }
+          info.blocks.push_back(std::move(block));
+        }
+        out.segments.push_back(std::move(info));
+      }
+      if (!include_traces) continue;
+      auto& trace = out.device_traces[static_cast<std::size_t>(device)];
+      using TE = c10::CachingDeviceAllocator::TraceEntry;
+      const nlohmann::json& history = snap["history"];
+      std::unordered_map<std::size_t, std::shared_ptr<c10::GatheredContext>> last_free;
+      for (std::size_t i = 0; i < history.size(); ++i) {
+        const nlohmann::json& e = history[i];
+        const std::string action = e["action"].get<std::string>();
+        const auto kind = trace_action(action);
+        // reservoir notes its own snapshots in the history; PyTorch's _snapshot() does not.
+        if (!kind || *kind == TE::SNAPSHOT || skipped(action)) continue;
+        const std::size_t addr = e["addr"].get<std::size_t>();
+        std::shared_ptr<c10::GatheredContext> context;
+        // The k-th alloc (or free) at an address is the k-th context kept
+        // for it; a segment made for an allocation has the allocation's,
+        // a completed free the request's. (A segment given back has none:
+        // which call gave it back, the history does not say.)
+        if (*kind == TE::ALLOC || *kind == TE::FREE_REQUESTED) {
+          const bool alloc = *kind == TE::ALLOC;
+          auto& seen = alloc ? alloc_seen : free_seen;
+          auto it = contexts_.find(addr);
+          const std::size_t k = seen[addr]++;
+          if (it != contexts_.end()) {
+            const auto& list = alloc ? it->second.allocs : it->second.frees;
+            if (k < list.size()) context = list[k];
+          }
+          if (!alloc) last_free[addr] = context;
+        } else if (*kind == TE::FREE_COMPLETED) {
+          auto it = last_free.find(addr);
+          if (it != last_free.end()) context = it->second;
+        } else if (*kind == TE::SEGMENT_ALLOC || *kind == TE::SEGMENT_MAP) {
+          for (std::size_t j = i + 1; j < history.size(); ++j) {
+            const std::string next = history[j]["action"].get<std::string>();
+            if (next == "alloc") {
+              const std::size_t at = history[j]["addr"].get<std::size_t>();
+              auto it = contexts_.find(at);
+              const std::size_t k = alloc_seen[at];
+              if (it != contexts_.end() && k < it->second.allocs.size()) context = it->second.allocs[k];
+              break;
+            }
+            if (next != "segment_alloc" && next != "segment_map") break;
+          }
+        }
+        TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, e["size"].get<std::size_t>(),
+              reinterpret_cast<void*>(e["stream"].get<std::uintptr_t>()), {0, 0}, 0, std::move(context), "N/A");
+        te.time_.t_ = static_cast<time_t>(e["time_us"].get<std::int64_t>());
+        trace.push_back(std::move(te));
+      }
+      if (device == 0) fill_config(out.config_metadata, snap["config"]);
+    }
+    if (devices == 0) {
+      char* text = entry().snapshot_json(0);
+      if (text != nullptr) {
+        fill_config(out.config_metadata, nlohmann::json::parse(text)["config"]);
+        std::free(text);
+      }
+    }
+    return out;
   }
-  void recordHistory(bool, cca::CreateContextFn, size_t, cca::RecordContext, bool,
-                     const std::vector<std::string>&) override {
-    unsupported("recordHistory (torch.cuda.memory._record_memory_history)",
-                "not yet; reservoir_torch.record_memory_history() records reservoir's own history");
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    int devices = 0;
+    {
+      std::lock_guard lock(mutex_);
+      recorder_ = enabled ? context_recorder : nullptr;
+      when_ = when;
+      skip_actions_ = skip_actions;
+      if (clearHistory || !enabled) contexts_.clear();
+      devices = static_cast<int>(fractions_.size());
+    }
+    for (int device = 0; device < std::max(devices, 1); ++device) {
+      TORCH_CHECK(entry().record_history(device, enabled ? 1 : 0, alloc_trace_max_entries, 0) == 0,
+                  "reservoir (PyTorch's allocator): recordHistory: ", entry().error());
+    }
   }
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard lock(mutex_);
@@ -313,11 +434,66 @@ class ReservoirAllocator final : public CUDAAllocator {
     cudaStream_t stream = nullptr;
   };
 
+  // Contexts PyTorch's recorder gave, per address, in the order of the
+  // allocations (and frees) there.
+  struct Contexts {
+    std::vector<std::shared_ptr<c10::GatheredContext>> allocs;
+    std::vector<std::shared_ptr<c10::GatheredContext>> frees;
+  };
+
+  static std::optional<c10::CachingDeviceAllocator::TraceEntry::Action> trace_action(const std::string& a) {
+    using A = c10::CachingDeviceAllocator::TraceEntry;
+    static const std::map<std::string, A::Action> kActions = {
+        {"alloc", A::ALLOC},           {"free_requested", A::FREE_REQUESTED},
+        {"free_completed", A::FREE_COMPLETED}, {"segment_alloc", A::SEGMENT_ALLOC},
+        {"segment_free", A::SEGMENT_FREE},     {"segment_map", A::SEGMENT_MAP},
+        {"segment_unmap", A::SEGMENT_UNMAP},   {"snapshot", A::SNAPSHOT},
+        {"oom", A::OOM}};
+    auto it = kActions.find(a);
+    if (it == kActions.end()) return std::nullopt;
+    return it->second;
+  }
+
+  bool skipped(const std::string& action) const {
+    return std::find(skip_actions_.begin(), skip_actions_.end(), action) != skip_actions_.end();
+  }
+
+  static void fill_config(cca::AllocatorConfigInfo& c, const nlohmann::json& j) {
+    c.garbage_collection_threshold = j.value("garbage_collection_threshold", 0.0);
+    c.max_split_size = j.value("max_split_size", std::size_t{0});
+    c.pinned_num_register_threads = j.value("pinned_num_register_threads", std::size_t{1});
+    c.expandable_segments = j.value("expandable_segments", false);
+    c.release_lock_on_malloc = j.value("release_lock_on_malloc", false);
+    c.pinned_use_host_register = j.value("pinned_use_host_register", false);
+    c.graph_capture_record_stream_reuse = j.value("graph_capture_record_stream_reuse", false);
+    c.last_allocator_settings = j.value("settings", std::string());
+    c.roundup_power2_divisions = j.value("roundup_power2_divisions", std::vector<std::size_t>{});
+#if RESERVOIR_TORCH_MINOR >= 15
+    c.max_round_threshold = j.value("max_round_threshold", std::size_t{0});
+    c.max_cached_size = j.value("max_cached_size", std::size_t{0});
+#endif
+  }
+
+  // The recorder's context for an allocation or a free, when history asks.
+  std::shared_ptr<c10::GatheredContext> record_context(bool alloc) {
+    cca::CreateContextFn recorder = nullptr;
+    cca::RecordContext when{};
+    {
+      std::lock_guard lock(mutex_);
+      recorder = recorder_;
+      when = when_;
+    }
+    if (recorder == nullptr || when == cca::RecordContext::NEVER) return nullptr;
+    if (!alloc && when != cca::RecordContext::ALL) return nullptr;
+    return recorder();
+  }
+
   static int call_filter(void* context, cudaStream_t stream) {
     return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
   }
 
   void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    std::shared_ptr<c10::GatheredContext> context = record_context(true);
     void* p = entry().malloc(static_cast<ssize_t>(size), device, stream);
     if (p == nullptr) {
       if (entry().error_is_oom() != 0) {
@@ -340,6 +516,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     std::lock_guard lock(mutex_);
     live_[p] = Live{size, device, stream};
+    if (recorder_ != nullptr) contexts_[reinterpret_cast<std::size_t>(p)].allocs.push_back(std::move(context));
     return p;
   }
 
@@ -350,6 +527,10 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::unordered_map<void*, Live> live_;
   std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
   std::map<std::pair<int, c10::MempoolId_t>, int> pool_users_;
+  cca::CreateContextFn recorder_ = nullptr;
+  cca::RecordContext when_{};
+  std::vector<std::string> skip_actions_;
+  std::unordered_map<std::size_t, Contexts> contexts_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
 #if RESERVOIR_TORCH_MINOR >= 15
   std::vector<cca::OomRejectionObserver> rejection_observers_;

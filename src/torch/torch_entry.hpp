@@ -28,6 +28,8 @@ struct Entry {
   char* (*stats_json)(int) = nullptr;
   int (*reset_peak_stats)(int) = nullptr;
   int (*reset_accumulated_stats)(int) = nullptr;
+  char* (*snapshot_json)(int) = nullptr;
+  int (*record_history)(int, int, size_t, int) = nullptr;
 };
 
 // The entry points, once load() found them.

@@ -77,6 +77,8 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_stats_json", e.stats_json);
   find(lib, "reservoir_torch_reset_peak_stats", e.reset_peak_stats);
   find(lib, "reservoir_torch_reset_accumulated_stats", e.reset_accumulated_stats);
+  find(lib, "reservoir_torch_snapshot_json", e.snapshot_json);
+  find(lib, "reservoir_torch_record_history", e.record_history);
 }
 
 }  // namespace reservoir_torch_hooks

@@ -148,16 +148,69 @@ def test_a_mempool_allocates_apart_and_is_released():
     assert ours == native
 
 
+HISTORY = """
+import pickle
+torch.cuda.memory._record_memory_history(max_entries=100000)
+def step():
+    a = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(700, dtype=torch.uint8, device="cuda")
+    c = torch.empty(25 * MiB, dtype=torch.uint8, device="cuda")
+    d = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+    del a, d
+    return b, c
+keep = step()
+torch.cuda.empty_cache()
+path = os.environ["SNAPSHOT_PATH"] + "." + mode + ".pickle"
+torch.cuda.memory._dump_snapshot(path)
+snap = pickle.load(open(path, "rb"))
+from torch.cuda import _memory_viz
+pages = [len(_memory_viz.trace_plot(snap)), len(_memory_viz.segment_plot(snap))]
+base = snap["device_traces"][0][0]["addr"]
+def rel(a):
+    return a - base if a else 0
+trace = [[e["action"], rel(e["addr"]), e["size"],
+          [(f["filename"], f["line"], f["name"]) for f in e.get("frames", [])
+           if f["filename"] == "<string>" or f["filename"].endswith(".py")]]
+         for e in snap["device_traces"][0]]
+segments = [[rel(g["address"]), g["total_size"], g["allocated_size"], g["active_size"], g["requested_size"],
+             g["segment_type"], [[b["size"], b["requested_size"], b["state"]] for b in g["blocks"]]]
+            for g in snap["segments"]]
+emit(trace=trace, segments=segments, settings=snap["allocator_settings"], pages=pages, path=path)
+"""
+
+
+def test_history_and_snapshot_as_pytorch_records_them_read_by_memory_viz_and_verified(tmp_path):
+    env = {"SNAPSHOT_PATH": str(tmp_path / "snap")}
+    native = run("native", HISTORY, env)
+    ours = run("reservoir", HISTORY, env)
+    assert ours["segments"] == native["segments"]
+    assert ours["settings"] == native["settings"]
+    assert min(ours["pages"]) > 1000
+    assert [e[:3] for e in ours["trace"]] == [e[:3] for e in native["trace"]]
+    # The program's frames on every entry but the segment releases, whose
+    # caller reservoir's history does not name.
+    for mine, theirs in zip(ours["trace"], native["trace"]):
+        if mine[0] != "segment_free":
+            assert mine[3] == theirs[3] and mine[3], (mine, theirs)
+    assert any(e[0] == "segment_free" for e in ours["trace"])
+    verify = subprocess.run([os.environ["RESERVOIR"], "verify", ours["path"]], capture_output=True, text=True)
+    assert verify.returncode == 0 and "agrees with the recording" in verify.stdout, verify.stdout + verify.stderr
+
+
 def test_what_is_not_supported_names_the_method_and_why():
     body = """
     try:
-        torch.cuda.memory._snapshot()
+        torch.cuda.memory._get_current_allocator()
+        torch._C._cuda_cudaCachingAllocator_raw_alloc(0, 0)
+        a = torch.empty(10, device="cuda")
+        torch.cuda.caching_allocator_alloc(10)
+        handle = torch.empty(MiB, dtype=torch.uint8, device="cuda").untyped_storage()._share_cuda_()
         emit(error="")
     except RuntimeError as e:
         emit(error=str(e))
     """
     r = run("reservoir", body)
-    assert "snapshot (torch.cuda.memory._snapshot) is not supported" in r["error"], r
+    assert "shareIpcHandle (torch.multiprocessing's CUDA tensors) is not supported" in r["error"], r
 
 
 def test_a_release_without_a_library_is_refused_with_what_to_do():
