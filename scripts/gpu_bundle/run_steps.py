@@ -701,6 +701,30 @@ def step_rmm_beside_reservoir(run):
     return "1 MiB hit pair, ns: " + ", ".join(f"{k} {v['hit_pair_ns'][mib]:.0f}" for k, v in rows.items())
 
 
+def step_own_allocator(run):
+    """reservoir as PyTorch's own allocator (use_as_allocator) beside PyTorch's:
+    ten training steps per policy with identical losses, memory_stats after
+    empty_cache equal under the native policy, a CUDA graph replayed as eager,
+    the memory fraction enforced, a snapshot that reservoir verify agrees with."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    text = python_step(run, [os.path.join(TESTS, "own_allocator_check.py"), "--api", "own",
+                             "--reservoir-cli", os.path.join(HERE, "bin", "reservoir")],
+                       {**run.env_torch, "PYTHONPATH": run.python_path()}, 280, "own_allocator_last")
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"config"' in line:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    run.results["figures"]["own_allocator"] = rows
+    per = {r.get("config") or "reservoir native": r.get("seconds") for r in rows}
+    return "identical losses; seconds per 10 steps: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in per.items() if isinstance(v, (int, float)))
+
+
 STEPS = [
     ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
     ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
@@ -720,6 +744,8 @@ STEPS = [
      step_tms_beside_reservoir, 300),
     ("rmm_beside_reservoir", "RMM's pool, arena, cuda_async resources vs reservoir's cache hit and growth",
      step_rmm_beside_reservoir, 300),
+    ("own_allocator", "reservoir as PyTorch's own allocator: training, stats, a CUDA graph, a verified snapshot",
+     step_own_allocator, 300),
 ]
 
 

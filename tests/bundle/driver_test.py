@@ -148,6 +148,13 @@ for impl, ns in (("torch_native", 900.0), ("reservoir", 700.0), ("reservoir_pagi
                       "growth_us_median": 5.0, "growth_us_first": 6.0, "pairs": 2000}))
 '''
 
+OWN = '''import json
+for config, seconds in (("native", 2.0), ("", 1.9), ("expandable_segments:True", 2.1), ("policy:paging", 2.0)):
+    print(json.dumps({"config": config, "seconds": seconds, "live": 1, "reserved_after_empty_cache": 2,
+                      "oom_under_fraction": "OutOfMemoryError", "graph_same_as_eager": True}))
+print("identical losses under 3 reservoir policies and native (own allocator)")
+'''
+
 
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
@@ -157,7 +164,8 @@ def make_fake(top, fail_gpu_test):
     write(os.path.join(fake, "bin", "cuda_probe"), CUDA_PROBE, True)
     for name, text in (("torch_training_test.py", TRAINING), ("torch_pause_test.py", PAUSE),
                        ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
-                       ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM)):
+                       ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
+                       ("own_allocator_check.py", OWN)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -240,7 +248,12 @@ rmm = fig.get("rmm_beside_reservoir", {})
 check(len(rmm) == 7 and rmm["rmm_pool"]["hit_pair_ns"]["1048576"] == 1500.0, f"rmm figures: {sorted(rmm)}")
 check(steps["rmm_beside_reservoir"]["note"].startswith("1 MiB hit pair, ns: torch_native 900, reservoir 700"),
       f"rmm note: {steps['rmm_beside_reservoir']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (11)" in summary, "verdict and summary")
+own = fig.get("own_allocator", [])
+check(len(own) == 4 and own[1]["graph_same_as_eager"], f"own_allocator figures: {own}")
+check(steps["own_allocator"]["note"] == "identical losses; seconds per 10 steps: native 2.00, "
+      "reservoir native 1.90, expandable_segments:True 2.10, policy:paging 2.00",
+      f"own_allocator note: {steps['own_allocator']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (12)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -249,11 +262,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 11, "every step reported")
+check(len(steps) == 12, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 11 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 12 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")

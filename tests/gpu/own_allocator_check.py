@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""reservoir as PyTorch's own CUDA allocator on a GPU: reservoir.install_torch()
-(the hooks library built for the release, every hook connected) under the
-native, expandable and paging policies, beside PyTorch's allocator.
+"""reservoir as PyTorch's own CUDA allocator on a GPU: reservoir.use_as_allocator()
+(a CUDAAllocator built for the running release; --api pluggable:
+install_torch(), the pluggable allocator with every hook) under the native,
+expandable and paging policies, beside PyTorch's allocator.
 
 Each run, in its own process: ten training steps of a small transformer
 (bitwise-identical losses required), then empty_cache() (reservoir's native
-policy keeps what PyTorch's keeps; torch.cuda.memory_stats() is PyTorch's
-own, which its pluggable allocator does not forward, so reservoir.stats()
-reads reservoir's), a block recorded on a second stream, and
-set_per_process_memory_fraction driving an allocation into
-torch.cuda.OutOfMemoryError. One JSON line per run; exit 1 on a difference.
+policy keeps what PyTorch's keeps, read through torch.cuda.memory_stats(),
+which the own allocator answers; under the pluggable one reservoir.stats()),
+a CUDA graph captured and replayed (the same output as eager), a block
+recorded on a second stream, set_per_process_memory_fraction driving an
+allocation into torch.cuda.OutOfMemoryError, and (own allocator) a snapshot
+dumped with history on, which `reservoir verify` must agree with when
+--reservoir-cli is given. One JSON line per run; exit 1 on a difference.
 
-    python3 tests/gpu/own_allocator_check.py    (reservoir importable, e.g. the bundle's wheel installed)
+    python3 tests/gpu/own_allocator_check.py [--api own|pluggable] [--reservoir-cli PATH]
+    (reservoir importable, e.g. the bundle's wheel installed)
 """
 import json
 import os
@@ -20,11 +24,16 @@ import sys
 
 CHILD = r'''
 import json, sys, time
-config = sys.argv[1]
+config, api, snapshot_path = sys.argv[1], sys.argv[2], sys.argv[3]
 import torch, torch.nn as nn, torch.nn.functional as F
 if config != "native":
     import reservoir
-    reservoir.install_torch(config)
+    if api == "own":
+        reservoir.use_as_allocator(config)
+    else:
+        reservoir.install_torch(config)
+if snapshot_path:
+    torch.cuda.memory._record_memory_history(max_entries=200000)
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -46,11 +55,29 @@ torch.cuda.synchronize()
 seconds = time.perf_counter() - t0
 del x, loss
 torch.cuda.empty_cache()
-if config == "native":
+if config == "native" or api == "own":
     live, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 else:  # PyTorch's pluggable allocator does not forward memory_stats(): reservoir's own
     stats = reservoir.stats(0)
     live, reserved = stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"]
+# A CUDA graph: captured into a private pool, replayed, the same as eager.
+model.eval()
+static_x = torch.randint(0, 1000, (4, 64), generator=gen).to(dev)
+with torch.no_grad():
+    eager = model(static_x).clone()
+    side_warm = torch.cuda.Stream()
+    side_warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_warm):
+        for _ in range(2):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side_warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = model(static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    graph_same = bool(torch.equal(static_y, eager))
+del graph, static_y, eager
 side = torch.cuda.Stream()
 a = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
 a.record_stream(side)
@@ -66,16 +93,27 @@ try:
     oom = "no error"
 except torch.OutOfMemoryError as e:
     oom = "OutOfMemoryError"
+if snapshot_path:
+    torch.cuda.memory._dump_snapshot(snapshot_path)
 print("RESULT " + json.dumps({"config": config, "losses": losses, "seconds": seconds, "live": live,
-                              "reserved_after_empty_cache": reserved, "oom_under_fraction": oom}))
+                              "reserved_after_empty_cache": reserved, "oom_under_fraction": oom,
+                              "graph_same_as_eager": graph_same}))
 '''
 
 
 def main():
+    import argparse
+    import tempfile
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--api", choices=["own", "pluggable"], default="own")
+    ap.add_argument("--reservoir-cli", default="", help="the reservoir tool, to verify the dumped snapshot")
+    args = ap.parse_args()
+    scratch = tempfile.mkdtemp(prefix="own-allocator-")
     results, failures = {}, []
     for config in ("native", "", "expandable_segments:True", "policy:paging"):
-        p = subprocess.run([sys.executable, "-c", CHILD, config], capture_output=True, text=True, timeout=180,
-                           env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+        snapshot = os.path.join(scratch, "reservoir_native.pickle") if config == "" and args.api == "own" else ""
+        p = subprocess.run([sys.executable, "-c", CHILD, config, args.api, snapshot], capture_output=True,
+                           text=True, timeout=240, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode != 0 or not line:
             failures.append(f"{config or 'reservoir native'}: exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
@@ -85,6 +123,13 @@ def main():
         print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"first_loss": r["losses"][0]}))
         if r["oom_under_fraction"] != "OutOfMemoryError":
             failures.append(f"{config}: the memory fraction did not stop a 1 GiB allocation")
+        if not r["graph_same_as_eager"]:
+            failures.append(f"{config}: the replayed CUDA graph's output differs from eager")
+        if snapshot and args.reservoir_cli:
+            v = subprocess.run([args.reservoir_cli, "verify", snapshot], capture_output=True, text=True)
+            print(v.stdout.strip())
+            if v.returncode != 0:
+                failures.append(f"reservoir verify of the snapshot under reservoir: exit {v.returncode}: {v.stdout[-500:]}")
     native = results.get("native")
     for config, r in results.items():
         if native and r["losses"] != native["losses"]:
@@ -97,8 +142,9 @@ def main():
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1
-    print(f"identical losses under {len(results) - 1} reservoir policies and native; empty_cache() and the memory "
-          "fraction reach reservoir (a block recorded on a second stream freed and reallocated without error)")
+    print(f"identical losses under {len(results) - 1} reservoir policies and native ({args.api} allocator); "
+          "empty_cache() and the memory fraction reach reservoir; a CUDA graph replays as eager; a block recorded "
+          "on a second stream freed and reallocated without error")
     return 0
 
 
