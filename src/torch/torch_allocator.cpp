@@ -181,11 +181,48 @@ class ReservoirAllocator final : public CUDAAllocator {
   void resetPeakStats(c10::DeviceIndex device) override {
     TORCH_CHECK(entry().reset_peak_stats(device) == 0, "reservoir (PyTorch's allocator): ", entry().error());
   }
-  void cacheInfo(c10::DeviceIndex, size_t*) override {
-    unsupported("cacheInfo", "reservoir does not report its largest cached block yet");
+  // cuDNN's benchmark mode asks how large a workspace could be: the largest
+  // free block cached for the default pools, no less than *largestBlock,
+  // which (when 0) starts as the device's free memory, as PyTorch's does.
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    if (*largestBlock == 0) {
+      c10::cuda::CUDAGuard guard(device);
+      size_t device_free = 0;
+      size_t device_total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
+      *largestBlock = device_free;
+    }
+    const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
+    for (const nlohmann::json& seg : state["segments"]) {
+      if (seg["pool"][0].get<unsigned long long>() != 0 || seg["pool"][1].get<unsigned long long>() != 0) continue;
+      for (const nlohmann::json& b : seg["blocks"]) {
+        if (b["state"].get<std::string>() == "inactive") {
+          *largestBlock = std::max(*largestBlock, b["size"].get<std::size_t>());
+        }
+      }
+    }
   }
-  void* getBaseAllocation(void*, size_t*) override {
-    unsupported("getBaseAllocation", "reservoir does not expose segment bases yet");
+  // The segment an allocation lies in: its base, and its size in *size.
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    const auto at = reinterpret_cast<std::size_t>(ptr);
+    int device = 0;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = live_.find(ptr);
+      TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): getBaseAllocation of ", ptr,
+                  ", which is not a live allocation's start");
+      device = it->second.device;
+    }
+    const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
+    for (const nlohmann::json& seg : state["segments"]) {
+      const auto base = seg["address"].get<std::size_t>();
+      const auto total = seg["total_size"].get<std::size_t>();
+      if (at >= base && at < base + total) {
+        if (size != nullptr) *size = total;
+        return reinterpret_cast<void*>(base);
+      }
+    }
+    TORCH_CHECK(false, "reservoir (PyTorch's allocator): getBaseAllocation: no segment holds ", ptr);
   }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
     unsupported("getExpandableSegmentSizes", "reservoir's expandable segments are not reported per stream yet");
@@ -488,6 +525,15 @@ class ReservoirAllocator final : public CUDAAllocator {
     return recorder();
   }
 
+  // reservoir's segments and history of a device, as JSON.
+  static nlohmann::json state_of(int device) {
+    char* text = entry().snapshot_json(device);
+    TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): ", entry().error());
+    nlohmann::json j = nlohmann::json::parse(text);
+    std::free(text);
+    return j;
+  }
+
   static int call_filter(void* context, cudaStream_t stream) {
     return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
   }
@@ -564,6 +610,34 @@ __attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(cons
   } catch (const std::exception& e) {
     reservoir_torch_hooks::last_error() = e.what();
     return -1;
+  }
+}
+
+// For tests: what PyTorch's current CUDA allocator (whichever it is) answers
+// to cacheInfo (starting from `initial`) and getBaseAllocation, which no
+// Python binding reaches. -1 / null with the reason in reservoir_torch_hooks_error().
+__attribute__((visibility("default"))) long long reservoir_torch_current_cache_info(int device,
+                                                                                    unsigned long long initial) {
+  try {
+    size_t largest = initial;
+    c10::cuda::CUDACachingAllocator::get()->cacheInfo(static_cast<c10::DeviceIndex>(device), &largest);
+    return static_cast<long long>(largest);
+  } catch (const c10::Error& e) {
+    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
+    return -1;
+  }
+}
+
+__attribute__((visibility("default"))) void* reservoir_torch_current_base_allocation(void* ptr,
+                                                                                    unsigned long long* size) {
+  try {
+    size_t total = 0;
+    void* base = c10::cuda::CUDACachingAllocator::get()->getBaseAllocation(ptr, &total);
+    *size = total;
+    return base;
+  } catch (const c10::Error& e) {
+    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
+    return nullptr;
   }
 }
 

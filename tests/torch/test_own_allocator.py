@@ -197,6 +197,39 @@ def test_history_and_snapshot_as_pytorch_records_them_read_by_memory_viz_and_ver
     assert verify.returncode == 0 and "agrees with the recording" in verify.stdout, verify.stdout + verify.stderr
 
 
+# cuDNN's benchmark mode asks cacheInfo for the largest cached block; IPC and
+# others ask getBaseAllocation for a block's segment. No Python binding
+# reaches them: the hooks library's test helpers ask the current allocator.
+CACHE_INFO = """
+import ctypes
+lib = ctypes.CDLL(reservoir.torch_hooks_path(torch.__version__)) if mode != "native" else None
+if lib is None:
+    import reservoir as r
+    lib = ctypes.CDLL(r.torch_hooks_path(torch.__version__))
+lib.reservoir_torch_current_cache_info.restype = ctypes.c_longlong
+lib.reservoir_torch_current_cache_info.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+lib.reservoir_torch_current_base_allocation.restype = ctypes.c_void_p
+lib.reservoir_torch_current_base_allocation.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+a = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+b = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+c = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+inner = c.data_ptr()
+a = None  # a 30 MiB block cached free
+size = ctypes.c_ulonglong(0)
+base = lib.reservoir_torch_current_base_allocation(inner, ctypes.byref(size))
+emit(from_one=lib.reservoir_torch_current_cache_info(0, 1),
+     from_zero_at_least_free=lib.reservoir_torch_current_cache_info(0, 0) >= torch.cuda.mem_get_info()[0],
+     base_offset=inner - base, base_size=size.value)
+"""
+
+
+def test_cache_info_and_base_allocation_answer_as_the_native_allocator_does():
+    native = run("native", CACHE_INFO)
+    ours = run("reservoir", CACHE_INFO)
+    assert ours == native
+    assert ours["from_one"] == 30 * (1 << 20) and ours["from_zero_at_least_free"]
+
+
 def test_what_is_not_supported_names_the_method_and_why():
     body = """
     try:
