@@ -143,13 +143,7 @@ def install_torch(config=None, device_kind=None):
     if hooks is not None:
         # Every hook connected: empty_cache, the memory fraction,
         # record_stream and the pools reach reservoir.
-        import ctypes
-
-        lib = ctypes.CDLL(hooks)
-        lib.reservoir_torch_install_hooks.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-        lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
-        if lib.reservoir_torch_install_hooks(os.fsencode(library_path()), release.encode()) != 0:
-            raise RuntimeError("reservoir.install_torch: " + lib.reservoir_torch_hooks_error().decode())
+        _call_hooks(hooks, "reservoir_torch_install_hooks", release, "install_torch")
         _torch_installed = True
         return torch.cuda.memory._get_current_allocator()
     # Python's binding takes malloc and free only: PyTorch then ignores
@@ -167,6 +161,19 @@ def install_torch(config=None, device_kind=None):
     return allocator
 
 
+def _call_hooks(hooks, function, release, caller):
+    """Calls `function`(this module's path, release) of the release's hooks
+    library; RuntimeError with the library's reason when it fails."""
+    import ctypes
+
+    lib = ctypes.CDLL(hooks)
+    entry = getattr(lib, function)
+    entry.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
+    if entry(os.fsencode(library_path()), release.encode()) != 0:
+        raise RuntimeError(f"reservoir.{caller}: " + lib.reservoir_torch_hooks_error().decode())
+
+
 def use_as_allocator(config=None, device_kind=None):
     """Make reservoir PyTorch's own CUDA allocator (a CUDAAllocator, as PyTorch's
     native caching allocator is), before any CUDA allocation: unlike
@@ -182,8 +189,6 @@ def use_as_allocator(config=None, device_kind=None):
     config uses PYTORCH_CUDA_ALLOC_CONF's syntax (and reservoir's policies).
     """
     global _torch_installed
-    import ctypes
-
     import torch
 
     if config is not None:
@@ -197,11 +202,7 @@ def use_as_allocator(config=None, device_kind=None):
             f"reservoir.use_as_allocator: this package has no library for PyTorch {torch.__version__} "
             f"(built for: {', '.join(torch_hook_releases()) or 'none'}); build reservoir against it, "
             "or use reservoir.install_torch() (the pluggable allocator)")
-    lib = ctypes.CDLL(hooks)
-    lib.reservoir_torch_use_as_allocator.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    lib.reservoir_torch_hooks_error.restype = ctypes.c_char_p
-    if lib.reservoir_torch_use_as_allocator(os.fsencode(library_path()), release.encode()) != 0:
-        raise RuntimeError("reservoir.use_as_allocator: " + lib.reservoir_torch_hooks_error().decode())
+    _call_hooks(hooks, "reservoir_torch_use_as_allocator", release, "use_as_allocator")
     _torch_installed = True
     return torch.cuda.memory._get_current_allocator()
 

@@ -69,6 +69,15 @@ void fill(c10::CachingDeviceAllocator::StatArray& out, const nlohmann::json& sta
 
 void raw_delete_fn(void* ptr);
 
+// A JSON answer of reservoir's (freed here); PyTorch's error with reservoir's
+// reason when there is none.
+nlohmann::json parsed(char* text, const char* method) {
+  TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): ", method, ": ", entry().error());
+  nlohmann::json j = nlohmann::json::parse(text);
+  std::free(text);
+  return j;
+}
+
 class ReservoirAllocator final : public CUDAAllocator {
  public:
   // ---- allocation ----
@@ -144,10 +153,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     entry().reset();
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    char* text = entry().stats_json(device);
-    TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): getDeviceStats: ", entry().error());
-    const nlohmann::json stats = nlohmann::json::parse(text);
-    std::free(text);
+    const nlohmann::json stats = parsed(entry().stats_json(device), "getDeviceStats");
     c10::CachingDeviceAllocator::DeviceStats out;
     fill(out.allocation, stats, "allocation");
     fill(out.segment, stats, "segment");
@@ -305,10 +311,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::unordered_map<std::size_t, std::size_t> alloc_seen;
     std::unordered_map<std::size_t, std::size_t> free_seen;
     for (int device = 0; device < devices; ++device) {
-      char* text = entry().snapshot_json(device);
-      TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): snapshot: ", entry().error());
-      const nlohmann::json snap = nlohmann::json::parse(text);
-      std::free(text);
+      const nlohmann::json snap = state_of(device);
       std::lock_guard lock(mutex_);
       for (const nlohmann::json& seg : snap["segments"]) {
         const c10::MempoolId_t pool{seg["pool"][0].get<unsigned long long>(), seg["pool"][1].get<unsigned long long>()};
@@ -407,6 +410,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     {
       std::lock_guard lock(mutex_);
       recorder_ = enabled ? context_recorder : nullptr;
+      recording_.store(recorder_ != nullptr, std::memory_order_relaxed);
       when_ = when;
       skip_actions_ = skip_actions;
       if (clearHistory || !enabled) contexts_.clear();
@@ -513,6 +517,7 @@ class ReservoirAllocator final : public CUDAAllocator {
 
   // The recorder's context for an allocation or a free, when history asks.
   std::shared_ptr<c10::GatheredContext> record_context(bool alloc) {
+    if (!recording_.load(std::memory_order_relaxed)) return nullptr;  // allocate/free without a lock
     cca::CreateContextFn recorder = nullptr;
     cca::RecordContext when{};
     {
@@ -526,13 +531,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
 
   // reservoir's segments and history of a device, as JSON.
-  static nlohmann::json state_of(int device) {
-    char* text = entry().snapshot_json(device);
-    TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): ", entry().error());
-    nlohmann::json j = nlohmann::json::parse(text);
-    std::free(text);
-    return j;
-  }
+  static nlohmann::json state_of(int device) { return parsed(entry().snapshot_json(device), "snapshot"); }
 
   static int call_filter(void* context, cudaStream_t stream) {
     return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
@@ -574,6 +573,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
   std::map<std::pair<int, c10::MempoolId_t>, int> pool_users_;
   cca::CreateContextFn recorder_ = nullptr;
+  std::atomic<bool> recording_{false};  // recorder_ != nullptr, read without the lock
   cca::RecordContext when_{};
   std::vector<std::string> skip_actions_;
   std::unordered_map<std::size_t, Contexts> contexts_;
@@ -599,18 +599,11 @@ extern "C" {
 // 0, or -1 with the reason in reservoir_torch_hooks_error().
 __attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(const char* path,
                                                                            const char* release) {
-  try {
+  return reservoir_torch_hooks::guarded([&] {
     reservoir_torch_hooks::load(path, release);
     the_allocator() = std::make_shared<ReservoirAllocator>();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(the_allocator());
-    return 0;
-  } catch (const c10::Error& e) {
-    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
-    return -1;
-  } catch (const std::exception& e) {
-    reservoir_torch_hooks::last_error() = e.what();
-    return -1;
-  }
+  });
 }
 
 // For tests: what PyTorch's current CUDA allocator (whichever it is) answers
@@ -618,27 +611,23 @@ __attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(cons
 // Python binding reaches. -1 / null with the reason in reservoir_torch_hooks_error().
 __attribute__((visibility("default"))) long long reservoir_torch_current_cache_info(int device,
                                                                                     unsigned long long initial) {
-  try {
-    size_t largest = initial;
+  size_t largest = initial;
+  const int rc = reservoir_torch_hooks::guarded([&] {
     c10::cuda::CUDACachingAllocator::get()->cacheInfo(static_cast<c10::DeviceIndex>(device), &largest);
-    return static_cast<long long>(largest);
-  } catch (const c10::Error& e) {
-    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
-    return -1;
-  }
+  });
+  return rc == 0 ? static_cast<long long>(largest) : -1;
 }
 
 __attribute__((visibility("default"))) void* reservoir_torch_current_base_allocation(void* ptr,
                                                                                     unsigned long long* size) {
-  try {
-    size_t total = 0;
-    void* base = c10::cuda::CUDACachingAllocator::get()->getBaseAllocation(ptr, &total);
-    *size = total;
-    return base;
-  } catch (const c10::Error& e) {
-    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
+  void* base = nullptr;
+  size_t total = 0;
+  if (reservoir_torch_hooks::guarded(
+          [&] { base = c10::cuda::CUDACachingAllocator::get()->getBaseAllocation(ptr, &total); }) != 0) {
     return nullptr;
   }
+  *size = total;
+  return base;
 }
 
 }  // extern "C"

@@ -4,6 +4,7 @@
 // CUDAAllocator). Internal to those libraries.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <sys/types.h>
 
@@ -41,7 +42,22 @@ Entry& entry();
 // std::runtime_error saying what is wrong otherwise.
 void load(const char* path, const char* release);
 
-// The message of the last failed install, for Python.
+// The message of the last failed call, for Python.
 std::string& last_error();
+
+// Runs f for an exported C function: 0, or -1 with PyTorch's or the
+// library's message in last_error().
+template <typename F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const c10::Error& e) {
+    last_error() = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error() = e.what();
+  }
+  return -1;
+}
 
 }  // namespace reservoir_torch_hooks

@@ -152,16 +152,7 @@ extern "C" {
 
 __attribute__((visibility("default"))) int reservoir_torch_install_hooks(const char* path,
                                                                          const char* release) {
-  try {
-    install(path, release);
-    return 0;
-  } catch (const c10::Error& e) {
-    reservoir_torch_hooks::last_error() = e.what_without_backtrace();
-    return -1;
-  } catch (const std::exception& e) {
-    reservoir_torch_hooks::last_error() = e.what();
-    return -1;
-  }
+  return reservoir_torch_hooks::guarded([&] { install(path, release); });
 }
 
 __attribute__((visibility("default"))) const char* reservoir_torch_hooks_error() {
