@@ -140,14 +140,24 @@ std::string replay_command(const Trace& trace, const Candidate& c) {
   return cmd;
 }
 
-// The command as lines to copy: continued with a backslash before its
-// options where it would not fit in 100 columns.
+// The command as lines to copy, continued with a backslash where it would
+// not fit in 100 columns: before its options, and after "reservoir replay"
+// when the file's path leaves no room beside it (a longer path stays whole).
 std::string command_lines(const std::string& cmd, const std::string& indent) {
-  const std::size_t cut = cmd.find(" -c ");
-  if (indent.size() + 2 + cmd.size() <= kTextWidth || cut == std::string::npos) {
-    return indent + "$ " + cmd + "\n";
+  const std::string lead = indent + "$ ";
+  const std::string program = "reservoir replay ";
+  // The last " -c ": a setting has no spaces, a quoted path may.
+  const std::size_t cut = cmd.rfind(" -c ");
+  if (lead.size() + cmd.size() <= kTextWidth || cut == std::string::npos) return lead + cmd + "\n";
+  const std::string more = indent + "    ";
+  const std::string head = cmd.substr(0, cut);
+  std::string out;
+  if (lead.size() + head.size() + 2 > kTextWidth && head.starts_with(program)) {
+    out = lead + program + "\\\n" + more + head.substr(program.size()) + " \\\n";
+  } else {
+    out = lead + head + " \\\n";
   }
-  return indent + "$ " + cmd.substr(0, cut) + " \\\n" + indent + "    " + cmd.substr(cut + 1) + "\n";
+  return out + more + cmd.substr(cut + 1) + "\n";
 }
 
 nlohmann::json choice_json(const Trace& trace, const Advice& a, const std::optional<std::size_t>& index,
@@ -896,12 +906,15 @@ std::string job_text(const JobAdvice& job) {
     }
   }
   out += fmt::format("\nHow the ranks differ (at each rank's moment: its oom, else its peak of reserved)\n"
-                     "  {:<22} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n",
+                     "  {:<20} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n",
                      "rank", "moment", "failed req.", "peak request", "reserved", "unusable",
                      "largest alloc");
   for (const RankAdvice& r : job.ranks) {
     if (!r.ok) continue;
-    out += fmt::format("  {:<22} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n", r.name,
+    // 100 columns: a name longer than its column has a line of its own.
+    const bool long_name = r.name.size() > 20;
+    if (long_name) out += "  " + r.name + "\n";
+    out += fmt::format("  {:<20} {:<14} {:>11} {:>12} {:>11} {:>11} {:>13}\n", long_name ? "" : r.name,
                        r.ran_out ? "out of memory" : "peak reserved",
                        r.oom_request ? format_size(*r.oom_request) : "-",
                        format_size(r.peak_requested_bytes), format_size(r.reserved_bytes),
@@ -922,7 +935,11 @@ std::string job_text(const JobAdvice& job) {
     }
   }
   for (const RankAdvice& r : job.ranks) {
-    if (!r.ok) out += fmt::format("\ncannot read {} ({}): {}\n", r.name, r.path, r.error);
+    if (r.ok) continue;
+    // The reader's error names the file; the path is added where it does not.
+    out += r.error.find(r.path) != std::string::npos
+               ? fmt::format("\ncannot read {}: {}\n", r.name, r.error)
+               : fmt::format("\ncannot read {} ({}): {}\n", r.name, r.path, r.error);
   }
   return out;
 }

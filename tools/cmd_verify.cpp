@@ -84,7 +84,10 @@ int report(const Trace& trace, const VerifyResult& r) {
                                 : fmt::format("at event {} of {}", r.divergence_event, r.events);
   // A reason about the whole recording has no event to name.
   const bool whole = r.cannot_verify && r.divergence_event >= r.events;
-  print_wrapped(fmt::format("{}: {}{}\n  {}\n", name, what, whole ? "" : " " + where, r.divergence));
+  // The verdict's line is whole, as "agrees with the recording" is (scripts
+  // look for it); the reason wraps.
+  fmt::print("{}: {}{}\n", name, what, whole ? "" : " " + where);
+  print_wrapped(fmt::format("  {}\n", r.divergence));
   if (!whole || r.allocs_checked > 0) {
     print_wrapped(fmt::format("  agreed before it: {} alloc addresses, {} segment_allocs, {} segment_frees\n",
                r.allocs_checked, r.segment_allocs_checked, r.segment_frees_checked));

@@ -29,6 +29,15 @@ def run(*args, env=None):
     return r
 
 
+def too_wide(text):
+    """Lines over 100 columns, but for those whose excess is a file's path
+    (never broken: it stays copyable) standing nearly alone on its line."""
+    def path_alone(line):
+        paths = [w for w in line.split() if "/" in w]
+        return paths and len(line) - max(len(w) for w in paths) <= 40
+    return [line for line in text.splitlines() if len(line) > 100 and not path_alone(line)]
+
+
 def run_on_terminal(*args, env=None):
     """stderr on a pseudo-terminal; returns what it received."""
     master, slave = pty.openpty()
@@ -67,8 +76,7 @@ long = "garbage_collection_threshold:0.6,max_split_size_mb:128,roundup_power2_di
 for extra in ([], ["--min-capacity"]):
     text = run("replay", transformer, "-c", "", "-c", long, *extra).stdout
     lines = text.splitlines()
-    check(all(len(line) <= 100 for line in lines),
-          f"replay {extra}: lines over 100 columns: {[line for line in lines if len(line) > 100]}")
+    check(not too_wide(text), f"replay {extra}: lines over 100 columns: {too_wide(text)}")
     check(lines[0] == transformer and lines[1] == "  3591 recorded events, 3591 allocator calls; "
           "peak requested 4.61 GiB", f"replay {extra}: the trace's heading: {lines[:2]}")
     row = next(i for i, line in enumerate(lines) if line.startswith("  garbage_collection_threshold"))
@@ -86,8 +94,7 @@ check(wide[0].split()[:4] == ["trace", "config", "peak", "request"] and len(wide
 for args in (["verify", os.path.join(src, "tests", "data", "torch", "mixed_sizes_expandable_2.15.0.pickle")],
              ["advise", os.path.join(traces, "gpt_training.pickle")], ["advise", transformer]):
     text = run(*args).stdout
-    check(text and all(len(line) <= 100 for line in text.splitlines()),
-          f"{args[0]}: lines over 100 columns: {[x for x in text.splitlines() if len(x) > 100][:3]}")
+    check(text and not too_wide(text), f"{args[0]}: lines over 100 columns: {too_wide(text)[:3]}")
 
 # summary: PyTorch's table for the replayed trace.
 s = run("summary", transformer).stdout
@@ -240,7 +247,7 @@ flat = " ".join(text.split())
 check("the largest was 100.00 MiB, the request needs 160.00 MiB" in flat and
       "fragmentation" in flat and "With PyTorch:   PYTORCH_CUDA_ALLOC_CONF=" in text,
       text)
-check(all(len(line) <= 100 for line in text.splitlines()), "advise: a line over 100 columns")
+check(not too_wide(text), f"advise: lines over 100 columns: {too_wide(text)[:3]}")
 # The answer first, in words: did it run out, the line to set, what it saves.
 lines = text.splitlines()
 check(lines[0] == "The job ran out of memory: a 160.00 MiB request found 44.00 MiB free on the device."
@@ -302,9 +309,10 @@ for name in ("rank0.pickle", "rank10.pickle"):
 with open(os.path.join(ranks, "rank2.pickle"), "wb") as fh:
     fh.write(b"\x80\x04truncated")
 job = subprocess.run([binary, "advise", ranks], capture_output=True, text=True)
-check(job.returncode == 3 and "Job of 3 ranks" in job.stdout and
-      "ran out of memory: rank 0, rank 10" in job.stdout and
-      "cannot read rank 2 (" in job.stdout and "One setting for every rank" in job.stdout,
+flat = " ".join(job.stdout.split())
+check(job.returncode == 3 and "Job of 3 ranks" in flat and "ran out of memory: rank 0, rank 10" in flat and
+      "cannot read rank 2: snapshot " + os.path.join(ranks, "rank2.pickle") + ": pickle: byte 2" in flat and
+      "One setting for every rank" in flat and not too_wide(job.stdout),
       f"exit {job.returncode}: {job.stdout}{job.stderr}")
 # Bad input: an unknown setting and a trace with nothing to replay.
 bad = subprocess.run([binary, "advise", classic, "-c", "max_split_size_mb:x"], capture_output=True,
