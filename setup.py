@@ -22,6 +22,7 @@ import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 from setuptools.command.install import install
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -114,6 +115,22 @@ class CMakeBuild(build_ext):
         subprocess.run(command, check=True, cwd=ROOT)
 
 
+class BuildPy(build_py):
+    """The package, and reservoir_autoinstall.pth at the top of the install
+    (site-packages), where Python reads it at start-up: it installs reservoir
+    as PyTorch's allocator when RESERVOIR_TORCH_ALLOCATOR is set
+    (reservoir/_autoinstall.py)."""
+
+    PTH = "reservoir_autoinstall.pth"
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(ROOT, "python", self.PTH), os.path.join(self.build_lib, self.PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, self.PTH)]
+
+
 class Install(install):
     """Debian's setuptools reads the `install_layout` and `prefix_option`
     options that only Debian's own distutils defines: give them their unset
@@ -145,7 +162,7 @@ setup(
     packages=["reservoir"],
     py_modules=["reservoir_torch"],
     ext_modules=[CMakeExtension("reservoir._core")],
-    cmdclass={"build_ext": CMakeBuild, "install": Install},
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy, "install": Install},
     zip_safe=False,
     options={"build": {"build_base": BUILD_BASE}, "egg_info": {"egg_base": BUILD_BASE}},
 )

@@ -259,3 +259,43 @@ def test_a_release_without_a_library_is_refused_with_what_to_do():
     """
     r = run("native", body)
     assert "no library for PyTorch 2.99.0" in r["error"] and "install_torch()" in r["error"], r
+
+
+def run_with_environment(value, body, extra_env=None):
+    """A program that never names reservoir: RESERVOIR_TORCH_ALLOCATOR and
+    the .pth beside the package (read here by site.addsitedir, as Python
+    reads site-packages at start-up) install it when torch is imported."""
+    import reservoir
+    site_dir = os.path.dirname(os.path.dirname(os.path.abspath(reservoir.__file__)))
+    code = (f"import site; site.addsitedir({site_dir!r})\n" + PRELUDE.replace('mode = sys.argv[1]', 'mode = "native"')
+            + textwrap.dedent(body))
+    env = {**os.environ, "RESERVOIR_TORCH_ALLOCATOR": value, **(extra_env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def result_of(r):
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_an_environment_variable_installs_it_in_a_program_that_never_names_reservoir():
+    assert os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__import__("reservoir").__file__))), "reservoir_autoinstall.pth"))
+    explicit = run("reservoir", PROGRAM)
+    own = result_of(run_with_environment("own", PROGRAM, {"RESERVOIR_ALLOC_CONF": ""}))
+    assert own["backend"] == "reservoir"
+    assert own["ptrs"] == explicit["ptrs"] and own["stats"] == explicit["stats"]
+    # The settings come from RESERVOIR_ALLOC_CONF, as for use_as_allocator().
+    paging = result_of(run_with_environment(
+        "own", "x = torch.empty(100, device='cuda')\n"
+        "emit(settings=torch.cuda.memory._snapshot()['allocator_settings']['PYTORCH_CUDA_ALLOC_CONF'], "
+        "backend=torch.cuda.get_allocator_backend())", {"RESERVOIR_ALLOC_CONF": "policy:paging"}))
+    assert paging == {"backend": "reservoir", "settings": "policy:paging"}
+    pluggable = result_of(run_with_environment("pluggable", "x = torch.empty(10, device='cuda')\n"
+                                               "emit(backend=torch.cuda.get_allocator_backend())"))
+    assert pluggable["backend"] == "pluggable"
+    # A value it does not know stops the program at `import torch`, saying why.
+    bad = run_with_environment("paging", "emit(backend=torch.cuda.get_allocator_backend())")
+    assert bad.returncode != 0 and "RESERVOIR_TORCH_ALLOCATOR='paging': expected one of own, pluggable" \
+        in bad.stderr, bad.stderr[-2000:]

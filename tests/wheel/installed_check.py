@@ -66,4 +66,26 @@ if "preload" in paths:
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stderr == "", out
 
+# RESERVOIR_TORCH_ALLOCATOR: the .pth installed beside the package arms the
+# hook at start-up when it is set, and only then; a value it does not know
+# makes `import torch` fail with the reason (a stand-in torch here: the
+# real one is not in this environment).
+assert os.path.isfile(os.path.join(site, "reservoir_autoinstall.pth"))
+probe = "import sys; print(sorted(type(f).__name__ for f in sys.meta_path if 'After' in type(f).__name__))"
+env = {k: v for k, v in os.environ.items() if k != "RESERVOIR_TORCH_ALLOCATOR"}
+out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+assert out.returncode == 0 and out.stdout.strip() == "[]", out
+out = subprocess.run([sys.executable, "-c", probe], env=dict(env, RESERVOIR_TORCH_ALLOCATOR="own"),
+                     capture_output=True, text=True)
+assert out.returncode == 0 and out.stdout.strip() == "['_AfterTorch']", out
+import tempfile  # noqa: E402
+with tempfile.TemporaryDirectory() as fake:
+    os.makedirs(os.path.join(fake, "torch"))
+    with open(os.path.join(fake, "torch", "__init__.py"), "w") as fh:
+        fh.write("__version__ = '0.0.0'\n")
+    out = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+                         env=dict(env, RESERVOIR_TORCH_ALLOCATOR="yes please", PYTHONPATH=fake))
+    assert out.returncode != 0 and "RESERVOIR_TORCH_ALLOCATOR='yes please': expected one of own, pluggable" \
+        in out.stderr, out
+
 print(f"installed package checks passed: reservoir {version} at {package}")

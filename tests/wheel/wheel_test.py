@@ -254,7 +254,8 @@ def install_and_test(wheel, python, args, release):
     with zipfile.ZipFile(wheel) as z:
         members = {i.filename: i for i in z.infolist()}
         info = f"reservoir-{args.version}.dist-info"
-        expected = {"reservoir_torch.py", "reservoir/__init__.py", "reservoir/__main__.py",
+        expected = {"reservoir_torch.py", "reservoir_autoinstall.pth", "reservoir/__init__.py",
+                    "reservoir/__main__.py", "reservoir/_autoinstall.py",
                     "reservoir/memory_saver.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
                     "reservoir/lib/libreservoir_torch.so"}
         # Folders' own entries (auditwheel writes them) are not files.

@@ -1,0 +1,101 @@
+"""Makes reservoir PyTorch's CUDA allocator from the environment, for programs
+that cannot be changed: with RESERVOIR_TORCH_ALLOCATOR set, the moment
+`import torch` finishes (before any CUDA tensor can exist), reservoir is
+installed as
+
+  own        PyTorch's own allocator (reservoir.use_as_allocator)
+  pluggable  a CUDAPluggableAllocator (reservoir.install_torch)
+
+with the settings of RESERVOIR_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF's syntax and
+reservoir's policies) and the backend of RESERVOIR_TORCH_DEVICE.
+
+reservoir_autoinstall.pth, installed beside the package, imports this module
+at interpreter start-up when the variable is set; it costs nothing otherwise.
+A value it does not know, or an install that fails, makes `import torch` fail
+with the reason: a job never runs on an allocator it was not meant to.
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+VARIABLE = "RESERVOIR_TORCH_ALLOCATOR"
+CHOICES = ("own", "pluggable")
+
+
+def _choice():
+    value = os.environ.get(VARIABLE, "").strip().lower()
+    if value not in CHOICES:
+        raise RuntimeError(f"{VARIABLE}={os.environ.get(VARIABLE, '')!r}: expected one of "
+                           f"{', '.join(CHOICES)} (or unset, for PyTorch's allocator)")
+    return value
+
+
+def install():
+    """Installs the allocator the variable names; torch must be imported."""
+    import reservoir
+
+    choice = _choice()
+    try:
+        if choice == "own":
+            reservoir.use_as_allocator()
+        else:
+            reservoir.install_torch()
+    except Exception as e:
+        raise RuntimeError(f"{VARIABLE}={choice}: reservoir could not be installed: {e}") from e
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds torch as the other finders would, and installs reservoir as
+    soon as torch's own module has run."""
+
+    def __init__(self):
+        self._spec = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch" or self._spec is not None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                self._spec = spec
+                spec.loader = _Wrapped(spec.loader, self)
+                return spec
+        return None
+
+    def done(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _Wrapped(importlib.abc.Loader):
+    def __init__(self, loader, finder):
+        self._loader = loader
+        self._finder = finder
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._finder.done()
+        self._loader.exec_module(module)
+        install()
+
+    def __getattr__(self, name):  # the wrapped loader's other methods
+        return getattr(self._loader, name)
+
+
+def arm():
+    """Installs now when torch is imported already, else right after it is
+    (a wrong value too fails then, as `import torch`: an error at start-up
+    would only be printed, and the job would run on PyTorch's allocator)."""
+    if "torch" in sys.modules:
+        install()
+    elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorch())
+
+
+if os.environ.get(VARIABLE):
+    arm()
