@@ -325,6 +325,28 @@ __attribute__((visibility("default"))) char* reservoir_torch_snapshot_json(int d
   return out;
 }
 
+// PyTorch's allocator trace trackers: `fn` (with `context`) is called for
+// every event of the device's untagged allocator as it happens (alloc,
+// free_requested, free_completed, segment_alloc/free/map/unmap, oom,
+// snapshot), under the allocator's lock: it must not call back into it.
+// The action's name is `action` (`action_size` bytes, not terminated).
+// 0, or -1 with last_error.
+using reservoir_torch_trace_fn = void (*)(void* context, int device, const char* action,
+                                          size_t action_size, unsigned long long addr,
+                                          unsigned long long size, void* stream, long long time_us);
+
+__attribute__((visibility("default"))) int reservoir_torch_attach_trace_tracker(
+    int device, reservoir_torch_trace_fn fn, void* context) {
+  return guarded([&] {
+    if (fn == nullptr) throw reservoir::UsageError("attach_trace_tracker: no function given");
+    allocator_for(device).attach_trace_tracker([fn, context, device](const reservoir::TraceEvent& e) {
+      const std::string_view action = reservoir::to_string(e.action);
+      fn(context, device, action.data(), action.size(), e.addr, e.size,
+         reinterpret_cast<void*>(e.stream), e.time_us);
+    });
+  }) ? 0 : -1;
+}
+
 // The snapshot as a PyTorch pickle, written to path (for memory_viz).
 __attribute__((visibility("default"))) int reservoir_torch_dump_snapshot(int device,
                                                                          const char* path) {

@@ -9,8 +9,8 @@
 // reaches only what CUDAPluggableAllocator forwards.)
 //
 // What reservoir cannot do yet raises PyTorch's error naming the method and
-// why (torch.cuda.memory._snapshot, IPC handles, checkpointed pool state,
-// trace trackers), never a silent no-op.
+// why (IPC handles, checkpointed pool state, getExpandableSegmentSizes),
+// never a silent no-op.
 //
 // reservoir_torch_use_as_allocator(path, release) installs it before the
 // first CUDA allocation; reservoir.use_as_allocator() calls it.
@@ -24,15 +24,20 @@
 
 #include <nlohmann/json.hpp>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
 #include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -100,10 +105,19 @@ class ReservoirAllocator final : public CUDAAllocator {
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
     Live live;
-    std::shared_ptr<c10::GatheredContext> context = record_context(false);
+    std::optional<Recorded> recorded;
+    if (recording_.load(std::memory_order_relaxed)) {
+      int device = 0;
+      {
+        std::lock_guard lock(mutex_);
+        auto it = live_.find(ptr);
+        if (it != live_.end()) device = it->second.device;
+      }
+      recorded = record_context(false, device);
+    }
     {
       std::lock_guard lock(mutex_);
-      if (recorder_ != nullptr) contexts_[reinterpret_cast<std::size_t>(ptr)].frees.push_back(std::move(context));
+      if (recorded && history_on_) contexts_[reinterpret_cast<std::size_t>(ptr)].frees.push_back(std::move(*recorded));
       auto it = live_.find(ptr);
       TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): raw_delete of ", ptr,
                   ", which it did not allocate or has freed");
@@ -116,9 +130,11 @@ class ReservoirAllocator final : public CUDAAllocator {
   // ---- set-up and state ----
   void init(int device_count) override {
     entry().init(device_count);
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     fractions_.assign(static_cast<std::size_t>(device_count), 1.0);
     initialized_ = true;
+    lock.unlock();
+    connect_trackers(device_count);
   }
   bool initialized() override {
     std::lock_guard lock(mutex_);
@@ -337,7 +353,7 @@ class ReservoirAllocator final : public CUDAAllocator {
           if (block.allocated) {
             auto it = contexts_.find(b["address"].get<std::size_t>());
             if (it != contexts_.end() && !it->second.allocs.empty()) {
-              block.context_when_allocated = it->second.allocs.back();
+              block.context_when_allocated = it->second.allocs.back().context;
             }
           }
           info.blocks.push_back(std::move(block));
@@ -348,7 +364,8 @@ class ReservoirAllocator final : public CUDAAllocator {
       auto& trace = out.device_traces[static_cast<std::size_t>(device)];
       using TE = c10::CachingDeviceAllocator::TraceEntry;
       const nlohmann::json& history = snap["history"];
-      std::unordered_map<std::size_t, std::shared_ptr<c10::GatheredContext>> last_free;
+      std::unordered_map<std::size_t, Recorded> last_free;
+      std::size_t annotations_added = 0;
       for (std::size_t i = 0; i < history.size(); ++i) {
         const nlohmann::json& e = history[i];
         const std::string action = e["action"].get<std::string>();
@@ -356,10 +373,11 @@ class ReservoirAllocator final : public CUDAAllocator {
         // reservoir notes its own snapshots in the history; PyTorch's _snapshot() does not.
         if (!kind || *kind == TE::SNAPSHOT || skipped(action)) continue;
         const std::size_t addr = e["addr"].get<std::size_t>();
-        std::shared_ptr<c10::GatheredContext> context;
-        // The k-th alloc (or free) at an address is the k-th context kept
-        // for it; a segment made for an allocation has the allocation's,
-        // a completed free the request's. (A segment given back has none:
+        Recorded recorded;
+        recorded.compile_context = "N/A";
+        // The k-th alloc (or free) at an address is the k-th call kept for
+        // it; a segment made for an allocation has the allocation's, a
+        // completed free the request's. (A segment given back has none:
         // which call gave it back, the history does not say.)
         if (*kind == TE::ALLOC || *kind == TE::FREE_REQUESTED) {
           const bool alloc = *kind == TE::ALLOC;
@@ -368,12 +386,12 @@ class ReservoirAllocator final : public CUDAAllocator {
           const std::size_t k = seen[addr]++;
           if (it != contexts_.end()) {
             const auto& list = alloc ? it->second.allocs : it->second.frees;
-            if (k < list.size()) context = list[k];
+            if (k < list.size()) recorded = list[k];
           }
-          if (!alloc) last_free[addr] = context;
+          if (!alloc) last_free[addr] = recorded;
         } else if (*kind == TE::FREE_COMPLETED) {
           auto it = last_free.find(addr);
-          if (it != last_free.end()) context = it->second;
+          if (it != last_free.end()) recorded = it->second;
         } else if (*kind == TE::SEGMENT_ALLOC || *kind == TE::SEGMENT_MAP) {
           for (std::size_t j = i + 1; j < history.size(); ++j) {
             const std::string next = history[j]["action"].get<std::string>();
@@ -381,18 +399,26 @@ class ReservoirAllocator final : public CUDAAllocator {
               const std::size_t at = history[j]["addr"].get<std::size_t>();
               auto it = contexts_.find(at);
               const std::size_t k = alloc_seen[at];
-              if (it != contexts_.end() && k < it->second.allocs.size()) context = it->second.allocs[k];
+              if (it != contexts_.end() && k < it->second.allocs.size()) recorded = it->second.allocs[k];
               break;
             }
             if (next != "segment_alloc" && next != "segment_map") break;
           }
         }
+        const auto time_us = e["time_us"].get<std::int64_t>();
+        add_annotations_until(trace, device, time_us, &annotations_added);
         TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, e["size"].get<std::size_t>(),
-              reinterpret_cast<void*>(e["stream"].get<std::uintptr_t>()), {0, 0}, 0, std::move(context), "N/A");
-        te.time_.t_ = static_cast<time_t>(e["time_us"].get<std::int64_t>());
+              reinterpret_cast<void*>(e["stream"].get<std::uintptr_t>()), {0, 0}, 0, std::move(recorded.context),
+              std::move(recorded.compile_context), std::move(recorded.user_metadata));
+        te.time_.t_ = static_cast<time_t>(time_us);
         trace.push_back(std::move(te));
       }
+      add_annotations_until(trace, device, std::numeric_limits<std::int64_t>::max(), &annotations_added);
       if (device == 0) fill_config(out.config_metadata, snap["config"]);
+    }
+    {
+      std::lock_guard lock(mutex_);
+      out.external_annotations.assign(annotations_.begin(), annotations_.end());
     }
     if (devices == 0) {
       char* text = entry().snapshot_json(0);
@@ -410,16 +436,117 @@ class ReservoirAllocator final : public CUDAAllocator {
     {
       std::lock_guard lock(mutex_);
       recorder_ = enabled ? context_recorder : nullptr;
-      recording_.store(recorder_ != nullptr, std::memory_order_relaxed);
+      history_on_ = enabled;
+      recording_.store(enabled, std::memory_order_relaxed);
       when_ = when;
       skip_actions_ = skip_actions;
-      if (clearHistory || !enabled) contexts_.clear();
+      max_entries_ = alloc_trace_max_entries;
+      if (clearHistory || !enabled) {
+        contexts_.clear();
+        annotations_.clear();
+        annotate_entries_.clear();
+      }
       devices = static_cast<int>(fractions_.size());
     }
     for (int device = 0; device < std::max(devices, 1); ++device) {
       TORCH_CHECK(entry().record_history(device, enabled ? 1 : 0, alloc_trace_max_entries, 0) == 0,
                   "reservoir (PyTorch's allocator): recordHistory: ", entry().error());
     }
+  }
+  bool isHistoryEnabled() override {
+    std::lock_guard lock(mutex_);
+    return history_on_;
+  }
+  // record_function's annotations (torch.profiler, FSDP's stages), kept
+  // with history as PyTorch keeps them: the latest alloc_trace_max_entries.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard lock(mutex_);
+    if (!history_on_) return;
+    c10::CachingDeviceAllocator::AnnotationEntry entry(device, 0);
+    entry.time_.t_ = static_cast<time_t>(now_us());
+    for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
+    annotations_.push_back(std::move(entry));
+    while (max_entries_ > 0 && annotations_.size() > max_entries_) annotations_.pop_front();
+  }
+  // torch.compile's contexts: the innermost one in force is written on each
+  // trace entry of the device (PyTorch keeps a stack per device).
+  void pushCompileContext(std::string& md) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard lock(mutex_);
+    if (history_on_) compile_contexts_[device].push_back(md);
+  }
+  void popCompileContext() override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard lock(mutex_);
+    auto it = compile_contexts_.find(device);
+    if (it != compile_contexts_.end() && !it->second.empty()) it->second.pop_back();
+  }
+  // torch.cuda.memory._set_memory_metadata: written on the device's entries from now on.
+  void setUserMetadata(const std::string& metadata) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard lock(mutex_);
+    user_metadata_[device] = metadata;
+  }
+  std::string getUserMetadata() override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard lock(mutex_);
+    auto it = user_metadata_.find(device);
+    return it == user_metadata_.end() ? std::string() : it->second;
+  }
+#if RESERVOIR_TORCH_MINOR >= 15
+  bool supportsUserMetadata() override { return true; }
+  // torch.cuda.memory._annotate_memory: an "annotate" entry for a live
+  // allocation, in time order among the device's entries.
+  void annotateMemory(const void* ptr, const std::string& metadata) override {
+    std::lock_guard lock(mutex_);
+    if (!history_on_) return;
+    auto it = live_.find(const_cast<void*>(ptr));
+    TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): annotateMemory of ", ptr,
+                ", which is not a live allocation's start");
+    c10::CachingDeviceAllocator::TraceEntry te(c10::CachingDeviceAllocator::TraceEntry::ANNOTATE,
+                                               static_cast<c10::DeviceIndex>(it->second.device),
+                                               reinterpret_cast<std::size_t>(ptr), it->second.size,
+                                               it->second.stream, {0, 0}, 0, nullptr,
+                                               compile_context_of(it->second.device), metadata);
+    te.time_.t_ = static_cast<time_t>(now_us());
+    annotate_entries_.push_back(std::move(te));
+    while (max_entries_ > 0 && annotate_entries_.size() > max_entries_) annotate_entries_.pop_front();
+  }
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    std::lock_guard lock(mutex_);
+    if (live_.find(const_cast<void*>(ptr)) == live_.end()) return nullptr;
+    auto it = contexts_.find(reinterpret_cast<std::size_t>(ptr));
+    return it == contexts_.end() || it->second.allocs.empty() ? nullptr : it->second.allocs.back().context;
+  }
+#endif
+  // CUDA graph trees check that a pool holds exactly the allocations they
+  // expect to be live.
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
+                                const std::unordered_set<void*>& expected_live_allocations) override {
+    const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
+    std::size_t live_in_pool = 0;
+    bool found = false;
+    for (const nlohmann::json& seg : state["segments"]) {
+      if (c10::MempoolId_t{seg["pool"][0].get<unsigned long long>(), seg["pool"][1].get<unsigned long long>()} != id) {
+        continue;
+      }
+      found = true;
+      for (const nlohmann::json& b : seg["blocks"]) {
+        if (b["state"].get<std::string>() != "active_allocated") continue;
+        if (expected_live_allocations.count(reinterpret_cast<void*>(b["address"].get<std::size_t>())) == 0) {
+          return false;
+        }
+        ++live_in_pool;
+      }
+    }
+    {
+      std::lock_guard lock(mutex_);
+      found = found || pool_users_.count({device, id}) > 0;
+    }
+    TORCH_CHECK(found, "reservoir (PyTorch's allocator): checkPoolLiveAllocations: no pool (", id.first, ", ",
+                id.second, ") on device ", static_cast<int>(device));
+    return live_in_pool == expected_live_allocations.size();
   }
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard lock(mutex_);
@@ -433,8 +560,19 @@ class ReservoirAllocator final : public CUDAAllocator {
     rejection_observers_.push_back(std::move(observer));
   }
 #endif
-  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
-    unsupported("attachAllocatorTraceTracker", "reservoir does not call trace trackers yet");
+  // Called with every event as it happens, under reservoir's lock (as
+  // PyTorch calls them under its own): NCCL's memory registration uses them.
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    int devices = 0;
+    {
+      std::lock_guard lock(mutex_);
+      devices = static_cast<int>(fractions_.size());
+    }
+    {
+      std::lock_guard lock(trackers_mutex_);
+      trackers_.push_back(std::move(tracker));
+    }
+    connect_trackers(devices);
   }
 
   // ---- devices and IPC ----
@@ -475,11 +613,17 @@ class ReservoirAllocator final : public CUDAAllocator {
     cudaStream_t stream = nullptr;
   };
 
-  // Contexts PyTorch's recorder gave, per address, in the order of the
-  // allocations (and frees) there.
+  // What history keeps of a call: PyTorch's recorder's context, and the
+  // compile context and user metadata in force on its device.
+  struct Recorded {
+    std::shared_ptr<c10::GatheredContext> context;
+    std::string compile_context;
+    std::string user_metadata;
+  };
+  // Per address, in the order of the allocations (and frees) there.
   struct Contexts {
-    std::vector<std::shared_ptr<c10::GatheredContext>> allocs;
-    std::vector<std::shared_ptr<c10::GatheredContext>> frees;
+    std::vector<Recorded> allocs;
+    std::vector<Recorded> frees;
   };
 
   static std::optional<c10::CachingDeviceAllocator::TraceEntry::Action> trace_action(const std::string& a) {
@@ -493,6 +637,21 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = kActions.find(a);
     if (it == kActions.end()) return std::nullopt;
     return it->second;
+  }
+
+  // The annotate entries of a device not yet added, up to a time, into its
+  // trace (in time order with reservoir's entries); *next counts those
+  // added. Holds mutex_.
+  void add_annotations_until(std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, int device,
+                             std::int64_t time_us, std::size_t* next) const {
+    std::size_t seen = 0;
+    for (const auto& te : annotate_entries_) {
+      if (te.device_ != device) continue;
+      if (seen++ < *next) continue;
+      if (static_cast<std::int64_t>(te.time_.t_) >= time_us) break;  // a tie: after the event
+      trace.push_back(te);
+      ++*next;
+    }
   }
 
   bool skipped(const std::string& action) const {
@@ -515,19 +674,66 @@ class ReservoirAllocator final : public CUDAAllocator {
 #endif
   }
 
-  // The recorder's context for an allocation or a free, when history asks.
-  std::shared_ptr<c10::GatheredContext> record_context(bool alloc) {
-    if (!recording_.load(std::memory_order_relaxed)) return nullptr;  // allocate/free without a lock
+  // What history keeps of an allocation or a free on `device`, when it is on.
+  std::optional<Recorded> record_context(bool alloc, int device) {
+    if (!recording_.load(std::memory_order_relaxed)) return std::nullopt;  // allocate/free without a lock
     cca::CreateContextFn recorder = nullptr;
     cca::RecordContext when{};
+    Recorded out;
     {
       std::lock_guard lock(mutex_);
+      if (!history_on_) return std::nullopt;
       recorder = recorder_;
       when = when_;
+      out.compile_context = compile_context_of(device);
+      auto meta = user_metadata_.find(device);
+      if (meta != user_metadata_.end()) out.user_metadata = meta->second;
     }
-    if (recorder == nullptr || when == cca::RecordContext::NEVER) return nullptr;
-    if (!alloc && when != cca::RecordContext::ALL) return nullptr;
-    return recorder();
+    const bool wanted = recorder != nullptr && when != cca::RecordContext::NEVER &&
+                        (alloc || when == cca::RecordContext::ALL);
+    if (wanted) out.context = recorder();
+    return out;
+  }
+
+  // The innermost compile context pushed on a device, "N/A" without one (as PyTorch writes it).
+  std::string compile_context_of(int device) const {
+    auto it = compile_contexts_.find(device);
+    return it == compile_contexts_.end() || it->second.empty() ? std::string("N/A") : it->second.back();
+  }
+
+  // Microseconds since the epoch: the clock of reservoir's history.
+  static std::int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // reservoir's trace events, as PyTorch's trace trackers take them.
+  static void on_trace(void* self, int device, const char* action, size_t action_size, unsigned long long addr,
+                       unsigned long long size, void* stream, long long time_us) {
+    auto* me = static_cast<ReservoirAllocator*>(self);
+    const auto kind = trace_action(std::string(action, action_size));
+    if (!kind) return;
+    std::vector<cca::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard lock(me->trackers_mutex_);
+      trackers = me->trackers_;
+    }
+    c10::CachingDeviceAllocator::TraceEntry te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, stream,
+                                               {0, 0}, 0);
+    te.time_.t_ = static_cast<time_t>(time_us != 0 ? time_us : now_us());
+    for (const auto& tracker : trackers) tracker(te);
+  }
+
+  // Connects every device the allocator knows to the trackers, once each.
+  void connect_trackers(int devices) {
+    std::lock_guard lock(trackers_mutex_);
+    if (trackers_.empty()) return;
+    for (int d = static_cast<int>(tracked_devices_.size()); d < devices; ++d) {
+      TORCH_CHECK(entry().attach_trace_tracker(d, on_trace, this) == 0,
+                  "reservoir (PyTorch's allocator): attachAllocatorTraceTracker: ", entry().error());
+      tracked_devices_.push_back(d);
+    }
   }
 
   // reservoir's segments and history of a device, as JSON.
@@ -538,7 +744,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
 
   void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
-    std::shared_ptr<c10::GatheredContext> context = record_context(true);
+    std::optional<Recorded> recorded = record_context(true, device);
     void* p = entry().malloc(static_cast<ssize_t>(size), device, stream);
     if (p == nullptr) {
       if (entry().error_is_oom() != 0) {
@@ -561,7 +767,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     std::lock_guard lock(mutex_);
     live_[p] = Live{size, device, stream};
-    if (recorder_ != nullptr) contexts_[reinterpret_cast<std::size_t>(p)].allocs.push_back(std::move(context));
+    if (recorded && history_on_) contexts_[reinterpret_cast<std::size_t>(p)].allocs.push_back(std::move(*recorded));
     return p;
   }
 
@@ -578,6 +784,18 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::vector<std::string> skip_actions_;
   std::unordered_map<std::size_t, Contexts> contexts_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  bool history_on_ = false;
+  std::size_t max_entries_ = 0;
+  std::map<int, std::vector<std::string>> compile_contexts_;
+  std::map<int, std::string> user_metadata_;
+  std::deque<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
+  // torch.cuda.memory._annotate_memory's entries, merged into the trace by time.
+  std::deque<c10::CachingDeviceAllocator::TraceEntry> annotate_entries_;
+  // Trackers have their own lock: reservoir calls them under its own, and
+  // no path holds mutex_ while it calls into reservoir.
+  std::mutex trackers_mutex_;
+  std::vector<cca::AllocatorTraceTracker> trackers_;
+  std::vector<int> tracked_devices_;
 #if RESERVOIR_TORCH_MINOR >= 15
   std::vector<cca::OomRejectionObserver> rejection_observers_;
 #endif
@@ -628,6 +846,47 @@ __attribute__((visibility("default"))) void* reservoir_torch_current_base_alloca
   }
   *size = total;
   return base;
+}
+
+}  // extern "C"
+
+namespace {
+// What the test helper's trace tracker saw: [action, address, size] each.
+std::mutex traced_mutex;
+nlohmann::json traced = nlohmann::json::array();
+}  // namespace
+
+extern "C" {
+
+// For tests: attaches a trace tracker to PyTorch's current CUDA allocator
+// (whichever it is) that notes every event; _take gives them as JSON (free
+// with free()) and starts over. 0 / the JSON, or -1 / null with the reason in
+// reservoir_torch_hooks_error().
+__attribute__((visibility("default"))) int reservoir_torch_current_trace_tracker_start() {
+  return reservoir_torch_hooks::guarded([] {
+    c10::cuda::CUDACachingAllocator::get()->attachAllocatorTraceTracker(
+        [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+          static const char* const kNames[] = {"alloc",       "free_requested", "free_completed",
+                                               "segment_alloc", "segment_free", "segment_map",
+                                               "segment_unmap", "snapshot",     "oom",
+                                               "annotate"};
+          const auto index = static_cast<std::size_t>(te.action_);
+          std::lock_guard lock(traced_mutex);
+          traced.push_back({index < std::size(kNames) ? kNames[index] : "?", te.addr_, te.size_});
+        });
+  });
+}
+
+__attribute__((visibility("default"))) char* reservoir_torch_current_trace_tracker_take() {
+  std::string text;
+  {
+    std::lock_guard lock(traced_mutex);
+    text = traced.dump();
+    traced = nlohmann::json::array();
+  }
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
 }
 
 }  // extern "C"

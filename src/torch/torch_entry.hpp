@@ -13,6 +13,8 @@
 namespace reservoir_torch_hooks {
 
 using StreamFilter = int (*)(void*, cudaStream_t);
+using TraceFn = void (*)(void*, int, const char*, size_t, unsigned long long, unsigned long long, void*,
+                         long long);
 
 struct Entry {
   void* (*malloc)(ssize_t, int, cudaStream_t) = nullptr;
@@ -31,6 +33,7 @@ struct Entry {
   int (*reset_accumulated_stats)(int) = nullptr;
   char* (*snapshot_json)(int) = nullptr;
   int (*record_history)(int, int, size_t, int) = nullptr;
+  int (*attach_trace_tracker)(int, TraceFn, void*) = nullptr;
 };
 
 // The entry points, once load() found them.

@@ -79,6 +79,7 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_reset_accumulated_stats", e.reset_accumulated_stats);
   find(lib, "reservoir_torch_snapshot_json", e.snapshot_json);
   find(lib, "reservoir_torch_record_history", e.record_history);
+  find(lib, "reservoir_torch_attach_trace_tracker", e.attach_trace_tracker);
 }
 
 }  // namespace reservoir_torch_hooks

@@ -299,3 +299,90 @@ def test_an_environment_variable_installs_it_in_a_program_that_never_names_reser
     bad = run_with_environment("paging", "emit(backend=torch.cuda.get_allocator_backend())")
     assert bad.returncode != 0 and "RESERVOIR_TORCH_ALLOCATOR='paging': expected one of own, pluggable" \
         in bad.stderr, bad.stderr[-2000:]
+
+
+# A trace tracker (what NCCL's memory registration attaches) sees every event
+# as it happens: the same actions, sizes and relative addresses as under the
+# native allocator, segments included.
+TRACKER = """
+import ctypes
+import reservoir as r
+lib = ctypes.CDLL(r.torch_hooks_path(torch.__version__))
+lib.reservoir_torch_current_trace_tracker_take.restype = ctypes.c_void_p
+torch.empty(1, device="cuda")  # the allocator initialised
+assert lib.reservoir_torch_current_trace_tracker_start() == 0
+sizes = [512, 3 * MiB, 25 * MiB, 100, 7 * MiB]
+ts = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+ts[1] = ts[3] = None
+more = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+ts = more = None
+torch.cuda.empty_cache()
+raw = lib.reservoir_torch_current_trace_tracker_take()
+events = json.loads(ctypes.string_at(raw).decode())
+base = next(e[1] for e in events if e[0] == "alloc")
+emit(events=[[e[0], e[1] - base, e[2]] for e in events])
+"""
+
+
+def test_a_trace_tracker_sees_what_it_sees_under_the_native_allocator():
+    native = run("native", TRACKER)
+    ours = run("reservoir", TRACKER)
+    assert ours["events"] == native["events"]
+    actions = [e[0] for e in ours["events"]]
+    assert actions.count("alloc") == 6 and actions.count("segment_alloc") == 2
+    assert "segment_free" in actions and "free_completed" in actions
+
+
+# History's annotations (record_function with global_record_annotations) and
+# user metadata (_set_memory_metadata) reach _snapshot() as the native
+# allocator writes them.
+ANNOTATED = """
+torch.cuda.memory._record_memory_history(max_entries=10000, global_record_annotations=True)
+enabled = torch._C._cuda_isHistoryEnabled() if hasattr(torch._C, "_cuda_isHistoryEnabled") else None
+with torch.profiler.record_function("phase one"):
+    a = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._set_memory_metadata("step two")
+metadata = torch.cuda.memory._get_memory_metadata()
+b = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+a = None
+snap = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+trace = snap["device_traces"][0]
+skip = ("time_us", "frames", "addr", "stream")
+emit(enabled=enabled, metadata=metadata,
+     annotations=[{k: v for k, v in x.items() if k != "time_us"} for x in snap.get("external_annotations", [])],
+     trace=[{k: v for k, v in e.items() if k not in skip} for e in trace])
+"""
+
+
+def test_annotations_and_user_metadata_reach_the_snapshot_as_under_the_native_allocator():
+    native = run("native", ANNOTATED)
+    ours = run("reservoir", ANNOTATED)
+    assert ours == native
+    assert ours["metadata"] == "step two"
+    assert any(x.get("name") == "phase one" for x in ours["annotations"]), ours["annotations"]
+    assert any(e.get("user_metadata") == "step two" for e in ours["trace"]), ours["trace"]
+
+
+# PyTorch 2.15 on: an "annotate" entry for a live tensor, in time order.
+ANNOTATE_TENSOR = """
+torch.cuda.memory._record_memory_history(max_entries=10000)
+a = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._annotate_tensor(a, "weights")
+b = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+snap = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(enabled=None)
+skip = ("time_us", "frames", "addr", "stream")
+emit(supported=torch._C._cuda_memoryMetadataSupported(),
+     trace=[{k: v for k, v in e.items() if k not in skip} for e in snap["device_traces"][0]])
+"""
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda.memory, "_annotate_tensor"), reason="PyTorch 2.15 on")
+def test_a_tensor_annotation_is_an_entry_of_the_trace_as_under_the_native_allocator():
+    native = run("native", ANNOTATE_TENSOR)
+    ours = run("reservoir", ANNOTATE_TENSOR)
+    assert ours == native
+    assert ours["supported"] is True
+    assert [e["action"] for e in ours["trace"]][-3:] == ["alloc", "annotate", "alloc"], ours["trace"]
+    assert ours["trace"][-2]["user_metadata"] == "weights"
