@@ -133,8 +133,10 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::unique_lock lock(mutex_);
     fractions_.assign(static_cast<std::size_t>(device_count), 1.0);
     initialized_ = true;
+    // reservoir's events cost a call each: taken only once asked for.
+    const bool wanted = history_on_ || !trackers_.empty();
     lock.unlock();
-    connect_trackers(device_count);
+    if (wanted) connect_events(device_count);
   }
   bool initialized() override {
     std::lock_guard lock(mutex_);
@@ -166,6 +168,10 @@ class ReservoirAllocator final : public CUDAAllocator {
       unsupported("emptyCache of a pool still in use",
                   "reservoir gives a private pool's memory back when its last user releases it");
     }
+    // Its segment releases carry this call (its frames when history
+    // records every call, as PyTorch's).
+    const std::optional<Recorded> recorded = record_context(false, c10::cuda::current_device());
+    InCall call(recorded ? &*recorded : nullptr);
     entry().reset();
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -365,6 +371,8 @@ class ReservoirAllocator final : public CUDAAllocator {
       using TE = c10::CachingDeviceAllocator::TraceEntry;
       const nlohmann::json& history = snap["history"];
       std::unordered_map<std::size_t, Recorded> last_free;
+      std::unordered_map<std::size_t, std::shared_ptr<c10::GatheredContext>> last_alloc;
+      std::unordered_map<std::size_t, std::size_t> release_seen;
       std::size_t annotations_added = 0;
       for (std::size_t i = 0; i < history.size(); ++i) {
         const nlohmann::json& e = history[i];
@@ -388,7 +396,14 @@ class ReservoirAllocator final : public CUDAAllocator {
             const auto& list = alloc ? it->second.allocs : it->second.frees;
             if (k < list.size()) recorded = list[k];
           }
-          if (!alloc) last_free[addr] = recorded;
+          if (alloc) {
+            last_alloc[addr] = recorded.context;
+          } else {
+            // Without the free's frames (history keeping allocations'
+            // only), the allocation's, as PyTorch's.
+            if (recorded.context == nullptr) recorded.context = last_alloc[addr];
+            last_free[addr] = recorded;
+          }
         } else if (*kind == TE::FREE_COMPLETED) {
           auto it = last_free.find(addr);
           if (it != last_free.end()) recorded = it->second;
@@ -404,6 +419,12 @@ class ReservoirAllocator final : public CUDAAllocator {
             }
             if (next != "segment_alloc" && next != "segment_map") break;
           }
+        } else if (*kind == TE::SEGMENT_FREE || *kind == TE::SEGMENT_UNMAP) {
+          // The call it happened in (no frames when history keeps
+          // allocations' only, as PyTorch's).
+          auto it = releases_.find(addr);
+          const std::size_t k = release_seen[addr]++;
+          if (it != releases_.end() && k < it->second.size()) recorded = it->second[k];
         }
         const auto time_us = e["time_us"].get<std::int64_t>();
         add_annotations_until(trace, device, time_us, &annotations_added);
@@ -443,6 +464,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       max_entries_ = alloc_trace_max_entries;
       if (clearHistory || !enabled) {
         contexts_.clear();
+        releases_.clear();
         annotations_.clear();
         annotate_entries_.clear();
       }
@@ -452,6 +474,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       TORCH_CHECK(entry().record_history(device, enabled ? 1 : 0, alloc_trace_max_entries, 0) == 0,
                   "reservoir (PyTorch's allocator): recordHistory: ", entry().error());
     }
+    if (enabled) connect_events(std::max(devices, 1));
   }
   bool isHistoryEnabled() override {
     std::lock_guard lock(mutex_);
@@ -569,10 +592,10 @@ class ReservoirAllocator final : public CUDAAllocator {
       devices = static_cast<int>(fractions_.size());
     }
     {
-      std::lock_guard lock(trackers_mutex_);
+      std::lock_guard lock(mutex_);
       trackers_.push_back(std::move(tracker));
     }
-    connect_trackers(devices);
+    connect_events(devices);
   }
 
   // ---- devices and IPC ----
@@ -686,14 +709,30 @@ class ReservoirAllocator final : public CUDAAllocator {
       recorder = recorder_;
       when = when_;
       out.compile_context = compile_context_of(device);
-      auto meta = user_metadata_.find(device);
-      if (meta != user_metadata_.end()) out.user_metadata = meta->second;
+      out.user_metadata = metadata_of(device);
     }
     const bool wanted = recorder != nullptr && when != cca::RecordContext::NEVER &&
                         (alloc || when == cca::RecordContext::ALL);
     if (wanted) out.context = recorder();
     return out;
   }
+
+  // The user metadata set on a device. Holds mutex_.
+  std::string metadata_of(int device) const {
+    auto it = user_metadata_.find(device);
+    return it == user_metadata_.end() ? std::string() : it->second;
+  }
+
+  // The call of this thread's that is in reservoir now, when history keeps
+  // it: what its segment releases are written with.
+  static thread_local const Recorded* current_call;
+  struct InCall {
+    explicit InCall(const Recorded* r) : previous(current_call) { current_call = r; }
+    ~InCall() { current_call = previous; }
+    InCall(const InCall&) = delete;
+    InCall& operator=(const InCall&) = delete;
+    const Recorded* previous;
+  };
 
   // The innermost compile context pushed on a device, "N/A" without one (as PyTorch writes it).
   std::string compile_context_of(int device) const {
@@ -708,31 +747,44 @@ class ReservoirAllocator final : public CUDAAllocator {
         .count();
   }
 
-  // reservoir's trace events, as PyTorch's trace trackers take them.
-  static void on_trace(void* self, int device, const char* action, size_t action_size, unsigned long long addr,
+  // Every event of reservoir's as it happens (under reservoir's lock): to
+  // PyTorch's trace trackers, and for history, the call a segment release
+  // happened in (empty_cache, or the allocation whose retry released it).
+  static void on_event(void* self, int device, const char* action, size_t action_size, unsigned long long addr,
                        unsigned long long size, void* stream, long long time_us) {
     auto* me = static_cast<ReservoirAllocator*>(self);
     const auto kind = trace_action(std::string(action, action_size));
     if (!kind) return;
+    using TE = c10::CachingDeviceAllocator::TraceEntry;
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
-      std::lock_guard lock(me->trackers_mutex_);
+      std::lock_guard lock(me->mutex_);
       trackers = me->trackers_;
+      if (me->history_on_ && (*kind == TE::SEGMENT_FREE || *kind == TE::SEGMENT_UNMAP)) {
+        me->releases_[addr].push_back(current_call != nullptr
+                                          ? *current_call
+                                          : Recorded{nullptr, me->compile_context_of(device), me->metadata_of(device)});
+      }
     }
-    c10::CachingDeviceAllocator::TraceEntry te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, stream,
-                                               {0, 0}, 0);
+    if (trackers.empty()) return;
+    TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, stream, {0, 0}, 0);
     te.time_.t_ = static_cast<time_t>(time_us != 0 ? time_us : now_us());
     for (const auto& tracker : trackers) tracker(te);
   }
 
-  // Connects every device the allocator knows to the trackers, once each.
-  void connect_trackers(int devices) {
-    std::lock_guard lock(trackers_mutex_);
-    if (trackers_.empty()) return;
-    for (int d = static_cast<int>(tracked_devices_.size()); d < devices; ++d) {
-      TORCH_CHECK(entry().attach_trace_tracker(d, on_trace, this) == 0,
-                  "reservoir (PyTorch's allocator): attachAllocatorTraceTracker: ", entry().error());
-      tracked_devices_.push_back(d);
+  // Connects every device the allocator knows to reservoir's events, once
+  // each. reservoir calls on_event under its own lock, and on_event takes
+  // ours: no lock of ours is held while reservoir is called.
+  void connect_events(int devices) {
+    std::vector<int> todo;
+    {
+      std::lock_guard lock(mutex_);
+      for (int d = connected_devices_; d < devices; ++d) todo.push_back(d);
+      connected_devices_ = std::max(connected_devices_, devices);
+    }
+    for (int d : todo) {
+      TORCH_CHECK(entry().attach_trace_tracker(d, on_event, this) == 0,
+                  "reservoir (PyTorch's allocator): attaching to device ", d, "'s events: ", entry().error());
     }
   }
 
@@ -745,7 +797,11 @@ class ReservoirAllocator final : public CUDAAllocator {
 
   void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     std::optional<Recorded> recorded = record_context(true, device);
-    void* p = entry().malloc(static_cast<ssize_t>(size), device, stream);
+    void* p = nullptr;
+    {
+      InCall call(recorded ? &*recorded : nullptr);
+      p = entry().malloc(static_cast<ssize_t>(size), device, stream);
+    }
     if (p == nullptr) {
       if (entry().error_is_oom() != 0) {
         const std::string message = entry().error();
@@ -791,15 +847,16 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::deque<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
   // torch.cuda.memory._annotate_memory's entries, merged into the trace by time.
   std::deque<c10::CachingDeviceAllocator::TraceEntry> annotate_entries_;
-  // Trackers have their own lock: reservoir calls them under its own, and
-  // no path holds mutex_ while it calls into reservoir.
-  std::mutex trackers_mutex_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
-  std::vector<int> tracked_devices_;
+  int connected_devices_ = 0;  // devices whose events on_event receives
+  // Per segment address, the calls its releases happened in, in order.
+  std::unordered_map<std::size_t, std::vector<Recorded>> releases_;
 #if RESERVOIR_TORCH_MINOR >= 15
   std::vector<cca::OomRejectionObserver> rejection_observers_;
 #endif
 };
+
+thread_local const ReservoirAllocator::Recorded* ReservoirAllocator::current_call = nullptr;
 
 std::shared_ptr<ReservoirAllocator>& the_allocator() {
   static std::shared_ptr<ReservoirAllocator> instance;

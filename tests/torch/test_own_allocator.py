@@ -187,11 +187,10 @@ def test_history_and_snapshot_as_pytorch_records_them_read_by_memory_viz_and_ver
     assert ours["settings"] == native["settings"]
     assert min(ours["pages"]) > 1000
     assert [e[:3] for e in ours["trace"]] == [e[:3] for e in native["trace"]]
-    # The program's frames on every entry but the segment releases, whose
-    # caller reservoir's history does not name.
+    # The program's frames on every entry, segment releases included (the
+    # empty_cache() call they happened in).
     for mine, theirs in zip(ours["trace"], native["trace"]):
-        if mine[0] != "segment_free":
-            assert mine[3] == theirs[3] and mine[3], (mine, theirs)
+        assert mine[3] == theirs[3] and mine[3], (mine, theirs)
     assert any(e[0] == "segment_free" for e in ours["trace"])
     verify = subprocess.run([os.environ["RESERVOIR"], "verify", ours["path"]], capture_output=True, text=True)
     assert verify.returncode == 0 and "agrees with the recording" in verify.stdout, verify.stdout + verify.stderr
@@ -386,3 +385,16 @@ def test_a_tensor_annotation_is_an_entry_of_the_trace_as_under_the_native_alloca
     assert ours["supported"] is True
     assert [e["action"] for e in ours["trace"]][-3:] == ["alloc", "annotate", "alloc"], ours["trace"]
     assert ours["trace"][-2]["user_metadata"] == "weights"
+
+
+def test_with_allocation_contexts_only_frees_carry_the_allocation_frames_and_releases_none(tmp_path):
+    body = HISTORY.replace("_record_memory_history(max_entries=100000)",
+                           "_record_memory_history(context='alloc', max_entries=100000)")
+    env = {"SNAPSHOT_PATH": str(tmp_path / "snap")}
+    native = run("native", body, env)
+    ours = run("reservoir", body, env)
+    assert ours["trace"] == native["trace"]
+    releases = [e for e in ours["trace"] if e[0] == "segment_free"]
+    frees = [e for e in ours["trace"] if e[0] == "free_requested"]
+    assert releases and not any(e[3] for e in releases)
+    assert frees and all(e[3] for e in frees)
