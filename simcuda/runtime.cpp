@@ -3,7 +3,9 @@
 // real runtime exports is a weak stub that refuses the call, naming it; the
 // version script gives each the version node PyTorch's libraries bind to.
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -488,12 +490,62 @@ SIMCUDA_API cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMod
 
 SIMCUDA_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   ENTER("cudaEventCreateWithFlags", false);
-  (void)flags;
   if (e == nullptr) return result(cudaErrorInvalidValue);
-  *e = reinterpret_cast<cudaEvent_t>(Sim::get().create_event(device()));
+  Event* event = Sim::get().create_event(device());
+  event->interprocess = (flags & cudaEventInterprocess) != 0;
+  *e = reinterpret_cast<cudaEvent_t>(event);
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+
+// Interprocess memory and events (Sim::ipc_*). An event's handle names its
+// process; the event opened from it is a new one of the opening process,
+// complete, as all work is here once issued.
+SIMCUDA_API cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
+  ENTER("cudaIpcGetMemHandle", false);
+  static_assert(sizeof(cudaIpcMemHandle_t) == Sim::kIpcHandleSize);
+  if (handle == nullptr) return result(cudaErrorInvalidValue);
+  return result(Sim::get().ipc_get_handle(ptr, reinterpret_cast<unsigned char*>(handle->reserved)));
+}
+SIMCUDA_API cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned int flags) {
+  ENTER("cudaIpcOpenMemHandle", false);
+  (void)flags;  // cudaIpcMemLazyEnablePeerAccess: every device reaches every other here
+  return result(Sim::get().ipc_open(reinterpret_cast<const unsigned char*>(handle.reserved), ptr));
+}
+SIMCUDA_API cudaError_t cudaIpcCloseMemHandle(void* ptr) {
+  ENTER("cudaIpcCloseMemHandle", false);
+  return result(Sim::get().ipc_close(ptr));
+}
+namespace {
+constexpr char kEventMagic[8] = {'r', 's', 'v', 's', 'i', 'm', 'E', 'V'};
+}  // namespace
+SIMCUDA_API cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t e) {
+  ENTER("cudaIpcGetEventHandle", false);
+  static_assert(sizeof(cudaIpcEventHandle_t) == 64);
+  const auto* event = reinterpret_cast<const Event*>(e);
+  if (handle == nullptr || event == nullptr) return result(cudaErrorInvalidValue);
+  if (!event->interprocess) return result(cudaErrorInvalidResourceHandle);
+  std::memset(handle->reserved, 0, sizeof handle->reserved);
+  std::memcpy(handle->reserved, kEventMagic, sizeof kEventMagic);
+  const std::int32_t pid = ::getpid();
+  std::memcpy(handle->reserved + 8, &pid, 4);
+  std::memcpy(handle->reserved + 12, &e, sizeof e);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* e, cudaIpcEventHandle_t handle) {
+  ENTER("cudaIpcOpenEventHandle", false);
+  if (e == nullptr) return result(cudaErrorInvalidValue);
+  if (std::memcmp(handle.reserved, kEventMagic, sizeof kEventMagic) != 0) {
+    return result(cudaErrorInvalidResourceHandle);
+  }
+  std::int32_t pid = 0;
+  std::memcpy(&pid, handle.reserved + 8, 4);
+  if (pid == ::getpid()) return result(cudaErrorDeviceUninitialized);  // other processes only
+  Event* event = Sim::get().create_event(device());
+  event->interprocess = true;
+  *e = reinterpret_cast<cudaEvent_t>(event);
+  return cudaSuccess;
+}
 SIMCUDA_API cudaError_t cudaEventDestroy(cudaEvent_t e) {
   ENTER("cudaEventDestroy", false);
   return result(Sim::get().destroy_event(reinterpret_cast<Event*>(e)));

@@ -1,6 +1,8 @@
 #include "sim.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -8,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
 
 #include "control.h"
 
@@ -225,8 +228,136 @@ int Sim::malloc_device(int device, std::size_t size, void** out) {
     }
     allocations_[at] = {bytes, device};
   }
-  if (opened != 0) ::mprotect(reinterpret_cast<void*>(opened), opened_bytes, PROT_READ | PROT_WRITE);
+  if (opened != 0 && size >= kGranularity) {
+    // Its own memfd, shared, so that an IPC handle can name it.
+    const int fd = ::memfd_create("reservoir-simcuda-malloc", MFD_CLOEXEC);
+    const bool ok = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(opened_bytes)) == 0 &&
+                    ::mmap(reinterpret_cast<void*>(opened), opened_bytes, PROT_READ | PROT_WRITE,
+                           MAP_SHARED | MAP_FIXED, fd, 0) != MAP_FAILED;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ok) {
+      if (fd >= 0) ::close(fd);
+      allocations_.erase(at);
+      give_range(devices_[static_cast<std::size_t>(device)], at, opened_bytes);
+      return kOutOfMemory;
+    }
+    shared_fds_[at] = fd;
+  } else if (opened != 0) {
+    ::mprotect(reinterpret_cast<void*>(opened), opened_bytes, PROT_READ | PROT_WRITE);
+  }
   *out = reinterpret_cast<void*>(at);
+  return kSuccess;
+}
+
+namespace {
+
+constexpr char kIpcMagic[8] = {'r', 's', 'v', 's', 'i', 'm', 'I', 'P'};
+
+// A range of the device's back to its reserved, inaccessible state (the
+// pages it held leave the process).
+void close_range(std::uintptr_t at, std::size_t bytes) {
+  ::mmap(reinterpret_cast<void*>(at), bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+         -1, 0);
+}
+
+}  // namespace
+
+int Sim::ipc_get_handle(const void* ptr, unsigned char* handle) {
+  if (handle == nullptr) return kInvalidValue;
+  const auto at = reinterpret_cast<std::uintptr_t>(ptr);
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = allocations_.find(at);
+  if (it == allocations_.end()) return kInvalidValue;  // not the base of a cudaMalloc
+  auto fd = shared_fds_.find(at);
+  if (fd == shared_fds_.end()) {
+    lock.unlock();  // refuse() takes the lock
+    return refuse("cudaIpcGetMemHandle of an allocation under 2 MiB");
+  }
+  std::memset(handle, 0, kIpcHandleSize);
+  std::memcpy(handle, kIpcMagic, sizeof kIpcMagic);
+  const std::int32_t pid = ::getpid();
+  const std::int32_t descriptor = fd->second;
+  const std::uint64_t bytes = it->second.first;
+  const std::int32_t device = it->second.second;
+  std::memcpy(handle + 8, &pid, 4);
+  std::memcpy(handle + 12, &descriptor, 4);
+  std::memcpy(handle + 16, &bytes, 8);
+  std::memcpy(handle + 24, &device, 4);
+  std::memcpy(handle + 28, &at, 8);
+  return kSuccess;
+}
+
+int Sim::ipc_open(const unsigned char* handle, void** out) {
+  if (handle == nullptr || out == nullptr) return kInvalidValue;
+  if (std::memcmp(handle, kIpcMagic, sizeof kIpcMagic) != 0) return kInvalidHandle;
+  std::int32_t pid = 0;
+  std::int32_t descriptor = 0;
+  std::uint64_t bytes = 0;
+  std::memcpy(&pid, handle + 8, 4);
+  std::memcpy(&descriptor, handle + 12, 4);
+  std::memcpy(&bytes, handle + 16, 8);
+  if (pid == ::getpid()) return kInvalidContext;  // a handle opens in other processes only
+  const std::string key(reinterpret_cast<const char*>(handle), 36);
+  const int device = current_device();
+  if (!valid(device)) return kInvalidDevice;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = imported_by_key_.find(key); it != imported_by_key_.end()) {
+      ++imported_.at(it->second).refs;  // opened before: the same pointer, counted
+      *out = reinterpret_cast<void*>(it->second);
+      return kSuccess;
+    }
+  }
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(descriptor);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidHandle;  // the process or its allocation is gone
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<std::uint64_t>(st.st_size) != bytes) {
+    ::close(fd);
+    return kInvalidHandle;
+  }
+  std::uintptr_t at = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = devices_[static_cast<std::size_t>(device)];
+    if (!open_range(d) || (at = take_range(d, bytes)) == 0) {
+      ::close(fd);
+      return kOutOfMemory;  // no room in this process's device range
+    }
+    d.used -= bytes;  // the exporting device's memory, not this one's
+  }
+  const bool mapped = ::mmap(reinterpret_cast<void*>(at), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                             fd, 0) != MAP_FAILED;
+  ::close(fd);  // the mapping keeps the memory
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!mapped) {
+    Device& d = devices_[static_cast<std::size_t>(device)];
+    d.used += bytes;
+    give_range(d, at, bytes);
+    return kOutOfMemory;
+  }
+  imported_[at] = Imported{bytes, device, 1, key};
+  imported_by_key_[key] = at;
+  *out = reinterpret_cast<void*>(at);
+  return kSuccess;
+}
+
+int Sim::ipc_close(void* ptr) {
+  const auto at = reinterpret_cast<std::uintptr_t>(ptr);
+  std::size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = imported_.find(at);
+    if (it == imported_.end()) return kInvalidValue;
+    if (--it->second.refs > 0) return kSuccess;
+    bytes = it->second.size;
+    Device& d = devices_[static_cast<std::size_t>(it->second.device)];
+    imported_by_key_.erase(it->second.key);
+    imported_.erase(it);
+    close_range(at, bytes);
+    d.used += bytes;
+    give_range(d, at, bytes);
+  }
   return kSuccess;
 }
 
@@ -254,6 +385,14 @@ int Sim::free_device(void* ptr) {
     } else {
       give_range(d, at, bytes);
       release_at = at, release_bytes = bytes;
+      if (auto fd = shared_fds_.find(at); fd != shared_fds_.end()) {
+        // The shared pages leave with the memfd (another process's
+        // mapping keeps them until it closes its handle).
+        close_range(at, bytes);
+        ::close(fd->second);
+        shared_fds_.erase(fd);
+        release_at = 0;
+      }
     }
   }
   if (release_at != 0) {
@@ -271,6 +410,13 @@ bool Sim::device_range(const void* ptr, std::uintptr_t* base, std::size_t* size,
     --it;
     if (p < it->first + it->second.first) {
       *base = it->first, *size = it->second.first, *device = it->second.second;
+      return true;
+    }
+  }
+  if (auto it = imported_.upper_bound(p); it != imported_.begin()) {
+    --it;
+    if (p < it->first + it->second.size) {
+      *base = it->first, *size = it->second.size, *device = it->second.device;
       return true;
     }
   }

@@ -63,6 +63,7 @@ enum Code : int {
 
 struct Event {
   int device = 0;
+  bool interprocess = false;  // cudaEventInterprocess: its handle can be shared
   bool recorded = false;
   bool complete = true;
   double time_ms = 0.0;
@@ -129,6 +130,16 @@ class SIMCUDA_API Sim {
   // Whether `ptr` lies in memory of a device; its range when it does.
   bool device_range(const void* ptr, std::uintptr_t* base, std::size_t* size, int* device);
 
+  // Interprocess memory (cudaIpc*): a cudaMalloc of 2 MiB or more lives in
+  // a memfd of its own, which a handle names (process, descriptor, size),
+  // and another process maps through /proc/<pid>/fd into its own device
+  // range. An allocation under 2 MiB (in a shared page) is refused, as is a
+  // handle opened by the process that made it.
+  static constexpr std::size_t kIpcHandleSize = 64;
+  int ipc_get_handle(const void* ptr, unsigned char* handle);  // handle: kIpcHandleSize bytes
+  int ipc_open(const unsigned char* handle, void** out);
+  int ipc_close(void* ptr);
+
   // Virtual memory.
   static constexpr std::size_t kGranularity = std::size_t{2} << 20;
   static constexpr std::size_t kSmallAlignment = 512;
@@ -181,6 +192,15 @@ class SIMCUDA_API Sim {
   std::unordered_map<std::string, std::uint64_t> counts_;
   std::unordered_map<std::string, std::vector<std::uint64_t>> failures_;  // call -> uses that fail
   std::map<std::uintptr_t, std::pair<std::size_t, int>> allocations_;    // cudaMalloc: base -> size, device
+  std::unordered_map<std::uintptr_t, int> shared_fds_;                   // cudaMalloc >= 2 MiB: base -> memfd
+  struct Imported {
+    std::size_t size = 0;
+    int device = 0;
+    int refs = 1;
+    std::string key;  // the handle's process, descriptor and size
+  };
+  std::map<std::uintptr_t, Imported> imported_;                          // cudaIpcOpenMemHandle: va -> it
+  std::unordered_map<std::string, std::uintptr_t> imported_by_key_;
   // Holes of the device range: takes `bytes` (first fit), returns 0 when none fits.
   std::uintptr_t take_range(Device& d, std::size_t bytes);
   void give_range(Device& d, std::uintptr_t at, std::size_t bytes);

@@ -193,3 +193,73 @@ def test_fault_injection_by_environment_and_by_call():
     """, RESERVOIR_SIMCUDA_FAIL="cudaMalloc:2,cudaMalloc:4")
     # Allocation calls fail as out of memory.
     assert out == ["[0,", "2,", "0,", "2]", "[0,", "2,", "0]", "4", "3"]
+
+
+IPC_CHILD = """
+import ctypes, sys
+rt = ctypes.CDLL(sys.argv[1])
+class Handle(ctypes.Structure):  # cudaIpcMemHandle_t / cudaIpcEventHandle_t: passed by value
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+handle = Handle.from_buffer_copy(bytes.fromhex(sys.argv[2]))
+event_handle = Handle.from_buffer_copy(bytes.fromhex(sys.argv[3]))
+a, b = ctypes.c_void_p(), ctypes.c_void_p()
+assert rt.cudaIpcOpenMemHandle(ctypes.byref(a), handle, 1) == 0
+assert rt.cudaIpcOpenMemHandle(ctypes.byref(b), handle, 1) == 0 and b.value == a.value
+ev = ctypes.c_void_p()
+assert rt.cudaIpcOpenEventHandle(ctypes.byref(ev), event_handle) == 0
+assert rt.cudaEventSynchronize(ev) == 0
+host = (ctypes.c_ubyte * 16)()
+assert rt.cudaMemcpy(host, ctypes.c_void_p(a.value + 6 * 2**20 - 16), 16, 2) == 0
+assert bytes(host) == b"\\x5a" * 16, bytes(host)
+assert rt.cudaMemset(ctypes.c_void_p(a.value + 4096), 0x33, 8) == 0
+stranger = Handle()
+print(rt.cudaIpcOpenMemHandle(ctypes.byref(b), stranger, 1))
+assert rt.cudaIpcCloseMemHandle(a) == 0 and rt.cudaIpcCloseMemHandle(a) == 0
+print(rt.cudaIpcCloseMemHandle(a))
+"""
+
+
+def test_ipc_memory_and_events_shared_between_processes():
+    # The exporter writes, hands its handles to a child process through a
+    # pipe, and waits; the child opens them, reads, writes back, opens the
+    # same handle again (the same pointer, counted), closes both. Misuse:
+    # a small allocation, a pointer not at an allocation's start, the own
+    # process opening its handle, a stranger's bytes, an event made without
+    # cudaEventInterprocess.
+    out, _ = run(f"""
+        import subprocess, sys
+        IPC_CHILD = {IPC_CHILD!r}
+        class Handle(ctypes.Structure):  # cudaIpcMemHandle_t / cudaIpcEventHandle_t: passed by value
+            _fields_ = [("reserved", ctypes.c_char * 64)]
+        handle = Handle()
+        event_handle = Handle()
+        p = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(p), 6 * MiB) == 0
+        assert rt.cudaMemset(p, 0x5A, 6 * MiB) == 0
+        assert rt.cudaIpcGetMemHandle(ctypes.byref(handle), p) == 0
+        ev = ctypes.c_void_p()
+        assert rt.cudaEventCreateWithFlags(ctypes.byref(ev), 0x2 | 0x4) == 0  # disable timing, interprocess
+        assert rt.cudaIpcGetEventHandle(ctypes.byref(event_handle), ev) == 0
+        plain = ctypes.c_void_p()
+        assert rt.cudaEventCreateWithFlags(ctypes.byref(plain), 0) == 0
+        misuse = [rt.cudaIpcGetEventHandle(ctypes.byref(event_handle), plain)]
+        small = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(small), 4096) == 0
+        other = Handle()
+        misuse.append(rt.cudaIpcGetMemHandle(ctypes.byref(other), small))
+        misuse.append(rt.cudaIpcGetMemHandle(ctypes.byref(other), ctypes.c_void_p(p.value + 4096)))
+        opened = ctypes.c_void_p()
+        misuse.append(rt.cudaIpcOpenMemHandle(ctypes.byref(opened), handle, 1))
+        assert rt.cudaIpcGetEventHandle(ctypes.byref(event_handle), ev) == 0
+        r = subprocess.run([sys.executable, "-c", IPC_CHILD, rt._name, bytes(handle).hex(), bytes(event_handle).hex()],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        seen = (ctypes.c_ubyte * 8)()
+        assert rt.cudaMemcpy(seen, ctypes.c_void_p(p.value + 4096), 8, 2) == 0
+        assert rt.cudaFree(p) == 0
+        print(*misuse, *r.stdout.split(), bytes(seen).hex())
+    """)
+    # cudaErrorInvalidResourceHandle, refused (not served: under 2 MiB),
+    # cudaErrorInvalidValue, cudaErrorDeviceUninitialized (own process);
+    # the child: a stranger's bytes, a third close.
+    assert out == ["400", "801", "1", "201", "400", "1", "33" * 8], out
