@@ -9,8 +9,8 @@
 // reaches only what CUDAPluggableAllocator forwards.)
 //
 // What reservoir cannot do yet raises PyTorch's error naming the method and
-// why (IPC handles, checkpointed pool state, getExpandableSegmentSizes),
-// never a silent no-op.
+// why (checkpointed pool state, getExpandableSegmentSizes, IPC under the
+// virtual-memory policies), never a silent no-op.
 //
 // reservoir_torch_use_as_allocator(path, release) installs it before the
 // first CUDA allocation; reservoir.use_as_allocator() calls it.
@@ -615,12 +615,70 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
-  cca::ShareableHandle shareIpcHandle(void*) override {
-    unsupported("shareIpcHandle (torch.multiprocessing's CUDA tensors)",
-                "reservoir's segments cannot be exported as IPC handles yet");
+  // torch.multiprocessing's CUDA tensors: PyTorch's own handle format
+  // ([version]['c'][cudaIpcMemHandle_t of the segment], the block's offset
+  // in it), so that a process under PyTorch's native allocator opens what
+  // reservoir shares and the other way round. Version 2 up to PyTorch 2.12,
+  // 3 from 2.13 (the same 'c' payload). Segments of cudaMalloc only: under
+  // expandable segments and paging, memory is mapped through CUDA's
+  // virtual memory API, which a cudaIpcMemHandle cannot name.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    size_t total = 0;
+    void* base = getBaseAllocation(ptr, &total);
+    cudaIpcMemHandle_t handle;
+    const cudaError_t rc = cudaIpcGetMemHandle(&handle, base);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      TORCH_CHECK(false, "reservoir (PyTorch's allocator): shareIpcHandle of ", ptr,
+                  ": CUDA cannot export its segment at ", base, " (", cudaGetErrorString(rc),
+                  "); tensors shared between processes need reservoir's native policy, whose segments are "
+                  "cudaMalloc's (expandable segments and paging map memory through CUDA's virtual memory API)");
+    }
+    std::string out;
+    out.push_back(kHandleVersion);
+    out.push_back('c');
+    out.append(reinterpret_cast<const char*>(&handle), sizeof handle);
+    return cca::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), out};
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    unsupported("getIpcDevPtr", "reservoir cannot open IPC handles yet");
+  // Opens what another process shared, once per handle while it is in use
+  // (as PyTorch's allocator caches it); closed when the last user lets go.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard lock(ipc_mutex_);
+    if (auto it = opened_.find(handle); it != opened_.end()) {
+      if (std::shared_ptr<void> alive = it->second.lock()) return alive;
+    }
+    const char* payload = handle.data();
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {  // a bare handle predates the version byte
+      TORCH_CHECK(handle.size() >= 2, "reservoir (PyTorch's allocator): getIpcDevPtr: a handle of ",
+                  handle.size(), " bytes");
+      TORCH_CHECK(handle[0] <= kHandleVersion,
+                  "received sharable handle from a future version of torch that this version does not know how "
+                  "to handle");
+      TORCH_CHECK(handle[1] == 'c', "reservoir (PyTorch's allocator): getIpcDevPtr: ",
+                  handle[1] == 'e' ? "a handle of PyTorch's expandable segments is not supported (the sharing "
+                                     "process can use expandable_segments:False for the tensors it shares)"
+                                   : "not a handle of PyTorch's (unknown type)");
+      TORCH_CHECK(handle.size() == 2 + sizeof(cudaIpcMemHandle_t),
+                  "reservoir (PyTorch's allocator): getIpcDevPtr: a cudaMalloc handle of ", handle.size(),
+                  " bytes, not ", 2 + sizeof(cudaIpcMemHandle_t));
+      payload += 2;
+    }
+    cudaIpcMemHandle_t ipc;
+    std::memcpy(&ipc, payload, sizeof ipc);
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    void* ptr = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, ipc, cudaIpcMemLazyEnablePeerAccess));
+    std::shared_ptr<void> opened(ptr, [this, device, handle](void* p) {
+      {
+        c10::cuda::CUDAGuard guard(device);
+        if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();  // a deleter does not throw
+      }
+      std::lock_guard lock(ipc_mutex_);
+      auto it = opened_.find(handle);
+      if (it != opened_.end() && it->second.expired()) opened_.erase(it);  // not a newer opening's
+    });
+    opened_[handle] = opened;
+    return opened;
   }
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, c10::MempoolId_t) override {
     unsupported("getCheckpointState (CUDA graph trees)", "reservoir cannot checkpoint a pool's state");
@@ -848,6 +906,15 @@ class ReservoirAllocator final : public CUDAAllocator {
   // torch.cuda.memory._annotate_memory's entries, merged into the trace by time.
   std::deque<c10::CachingDeviceAllocator::TraceEntry> annotate_entries_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
+  // IPC handles opened here, while in use (their own lock: a deleter runs
+  // wherever the last user lets go).
+  std::mutex ipc_mutex_;
+  std::unordered_map<std::string, std::weak_ptr<void>> opened_;
+#if RESERVOIR_TORCH_MINOR >= 13
+  static constexpr char kHandleVersion = 3;
+#else
+  static constexpr char kHandleVersion = 2;
+#endif
   int connected_devices_ = 0;  // devices whose events on_event receives
   // Per segment address, the calls its releases happened in, in order.
   std::unordered_map<std::size_t, std::vector<Recorded>> releases_;

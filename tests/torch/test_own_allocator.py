@@ -236,13 +236,13 @@ def test_what_is_not_supported_names_the_method_and_why():
         torch._C._cuda_cudaCachingAllocator_raw_alloc(0, 0)
         a = torch.empty(10, device="cuda")
         torch.cuda.caching_allocator_alloc(10)
-        handle = torch.empty(MiB, dtype=torch.uint8, device="cuda").untyped_storage()._share_cuda_()
+        torch._C._cuda_getCheckpointState(0, (0, 1))
         emit(error="")
     except RuntimeError as e:
         emit(error=str(e))
     """
     r = run("reservoir", body)
-    assert "shareIpcHandle (torch.multiprocessing's CUDA tensors) is not supported" in r["error"], r
+    assert "getCheckpointState (CUDA graph trees) is not supported" in r["error"], r
 
 
 def test_a_release_without_a_library_is_refused_with_what_to_do():
@@ -398,3 +398,79 @@ def test_with_allocation_contexts_only_frees_carry_the_allocation_frames_and_rel
     frees = [e for e in ours["trace"] if e[0] == "free_requested"]
     assert releases and not any(e[3] for e in releases)
     assert frees and all(e[3] for e in frees)
+
+
+# torch.multiprocessing's CUDA tensors: PyTorch's handle format both ways, so
+# a process under PyTorch's native allocator opens what reservoir shares and
+# the other way round. The tensor lies 2 MiB into its segment; the child
+# reads what the parent wrote and writes where the parent reads.
+IPC_PROGRAM = """
+import json, sys
+import torch
+import torch.multiprocessing as mp
+MiB = 1 << 20
+
+def install(mode):
+    if mode != "native":
+        import reservoir
+        reservoir.use_as_allocator("" if mode == "reservoir" else mode)
+
+def child(mode, queue, done):
+    install(mode)
+    x = queue.get()
+    seen = bool((x.cpu() == 7).all()) and x.numel() == 3 * MiB
+    x[1000:2000].copy_(torch.full((1000,), 9, dtype=torch.uint8))
+    torch.cuda.synchronize()
+    done.put((seen, torch.cuda.get_allocator_backend()))
+    del x
+
+if __name__ == "__main__":
+    parent_mode, child_mode = sys.argv[1:3]
+    install(parent_mode)
+    first = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")  # the same 20 MiB segment
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    x.copy_(torch.full((3 * MiB,), 7, dtype=torch.uint8))
+    try:
+        handle = x.untyped_storage()._share_cuda_()
+    except RuntimeError as e:
+        print("RESULT " + json.dumps({"error": str(e)}), flush=True)
+        sys.exit(0)
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(child_mode, queue, done))
+    p.start()
+    queue.put(x)
+    seen, backend = done.get(timeout=240)
+    p.join(timeout=60)
+    written = x.cpu()
+    print("RESULT " + json.dumps({
+        "seen": seen, "child_backend": backend, "exit": p.exitcode, "offset": handle[3],
+        "parent_backend": torch.cuda.get_allocator_backend(), "version": handle[1][0], "type": chr(handle[1][1]),
+        "written": bool((written[1000:2000] == 9).all()) and bool((written[:1000] == 7).all())}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("parent,child", [("reservoir", "native"), ("native", "reservoir"),
+                                          ("reservoir", "reservoir")])
+def test_cuda_tensors_shared_between_processes_in_pytorchs_handle_format(parent, child, tmp_path):
+    script = tmp_path / "ipc.py"
+    script.write_text(IPC_PROGRAM)
+    r = subprocess.run([sys.executable, str(script), parent, child], capture_output=True, text=True, timeout=400)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    version = 3 if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13) else 2
+    assert out == {"seen": True, "written": True, "exit": 0, "offset": 2 << 20, "version": version, "type": "c",
+                   "parent_backend": "native" if parent == "native" else "reservoir",
+                   "child_backend": "native" if child == "native" else "reservoir"}
+
+
+def test_sharing_under_paging_says_it_needs_the_native_policy(tmp_path):
+    script = tmp_path / "ipc.py"
+    script.write_text(IPC_PROGRAM)
+    r = subprocess.run([sys.executable, str(script), "policy:paging", "native"], capture_output=True, text=True,
+                       timeout=400)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    error = json.loads(lines[-1][len("RESULT "):])["error"]
+    assert "shareIpcHandle" in error and "need reservoir's native policy" in error, error
