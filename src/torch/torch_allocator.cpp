@@ -9,8 +9,8 @@
 // reaches only what CUDAPluggableAllocator forwards.)
 //
 // What reservoir cannot do yet raises PyTorch's error naming the method and
-// why (checkpointed pool state, getExpandableSegmentSizes, IPC under the
-// virtual-memory policies), never a silent no-op.
+// why (checkpointed pool state, IPC under the virtual-memory policies),
+// never a silent no-op.
 //
 // reservoir_torch_use_as_allocator(path, release) installs it before the
 // first CUDA allocation; reservoir.use_as_allocator() calls it.
@@ -252,8 +252,30 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     TORCH_CHECK(false, "reservoir (PyTorch's allocator): getBaseAllocation: no segment holds ", ptr);
   }
-  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
-    unsupported("getExpandableSegmentSizes", "reservoir's expandable segments are not reported per stream yet");
+  // The memory mapped into each stream's expandable segment of the default
+  // pools (small and large apart), as PyTorch's allocator reports it (the
+  // default stream's left out, as there); reservoir's snapshot lists a
+  // segment's mapped ranges one by one.
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
+    const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
+    std::vector<cca::StreamSegmentSize> out;
+    for (const nlohmann::json& seg : state["segments"]) {
+      if (!seg["is_expandable"].get<bool>()) continue;
+      if (seg["pool"][0].get<unsigned long long>() != 0 || seg["pool"][1].get<unsigned long long>() != 0) continue;
+      const auto stream = reinterpret_cast<cudaStream_t>(seg["stream"].get<std::uintptr_t>());
+      if (stream == nullptr) continue;  // the default stream's are not reported, as PyTorch's
+      const bool small = !seg["is_large"].get<bool>();
+      const auto size = seg["total_size"].get<std::size_t>();
+      auto it = std::find_if(out.begin(), out.end(), [&](const cca::StreamSegmentSize& s) {
+        return s.stream == stream && s.is_small_pool == small;
+      });
+      if (it == out.end()) {
+        out.emplace_back(stream, small, size);
+      } else {
+        it->total_size += size;
+      }
+    }
+    return out;
   }
 
   // ---- streams, pools, graphs ----
@@ -999,6 +1021,26 @@ __attribute__((visibility("default"))) int reservoir_torch_current_trace_tracker
           traced.push_back({index < std::size(kNames) ? kNames[index] : "?", te.addr_, te.size_});
         });
   });
+}
+
+// For tests: getExpandableSegmentSizes of PyTorch's current CUDA allocator,
+// as JSON [[stream, is_small_pool, total_size], ...] (free with free()), or
+// null with the reason in reservoir_torch_hooks_error().
+__attribute__((visibility("default"))) char* reservoir_torch_current_expandable_segment_sizes(int device) {
+  std::string text;
+  if (reservoir_torch_hooks::guarded([&] {
+        nlohmann::json out = nlohmann::json::array();
+        for (const auto& s : c10::cuda::CUDACachingAllocator::get()->getExpandableSegmentSizes(
+                 static_cast<c10::DeviceIndex>(device))) {
+          out.push_back({reinterpret_cast<std::uintptr_t>(s.stream), s.is_small_pool, s.total_size});
+        }
+        text = out.dump();
+      }) != 0) {
+    return nullptr;
+  }
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
 }
 
 __attribute__((visibility("default"))) char* reservoir_torch_current_trace_tracker_take() {

@@ -12,7 +12,10 @@ a CUDA graph captured and replayed (the same output as eager), a block
 recorded on a second stream, set_per_process_memory_fraction driving an
 allocation into torch.cuda.OutOfMemoryError, and (own allocator) a snapshot
 dumped with history on, which `reservoir verify` must agree with when
---reservoir-cli is given. One JSON line per run; exit 1 on a difference.
+--reservoir-cli is given. Then (own allocator) a CUDA tensor sent through
+torch.multiprocessing from reservoir to PyTorch's allocator and back: the
+child sums what the parent made, and writes where the parent reads. One
+JSON line per run; exit 1 on a difference.
 
     python3 tests/gpu/own_allocator_check.py [--api own|pluggable] [--reservoir-cli PATH]
     (reservoir importable, e.g. the bundle's wheel installed)
@@ -101,6 +104,65 @@ print("RESULT " + json.dumps({"config": config, "losses": losses, "seconds": sec
 '''
 
 
+# torch.multiprocessing's CUDA tensors between reservoir (own allocator,
+# native policy) and PyTorch's allocator, both ways: PyTorch's handle format
+# on a real GPU (cudaIpcMemHandle_t, the block's offset in its segment).
+IPC = r'''
+import json, sys
+import torch
+import torch.multiprocessing as mp
+
+def install(mode):
+    if mode == "reservoir":
+        import reservoir
+        reservoir.use_as_allocator("")
+
+def child(mode, queue, done):
+    install(mode)
+    x = queue.get()
+    seen = int(x.sum().item())
+    x[:1000].fill_(3)
+    torch.cuda.synchronize()
+    done.put((seen, torch.cuda.get_allocator_backend()))
+    del x
+
+if __name__ == "__main__":
+    parent, child_mode = sys.argv[1:3]
+    install(parent)
+    first = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    x = torch.ones(3 << 20, dtype=torch.int64, device="cuda")
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(child_mode, queue, done))
+    p.start()
+    queue.put(x)
+    seen, backend = done.get(timeout=120)
+    p.join(timeout=60)
+    print("RESULT " + json.dumps({"seen": seen, "after": int(x.sum().item()), "child": backend,
+                                  "parent": torch.cuda.get_allocator_backend(), "exit": p.exitcode}))
+'''
+
+
+def ipc_round_trips(scratch):
+    """Failures of the two IPC round trips (none when both agree)."""
+    script = os.path.join(scratch, "ipc.py")
+    with open(script, "w") as f:
+        f.write(IPC)
+    failures = []
+    n = 3 << 20
+    for parent, child in (("reservoir", "native"), ("native", "reservoir")):
+        p = subprocess.run([sys.executable, script, parent, child], capture_output=True, text=True, timeout=300)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode != 0 or not line:
+            failures.append(f"IPC {parent} -> {child}: exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
+            continue
+        r = json.loads(line[-1][len("RESULT "):])
+        print(json.dumps({"ipc": f"{parent} -> {child}"} | r))
+        if r != {"seen": n, "after": n + 2 * 1000, "child": child, "parent": parent, "exit": 0}:
+            failures.append(f"IPC {parent} -> {child}: {r}")
+    return failures
+
+
 def main():
     import argparse
     import tempfile
@@ -130,6 +192,8 @@ def main():
             print(v.stdout.strip())
             if v.returncode != 0:
                 failures.append(f"reservoir verify of the snapshot under reservoir: exit {v.returncode}: {v.stdout[-500:]}")
+    if args.api == "own":
+        failures += ipc_round_trips(scratch)
     native = results.get("native")
     for config, r in results.items():
         if native and r["losses"] != native["losses"]:
@@ -144,7 +208,8 @@ def main():
         return 1
     print(f"identical losses under {len(results) - 1} reservoir policies and native ({args.api} allocator); "
           "empty_cache() and the memory fraction reach reservoir; a CUDA graph replays as eager; a block recorded "
-          "on a second stream freed and reallocated without error")
+          "on a second stream freed and reallocated without error"
+          + ("; CUDA tensors shared with PyTorch's allocator both ways" if args.api == "own" else ""))
     return 0
 
 

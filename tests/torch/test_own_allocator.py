@@ -474,3 +474,31 @@ def test_sharing_under_paging_says_it_needs_the_native_policy(tmp_path):
     assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     error = json.loads(lines[-1][len("RESULT "):])["error"]
     assert "shareIpcHandle" in error and "need reservoir's native policy" in error, error
+
+
+# getExpandableSegmentSizes (no Python binding: the hooks library's helper
+# asks the current allocator): per stream and pool, the memory mapped into
+# its expandable segment, as PyTorch's allocator reports it (not the default
+# stream's).
+EXPANDABLE_SIZES = """
+import ctypes
+import reservoir as r
+lib = ctypes.CDLL(r.torch_hooks_path(torch.__version__))
+lib.reservoir_torch_current_expandable_segment_sizes.restype = ctypes.c_void_p
+side = torch.cuda.Stream()
+ts = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (700, 3 * MiB, 45 * MiB, 5000)]
+with torch.cuda.stream(side):
+    ts.append(torch.empty(30 * MiB, dtype=torch.uint8, device="cuda"))
+    ts.append(torch.empty(900, dtype=torch.uint8, device="cuda"))
+ts[2] = None
+raw = lib.reservoir_torch_current_expandable_segment_sizes(0)
+sizes = json.loads(ctypes.string_at(raw).decode())
+default = torch.cuda.current_stream().cuda_stream
+emit(sizes=sorted([s[0] == default, s[1], s[2]] for s in sizes))
+"""
+
+
+def test_expandable_segment_sizes_per_stream_as_the_native_allocator_reports_them():
+    native = run("native", EXPANDABLE_SIZES, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    ours = run("expandable_segments:True", EXPANDABLE_SIZES)
+    assert ours["sizes"] == native["sizes"] == [[False, False, 40 << 20], [False, True, 2 << 20]], (ours, native)
