@@ -60,6 +60,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void begin_allocate_to_pool(PoolId id, PoolFilter filter);
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);
+  void set_pool_use_on_oom(PoolId id, bool use_on_oom);
+  void set_pool_no_split(PoolId id);
+
   void validate() const;
   void restore(const Snapshot& layout, const std::vector<ExpandableReservation>& reservations);
 
@@ -250,10 +253,14 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   }
   // The hot path's steps, defined (and inlined) in native_policy.cpp alone.
   inline bool get_free_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // The last resort before running out of memory: a free block of a
+  // use_on_oom pool. False when none serves the request.
+  bool borrow_from_use_on_oom_pools(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
   inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
       RESERVOIR_REQUIRES(mutex_);
   bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_) {
+    if (block->pool->owner != nullptr && block->pool->owner->no_split) return false;
     const std::size_t remaining = block->size - size;
     if (in_stitched(block)) return false;  // one block, kept whole
     if (block->pool->is_small || vm_on()) return remaining >= kMinBlockSize;
@@ -485,6 +492,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::map<PoolId, std::unique_ptr<detail::PrivatePool>> private_pools_
       RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> freeable_pools_ RESERVOIR_GUARDED_BY(mutex_);
+  std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
+  std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<PoolId, PoolFilter>> routes_
       RESERVOIR_GUARDED_BY(mutex_);  // PyTorch's captures_underway
   std::vector<detail::Block*> deferred_event_blocks_ RESERVOIR_GUARDED_BY(mutex_);

@@ -244,6 +244,7 @@ struct PrivatePool {
   PoolId id;
   int use_count = 1;
   int device_alloc_count = 0;  // segments still held (PyTorch's cudaMalloc_count)
+  bool no_split = false;       // MemPool(no_split=True): blocks handed out whole
   BlockPool large;
   BlockPool small;
 };

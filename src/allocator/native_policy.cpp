@@ -220,7 +220,11 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
     if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {
       garbage_collect_cached_blocks();
     }
+    // A use_on_oom pool's free block (PyTorch's MemPool(use_on_oom=True)),
+    // for a request outside every private pool, comes before freeing any
+    // cached memory, as in PyTorch 2.11 and later.
     found = alloc_block(p, false) ||
+            (!use_on_oom_pools_.empty() && p.pool->owner == nullptr && borrow_from_use_on_oom_pools(p)) ||
             (release_available_cached_blocks(p) && alloc_block(p, false)) ||
             (routes_.empty() && release_cached_blocks() && alloc_block(p, true));
   }
@@ -232,6 +236,20 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
     throw std::move(oom.error);
   }
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+}
+
+bool CachingAllocator::Impl::borrow_from_use_on_oom_pools(AllocParams& p) {
+  for (const PoolId& id : use_on_oom_pools_) {
+    auto it = private_pools_.find(id);
+    if (it == private_pools_.end() || it->second->use_count == 0) continue;  // nothing cached yet, or released
+    detail::PrivatePool& pool = *it->second;
+    AllocParams borrowed{p.size, p.alloc_size, p.stream, p.size <= kSmallSize ? &pool.small : &pool.large};
+    if (get_free_block(borrowed)) {
+      p = borrowed;
+      return true;
+    }
+  }
+  return false;
 }
 
 CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocParams& p) {

@@ -3,6 +3,8 @@
 // from its own small and large pools.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "allocator_impl.hpp"
 #include "reservoir/errors.hpp"
 
@@ -35,6 +37,7 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
   auto it = private_pools_.find(id);
   if (it == private_pools_.end()) {
     auto pool = std::make_unique<PrivatePool>(id, &node_resource_);
+    pool->no_split = std::find(no_split_pools_.begin(), no_split_pools_.end(), id) != no_split_pools_.end();
     pool->large.set_order(config_.oldest_segment_first());
     pool->small.set_order(config_.oldest_segment_first());
     private_pools_.emplace(id, std::move(pool));
@@ -66,7 +69,27 @@ void CachingAllocator::Impl::release_pool(PoolId id) {
   if (it == private_pools_.end() || it->second->use_count == 0) {
     throw UsageError(fmt::format("release_pool: no live pool ({}, {})", id.first, id.second));
   }
-  if (--it->second->use_count == 0) freeable_pools_.push_back(id);
+  if (--it->second->use_count == 0) {
+    freeable_pools_.push_back(id);
+    // A released pool's options go with it.
+    std::erase(use_on_oom_pools_, id);
+    std::erase(no_split_pools_, id);
+  }
 }
+
+void CachingAllocator::Impl::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
+  detail::LockGuard lock(mutex_);
+  std::erase(use_on_oom_pools_, id);
+  if (use_on_oom) use_on_oom_pools_.push_back(id);
+}
+
+void CachingAllocator::Impl::set_pool_no_split(PoolId id) {
+  detail::LockGuard lock(mutex_);
+  if (std::find(no_split_pools_.begin(), no_split_pools_.end(), id) == no_split_pools_.end()) {
+    no_split_pools_.push_back(id);
+  }
+  if (auto it = private_pools_.find(id); it != private_pools_.end()) it->second->no_split = true;
+}
+
 
 }  // namespace reservoir

@@ -233,6 +233,24 @@ __attribute__((visibility("default"))) int reservoir_torch_release_pool(
   }) ? 0 : -1;
 }
 
+// MemPool's options: option 0 use_on_oom (value 0 or 1), 1 no_split. 0, or
+// -1 with last_error.
+__attribute__((visibility("default"))) int reservoir_torch_set_pool_option(
+    int device, unsigned long long pool_first, unsigned long long pool_second, int option, int value) {
+  return guarded([&] {
+    CachingAllocator& allocator = allocator_for(device);
+    const reservoir::PoolId id{pool_first, pool_second};
+    if (option == 0) {
+      allocator.set_pool_use_on_oom(id, value != 0);
+    } else if (option == 1) {
+      allocator.set_pool_no_split(id);
+    } else {
+      throw reservoir::UsageError(fmt::format("set_pool_option: option {} is not 0 (use_on_oom) or 1 (no_split)",
+                                              option));
+    }
+  }) ? 0 : -1;
+}
+
 __attribute__((visibility("default"))) const char* reservoir_torch_last_error() {
   return last_error.c_str();
 }

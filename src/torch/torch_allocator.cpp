@@ -319,14 +319,15 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = pool_users_.find({device, id});
     return it == pool_users_.end() ? 0 : it->second;
   }
-  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
-    if (use_on_oom) {
-      unsupported("setUseOnOOM (MemPool(use_on_oom=True))",
-                  "reservoir does not fall back on a private pool when the device runs out");
-    }
+  // MemPool(use_on_oom=True): the pool's free blocks are the last resort
+  // before running out; MemPool(no_split=True): its blocks are handed out whole.
+  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t id, bool use_on_oom) override {
+    TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 0, use_on_oom ? 1 : 0) == 0,
+                "reservoir (PyTorch's allocator): setUseOnOOM: ", entry().error());
   }
-  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
-    unsupported("setNoSplit (MemPool(no_split=True))", "reservoir splits the blocks of every pool");
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 1, 1) == 0,
+                "reservoir (PyTorch's allocator): setNoSplit: ", entry().error());
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     {

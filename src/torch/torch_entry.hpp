@@ -34,6 +34,7 @@ struct Entry {
   char* (*snapshot_json)(int) = nullptr;
   int (*record_history)(int, int, size_t, int) = nullptr;
   int (*attach_trace_tracker)(int, TraceFn, void*) = nullptr;
+  int (*set_pool_option)(int, unsigned long long, unsigned long long, int, int) = nullptr;
 };
 
 // The entry points, once load() found them.

@@ -80,6 +80,7 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_snapshot_json", e.snapshot_json);
   find(lib, "reservoir_torch_record_history", e.record_history);
   find(lib, "reservoir_torch_attach_trace_tracker", e.attach_trace_tracker);
+  find(lib, "reservoir_torch_set_pool_option", e.set_pool_option);
 }
 
 }  // namespace reservoir_torch_hooks

@@ -502,3 +502,51 @@ def test_expandable_segment_sizes_per_stream_as_the_native_allocator_reports_the
     native = run("native", EXPANDABLE_SIZES, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     ours = run("expandable_segments:True", EXPANDABLE_SIZES)
     assert ours["sizes"] == native["sizes"] == [[False, False, 40 << 20], [False, True, 2 << 20]], (ours, native)
+
+
+# MemPool(use_on_oom=True): when the default pools run out (here against a
+# memory fraction), a free block of the pool serves the request; and
+# MemPool(no_split=True): the pool's blocks are handed out whole. The same
+# addresses and statistics as PyTorch's allocator.
+MEMPOOL_OPTIONS = """
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction(61 * MiB / total)
+lender = torch.cuda.MemPool(use_on_oom=True)
+with torch.cuda.use_mem_pool(lender):
+    a = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+base = a.data_ptr()
+a = None
+b = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+c = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+try:
+    d = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+    borrowed = d.data_ptr() - base
+except torch.OutOfMemoryError:
+    borrowed = "out of memory"
+after_borrow = torch.cuda.memory_stats()
+d = b = c = None
+torch.cuda.set_per_process_memory_fraction(1.0)
+whole = torch.cuda.MemPool(no_split=True)
+with torch.cuda.use_mem_pool(whole):
+    xs = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (3 * MiB, 3 * MiB, 4096)]
+emit(borrowed=borrowed, after_borrow=after_borrow, whole=[x.data_ptr() - base for x in xs],
+     after_whole=torch.cuda.memory_stats())
+"""
+
+
+MiB = 1 << 20
+
+
+def test_mempool_use_on_oom_and_no_split_as_under_the_native_allocator():
+    native = run("native", MEMPOOL_OPTIONS)
+    ours = run("reservoir", MEMPOOL_OPTIONS)
+    # PyTorch 2.15 also reports each private pool's reserved bytes
+    # (reserved_bytes_by_private_pools.*), which reservoir does not yet.
+    for r in (native, ours):
+        for key in ("after_borrow", "after_whole"):
+            r[key] = {k: v for k, v in r[key].items() if not k.startswith("reserved_bytes_by_private_pools.")}
+    assert ours == native
+    assert ours["borrowed"] == 0  # the pool's cached block
+    # Whole blocks: two 20 MiB segments and a 2 MiB one, for 6 MiB and 4 KiB asked.
+    assert ours["after_whole"]["allocated_bytes.all.current"] == 2 * 20 * MiB + 2 * MiB
+    assert ours["after_whole"]["requested_bytes.all.current"] == 6 * MiB + 4096

@@ -211,5 +211,81 @@ TEST_F(Ladder, CurrentThreadRoutingLeavesOtherThreadsAlone) {
   release(theirs);
 }
 
+// PyTorch's MemPool(use_on_oom=True): when the device cannot give a new
+// segment, a free block cached in the pool serves the request (on its
+// stream), before anything cached is freed; pools marked later are asked
+// later, a released pool's mark goes with it, and a request routed to a
+// private pool runs out without borrowing.
+TEST_F(Ladder, UseOnOomPoolsServeWhatTheDeviceCannot) {
+  make("", 60 * kMiB);
+  const PoolId first{0, 1};
+  const PoolId second{0, 2};
+  allocator_->begin_allocate_current_thread_to_pool(first);
+  const DevicePtr in_first = alloc(20 * kMiB);  // a 20 MiB segment of the pool
+  allocator_->end_allocate_to_pool(first);
+  allocator_->begin_allocate_current_thread_to_pool(second);
+  const DevicePtr in_second = alloc(20 * kMiB);
+  allocator_->end_allocate_to_pool(second);
+  release(in_first);
+  release(in_second);
+  allocator_->set_pool_use_on_oom(second, true);
+  allocator_->set_pool_use_on_oom(first, true);
+  const DevicePtr own = alloc(20 * kMiB);  // the last 20 MiB of the device
+  EXPECT_EQ(own, kBase + 40 * kMiB);
+  // The device is full and nothing of the default pools is cached: the
+  // pool marked first lends its block, then the next.
+  EXPECT_EQ(alloc(12 * kMiB), in_second);
+  EXPECT_EQ(alloc(6 * kMiB), in_second + 12 * kMiB);  // the rest of the lent block, split off
+  EXPECT_EQ(alloc(20 * kMiB), in_first);
+  EXPECT_EQ(stat("num_ooms"), 0);
+  // Borrowed before freeing anything cached (PyTorch 2.11 on): no retry.
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  EXPECT_EQ(stat("num_sync_all_streams"), 0);
+  EXPECT_THROW(alloc(20 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(stat("num_ooms"), 1);
+  allocator_->validate();
+}
+
+TEST_F(Ladder, UseOnOomIsNotForRequestsRoutedToAPoolNorForAReleasedPool) {
+  make("", 40 * kMiB);
+  const PoolId lender{0, 1};
+  const PoolId other{0, 2};
+  allocator_->begin_allocate_current_thread_to_pool(lender);
+  release(alloc(20 * kMiB));
+  allocator_->end_allocate_to_pool(lender);
+  allocator_->set_pool_use_on_oom(lender, true);
+  alloc(20 * kMiB);  // the device is full
+  allocator_->begin_allocate_current_thread_to_pool(other);
+  EXPECT_THROW(alloc(4 * kMiB), OutOfMemoryError);  // routed to `other`: no borrowing
+  allocator_->end_allocate_to_pool(other);
+  allocator_->set_pool_use_on_oom(lender, false);
+  EXPECT_THROW(alloc(4 * kMiB), OutOfMemoryError);  // unmarked
+  allocator_->set_pool_use_on_oom(lender, true);
+  allocator_->release_pool(lender);  // released: its mark goes, its memory is given back on the retry
+  EXPECT_NE(alloc(20 * kMiB), 0u);
+  EXPECT_EQ(stat("num_device_free"), 1);  // the lender's segment
+  EXPECT_EQ(device_->live_segments(), 2u);
+  allocator_->validate();
+}
+
+// PyTorch's MemPool(no_split=True): a request takes a whole block of the
+// pool, which the default pools would have split.
+TEST_F(Ladder, NoSplitPoolsHandOutWholeBlocks) {
+  const PoolId pool{0, 3};
+  allocator_->set_pool_no_split(pool);
+  allocator_->begin_allocate_current_thread_to_pool(pool);
+  const DevicePtr a = alloc(3 * kMiB);  // a 20 MiB segment, not split
+  const DevicePtr b = alloc(3 * kMiB);  // a second segment
+  const DevicePtr small = alloc(4096);  // a 2 MiB small segment, whole
+  allocator_->end_allocate_to_pool(pool);
+  EXPECT_EQ(b, a + 20 * kMiB);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 2 * 20 * kMiB + 2 * kMiB);
+  EXPECT_EQ(stat("requested_bytes.all.current"), 2 * 3 * kMiB + 4096);
+  const DevicePtr outside = alloc(3 * kMiB);  // the default pool splits as ever
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 2 * 20 * kMiB + 2 * kMiB + 3 * kMiB);
+  for (DevicePtr p : {a, b, small, outside}) release(p);
+  allocator_->validate();
+}
+
 }  // namespace
 }  // namespace reservoir::testing

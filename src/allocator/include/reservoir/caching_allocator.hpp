@@ -136,8 +136,17 @@ class CachingAllocator {
   // Routes the calling thread's allocations (any stream) to pool `id`.
   void begin_allocate_current_thread_to_pool(PoolId id);
   void end_allocate_to_pool(PoolId id);
-  // Drops one use of the pool; at zero its cached segments become releasable.
+  // Drops one use of the pool; at zero its cached segments become releasable
+  // (and its options below are forgotten).
   void release_pool(PoolId id);
+  // PyTorch's MemPool(use_on_oom=True): when the device cannot give an
+  // allocation outside every private pool a new segment, a cached free block
+  // of this pool (on the request's stream) serves it, before any cached
+  // memory is freed; pools asked in the order they were marked.
+  void set_pool_use_on_oom(PoolId id, bool use_on_oom);
+  // PyTorch's MemPool(no_split=True): this pool's blocks are never split; a
+  // request takes a whole block.
+  void set_pool_no_split(PoolId id);
 
   // Recreates a recorded layout in an empty allocator: each segment is asked
   // of the device (whose address source must give the recorded address), then
