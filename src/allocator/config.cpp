@@ -488,7 +488,8 @@ const Entry kTable[] = {
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
       "the release whose decisions the native policy takes where releases differ: from 2.12, of "
       "cached blocks of equal size the one whose segment was made first (before: the lowest "
-      "address). Replay, verify and advise take it from a snapshot that shows its release",
+      "address). Replay, verify and advise take it from a snapshot that shows its release; "
+      "installed into PyTorch (own or pluggable allocator), the running release",
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        const std::string v = p.value_token(k, "a PyTorch 2.x release, as 2.15");

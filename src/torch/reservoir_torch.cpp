@@ -55,10 +55,15 @@ struct PerDevice {
   std::unique_ptr<reservoir::Device> tag_device;  // cuda-vmm beside cuda-runtime
   std::unique_ptr<reservoir::PinnedMemorySource> pinned;
   std::unique_ptr<reservoir::Saver> saver;
+  std::string settings;  // the configuration as given (PyTorch's allocator settings show it so)
 };
 
 std::mutex mutex;
 std::array<PerDevice, kMaxDevices> devices;
+// The running PyTorch's release ("2.15"), when a library built for it said
+// so: the native policy then takes that release's decisions unless the
+// configuration names another (pytorch_version).
+std::string running_release;
 thread_local std::string last_error;
 thread_local bool last_error_out_of_memory = false;
 
@@ -84,6 +89,8 @@ reservoir::Saver& saver_for(int device) {
   if (!d.saver) {
     reservoir::SaverOptions options;
     options.config = AllocatorConfig::from_env();
+    d.settings = options.config.to_string();
+    if (options.config.pytorch_version.empty()) options.config.pytorch_version = running_release;
     options.device_index = device;
     using reservoir::DeviceKind;
     const DeviceKind kind = backend_kind(options.config);
@@ -108,6 +115,11 @@ reservoir::Saver& saver_for(int device) {
 }
 
 CachingAllocator& allocator_for(int device) { return saver_for(device).untagged_allocator(); }
+
+std::string settings_of(int device) {
+  std::lock_guard lock(mutex);
+  return devices[static_cast<std::size_t>(device)].settings;
+}
 
 }  // namespace
 
@@ -251,6 +263,21 @@ __attribute__((visibility("default"))) int reservoir_torch_set_pool_option(
   }) ? 0 : -1;
 }
 
+// The running PyTorch's release ("2.15.0" or "2.15"), from the library built
+// for it, before the first allocation: the native policy takes that
+// release's decisions where releases differ, unless the configuration names
+// pytorch_version. 0, or -1 with last_error (not a 2.x release).
+__attribute__((visibility("default"))) int reservoir_torch_set_pytorch_release(const char* release) {
+  return guarded([&] {
+    const std::string text = release == nullptr ? "" : release;
+    const std::size_t second_dot = text.find('.', text.find('.') + 1);
+    const std::string minor = text.substr(0, second_dot);
+    (void)AllocatorConfig::parse("pytorch_version:" + minor);  // throws, naming the value, for a bad one
+    std::lock_guard lock(mutex);  // devices already in use keep the decisions they took
+    running_release = minor;
+  }) ? 0 : -1;
+}
+
 __attribute__((visibility("default"))) const char* reservoir_torch_last_error() {
   return last_error.c_str();
 }
@@ -337,7 +364,7 @@ __attribute__((visibility("default"))) char* reservoir_torch_snapshot_json(int d
                        {"roundup_power2_divisions", divisions},
                        {"max_round_threshold", config.pinned_max_round_threshold},
                        {"max_cached_size", config.pinned_max_cached_size},
-                       {"settings", config.to_string()}}}};
+                       {"settings", settings_of(device)}}}};
     out = copy_string(j.dump());
   });
   return out;

@@ -81,6 +81,10 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_record_history", e.record_history);
   find(lib, "reservoir_torch_attach_trace_tracker", e.attach_trace_tracker);
   find(lib, "reservoir_torch_set_pool_option", e.set_pool_option);
+  // The native policy takes this release's decisions (unless configured otherwise).
+  int (*set_release)(const char*) = nullptr;
+  find(lib, "reservoir_torch_set_pytorch_release", set_release);
+  if (set_release(release) != 0) throw std::runtime_error(e.error());
 }
 
 }  // namespace reservoir_torch_hooks

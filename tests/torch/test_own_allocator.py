@@ -550,3 +550,29 @@ def test_mempool_use_on_oom_and_no_split_as_under_the_native_allocator():
     # Whole blocks: two 20 MiB segments and a 2 MiB one, for 6 MiB and 4 KiB asked.
     assert ours["after_whole"]["allocated_bytes.all.current"] == 2 * 20 * MiB + 2 * MiB
     assert ours["after_whole"]["requested_bytes.all.current"] == 6 * MiB + 4096
+
+
+# The running release's decisions: of two free blocks of equal size, PyTorch
+# 2.12 and later take the one whose segment was made first, before the one
+# at the lowest address. The library built for the release says which it is.
+SEGMENT_AGE = """
+a = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+x = a.data_ptr()
+b = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")  # a second 12 MiB segment, above
+a = None
+torch.cuda.empty_cache()  # the first segment goes
+c = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")  # a newer segment, where the first was
+b = c = None
+d = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+emit(taken=d.data_ptr() - x)
+"""
+
+
+def test_the_running_release_decides_as_pytorchs_allocator_of_that_release():
+    native = run("native", SEGMENT_AGE)
+    ours = run("reservoir", SEGMENT_AGE)
+    assert ours == native
+    newer = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 12)
+    assert ours["taken"] == (12 * MiB if newer else 0)  # the older segment, above; or the lower
+    # A configuration naming a release keeps it.
+    assert run("pytorch_version:2.11", SEGMENT_AGE)["taken"] == 0
