@@ -576,3 +576,30 @@ def test_the_running_release_decides_as_pytorchs_allocator_of_that_release():
     assert ours["taken"] == (12 * MiB if newer else 0)  # the older segment, above; or the lower
     # A configuration naming a release keeps it.
     assert run("pytorch_version:2.11", SEGMENT_AGE)["taken"] == 0
+
+
+# What CUDA graph trees ask of a pool (checkPoolLiveAllocations) and whether
+# history is on (isHistoryEnabled), through PyTorch's own bindings.
+POOL_CHECKS = """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    xs = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (3 * MiB, 700, 5 * MiB)]
+outside = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+ptrs = {x.data_ptr() for x in xs}
+check = lambda expected: torch._C._cuda_checkPoolLiveAllocations(0, pool.id, expected)
+answers = [check(ptrs), check(ptrs - {xs[0].data_ptr()}), check(ptrs | {outside.data_ptr()}), check(set())]
+xs[1] = None
+answers.append(check({xs[0].data_ptr(), xs[2].data_ptr()}))
+before = torch._C._cuda_isHistoryEnabled()
+torch.cuda.memory._record_memory_history(max_entries=10)
+during = torch._C._cuda_isHistoryEnabled()
+torch.cuda.memory._record_memory_history(enabled=None)
+emit(answers=answers, history=[before, during, torch._C._cuda_isHistoryEnabled()])
+"""
+
+
+def test_pool_live_allocation_checks_and_history_state_as_under_the_native_allocator():
+    native = run("native", POOL_CHECKS)
+    ours = run("reservoir", POOL_CHECKS)
+    assert ours == native
+    assert ours == {"answers": [True, False, False, False, True], "history": [False, True, False]}
