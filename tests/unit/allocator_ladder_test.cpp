@@ -279,10 +279,10 @@ TEST_F(Ladder, NoSplitPoolsHandOutWholeBlocks) {
   const DevicePtr small = alloc(4096);  // a 2 MiB small segment, whole
   allocator_->end_allocate_to_pool(pool);
   EXPECT_EQ(b, a + 20 * kMiB);
-  EXPECT_EQ(stat("allocated_bytes.all.current"), 2 * 20 * kMiB + 2 * kMiB);
-  EXPECT_EQ(stat("requested_bytes.all.current"), 2 * 3 * kMiB + 4096);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), (20 + 20 + 2) * kMiB);  // whole blocks
+  EXPECT_EQ(stat("requested_bytes.all.current"), (3 + 3) * kMiB + 4096);
   const DevicePtr outside = alloc(3 * kMiB);  // the default pool splits as ever
-  EXPECT_EQ(stat("allocated_bytes.all.current"), 2 * 20 * kMiB + 2 * kMiB + 3 * kMiB);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), (20 + 20 + 2 + 3) * kMiB);
   for (DevicePtr p : {a, b, small, outside}) release(p);
   allocator_->validate();
 }
