@@ -165,6 +165,9 @@ void CachingAllocator::Impl::reset_peak_stats() {
   } else {
     stats_.for_each_stat_pair(folded, [](Stat& s, const Stat& f) { s.peak = f.current; });
   }
+  for (auto& [id, reserved] : pool_reserved_) {
+    for (Stat& s : reserved) s.reset_peak();
+  }
 }
 
 void CachingAllocator::Impl::combine_stats(std::shared_ptr<CombinedStats> combined,
@@ -221,6 +224,9 @@ void CachingAllocator::Impl::reset_accumulated_stats() {
   stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = 0;
   stats_.num_device_free = 0;
+  for (auto& [id, reserved] : pool_reserved_) {
+    for (Stat& s : reserved) s.reset_accumulated();
+  }
 }
 
 std::size_t CachingAllocator::Impl::largest_cached_block() const {

@@ -62,6 +62,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void release_pool(PoolId id);
   void set_pool_use_on_oom(PoolId id, bool use_on_oom);
   void set_pool_no_split(PoolId id);
+  std::map<PoolId, StatArray> private_pool_reserved() const;
 
   void validate() const;
   void restore(const Snapshot& layout, const std::vector<ExpandableReservation>& reservations);
@@ -494,6 +495,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId> freeable_pools_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
   std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
+  // Bytes reserved per private pool, from its first segment on (PyTorch
+  // 2.15's reserved_bytes_by_private_pools).
+  std::map<PoolId, StatArray> pool_reserved_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<PoolId, PoolFilter>> routes_
       RESERVOIR_GUARDED_BY(mutex_);  // PyTorch's captures_underway
   std::vector<detail::Block*> deferred_event_blocks_ RESERVOIR_GUARDED_BY(mutex_);

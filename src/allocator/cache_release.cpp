@@ -136,7 +136,12 @@ void CachingAllocator::Impl::release_block(Block* block) {
   trace(TraceAction::segment_free, block->ptr, block->size, block->stream);
   total_reserved_ -= block->size;
   BlockPool& pool = *block->pool;
-  if (pool.owner != nullptr) --pool.owner->device_alloc_count;
+  if (pool.owner != nullptr) {
+    --pool.owner->device_alloc_count;
+    StatArray& reserved = pool_reserved_[pool.owner->id];
+    reserved[0].decrease(block->size);
+    reserved[stat_index(pool)].decrease(block->size);
+  }
   sub_stats(stats_.segment, stat_index(pool), 1);
   sub_stats(stats_.reserved_bytes, stat_index(pool), block->size);
   if (block->size >= config_.max_split_size) sub_stat(stats_.oversize_segments, 1);

@@ -46,7 +46,12 @@ DeviceStats CachingAllocator::stats() const {
   return impl_->stats();
 }
 std::map<std::string, std::int64_t> CachingAllocator::stats_map() const {
-  return to_map(impl_->stats());
+  std::map<std::string, std::int64_t> out = to_map(impl_->stats());
+  if (reports_private_pools(impl_->config().pytorch_version)) put_private_pools(out, private_pool_reserved());
+  return out;
+}
+std::map<PoolId, StatArray> CachingAllocator::private_pool_reserved() const {
+  return impl_->private_pool_reserved();
 }
 void CachingAllocator::reset_peak_stats() {
   impl_->checked(&Impl::reset_peak_stats);

@@ -65,6 +65,11 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
   total_reserved_ += size;
   add_stats(stats_.segment, stat_index(pool), 1);
   add_stats(stats_.reserved_bytes, stat_index(pool), size);
+  if (pool.owner != nullptr) {
+    StatArray& reserved = pool_reserved_[pool.owner->id];
+    reserved[0].increase(size);
+    reserved[stat_index(pool)].increase(size);
+  }
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
   ++stats_.num_device_alloc;
 }

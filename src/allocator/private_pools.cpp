@@ -83,6 +83,11 @@ void CachingAllocator::Impl::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
   if (use_on_oom) use_on_oom_pools_.push_back(id);
 }
 
+std::map<PoolId, StatArray> CachingAllocator::Impl::private_pool_reserved() const {
+  detail::LockGuard lock(mutex_);
+  return pool_reserved_;
+}
+
 void CachingAllocator::Impl::set_pool_no_split(PoolId id) {
   detail::LockGuard lock(mutex_);
   if (std::find(no_split_pools_.begin(), no_split_pools_.end(), id) == no_split_pools_.end()) {

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "reservoir/config.hpp"
 #include "reservoir/errors.hpp"
 
 namespace reservoir {
@@ -73,6 +74,19 @@ std::map<std::string, std::int64_t> to_map(const DeviceStats& s) {
   out["num_device_free"] = s.num_device_free;
   out["max_split_size"] = s.max_split_size;
   return out;
+}
+
+void put_private_pools(std::map<std::string, std::int64_t>& out,
+                       const std::map<std::pair<std::uint64_t, std::uint64_t>, StatArray>& pools) {
+  for (const auto& [id, stats] : pools) {
+    put(out, fmt::format("reserved_bytes_by_private_pools.{}_{}", id.first, id.second), stats);
+  }
+}
+
+bool reports_private_pools(const std::string& pytorch_version) {
+  // PyTorch 2.15's memory_stats has them and 2.11's does not; the releases
+  // between are taken as 2.11 until seen.
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.15") >= 0;
 }
 
 std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int device,

@@ -324,7 +324,12 @@ DeviceStats Saver::stats(std::string_view tag) const {
 }
 
 std::map<std::string, std::int64_t> Saver::stats_map() const {
-  return to_map(stats());
+  std::map<std::string, std::int64_t> out = to_map(stats());
+  // PyTorch's private pools live in the untagged allocator.
+  if (reports_private_pools(impl_->untagged_.config().pytorch_version)) {
+    put_private_pools(out, impl_->untagged_.private_pool_reserved());
+  }
+  return out;
 }
 
 std::string Saver::memory_summary(bool abbreviated) const {

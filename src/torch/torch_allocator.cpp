@@ -200,6 +200,22 @@ class ReservoirAllocator final : public CUDAAllocator {
     out.oversize_segments.allocated = stats.value("oversize_segments.allocated", std::int64_t{0});
     out.oversize_segments.freed = stats.value("oversize_segments.freed", std::int64_t{0});
     out.max_split_size = stats.value("max_split_size", std::int64_t{0});
+#if RESERVOIR_TORCH_MINOR >= 15
+    // Each private pool's reserved bytes: reserved_bytes_by_private_pools.<first>_<second>.<type>.<stat>.
+    static const std::string kPrefix = "reserved_bytes_by_private_pools.";
+    for (auto it = stats.begin(); it != stats.end(); ++it) {
+      if (!it.key().starts_with(kPrefix)) continue;
+      const std::string rest = it.key().substr(kPrefix.size());
+      const std::size_t underscore = rest.find('_');
+      const std::size_t dot = rest.find('.');
+      if (underscore == std::string::npos || dot == std::string::npos || underscore > dot) continue;
+      const c10::MempoolId_t id{std::stoull(rest.substr(0, underscore)),
+                                std::stoull(rest.substr(underscore + 1, dot - underscore - 1))};
+      if (out.reserved_bytes_by_private_pools.count(id) == 0) {
+        fill(out.reserved_bytes_by_private_pools[id], stats, kPrefix + rest.substr(0, dot));
+      }
+    }
+#endif
     return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {

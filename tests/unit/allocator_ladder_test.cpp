@@ -287,5 +287,49 @@ TEST_F(Ladder, NoSplitPoolsHandOutWholeBlocks) {
   allocator_->validate();
 }
 
+// PyTorch 2.15's reserved_bytes_by_private_pools: from a pool's first
+// segment on, kept once the pool is gone, reset with the rest; not reported
+// under earlier releases' rules.
+TEST_F(Ladder, PrivatePoolReservedBytesUnderTheRulesOf215) {
+  make("pytorch_version:2.15");
+  const PoolId pool{0, 4};
+  const std::string key = "reserved_bytes_by_private_pools.0_4.";
+  allocator_->begin_allocate_current_thread_to_pool(pool);
+  EXPECT_EQ(allocator_->stats_map().count(key + "all.current"), 0u);
+  const DevicePtr big = alloc(3 * kMiB);
+  const DevicePtr small = alloc(700);
+  allocator_->end_allocate_to_pool(pool);
+  auto stats = allocator_->stats_map();
+  EXPECT_EQ(stats.at(key + "all.current"), static_cast<std::int64_t>(22 * kMiB));
+  EXPECT_EQ(stats.at(key + "large_pool.current"), static_cast<std::int64_t>(20 * kMiB));
+  EXPECT_EQ(stats.at(key + "small_pool.peak"), static_cast<std::int64_t>(2 * kMiB));
+  release(big);
+  release(small);
+  allocator_->release_pool(pool);
+  allocator_->empty_cache();
+  stats = allocator_->stats_map();
+  EXPECT_EQ(stats.at(key + "all.current"), 0);
+  EXPECT_EQ(stats.at(key + "all.freed"), static_cast<std::int64_t>(22 * kMiB));
+  EXPECT_EQ(stats.at(key + "all.peak"), static_cast<std::int64_t>(22 * kMiB));
+  allocator_->reset_peak_stats();
+  allocator_->reset_accumulated_stats();
+  stats = allocator_->stats_map();
+  EXPECT_EQ(stats.at(key + "all.peak"), 0);
+  EXPECT_EQ(stats.at(key + "all.allocated"), 0);
+  EXPECT_EQ(stats.at(key + "all.freed"), 0);
+}
+
+TEST_F(Ladder, PrivatePoolReservedBytesAreNotReportedBefore215) {
+  make("pytorch_version:2.12");
+  allocator_->begin_allocate_current_thread_to_pool({0, 5});
+  const DevicePtr p = alloc(3 * kMiB);
+  allocator_->end_allocate_to_pool({0, 5});
+  for (const auto& [key, value] : allocator_->stats_map()) {
+    EXPECT_FALSE(key.starts_with("reserved_bytes_by_private_pools.")) << key;
+  }
+  EXPECT_EQ(allocator_->private_pool_reserved().at({0, 5})[0].current, static_cast<std::int64_t>(20 * kMiB));
+  release(p);
+}
+
 }  // namespace
 }  // namespace reservoir::testing

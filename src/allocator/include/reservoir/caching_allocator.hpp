@@ -103,7 +103,12 @@ class CachingAllocator {
   int device_index() const noexcept;
 
   DeviceStats stats() const;
-  std::map<std::string, std::int64_t> stats_map() const;  // torch.cuda.memory_stats keys
+  // torch.cuda.memory_stats keys; from PyTorch 2.15's rules (pytorch_version)
+  // also each private pool's reserved bytes, as that release reports them.
+  std::map<std::string, std::int64_t> stats_map() const;
+  // The bytes reserved in each private pool that ever held a segment: kept
+  // after the pool is gone (current 0), reset with the other statistics.
+  std::map<PoolId, StatArray> private_pool_reserved() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
   // From now on, publishes every change of this allocator's statistics into
