@@ -263,8 +263,8 @@ SAME_BOTH_WAYS = {
     """,
     "disk_backup": """
         import tempfile
-        d = tempfile.mkdtemp()
-        tms.set_disk_backup_dir(d + "/spill")
+        spill = tempfile.TemporaryDirectory()
+        tms.set_disk_backup_dir(spill.name + "/spill")
         src = (torch.arange(8 * MiB) % 251).to(torch.uint8)
         with tms.region(tag="kv", enable_disk_backup=True):
             x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
@@ -274,6 +274,7 @@ SAME_BOTH_WAYS = {
         freed = (torch.cuda.mem_get_info()[0] - free0) // MiB
         tms.resume("kv")
         print(freed >= 8, torch.equal(x.cpu(), src))
+        spill.cleanup()  # the programs end with os._exit: no finalizer would
     """,
     "get_cpu_backup": """
         with tms.region(tag="w", enable_cpu_backup=True):
