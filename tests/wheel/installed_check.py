@@ -71,7 +71,12 @@ if "preload" in paths:
 # makes `import torch` fail with the reason (a stand-in torch here: the
 # real one is not in this environment).
 assert os.path.isfile(os.path.join(site, "reservoir_autoinstall.pth"))
-probe = "import sys; print(sorted(type(f).__name__ for f in sys.meta_path if 'After' in type(f).__name__))"
+# Python reads .pth files in site directories, not in PYTHONPATH folders
+# (pip install --target): there, the probes read SITE as a site directory.
+import site as site_module  # noqa: E402
+reads_pth = site in {os.path.realpath(p) for p in site_module.getsitepackages()}
+prefix = "" if reads_pth else f"import site; site.addsitedir({site!r}); "
+probe = prefix + "import sys; print(sorted(type(f).__name__ for f in sys.meta_path if 'After' in type(f).__name__))"
 env = {k: v for k, v in os.environ.items() if k != "RESERVOIR_TORCH_ALLOCATOR"}
 out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
 assert out.returncode == 0 and out.stdout.strip() == "[]", out
@@ -83,7 +88,7 @@ with tempfile.TemporaryDirectory() as fake:
     os.makedirs(os.path.join(fake, "torch"))
     with open(os.path.join(fake, "torch", "__init__.py"), "w") as fh:
         fh.write("__version__ = '0.0.0'\n")
-    out = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", prefix + "import torch"], capture_output=True, text=True,
                          env=dict(env, RESERVOIR_TORCH_ALLOCATOR="yes please", PYTHONPATH=fake))
     assert out.returncode != 0 and "RESERVOIR_TORCH_ALLOCATOR='yes please': expected one of own, pluggable" \
         in out.stderr, out
