@@ -74,6 +74,12 @@ void fill(c10::CachingDeviceAllocator::StatArray& out, const nlohmann::json& sta
 
 void raw_delete_fn(void* ptr);
 
+// The pool a segment of reservoir's snapshot JSON belongs to ({0, 0}: the default pools).
+c10::MempoolId_t pool_of(const nlohmann::json& segment) {
+  return {segment["pool"][0].get<unsigned long long>(), segment["pool"][1].get<unsigned long long>()};
+}
+constexpr c10::MempoolId_t kDefaultPools{0, 0};
+
 // A JSON answer of reservoir's (freed here); PyTorch's error with reservoir's
 // reason when there is none.
 nlohmann::json parsed(char* text, const char* method) {
@@ -238,7 +244,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
     for (const nlohmann::json& seg : state["segments"]) {
-      if (seg["pool"][0].get<unsigned long long>() != 0 || seg["pool"][1].get<unsigned long long>() != 0) continue;
+      if (pool_of(seg) != kDefaultPools) continue;
       for (const nlohmann::json& b : seg["blocks"]) {
         if (b["state"].get<std::string>() == "inactive") {
           *largestBlock = std::max(*largestBlock, b["size"].get<std::size_t>());
@@ -277,7 +283,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::vector<cca::StreamSegmentSize> out;
     for (const nlohmann::json& seg : state["segments"]) {
       if (!seg["is_expandable"].get<bool>()) continue;
-      if (seg["pool"][0].get<unsigned long long>() != 0 || seg["pool"][1].get<unsigned long long>() != 0) continue;
+      if (pool_of(seg) != kDefaultPools) continue;
       const auto stream = reinterpret_cast<cudaStream_t>(seg["stream"].get<std::uintptr_t>());
       if (stream == nullptr) continue;  // the default stream's are not reported, as PyTorch's
       const bool small = !seg["is_large"].get<bool>();
@@ -375,7 +381,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       const nlohmann::json snap = state_of(device);
       std::lock_guard lock(mutex_);
       for (const nlohmann::json& seg : snap["segments"]) {
-        const c10::MempoolId_t pool{seg["pool"][0].get<unsigned long long>(), seg["pool"][1].get<unsigned long long>()};
+        const c10::MempoolId_t pool = pool_of(seg);
         if ((mempool_id.first != 0 || mempool_id.second != 0) && pool != mempool_id) continue;
         c10::CachingDeviceAllocator::SegmentInfo info;
         info.device = static_cast<c10::DeviceIndex>(device);
@@ -590,9 +596,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::size_t live_in_pool = 0;
     bool found = false;
     for (const nlohmann::json& seg : state["segments"]) {
-      if (c10::MempoolId_t{seg["pool"][0].get<unsigned long long>(), seg["pool"][1].get<unsigned long long>()} != id) {
-        continue;
-      }
+      if (pool_of(seg) != id) continue;
       found = true;
       for (const nlohmann::json& b : seg["blocks"]) {
         if (b["state"].get<std::string>() != "active_allocated") continue;
@@ -856,7 +860,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
       std::lock_guard lock(me->mutex_);
-      trackers = me->trackers_;
+      if (!me->trackers_.empty()) trackers = me->trackers_;  // no copy per event for history alone
       if (me->history_on_ && (*kind == TE::SEGMENT_FREE || *kind == TE::SEGMENT_UNMAP)) {
         me->releases_[addr].push_back(current_call != nullptr
                                           ? *current_call
@@ -1014,6 +1018,13 @@ __attribute__((visibility("default"))) void* reservoir_torch_current_base_alloca
 }  // extern "C"
 
 namespace {
+// A string for C callers, freed with free(); null when memory runs out.
+char* malloc_copy(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
 // What the test helper's trace tracker saw: [action, address, size] each.
 std::mutex traced_mutex;
 nlohmann::json traced = nlohmann::json::array();
@@ -1055,9 +1066,7 @@ __attribute__((visibility("default"))) char* reservoir_torch_current_expandable_
       }) != 0) {
     return nullptr;
   }
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
-  return out;
+  return malloc_copy(text);
 }
 
 __attribute__((visibility("default"))) char* reservoir_torch_current_trace_tracker_take() {
@@ -1067,9 +1076,7 @@ __attribute__((visibility("default"))) char* reservoir_torch_current_trace_track
     text = traced.dump();
     traced = nlohmann::json::array();
   }
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
-  return out;
+  return malloc_copy(text);
 }
 
 }  // extern "C"
