@@ -63,6 +63,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void set_pool_use_on_oom(PoolId id, bool use_on_oom);
   void set_pool_no_split(PoolId id);
   std::map<PoolId, StatArray> private_pool_reserved() const;
+  PoolCheckpoint checkpoint_pool(PoolId id);
+  PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
 
   void validate() const;
   void restore(const Snapshot& layout, const std::vector<ExpandableReservation>& reservations);
@@ -259,6 +261,20 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool borrow_from_use_on_oom_pools(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
   inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
+      RESERVOIR_REQUIRES(mutex_);
+  // The same, with the split decided by the caller (restore_pool).
+  inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested, bool split)
+      RESERVOIR_REQUIRES(mutex_);
+  // The live pool `id` (UsageError naming `operation` otherwise).
+  detail::PrivatePool& live_pool(PoolId id, const char* operation) RESERVOIR_REQUIRES(mutex_);
+  // restore_pool's steps on the free path (native_policy.cpp): frees the
+  // allocations at `ptrs` as deallocate does; allocates a segment's blocks as
+  // the checkpoint lays them out, then frees the ones it has free.
+  void free_allocations(const std::vector<DevicePtr>& ptrs) RESERVOIR_REQUIRES(mutex_);
+  void lay_out_segment(detail::Segment& seg, const PoolCheckpoint::SegmentState& state,
+                       PoolRestore& out) RESERVOIR_REQUIRES(mutex_);
+  // The segments of a private pool, in address order.
+  std::vector<detail::Segment*> pool_segments(const detail::PrivatePool& pool)
       RESERVOIR_REQUIRES(mutex_);
   bool should_split(const detail::Block* block, std::size_t size) const RESERVOIR_REQUIRES(mutex_) {
     if (block->pool->owner != nullptr && block->pool->owner->no_split) return false;

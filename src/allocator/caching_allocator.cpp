@@ -107,6 +107,12 @@ void CachingAllocator::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
 void CachingAllocator::set_pool_no_split(PoolId id) {
   impl_->checked(&Impl::set_pool_no_split, id);
 }
+PoolCheckpoint CachingAllocator::checkpoint_pool(PoolId id) {
+  return impl_->checked(&Impl::checkpoint_pool, id);
+}
+PoolRestore CachingAllocator::restore_pool(const PoolCheckpoint& checkpoint) {
+  return impl_->checked(&Impl::restore_pool, checkpoint);
+}
 void CachingAllocator::validate() const {
   impl_->validate();
 }

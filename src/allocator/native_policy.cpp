@@ -157,10 +157,15 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
 
 [[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(
     AllocParams& p, std::size_t requested) {
+  return alloc_found_block(p, requested, should_split(p.block, p.size));
+}
+
+[[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(
+    AllocParams& p, std::size_t requested, bool split) {
   Block* block = p.block;
   BlockPool& pool = *p.pool;
   const bool already_split = block->is_split();
-  if (should_split(block, p.size)) {
+  if (split) {
     // The front of the block is handed out; the rest stays cached.
     Block* remaining = block;
     block = make_block(remaining->ptr, p.size, p.stream, &pool, remaining->segment);
@@ -475,6 +480,36 @@ void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
       block->stream_uses.end()) {
     block->stream_uses.push_back(stream);
   }
+}
+
+void CachingAllocator::Impl::free_allocations(const std::vector<DevicePtr>& ptrs) {
+  for (const DevicePtr ptr : ptrs) {
+    if (!deallocate_locked(ptr)) throw_invalid_pointer(ptr, "restore_pool");
+  }
+}
+
+void CachingAllocator::Impl::lay_out_segment(Segment& seg, const PoolCheckpoint::SegmentState& state,
+                                             PoolRestore& out) {
+  // Every block allocated in turn from the segment's one free block, split
+  // where the checkpoint has more blocks after it (PyTorch splits whatever
+  // max_split_size says now), with the block's size as requested size.
+  Block* block = seg.head;
+  for (const PoolCheckpoint::BlockState& b : state.blocks) {
+    RESERVOIR_DEBUG_ASSERT(block != nullptr && block->cached && block->ptr == b.ptr);
+    AllocParams p{b.size, 0, b.stream, block->pool, block, true};
+    block = alloc_found_block(p, b.size, block->size > b.size)->next;
+  }
+  // Then the checkpoint's free blocks are freed (no two are neighbours:
+  // restore_pool checked it, so none merges before its turn).
+  std::vector<DevicePtr> to_free;
+  for (const PoolCheckpoint::BlockState& b : state.blocks) {
+    if (b.allocated) {
+      out.allocated.push_back(b.ptr);
+    } else {
+      to_free.push_back(b.ptr);
+    }
+  }
+  free_allocations(to_free);
 }
 
 // The public entry points of the hot path, here so that it inlines into them.

@@ -97,4 +97,124 @@ void CachingAllocator::Impl::set_pool_no_split(PoolId id) {
 }
 
 
+PrivatePool& CachingAllocator::Impl::live_pool(PoolId id, const char* operation) {
+  auto it = private_pools_.find(id);
+  if (it == private_pools_.end()) {
+    throw UsageError(fmt::format("{}: no pool ({}, {})", operation, id.first, id.second));
+  }
+  if (it->second->use_count == 0) {
+    throw UsageError(fmt::format("{}: pool ({}, {}) was released (its memory is being given back)",
+                                 operation, id.first, id.second));
+  }
+  return *it->second;
+}
+
+std::vector<Segment*> CachingAllocator::Impl::pool_segments(const PrivatePool& pool) {
+  std::vector<Segment*> out;
+  for (auto& [base, seg] : segments_) {
+    if (seg->pool->owner == &pool) out.push_back(seg.get());
+  }
+  return out;
+}
+
+PoolCheckpoint CachingAllocator::Impl::checkpoint_pool(PoolId id) {
+  detail::LockGuard lock(mutex_);
+  PrivatePool& pool = live_pool(id, "checkpoint_pool");
+  // Frees that waited for a capture to end get their events now, as PyTorch's.
+  if (!deferred_event_blocks_.empty() && routes_.empty()) insert_deferred_events();
+  PoolCheckpoint out;
+  out.pool = id;
+  for (const Segment* seg : pool_segments(pool)) {
+    PoolCheckpoint::SegmentState state;
+    state.is_small = seg->pool->is_small;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->event_count > 0) {
+        throw UsageError(fmt::format(
+            "checkpoint_pool: the block at {:#x} of pool ({}, {}) waits for {} stream event(s); "
+            "synchronize its streams first",
+            b->ptr, id.first, id.second, b->event_count));
+      }
+      state.blocks.push_back({b->ptr, b->size, b->stream, b->allocated});
+    }
+    out.segments.push_back(std::move(state));
+  }
+  return out;
+}
+
+PoolRestore CachingAllocator::Impl::restore_pool(const PoolCheckpoint& checkpoint) {
+  detail::LockGuard lock(mutex_);
+  const PoolId id = checkpoint.pool;
+  PrivatePool& pool = live_pool(id, "restore_pool");
+  const auto where = [&](std::size_t s) {
+    return fmt::format("restore_pool: segment {} of the checkpoint of pool ({}, {})", s, id.first,
+                       id.second);
+  };
+  // Checked before anything changes: each checkpointed segment is one of the
+  // pool's, of the same kind and size, its blocks tiling it with no two free
+  // ones side by side; no block in it waits for stream events or would
+  // (an allocation with stream uses is freed only once they complete).
+  std::vector<Segment*> laid_out;
+  for (std::size_t s = 0; s < checkpoint.segments.size(); ++s) {
+    const PoolCheckpoint::SegmentState& state = checkpoint.segments[s];
+    if (state.blocks.empty()) throw UsageError(fmt::format("{} has no blocks", where(s)));
+    const DevicePtr base = state.blocks.front().ptr;
+    auto it = segments_.find(base);
+    if (it == segments_.end() || it->second->pool->owner != &pool) {
+      throw UsageError(fmt::format("{}: pool ({}, {}) holds no segment at {:#x} now", where(s),
+                                   id.first, id.second, base));
+    }
+    Segment& seg = *it->second;
+    if (seg.vm) {
+      throw UsageError(fmt::format("{}: the segment at {:#x} is a virtual-memory one", where(s), base));
+    }
+    if (seg.pool->is_small != state.is_small) {
+      throw UsageError(fmt::format("{}: the segment at {:#x} is in the {} pool, the checkpoint says {}",
+                                   where(s), base, seg.pool->is_small ? "small" : "large",
+                                   state.is_small ? "small" : "large"));
+    }
+    if (std::find(laid_out.begin(), laid_out.end(), &seg) != laid_out.end()) {
+      throw UsageError(fmt::format("{}: the segment at {:#x} is given twice", where(s), base));
+    }
+    DevicePtr at = base;
+    for (std::size_t i = 0; i < state.blocks.size(); ++i) {
+      const PoolCheckpoint::BlockState& b = state.blocks[i];
+      if (b.ptr != at || b.size == 0 || b.size % kMinBlockSize != 0) {
+        throw UsageError(fmt::format("{}: block {} ({:#x}, {} bytes) does not follow the one before it",
+                                     where(s), i, b.ptr, b.size));
+      }
+      if (!b.allocated && i > 0 && !state.blocks[i - 1].allocated) {
+        throw UsageError(fmt::format("{}: blocks {} and {} are both free (the allocator merges them)",
+                                     where(s), i - 1, i));
+      }
+      at += b.size;
+    }
+    if (at != base + seg.size) {
+      throw UsageError(fmt::format("{}: its blocks cover {} bytes of a segment of {}", where(s),
+                                   at - base, seg.size));
+    }
+    for (const Block* b = seg.head; b != nullptr; b = b->next) {
+      if (b->event_count > 0 || (b->allocated && !b->stream_uses.empty()) ||
+          (!b->allocated && !b->cached)) {
+        throw UsageError(fmt::format(
+            "{}: the block at {:#x} is still in use on another stream; synchronize first", where(s),
+            b->ptr));
+      }
+    }
+    laid_out.push_back(&seg);
+  }
+  PoolRestore out;
+  // Every allocation of the pool is freed first (live or not: the
+  // checkpoint's are made again), segment by segment in address order.
+  for (const Segment* seg : pool_segments(pool)) {
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->allocated) out.freed.push_back(b->ptr);
+    }
+  }
+  free_allocations(out.freed);
+  for (std::size_t s = 0; s < checkpoint.segments.size(); ++s) {
+    lay_out_segment(*laid_out[s], checkpoint.segments[s], out);
+  }
+  return out;
+}
+
 }  // namespace reservoir

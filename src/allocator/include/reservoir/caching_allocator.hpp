@@ -59,6 +59,32 @@ using TraceTracker = std::function<void(const TraceEvent&)>;
 // Chooses whether an allocation on this stream goes to a private pool.
 using PoolFilter = std::function<bool(StreamId)>;
 
+// A private pool's layout, as PyTorch's CUDA graph trees checkpoint it
+// (getCheckpointState): each of its segments (in address order) as its blocks
+// in address order, each block allocated or free.
+struct PoolCheckpoint {
+  struct BlockState {
+    DevicePtr ptr = 0;
+    std::size_t size = 0;
+    StreamId stream = 0;
+    bool allocated = false;
+  };
+  struct SegmentState {
+    std::vector<BlockState> blocks;
+    bool is_small = false;
+  };
+  PoolId pool{0, 0};
+  std::vector<SegmentState> segments;
+};
+
+// What restoring a checkpoint changed: the allocations it freed (every
+// allocation the pool held, in address order) and the ones it made (the
+// checkpoint's allocated blocks, in its order). A pointer may be in both.
+struct PoolRestore {
+  std::vector<DevicePtr> freed;
+  std::vector<DevicePtr> allocated;
+};
+
 class CachingAllocator {
  public:
   // Throws ConfigError or UsageError for a configuration it cannot serve.
@@ -152,6 +178,19 @@ class CachingAllocator {
   // PyTorch's MemPool(no_split=True): this pool's blocks are never split; a
   // request takes a whole block.
   void set_pool_no_split(PoolId id);
+
+  // PyTorch's getCheckpointState: the layout of private pool `id`. Stream
+  // uses freed earlier get their events first; throws UsageError for an
+  // unknown or released pool, or a block whose stream events are pending
+  // (synchronize first).
+  PoolCheckpoint checkpoint_pool(PoolId id);
+  // PyTorch's setCheckpointPoolState: frees every allocation of the pool,
+  // then lays each checkpointed segment out again (every block allocated,
+  // then the checkpoint's free ones freed), with the statistics and history
+  // PyTorch's allocator writes for it. The checkpoint is checked against the
+  // pool first: a segment gone or reshaped, or a block that could not be
+  // freed at once (pending stream uses), gives UsageError and changes nothing.
+  PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
 
   // Recreates a recorded layout in an empty allocator: each segment is asked
   // of the device (whose address source must give the recorded address), then
