@@ -62,6 +62,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void release_pool(PoolId id);
   void set_pool_use_on_oom(PoolId id, bool use_on_oom);
   void set_pool_no_split(PoolId id);
+  void empty_pool_cache(PoolId id);
   std::map<PoolId, StatArray> private_pool_reserved() const;
   PoolCheckpoint checkpoint_pool(PoolId id);
   PoolRestore restore_pool(const PoolCheckpoint& checkpoint);

@@ -104,6 +104,23 @@ bool CachingAllocator::Impl::release_cached_blocks() {
   return true;
 }
 
+void CachingAllocator::Impl::empty_pool_cache(PoolId id) {
+  detail::LockGuard lock(mutex_);
+  auto it = std::find(freeable_pools_.begin(), freeable_pools_.end(), id);
+  if (it == freeable_pools_.end()) return;  // in use (or unknown): PyTorch keeps its blocks too
+  // PyTorch waits for the pool's own events alone; reservoir for all (the
+  // same count in num_sync_all_streams).
+  synchronize_and_free_events();
+  auto pool_it = private_pools_.find(id);
+  PrivatePool& pool = *pool_it->second;
+  release_blocks(pool.small);
+  release_blocks(pool.large);
+  if (pool.device_alloc_count == 0) {
+    private_pools_.erase(pool_it);
+    freeable_pools_.erase(it);
+  }
+}
+
 void CachingAllocator::Impl::release_blocks(BlockPool& pool) {
   std::vector<Block*> to_unmap;  // unmapping edits the pool: after the walk
   auto it = pool.blocks.begin();

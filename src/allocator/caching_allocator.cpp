@@ -101,6 +101,9 @@ void CachingAllocator::end_allocate_to_pool(PoolId id) {
 void CachingAllocator::release_pool(PoolId id) {
   impl_->checked(&Impl::release_pool, id);
 }
+void CachingAllocator::empty_pool_cache(PoolId id) {
+  impl_->checked(&Impl::empty_pool_cache, id);
+}
 void CachingAllocator::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
   impl_->checked(&Impl::set_pool_use_on_oom, id, use_on_oom);
 }

@@ -263,6 +263,64 @@ __attribute__((visibility("default"))) int reservoir_torch_set_pool_option(
   }) ? 0 : -1;
 }
 
+// PyTorch's emptyCache(pool): a released pool's cached segments go back now.
+__attribute__((visibility("default"))) int reservoir_torch_empty_pool_cache(int device,
+                                                                          unsigned long long pool_first,
+                                                                          unsigned long long pool_second) {
+  return guarded([&] { allocator_for(device).empty_pool_cache({pool_first, pool_second}); }) ? 0 : -1;
+}
+
+// PyTorch's getCheckpointState: the layout of a private pool, as JSON
+// {"segments": [{"is_small": b, "blocks": [[ptr, size, stream, allocated], ...]}, ...]};
+// free with free(). Null on error.
+__attribute__((visibility("default"))) char* reservoir_torch_checkpoint_pool(int device,
+                                                                           unsigned long long pool_first,
+                                                                           unsigned long long pool_second) {
+  char* out = nullptr;
+  (void)guarded([&] {
+    const reservoir::PoolCheckpoint cp = allocator_for(device).checkpoint_pool({pool_first, pool_second});
+    nlohmann::json segments = nlohmann::json::array();
+    for (const auto& seg : cp.segments) {
+      nlohmann::json blocks = nlohmann::json::array();
+      for (const auto& b : seg.blocks) blocks.push_back({b.ptr, b.size, b.stream, b.allocated});
+      segments.push_back({{"is_small", seg.is_small}, {"blocks", std::move(blocks)}});
+    }
+    out = copy_string(nlohmann::json{{"segments", std::move(segments)}}.dump());
+  });
+  return out;
+}
+
+// PyTorch's setCheckpointPoolState: restores what reservoir_torch_checkpoint_pool
+// gave; {"freed": [ptr, ...], "allocated": [ptr, ...]}, free with free(). Null on error
+// (a layout that is not one, or does not fit the pool: nothing changed).
+__attribute__((visibility("default"))) char* reservoir_torch_restore_pool(int device,
+                                                                        unsigned long long pool_first,
+                                                                        unsigned long long pool_second,
+                                                                        const char* layout) {
+  char* out = nullptr;
+  (void)guarded([&] {
+    reservoir::PoolCheckpoint cp;
+    cp.pool = {pool_first, pool_second};
+    try {
+      const nlohmann::json j = nlohmann::json::parse(layout == nullptr ? "" : layout);
+      for (const nlohmann::json& seg : j.at("segments")) {
+        reservoir::PoolCheckpoint::SegmentState state;
+        state.is_small = seg.at("is_small").get<bool>();
+        for (const nlohmann::json& b : seg.at("blocks")) {
+          state.blocks.push_back({b.at(0).get<reservoir::DevicePtr>(), b.at(1).get<std::size_t>(),
+                                  b.at(2).get<reservoir::StreamId>(), b.at(3).get<bool>()});
+        }
+        cp.segments.push_back(std::move(state));
+      }
+    } catch (const nlohmann::json::exception& e) {
+      throw reservoir::UsageError(fmt::format("restore_pool: not a checkpoint of a pool's layout ({})", e.what()));
+    }
+    const reservoir::PoolRestore r = allocator_for(device).restore_pool(cp);
+    out = copy_string(nlohmann::json{{"freed", r.freed}, {"allocated", r.allocated}}.dump());
+  });
+  return out;
+}
+
 // The running PyTorch's release ("2.15.0" or "2.15"), from the library built
 // for it, before the first allocation: the native policy takes that
 // release's decisions where releases differ, unless the configuration names

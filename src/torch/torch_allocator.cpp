@@ -8,9 +8,9 @@
 // underneath, under every policy. (The pluggable allocator, torch_hooks.cpp,
 // reaches only what CUDAPluggableAllocator forwards.)
 //
-// What reservoir cannot do yet raises PyTorch's error naming the method and
-// why (checkpointed pool state, IPC under the virtual-memory policies),
-// never a silent no-op.
+// What reservoir cannot do raises PyTorch's error naming the method and
+// why (IPC under the virtual-memory policies, a MemPool of another
+// allocator), never a silent no-op.
 //
 // reservoir_torch_use_as_allocator(path, release) installs it before the
 // first CUDA allocation; reservoir.use_as_allocator() calls it.
@@ -31,8 +31,9 @@
 #include <cstring>
 #include <deque>
 #include <limits>
-#include <optional>
 #include <map>
+#include <optional>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -165,14 +166,15 @@ class ReservoirAllocator final : public CUDAAllocator {
   // ---- caches and statistics ----
   void emptyCache(c10::MempoolId_t mempool_id) override {
     if (mempool_id.first != 0 || mempool_id.second != 0) {
-      // A pool whose last user released it gave all its memory back then
-      // (PyTorch's MemPool empties it after releasing it): nothing is cached.
-      {
-        std::lock_guard lock(mutex_);
-        if (pool_users_.find({c10::cuda::current_device(), mempool_id}) == pool_users_.end()) return;
-      }
-      unsupported("emptyCache of a pool still in use",
-                  "reservoir gives a private pool's memory back when its last user releases it");
+      // A pool's own: its memory goes back once its last user released it
+      // (MemPool's destructor asks right after); a pool in use keeps it, as
+      // under PyTorch's allocator.
+      const c10::DeviceIndex device = c10::cuda::current_device();
+      const std::optional<Recorded> recorded = record_context(false, device);
+      InCall call(recorded ? &*recorded : nullptr);
+      TORCH_CHECK(entry().empty_pool_cache(device, mempool_id.first, mempool_id.second) == 0,
+                  "reservoir (PyTorch's allocator): emptyCache: ", entry().error());
+      return;
     }
     // Its segment releases carry this call (its frames when history
     // records every call, as PyTorch's).
@@ -318,6 +320,18 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     TORCH_CHECK(entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context) == 0,
                 "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
+    // reservoir counts a use of the pool per route begun after its first;
+    // here pool_users_ counts them all, and reservoir hears of the last
+    // release alone: its count stays at one.
+    bool again = false;
+    {
+      std::lock_guard lock(mutex_);
+      again = !routed_pools_.insert({device, id}).second;
+    }
+    if (again) {
+      TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
+                  "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
+    }
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     TORCH_CHECK(entry().end_allocate_to_pool(device, id.first, id.second) == 0,
@@ -357,6 +371,8 @@ class ReservoirAllocator final : public CUDAAllocator {
       auto it = pool_users_.find({device, id});
       if (it != pool_users_.end() && --it->second > 0) return;
       if (it != pool_users_.end()) pool_users_.erase(it);
+      // A pool never allocated to holds nothing in reservoir.
+      if (routed_pools_.erase({device, id}) == 0) return;
     }
     TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
                 "reservoir (PyTorch's allocator): releasePool: ", entry().error());
@@ -380,6 +396,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     for (int device = 0; device < devices; ++device) {
       const nlohmann::json snap = state_of(device);
       std::lock_guard lock(mutex_);
+      const std::size_t first_segment = out.segments.size();
       for (const nlohmann::json& seg : snap["segments"]) {
         const c10::MempoolId_t pool = pool_of(seg);
         if ((mempool_id.first != 0 || mempool_id.second != 0) && pool != mempool_id) continue;
@@ -411,7 +428,12 @@ class ReservoirAllocator final : public CUDAAllocator {
         }
         out.segments.push_back(std::move(info));
       }
-      if (!include_traces) continue;
+      std::size_t total_active = 0;
+      for (std::size_t i = first_segment; i < out.segments.size(); ++i) total_active += out.segments[i].active_size;
+      if (!include_traces) {
+        note_snapshot(device, total_active);
+        continue;
+      }
       auto& trace = out.device_traces[static_cast<std::size_t>(device)];
       using TE = c10::CachingDeviceAllocator::TraceEntry;
       const nlohmann::json& history = snap["history"];
@@ -480,6 +502,7 @@ class ReservoirAllocator final : public CUDAAllocator {
         trace.push_back(std::move(te));
       }
       add_annotations_until(trace, device, std::numeric_limits<std::int64_t>::max(), &annotations_added);
+      note_snapshot(device, total_active);  // in the traces of later snapshots, as PyTorch's
       if (device == 0) fill_config(out.config_metadata, snap["config"]);
     }
     {
@@ -723,14 +746,67 @@ class ReservoirAllocator final : public CUDAAllocator {
     opened_[handle] = opened;
     return opened;
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, c10::MempoolId_t) override {
-    unsupported("getCheckpointState (CUDA graph trees)", "reservoir cannot checkpoint a pool's state");
+  // CUDA graph trees: a private pool's layout, to lay it out again before
+  // recording a new graph after replaying others (setCheckpointPoolState).
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    char* text = entry().checkpoint_pool(device, id.first, id.second);
+    TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): getCheckpointState: ", entry().error());
+    auto state = std::make_shared<PoolState>();
+    state->device = device;
+    state->id = id;
+    state->layout = text;
+    std::free(text);
+    return state;
   }
-  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override {
-    unsupported("setCheckpointPoolState (CUDA graph trees)", "reservoir cannot restore a pool's state");
+  // Frees every allocation of the pool and makes the checkpoint's live ones
+  // again; PyTorch hands the new ones to the storages that own them.
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> as) override {
+    const auto pps = std::dynamic_pointer_cast<PoolState>(as);
+    TORCH_CHECK(pps != nullptr, "reservoir (PyTorch's allocator): setCheckpointPoolState: the state is not one "
+                "reservoir's getCheckpointState made");
+    TORCH_CHECK(pps->device == device, "reservoir (PyTorch's allocator): setCheckpointPoolState: a checkpoint of "
+                "device ", static_cast<int>(pps->device), " given for device ", static_cast<int>(device));
+    // The calls PyTorch's history writes them with: the restore's allocations
+    // with this call's context, its frees with it only when every call is kept.
+    const std::optional<Recorded> alloc_context = record_context(true, device);
+    const std::optional<Recorded> free_context = record_context(false, device);
+    const nlohmann::json done = parsed(entry().restore_pool(device, pps->id.first, pps->id.second,
+                                                            pps->layout.c_str()),
+                                       "setCheckpointPoolState");
+    const nlohmann::json layout = nlohmann::json::parse(pps->layout);
+    cca::CheckpointDelta delta;
+    std::lock_guard lock(mutex_);
+    const bool keep = alloc_context && history_on_;
+    for (const nlohmann::json& p : done["freed"]) {
+      void* ptr = reinterpret_cast<void*>(p.get<std::uintptr_t>());
+      live_.erase(ptr);
+      if (keep) contexts_[p.get<std::size_t>()].frees.push_back(*free_context);
+      delta.ptrs_freed.push_back(ptr);
+    }
+    for (const nlohmann::json& seg : layout["segments"]) {
+      for (const nlohmann::json& b : seg["blocks"]) {
+        const auto at = b[0].get<std::size_t>();
+        void* ptr = reinterpret_cast<void*>(at);
+        if (keep) contexts_[at].allocs.push_back(*alloc_context);
+        if (!b[3].get<bool>()) {
+          if (keep) contexts_[at].frees.push_back(*free_context);
+          continue;
+        }
+        live_[ptr] = Live{b[1].get<std::size_t>(), device, reinterpret_cast<cudaStream_t>(b[2].get<std::uintptr_t>())};
+        delta.dataptrs_allocd.emplace_back(ptr, ptr, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device));
+      }
+    }
+    return delta;
   }
 
  private:
+  // What getCheckpointState hands PyTorch: reservoir's layout of the pool.
+  struct PoolState final : cca::AllocatorState {
+    c10::DeviceIndex device = 0;
+    c10::MempoolId_t id{0, 0};
+    std::string layout;  // reservoir_torch_checkpoint_pool's JSON
+  };
   struct Live {
     size_t size = 0;
     int device = 0;
@@ -776,6 +852,18 @@ class ReservoirAllocator final : public CUDAAllocator {
       trace.push_back(te);
       ++*next;
     }
+  }
+
+  // A snapshot taken is an entry of the device's trace while history is on
+  // (its size the active bytes it reported), as PyTorch writes it. Holds mutex_.
+  void note_snapshot(int device, std::size_t total_active) {
+    if (!history_on_ || skipped("snapshot")) return;
+    c10::CachingDeviceAllocator::TraceEntry te(c10::CachingDeviceAllocator::TraceEntry::SNAPSHOT,
+                                               static_cast<c10::DeviceIndex>(device), 0, total_active, nullptr,
+                                               {0, 0}, 0, nullptr, compile_context_of(device), metadata_of(device));
+    te.time_.t_ = static_cast<time_t>(now_us());
+    annotate_entries_.push_back(std::move(te));
+    while (max_entries_ > 0 && annotate_entries_.size() > max_entries_) annotate_entries_.pop_front();
   }
 
   bool skipped(const std::string& action) const {
@@ -935,6 +1023,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::unordered_map<void*, Live> live_;
   std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
   std::map<std::pair<int, c10::MempoolId_t>, int> pool_users_;
+  std::set<std::pair<int, c10::MempoolId_t>> routed_pools_;  // pools reservoir holds (begun at least once)
   cca::CreateContextFn recorder_ = nullptr;
   std::atomic<bool> recording_{false};  // recorder_ != nullptr, read without the lock
   cca::RecordContext when_{};
@@ -946,7 +1035,8 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::map<int, std::vector<std::string>> compile_contexts_;
   std::map<int, std::string> user_metadata_;
   std::deque<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
-  // torch.cuda.memory._annotate_memory's entries, merged into the trace by time.
+  // Entries this library writes itself, merged into the trace by time:
+  // torch.cuda.memory._annotate_memory's, and each _snapshot()'s own.
   std::deque<c10::CachingDeviceAllocator::TraceEntry> annotate_entries_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
   // IPC handles opened here, while in use (their own lock: a deleter runs

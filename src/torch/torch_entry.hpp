@@ -35,6 +35,9 @@ struct Entry {
   int (*record_history)(int, int, size_t, int) = nullptr;
   int (*attach_trace_tracker)(int, TraceFn, void*) = nullptr;
   int (*set_pool_option)(int, unsigned long long, unsigned long long, int, int) = nullptr;
+  int (*empty_pool_cache)(int, unsigned long long, unsigned long long) = nullptr;
+  char* (*checkpoint_pool)(int, unsigned long long, unsigned long long) = nullptr;
+  char* (*restore_pool)(int, unsigned long long, unsigned long long, const char*) = nullptr;
 };
 
 // The entry points, once load() found them.

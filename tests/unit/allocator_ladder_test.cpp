@@ -268,6 +268,35 @@ TEST_F(Ladder, UseOnOomIsNotForRequestsRoutedToAPoolNorForAReleasedPool) {
   allocator_->validate();
 }
 
+// PyTorch's emptyCache(pool), which MemPool's destructor calls: a pool
+// still in use keeps its segments; a released one gives back those it no
+// longer uses at once (with one synchronization), and the rest as they empty.
+TEST_F(Ladder, EmptyPoolCacheReleasesAReleasedPoolAlone) {
+  const PoolId pool{0, 9};
+  allocator_->begin_allocate_current_thread_to_pool(pool);
+  const DevicePtr a = alloc(3 * kMiB);   // a 20 MiB segment
+  const DevicePtr b = alloc(25 * kMiB);  // a 26 MiB segment
+  allocator_->end_allocate_to_pool(pool);
+  const DevicePtr outside = alloc(3 * kMiB);
+  release(outside);  // cached in the default pool: stays
+  release(a);
+  allocator_->empty_pool_cache(pool);  // in use: nothing goes
+  allocator_->empty_pool_cache({5, 5});  // unknown: nothing either
+  EXPECT_EQ(stat("segment.all.current"), 3);
+  EXPECT_EQ(stat("num_sync_all_streams"), 0);
+  allocator_->release_pool(pool);
+  allocator_->empty_pool_cache(pool);
+  EXPECT_EQ(stat("segment.all.current"), 2);  // b's segment and the default pool's
+  EXPECT_EQ(stat("reserved_bytes.all.current"), static_cast<std::int64_t>(46 * kMiB));
+  EXPECT_EQ(stat("num_sync_all_streams"), 1);
+  release(b);
+  allocator_->empty_pool_cache(pool);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), static_cast<std::int64_t>(20 * kMiB));
+  allocator_->empty_pool_cache(pool);  // gone: nothing more, no synchronization
+  EXPECT_EQ(stat("num_sync_all_streams"), 2);
+  release_all({});
+}
+
 // PyTorch's MemPool(no_split=True): a request takes a whole block of the
 // pool, which the default pools would have split.
 TEST_F(Ladder, NoSplitPoolsHandOutWholeBlocks) {

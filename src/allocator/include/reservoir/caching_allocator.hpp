@@ -170,6 +170,10 @@ class CachingAllocator {
   // Drops one use of the pool; at zero its cached segments become releasable
   // (and its options below are forgotten).
   void release_pool(PoolId id);
+  // PyTorch's emptyCache(pool): a released pool's cached segments go back to
+  // the device now (after waiting for pending stream events); a pool still
+  // in use, or one unknown, keeps what it has.
+  void empty_pool_cache(PoolId id);
   // PyTorch's MemPool(use_on_oom=True): when the device cannot give an
   // allocation outside every private pool a new segment, a cached free block
   // of this pool (on the request's stream) serves it, before any cached
