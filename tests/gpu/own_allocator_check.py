@@ -8,7 +8,9 @@ Each run, in its own process: ten training steps of a small transformer
 (bitwise-identical losses required), then empty_cache() (reservoir's native
 policy keeps what PyTorch's keeps, read through torch.cuda.memory_stats(),
 which the own allocator answers; under the pluggable one reservoir.stats()),
-a CUDA graph captured and replayed (the same output as eager), a block
+a CUDA graph captured and replayed (the same output as eager; with the own
+allocator also after its pool's checkpoint is restored, as CUDA graph trees
+do), a block
 recorded on a second stream, set_per_process_memory_fraction driving an
 allocation into torch.cuda.OutOfMemoryError, and (own allocator) a snapshot
 dumped with history on, which `reservoir verify` must agree with when
@@ -80,6 +82,19 @@ with torch.no_grad():
     graph.replay()
     torch.cuda.synchronize()
     graph_same = bool(torch.equal(static_y, eager))
+    # What CUDA graph trees do before recording after a replay: the graph
+    # pool's layout checkpointed and laid out again (own allocator only:
+    # the pluggable one forwards no such call), then replayed once more.
+    checkpoint = "not asked"
+    if api == "own" or config == "native":
+        try:
+            state = torch._C._cuda_getCheckpointState(0, graph.pool())
+            torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+            graph.replay()
+            torch.cuda.synchronize()
+            checkpoint = "same" if torch.equal(static_y, eager) else "differs after a restore"
+        except RuntimeError as e:
+            checkpoint = str(e)[:300]
 del graph, static_y, eager
 side = torch.cuda.Stream()
 a = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
@@ -100,7 +115,7 @@ if snapshot_path:
     torch.cuda.memory._dump_snapshot(snapshot_path)
 print("RESULT " + json.dumps({"config": config, "losses": losses, "seconds": seconds, "live": live,
                               "reserved_after_empty_cache": reserved, "oom_under_fraction": oom,
-                              "graph_same_as_eager": graph_same}))
+                              "graph_same_as_eager": graph_same, "checkpoint": checkpoint}))
 '''
 
 
@@ -187,6 +202,8 @@ def main():
             failures.append(f"{config}: the memory fraction did not stop a 1 GiB allocation")
         if not r["graph_same_as_eager"]:
             failures.append(f"{config}: the replayed CUDA graph's output differs from eager")
+        if r["checkpoint"] not in ("same", "not asked"):
+            failures.append(f"{config}: the graph pool's checkpoint restored: {r['checkpoint']}")
         if snapshot and args.reservoir_cli:
             v = subprocess.run([args.reservoir_cli, "verify", snapshot], capture_output=True, text=True)
             print(v.stdout.strip())
