@@ -22,21 +22,24 @@ struct ExportArgs {
   std::optional<int> device;
 };
 
-std::string format_for(const ExportArgs& a) {
-  if (a.format != "auto") return a.format;
-  const std::string& o = a.output;
-  auto ends = [&](std::string_view s) { return o.size() >= s.size() && o.ends_with(s); };
-  if (ends(".pickle") || ends(".pkl")) return "pickle";
-  if (ends(".json")) return "json";
-  if (ends(".trace") || ends(".txt")) return "text";
+// The format to write: --format's, else the one whose file endings the output has.
+const TraceFormatInfo& format_for(const ExportArgs& a) {
+  if (a.format != "auto") return *exported_format(a.format);  // CLI11 checked the name
+  std::vector<std::string_view> endings;
+  for (const TraceFormatInfo& f : trace_formats()) {
+    if (f.write == nullptr) continue;
+    for (std::string_view e : f.extensions) {
+      if (a.output.ends_with(e)) return f;
+      endings.push_back(e);
+    }
+  }
   throw UsageError(fmt::format(
-      "export: cannot tell the format of '{}' from its extension (.pickle, .json, .trace); "
-      "give --format",
-      o));
+      "export: cannot tell the format of '{}' from its extension ({}); give --format", a.output,
+      fmt::join(endings, ", ")));
 }
 
 void run(const ExportArgs& args) {
-  const std::string format = format_for(args);
+  const TraceFormatInfo& format = format_for(args);
   std::vector<Trace> devices = load_devices(args.trace, args.device);
   if (devices.size() > 1) {
     std::vector<int> ids;
@@ -59,21 +62,14 @@ void run(const ExportArgs& args) {
                  r.num_ooms, r.first_oom);
     }
   }
-  std::string out;
-  if (format == "pickle") {
-    out = write_pytorch_snapshot(trace);
-  } else if (format == "json") {
-    out = write_snapshot_json(trace);
-  } else {
-    out = write_text_trace(trace);
-  }
+  const std::string out = format.write(trace);
   std::ofstream file(args.output, std::ios::binary);
   if (!file) throw UsageError(fmt::format("export: cannot write '{}'", args.output));
   file << out;
   file.close();
   if (!file) throw UsageError(fmt::format("export: writing '{}' failed", args.output));
   fmt::print("{}: {} events, {} segments, written as {} ({})\n", args.output, trace.events.size(),
-             trace.final_state.segments.size(), format, format_size(out.size()));
+             trace.final_state.segments.size(), format.export_name, format_size(out.size()));
 }
 
 }  // namespace
@@ -86,8 +82,14 @@ void add_export(CLI::App& app) {
       "JSON or text; with --config, the snapshot of its replay under that config");
   cmd->add_option("trace", args->trace, "trace to read")->required()->check(CLI::ExistingFile);
   cmd->add_option("-o,--output", args->output, "file to write")->required();
-  cmd->add_option("--format", args->format, "pickle, json or text (default: by extension)")
-      ->check(CLI::IsMember({"auto", "pickle", "json", "text"}));
+  std::vector<std::string> formats{"auto"};
+  for (const TraceFormatInfo& f : trace_formats()) {
+    if (f.write != nullptr) formats.emplace_back(f.export_name);
+  }
+  cmd->add_option("--format", args->format,
+                  fmt::format("{} (default: by extension)",
+                              fmt::join(formats.begin() + 1, formats.end(), ", ")))
+      ->check(CLI::IsMember(formats));
   cmd->add_option("--config,-c", args->config, "replay under this allocator config first");
   add_device_option(*cmd, args->device);
   add_size_option(*cmd, "--capacity", args->capacity, "device capacity for the replay, e.g. 24GiB");

@@ -14,25 +14,82 @@
 
 namespace reservoir {
 
-std::string_view to_string(TraceFormat format) noexcept {
-  switch (format) {
-    case TraceFormat::pytorch_pickle: return "pytorch-snapshot";
-    case TraceFormat::snapshot_json: return "snapshot-json";
-    case TraceFormat::rmm_csv: return "rmm-csv";
-    case TraceFormat::text: return "reservoir-text";
-  }
-  return "unknown";
+namespace {
+
+std::string as_string(std::span<const std::uint8_t> bytes) {
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
 }
 
-TraceFormat detect_trace_format(std::string_view bytes) noexcept {
-  // Pickle protocol 2 and later open with PROTO (0x80).
-  if (!bytes.empty() && static_cast<unsigned char>(bytes[0]) == 0x80) {
-    return TraceFormat::pytorch_pickle;
+// Formats of one device: their one trace, with its event count as the device's.
+template <Trace (*Read)(const std::string&, const std::string&)>
+std::vector<Trace> read_one_device(std::span<const std::uint8_t> bytes, const std::string& name,
+                                   const ReadOptions&) {
+  std::vector<Trace> out;
+  out.push_back(Read(as_string(bytes), name));
+  out.back().device_events = {out.back().events.size()};
+  return out;
+}
+
+constexpr std::string_view kPickleEndings[] = {".pickle", ".pkl"};
+constexpr std::string_view kJsonEndings[] = {".json"};
+constexpr std::string_view kTextEndings[] = {".trace", ".txt"};
+
+const TraceFormatInfo kFormats[] = {
+    {TraceFormat::pytorch_pickle, "pytorch-snapshot", "pickle", kPickleEndings,
+     // Pickle protocol 2 and later open with PROTO (0x80).
+     [](std::string_view head) noexcept {
+       return !head.empty() && static_cast<unsigned char>(head[0]) == 0x80;
+     },
+     [](std::span<const std::uint8_t> bytes, const std::string& name, const ReadOptions& options) {
+       return read_pytorch_snapshot_devices(bytes, name, options);
+     },
+     [](std::span<const std::uint8_t> bytes, const std::string& name, int device,
+        const ReadOptions& options) { return read_pytorch_snapshot(bytes, name, device, options); },
+     &write_pytorch_snapshot},
+    {TraceFormat::snapshot_json, "snapshot-json", "json", kJsonEndings,
+     [](std::string_view head) noexcept {
+       const std::size_t first = head.find_first_not_of(" \t\r\n");
+       return first != std::string_view::npos && head[first] == '{';
+     },
+     [](std::span<const std::uint8_t> bytes, const std::string& name, const ReadOptions&) {
+       return read_snapshot_json_devices(as_string(bytes), name);
+     },
+     [](std::span<const std::uint8_t> bytes, const std::string& name, int device,
+        const ReadOptions&) { return read_snapshot_json(as_string(bytes), name, device); },
+     &write_snapshot_json},
+    {TraceFormat::rmm_csv, "rmm-csv", "", {},
+     [](std::string_view head) noexcept { return head.starts_with("Thread,"); },
+     &read_one_device<&read_rmm_csv>, nullptr, nullptr},
+    // Anything else is read as our text format, whose reader says what is wrong.
+    {TraceFormat::text, "reservoir-text", "text", kTextEndings,
+     [](std::string_view) noexcept { return true; }, &read_one_device<&read_text_trace>, nullptr,
+     &write_text_trace},
+};
+
+}  // namespace
+
+std::span<const TraceFormatInfo> trace_formats() noexcept { return kFormats; }
+
+const TraceFormatInfo& trace_format(TraceFormat id) noexcept {
+  for (const TraceFormatInfo& f : kFormats) {
+    if (f.id == id) return f;
   }
-  const std::size_t first = bytes.find_first_not_of(" \t\r\n");
-  if (first != std::string_view::npos && bytes[first] == '{') return TraceFormat::snapshot_json;
-  if (bytes.starts_with("Thread,")) return TraceFormat::rmm_csv;
-  // Anything else is read as our text format, whose reader says what is wrong.
+  return kFormats[std::size(kFormats) - 1];
+}
+
+const TraceFormatInfo* exported_format(std::string_view export_name) noexcept {
+  for (const TraceFormatInfo& f : kFormats) {
+    if (!export_name.empty() && f.export_name == export_name && f.write != nullptr) return &f;
+  }
+  return nullptr;
+}
+
+std::string_view to_string(TraceFormat format) noexcept { return trace_format(format).name; }
+
+TraceFormat detect_trace_format(std::string_view bytes) noexcept {
+  for (const TraceFormatInfo& f : kFormats) {
+    if (f.detect(bytes)) return f.id;
+  }
   return TraceFormat::text;
 }
 
@@ -118,14 +175,6 @@ auto read_mapped_pickle(const std::string& path, const ReadOptions& options, Rea
   return read(file.bytes(), mapped);
 }
 
-// RMM and text traces: one device.
-Trace read_single(const std::string& bytes, const std::string& path) {
-  Trace t = detect_trace_format(bytes) == TraceFormat::rmm_csv ? read_rmm_csv(bytes, path)
-                                                               : read_text_trace(bytes, path);
-  t.device_events = {t.events.size()};
-  return t;
-}
-
 }  // namespace
 
 Trace read_trace_file(const std::string& path, int device) {
@@ -136,17 +185,13 @@ Trace read_trace_file(const std::string& path, int device) {
     return std::move(*t);
   }
   const std::string bytes = read_bytes(path);
-  switch (detect_trace_format(bytes)) {
-    case TraceFormat::pytorch_pickle: return read_pytorch_snapshot(as_span(bytes), path, device);
-    case TraceFormat::snapshot_json: return read_snapshot_json(bytes, path, device);
-    case TraceFormat::rmm_csv:
-    case TraceFormat::text: break;
-  }
+  const TraceFormatInfo& format = trace_format(detect_trace_format(bytes));
+  if (format.read_device != nullptr) return format.read_device(as_span(bytes), path, device, {});
   if (device != 0) {
     throw TraceError(fmt::format("trace {}: a {} trace holds one device; device {} was asked for",
-                                 path, to_string(detect_trace_format(bytes)), device));
+                                 path, format.name, device));
   }
-  return read_single(bytes, path);
+  return std::move(format.read(as_span(bytes), path, {}).front());
 }
 
 std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options) {
@@ -157,16 +202,7 @@ std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions
     return std::move(*t);
   }
   const std::string bytes = read_bytes(path);
-  switch (detect_trace_format(bytes)) {
-    case TraceFormat::pytorch_pickle:
-      return read_pytorch_snapshot_devices(as_span(bytes), path, options);
-    case TraceFormat::snapshot_json: return read_snapshot_json_devices(bytes, path);
-    case TraceFormat::rmm_csv:
-    case TraceFormat::text: break;
-  }
-  std::vector<Trace> out;
-  out.push_back(read_single(bytes, path));
-  return out;
+  return trace_format(detect_trace_format(bytes)).read(as_span(bytes), path, options);
 }
 
 std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device) {

@@ -10,6 +10,9 @@
 #include "reservoir/errors.hpp"
 #include "reservoir/pickle.hpp"
 #include "reservoir/trace.hpp"
+#include "format_table.hpp"
+
+constexpr auto kPickle = reservoir::TraceFormat::pytorch_pickle;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::uint8_t> input(data, size);
@@ -29,14 +32,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Every device, read as the tools read them (each device's entries moved
   // out as read): device 0 as read alone.
   try {
-    const std::vector<reservoir::Trace> all = reservoir::read_pytorch_snapshot_devices(input, "fuzz");
-    const reservoir::Trace first = reservoir::read_pytorch_snapshot(input, "fuzz");
+    const std::vector<reservoir::Trace> all = reservoir::trace_format(kPickle).read(input, "fuzz", {});
+    const reservoir::Trace first = reservoir::fuzz::read_as(kPickle, input);
     if (all.empty() || all.front().events != first.events) std::abort();
   } catch (const reservoir::TraceError&) {
   }
   reservoir::Trace t;
   try {
-    t = reservoir::read_pytorch_snapshot(input, "fuzz");
+    t = reservoir::fuzz::read_as(kPickle, input);
     (void)reservoir::compile(t);
   } catch (const reservoir::TraceError&) {
     return 0;
@@ -44,12 +47,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // What the reader accepts writes back and reads again to the same trace.
   std::string written;
   try {
-    written = reservoir::write_pytorch_snapshot(t);
+    written = reservoir::fuzz::write_as(kPickle, t);
   } catch (const reservoir::ConfigError&) {
     return 0;  // settings the reader passed through but no config accepts
   }
-  const reservoir::Trace back = reservoir::read_pytorch_snapshot(
-      std::span(reinterpret_cast<const std::uint8_t*>(written.data()), written.size()), "fuzz");
+  const reservoir::Trace back = reservoir::fuzz::read_as(kPickle, reservoir::fuzz::bytes_of(written));
   if (back.events != t.events || back.final_state.contexts != t.final_state.contexts ||
       back.final_state.segments != t.final_state.segments) {
     std::abort();

@@ -7,13 +7,14 @@
 
 #include "reservoir/errors.hpp"
 #include "reservoir/trace.hpp"
+#include "format_table.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
-    const reservoir::Trace t = reservoir::read_text_trace(text, "fuzz");
-    const std::string written = reservoir::write_text_trace(t);
-    const reservoir::Trace back = reservoir::read_text_trace(written, "fuzz-again");
+    const reservoir::Trace t = reservoir::fuzz::read_as(reservoir::TraceFormat::text, reservoir::fuzz::bytes_of(text));
+    const std::string written = reservoir::fuzz::write_as(reservoir::TraceFormat::text, t);
+    const reservoir::Trace back = reservoir::fuzz::read_as(reservoir::TraceFormat::text, reservoir::fuzz::bytes_of(written));
     if (back.events.size() != t.events.size()) std::abort();
     if (t.events.size() <= 2000) {
       reservoir::ReplayOptions options;

@@ -43,6 +43,52 @@ TEST(TraceFormat, EachReaderNamesItsFormat) {
   EXPECT_EQ(pickle.format, "pytorch-snapshot");
 }
 
+// The format table that reading, export and the fuzz targets go through:
+// each format once, detection in the table's order with text last, and every
+// writable format reading back what it writes through its own entry.
+TEST(TraceFormat, TheTableListsEachFormatOnce) {
+  const auto formats = trace_formats();
+  ASSERT_EQ(formats.size(), 4u);
+  std::vector<std::string_view> names;
+  std::vector<std::string_view> exported;
+  for (const TraceFormatInfo& f : formats) {
+    EXPECT_EQ(&trace_format(f.id), &f);
+    EXPECT_EQ(to_string(f.id), f.name);
+    names.push_back(f.name);
+    if (f.write != nullptr) {
+      exported.push_back(f.export_name);
+      EXPECT_EQ(exported_format(f.export_name), &f);
+      EXPECT_FALSE(f.extensions.empty()) << f.name;
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string_view>{"pytorch-snapshot", "snapshot-json", "rmm-csv",
+                                                  "reservoir-text"}));
+  EXPECT_EQ(exported, (std::vector<std::string_view>{"pickle", "json", "text"}));
+  EXPECT_EQ(exported_format("rmm"), nullptr);
+  EXPECT_EQ(exported_format(""), nullptr);
+  EXPECT_TRUE(formats.back().detect("anything at all"));
+
+  const Trace t = recorded_workload(3, 300);
+  for (const TraceFormatInfo& f : formats) {
+    if (f.write == nullptr) continue;
+    const std::string bytes = f.write(t);
+    EXPECT_EQ(detect_trace_format(bytes), f.id) << f.name;
+    const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                             bytes.size());
+    const std::vector<Trace> back = f.read(span, "x", {});
+    ASSERT_EQ(back.size(), 1u) << f.name;
+    EXPECT_EQ(back.front().format, f.name);
+    // The snapshot formats keep every event; text keeps the requests (300 allocs and frees).
+    EXPECT_EQ(back.front().events.size(), f.id == TraceFormat::text ? 300u : t.events.size()) << f.name;
+    EXPECT_EQ(back.front().device_events,
+              (std::vector<std::uint64_t>{back.front().events.size()})) << f.name;
+    EXPECT_EQ(f.write(back.front()), bytes) << f.name;  // what it reads, it writes back the same
+    if (f.read_device != nullptr) {
+      EXPECT_EQ(f.read_device(span, "x", 0, {}).events, back.front().events) << f.name;
+    }
+  }
+}
+
 TEST(Export, FilesAreRecognizedByContent) {
   const Trace t = recorded_workload(3, 300);
   const auto dir = std::filesystem::temp_directory_path() / "reservoir_export_test";

@@ -1,0 +1,134 @@
+// Replay: a trace compiled to allocator operations, run on a simulated
+// device under any configuration, and the smallest capacity it runs in.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/trace_model.hpp"
+
+namespace reservoir {
+
+// A trace compiled to allocator operations on dense ids.
+struct ReplayOp {
+  enum class Kind : std::uint8_t { alloc, free, empty_cache } kind;
+  std::uint32_t id;
+  std::uint64_t size;
+  StreamId stream;
+};
+struct ReplayProgram {
+  std::string name;
+  int device = 0;  // the recording's device (memory_summary names it)
+  // The PyTorch release the recording shows (Trace::pytorch_since): a
+  // replay under a config that names none takes that release's rules.
+  std::string pytorch_version;
+  std::vector<ReplayOp> initial;  // blocks live when recording began, in address order
+  std::vector<ReplayOp> ops;      // then the recorded requests, in order
+  std::vector<std::uint64_t> op_events;  // per op in `ops`: the recorded event it came from
+  std::uint32_t id_count = 0;
+  std::uint64_t recorded_events = 0;
+  // Per id: the context of its recorded alloc event (the trace's contexts;
+  // 0 when none or when the block was live before recording began).
+  std::vector<std::uint32_t> contexts;
+  // With CompileOptions::failed_requests: the index in `ops` of each request
+  // that ran out of memory in the recording, and of its oom event.
+  std::vector<std::uint64_t> failed_request_ops;
+  std::vector<std::uint64_t> failed_request_events;
+};
+struct CompileOptions {
+  // Make each request that ran out of memory in the recording (its oom
+  // event) an alloc, freed at once: a setting that fits serves it, beside
+  // everything alive then. Off, the program is what the recording served.
+  bool failed_requests = false;
+};
+// Blocks live at the start are those freed before any alloc at their address,
+// plus those still allocated at the end that no event touches.
+ReplayProgram compile(const Trace& trace, const CompileOptions& options = {});
+
+// Sees a replay as it runs: reports, summaries and progress build on it.
+class ReplayObserver {
+ public:
+  virtual ~ReplayObserver() = default;
+  virtual void on_start(CachingAllocator& /*allocator*/, const ReplayProgram& /*program*/) {}
+  // After each op (the initial ones first, then program.ops); `ptr` is what
+  // an alloc returned (null when it ran out of memory), else null.
+  virtual void on_op(std::uint64_t /*index*/, const ReplayOp& /*op*/, const void* /*ptr*/) {}
+  virtual void on_finish(CachingAllocator& /*allocator*/) {}
+};
+
+// Captures the allocator's segments just before global op `before` of a
+// replay (after op before-1; the state at the start when before is 0), with
+// the request id of each live block.
+class ReplayStateCapture : public ReplayObserver {
+ public:
+  explicit ReplayStateCapture(std::uint64_t before) : before_(before) {}
+  void on_start(CachingAllocator& allocator, const ReplayProgram& program) override;
+  void on_op(std::uint64_t index, const ReplayOp& op, const void* ptr) override;
+
+  bool taken = false;
+  Snapshot snapshot;
+  std::unordered_map<DevicePtr, std::uint32_t> id_at;  // live block address -> request id
+
+ private:
+  void take();
+  std::uint64_t before_;
+  CachingAllocator* allocator_ = nullptr;
+  std::vector<DevicePtr> ptrs_;
+};
+
+struct ReplayOptions {
+  std::optional<std::uint64_t> capacity;  // device capacity; unlimited when empty
+  std::optional<double> memory_fraction;  // set_memory_fraction before the replay
+  bool validate_each_step = false;        // run the invariant validator after every op
+  ReplayObserver* observer = nullptr;     // not owned; also sees min_capacity's probes
+};
+
+struct ReplayResult {
+  std::string trace;
+  std::string config;
+  std::uint64_t events = 0;  // recorded events the program came from
+  std::uint64_t ops = 0;     // allocator calls made
+  std::uint64_t peak_requested_bytes = 0;
+  std::uint64_t peak_allocated_bytes = 0;
+  std::uint64_t peak_reserved_bytes = 0;
+  std::uint64_t peak_reserved_op = 0;  // index of the op at which reserved peaked
+  std::uint64_t final_reserved_bytes = 0;
+  std::int64_t device_allocs = 0;
+  std::int64_t device_frees = 0;
+  std::int64_t num_alloc_retries = 0;
+  std::int64_t num_ooms = 0;
+  std::string first_oom;             // message of the first out-of-memory error
+  double device_call_seconds = 0.0;  // latency-model estimate
+  double wall_seconds = 0.0;
+  std::uint64_t allocations = 0;   // alloc calls made (including ones that ran out of memory)
+  std::uint64_t device_calls = 0;  // memory-management calls: kMemoryCallKinds
+};
+
+// Device calls that obtain or return memory or address space: what
+// "device calls" counts in replay results.
+inline constexpr CallKind kMemoryCallKinds[] = {
+    CallKind::allocate_segment, CallKind::free_segment,     CallKind::reserve,
+    CallKind::unreserve,        CallKind::create_physical,  CallKind::release_physical,
+    CallKind::map,              CallKind::unmap,            CallKind::set_access};
+
+struct MinCapacityResult {
+  std::uint64_t bytes = 0;    // smallest capacity (a multiple of 2 MiB) with no out-of-memory
+  std::uint64_t replays = 0;  // replays the search ran
+};
+
+ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
+                    const std::string& config_text, const ReplayOptions& options = {});
+
+// The smallest device capacity, in 2 MiB steps, on which the program runs with
+// no out-of-memory error (the retry ladder included), found by bisection
+// between the peak of requested bytes and the peak reserved with no limit.
+// options.capacity is ignored; options.memory_fraction applies to each probe.
+MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
+                               const std::string& config_text, const ReplayOptions& options = {});
+
+}  // namespace reservoir
