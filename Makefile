@@ -9,11 +9,14 @@ DEPS := cmake ninja-build ccache g++ libgtest-dev libgmock-dev libbenchmark-dev 
         python3-dev pybind11-dev python3-pytest \
         python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
-SHARED_TRACES := $(wildcard ../shared/traces/*.pickle ../shared/traces/oom/*.pickle)
+# Real recordings make run replays and verifies: `make run RECORDINGS=DIR` for
+# another folder of PyTorch snapshots (DIR/*.pickle, DIR/oom/*.pickle).
+RECORDINGS ?= ../shared/traces
+SHARED_TRACES := $(wildcard $(RECORDINGS)/*.pickle $(RECORDINGS)/oom/*.pickle)
 CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
            -c "garbage_collection_threshold:0.6" --capacity 24GiB --memory-fraction 1.0
 # make run advises on a real out-of-memory dump when one is at hand.
-ADVISE_TRACE := $(firstword $(wildcard ../shared/traces/oom/*.pickle) $(SHARED_TRACES) \
+ADVISE_TRACE := $(firstword $(wildcard $(RECORDINGS)/oom/*.pickle) $(SHARED_TRACES) \
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
 TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt)
@@ -44,11 +47,11 @@ run: build
 	@echo "== Replaying the bundled recordings under four settings, 24 GiB device (reservoir replay)"
 	@$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
 	@echo; echo "== The smallest device each recording fits, per policy (reservoir replay --min-capacity)"
-	@$(if $(SHARED_TRACES),,echo "   (no real recordings at ../shared/traces beside this checkout: the bundled ones only)")
+	@$(if $(SHARED_TRACES),,echo "   (no real recordings at $(RECORDINGS): the bundled ones only)")
 	@$(BUILD)/bin/reservoir replay $(TRACES) $(SHARED_TRACES) $(POLICIES) --min-capacity
 	@echo
 	@$(if $(SHARED_TRACES),echo "== Replaying the real recordings against what PyTorch did (reservoir verify)" && \
-	  $(BUILD)/bin/reservoir verify $(SHARED_TRACES),echo "== Skipped: verifying real recordings (none at ../shared/traces beside this checkout)")
+	  $(BUILD)/bin/reservoir verify $(SHARED_TRACES),echo "== Skipped: verifying real recordings (none at $(RECORDINGS))")
 	@echo; echo "== Advice on $(notdir $(ADVISE_TRACE)) (reservoir advise)"
 	@$(BUILD)/bin/reservoir advise $(ADVISE_TRACE) -o $(BUILD)/advice.html
 	@echo; echo "== The replays as a page (reservoir report)"

@@ -88,7 +88,10 @@ struct PoolRestore {
 class CachingAllocator {
  public:
   // Throws ConfigError or UsageError for a configuration it cannot serve.
-  explicit CachingAllocator(Device& device, AllocatorConfig config = AllocatorConfig::from_env(),
+  // The configuration is the caller's: the environment is read where a
+  // program meets reservoir (AllocatorConfig::from_env() in the C API, the
+  // interposer, the PyTorch integration), never here.
+  explicit CachingAllocator(Device& device, AllocatorConfig config = AllocatorConfig{},
                             int device_index = 0);
   // Returns every segment to the device, including ones with live blocks.
   ~CachingAllocator();

@@ -81,7 +81,7 @@ struct RegionOptions {
 };
 
 struct SaverOptions {
-  AllocatorConfig config = AllocatorConfig::from_env();
+  AllocatorConfig config{};  // the caller's (AllocatorConfig::from_env() where wanted)
   BackupStorage storage = BackupStorage::pinned;
   std::string mmap_directory;
   // Where BackupStorage::disk writes its files (created when missing).
