@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <fstream>
 #include <memory>
 
 #include "commands.hpp"
@@ -63,11 +62,7 @@ void run(const ExportArgs& args) {
     }
   }
   const std::string out = format.write(trace);
-  std::ofstream file(args.output, std::ios::binary);
-  if (!file) throw UsageError(fmt::format("export: cannot write '{}'", args.output));
-  file << out;
-  file.close();
-  if (!file) throw UsageError(fmt::format("export: writing '{}' failed", args.output));
+  write_file(args.output, out, "export");
   fmt::print("{}: {} events, {} segments, written as {} ({})\n", args.output, trace.events.size(),
              trace.final_state.segments.size(), format.export_name, format_size(out.size()));
 }
