@@ -80,7 +80,7 @@ no-cuda: build
 # The layers with clang (used by .ci/run): -Wthread-safety checks the lock
 # annotations of the allocator and the saver. Configured with the tests and
 # tools too, so compile_commands.json covers every source clang-tidy checks.
-CLANG_TARGETS := reservoir_device reservoir_allocator reservoir_saver reservoir_trace \
+CLANG_TARGETS := reservoir_base reservoir_device reservoir_allocator reservoir_saver reservoir_trace \
                  reservoir_capi reservoir_torch
 clang: deps
 	CC=clang CXX=clang++ cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug \

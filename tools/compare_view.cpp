@@ -12,7 +12,7 @@ namespace {
 
 std::string signed_size(std::int64_t v) {
   if (v == 0) return "0";
-  return (v < 0 ? "-" : "+") + format_size(static_cast<std::uint64_t>(v < 0 ? -v : v));
+  return fmt::format("{}{}", v < 0 ? '-' : '+', format_size(static_cast<std::uint64_t>(v < 0 ? -v : v)));
 }
 
 bool is_bytes(const std::string& key) {

@@ -1,4 +1,4 @@
-#include "reservoir/device.hpp"
+#include "reservoir/status.hpp"
 
 namespace reservoir {
 

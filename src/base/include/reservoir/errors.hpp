@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "reservoir/device.hpp"
+#include "reservoir/status.hpp"
 
 namespace reservoir {
 
