@@ -218,9 +218,9 @@ TEST_F(PoolCheckpointTest, AMismatchedCheckpointChangesNothing) {
   PoolCheckpoint gap = good;
   gap.segments[0].blocks[1].size -= kMiB;
   refused(gap, "block 2 (");
-  PoolCheckpoint short_ = good;
-  short_.segments[0].blocks.pop_back();
-  refused(short_, "its blocks cover 12582912 bytes of a segment of 20971520");
+  PoolCheckpoint truncated = good;
+  truncated.segments[0].blocks.pop_back();
+  refused(truncated, "its blocks cover 12582912 bytes of a segment of 20971520");
   PoolCheckpoint two_free = good;
   two_free.segments[0].blocks[2].allocated = false;
   refused(two_free, "blocks 2 and 3 are both free");
