@@ -295,6 +295,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool release_cached_blocks() RESERVOIR_REQUIRES(mutex_);
   void release_blocks(detail::BlockPool& pool) RESERVOIR_REQUIRES(mutex_);
+  // Gives a released pool's cached segments back, and forgets the pool once
+  // it holds none; returns the iterator after `it` in freeable_pools_.
+  std::vector<PoolId>::iterator release_freeable_pool(std::vector<PoolId>::iterator it)
+      RESERVOIR_REQUIRES(mutex_);
   void release_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void insert_events(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void insert_deferred_events() RESERVOIR_REQUIRES(mutex_);

@@ -90,18 +90,20 @@ bool CachingAllocator::Impl::release_cached_blocks() {
   release_blocks(large_);
   release_blocks(small_);
   for (auto it = freeable_pools_.begin(); it != freeable_pools_.end();) {
-    auto pool_it = private_pools_.find(*it);
-    PrivatePool& pool = *pool_it->second;
-    release_blocks(pool.small);
-    release_blocks(pool.large);
-    if (pool.device_alloc_count == 0) {
-      private_pools_.erase(pool_it);
-      it = freeable_pools_.erase(it);
-    } else {
-      ++it;
-    }
+    it = release_freeable_pool(it);
   }
   return true;
+}
+
+std::vector<PoolId>::iterator CachingAllocator::Impl::release_freeable_pool(
+    std::vector<PoolId>::iterator it) {
+  auto pool_it = private_pools_.find(*it);
+  PrivatePool& pool = *pool_it->second;
+  release_blocks(pool.small);
+  release_blocks(pool.large);
+  if (pool.device_alloc_count != 0) return std::next(it);
+  private_pools_.erase(pool_it);
+  return freeable_pools_.erase(it);
 }
 
 void CachingAllocator::Impl::empty_pool_cache(PoolId id) {
@@ -109,16 +111,9 @@ void CachingAllocator::Impl::empty_pool_cache(PoolId id) {
   auto it = std::find(freeable_pools_.begin(), freeable_pools_.end(), id);
   if (it == freeable_pools_.end()) return;  // in use (or unknown): PyTorch keeps its blocks too
   // PyTorch waits for the pool's own events alone; reservoir for all (the
-  // same count in num_sync_all_streams).
+  // same count in num_sync_all_streams). Waiting leaves freeable_pools_ as it is.
   synchronize_and_free_events();
-  auto pool_it = private_pools_.find(id);
-  PrivatePool& pool = *pool_it->second;
-  release_blocks(pool.small);
-  release_blocks(pool.large);
-  if (pool.device_alloc_count == 0) {
-    private_pools_.erase(pool_it);
-    freeable_pools_.erase(it);
-  }
+  (void)release_freeable_pool(it);
 }
 
 void CachingAllocator::Impl::release_blocks(BlockPool& pool) {

@@ -32,10 +32,10 @@
 #include <deque>
 #include <limits>
 #include <map>
-#include <optional>
-#include <set>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -440,7 +440,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       std::unordered_map<std::size_t, Recorded> last_free;
       std::unordered_map<std::size_t, std::shared_ptr<c10::GatheredContext>> last_alloc;
       std::unordered_map<std::size_t, std::size_t> release_seen;
-      std::size_t annotations_added = 0;
+      std::size_t own_entries_added = 0;
       for (std::size_t i = 0; i < history.size(); ++i) {
         const nlohmann::json& e = history[i];
         const std::string action = e["action"].get<std::string>();
@@ -494,14 +494,14 @@ class ReservoirAllocator final : public CUDAAllocator {
           if (it != releases_.end() && k < it->second.size()) recorded = it->second[k];
         }
         const auto time_us = e["time_us"].get<std::int64_t>();
-        add_annotations_until(trace, device, time_us, &annotations_added);
+        add_own_entries_until(trace, device, time_us, &own_entries_added);
         TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, e["size"].get<std::size_t>(),
               reinterpret_cast<void*>(e["stream"].get<std::uintptr_t>()), {0, 0}, 0, std::move(recorded.context),
               std::move(recorded.compile_context), std::move(recorded.user_metadata));
         te.time_.t_ = static_cast<time_t>(time_us);
         trace.push_back(std::move(te));
       }
-      add_annotations_until(trace, device, std::numeric_limits<std::int64_t>::max(), &annotations_added);
+      add_own_entries_until(trace, device, std::numeric_limits<std::int64_t>::max(), &own_entries_added);
       note_snapshot(device, total_active);  // in the traces of later snapshots, as PyTorch's
       if (device == 0) fill_config(out.config_metadata, snap["config"]);
     }
@@ -534,7 +534,7 @@ class ReservoirAllocator final : public CUDAAllocator {
         contexts_.clear();
         releases_.clear();
         annotations_.clear();
-        annotate_entries_.clear();
+        own_entries_.clear();
       }
       devices = static_cast<int>(fractions_.size());
     }
@@ -601,8 +601,7 @@ class ReservoirAllocator final : public CUDAAllocator {
                                                it->second.stream, {0, 0}, 0, nullptr,
                                                compile_context_of(it->second.device), metadata);
     te.time_.t_ = static_cast<time_t>(now_us());
-    annotate_entries_.push_back(std::move(te));
-    while (max_entries_ > 0 && annotate_entries_.size() > max_entries_) annotate_entries_.pop_front();
+    keep_own_entry(std::move(te));
   }
   std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
     std::lock_guard lock(mutex_);
@@ -754,8 +753,9 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto state = std::make_shared<PoolState>();
     state->device = device;
     state->id = id;
-    state->layout = text;
+    state->text = text;
     std::free(text);
+    state->layout = nlohmann::json::parse(state->text);
     return state;
   }
   // Frees every allocation of the pool and makes the checkpoint's live ones
@@ -772,9 +772,8 @@ class ReservoirAllocator final : public CUDAAllocator {
     const std::optional<Recorded> alloc_context = record_context(true, device);
     const std::optional<Recorded> free_context = record_context(false, device);
     const nlohmann::json done = parsed(entry().restore_pool(device, pps->id.first, pps->id.second,
-                                                            pps->layout.c_str()),
+                                                            pps->text.c_str()),
                                        "setCheckpointPoolState");
-    const nlohmann::json layout = nlohmann::json::parse(pps->layout);
     cca::CheckpointDelta delta;
     std::lock_guard lock(mutex_);
     const bool keep = alloc_context && history_on_;
@@ -784,7 +783,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       if (keep) contexts_[p.get<std::size_t>()].frees.push_back(*free_context);
       delta.ptrs_freed.push_back(ptr);
     }
-    for (const nlohmann::json& seg : layout["segments"]) {
+    for (const nlohmann::json& seg : pps->layout["segments"]) {
       for (const nlohmann::json& b : seg["blocks"]) {
         const auto at = b[0].get<std::size_t>();
         void* ptr = reinterpret_cast<void*>(at);
@@ -805,7 +804,8 @@ class ReservoirAllocator final : public CUDAAllocator {
   struct PoolState final : cca::AllocatorState {
     c10::DeviceIndex device = 0;
     c10::MempoolId_t id{0, 0};
-    std::string layout;  // reservoir_torch_checkpoint_pool's JSON
+    std::string text;        // reservoir_torch_checkpoint_pool's JSON, as restore_pool takes it
+    nlohmann::json layout;   // ... read once (graph trees restore a checkpoint many times)
   };
   struct Live {
     size_t size = 0;
@@ -842,10 +842,17 @@ class ReservoirAllocator final : public CUDAAllocator {
   // The annotate entries of a device not yet added, up to a time, into its
   // trace (in time order with reservoir's entries); *next counts those
   // added. Holds mutex_.
-  void add_annotations_until(std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, int device,
+  // Keeps an entry this library wrote, the latest max_entries as PyTorch's
+  // ring of entries keeps them. Holds mutex_.
+  void keep_own_entry(c10::CachingDeviceAllocator::TraceEntry te) {
+    own_entries_.push_back(std::move(te));
+    while (max_entries_ > 0 && own_entries_.size() > max_entries_) own_entries_.pop_front();
+  }
+
+  void add_own_entries_until(std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, int device,
                              std::int64_t time_us, std::size_t* next) const {
     std::size_t seen = 0;
-    for (const auto& te : annotate_entries_) {
+    for (const auto& te : own_entries_) {
       if (te.device_ != device) continue;
       if (seen++ < *next) continue;
       if (static_cast<std::int64_t>(te.time_.t_) >= time_us) break;  // a tie: after the event
@@ -862,8 +869,7 @@ class ReservoirAllocator final : public CUDAAllocator {
                                                static_cast<c10::DeviceIndex>(device), 0, total_active, nullptr,
                                                {0, 0}, 0, nullptr, compile_context_of(device), metadata_of(device));
     te.time_.t_ = static_cast<time_t>(now_us());
-    annotate_entries_.push_back(std::move(te));
-    while (max_entries_ > 0 && annotate_entries_.size() > max_entries_) annotate_entries_.pop_front();
+    keep_own_entry(std::move(te));
   }
 
   bool skipped(const std::string& action) const {
@@ -1037,7 +1043,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::deque<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
   // Entries this library writes itself, merged into the trace by time:
   // torch.cuda.memory._annotate_memory's, and each _snapshot()'s own.
-  std::deque<c10::CachingDeviceAllocator::TraceEntry> annotate_entries_;
+  std::deque<c10::CachingDeviceAllocator::TraceEntry> own_entries_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
   // IPC handles opened here, while in use (their own lock: a deleter runs
   // wherever the last user lets go).
