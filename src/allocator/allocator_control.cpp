@@ -28,10 +28,10 @@ CachingAllocator::Impl::Impl(Device& device, AllocatorConfig config, int device_
       large_(false, nullptr, &node_resource_),
       small_(true, nullptr, &node_resource_) {
   check_supported(config_);
-  vm_mode_ = vm_mode(config_);
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
   {
     detail::LockGuard lock(mutex_);
+    choose_source();
     apply_block_order();
   }
   if (config_.per_process_memory_fraction != 1.0) {
@@ -109,7 +109,7 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   detail::LockGuard lock(mutex_);
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;
-  vm_mode_ = vm_mode(config_);
+  choose_source();
   stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
   apply_block_order();
 }

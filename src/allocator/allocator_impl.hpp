@@ -24,6 +24,7 @@
 #include "reservoir/detail/debug_assert.hpp"
 #include "reservoir/detail/thread_safety.hpp"
 #include "reservoir/errors.hpp"
+#include "segment_source.hpp"
 #include "spin_mutex.hpp"
 
 namespace reservoir {
@@ -105,15 +106,37 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   static std::size_t round_size(std::size_t size, const AllocatorConfig& config);
   static std::size_t allocation_size(std::size_t size, const AllocatorConfig& config);
 
+  // ---- segment sources (segment_source.hpp): what a policy may use of the core ----
+  using AllocParams = detail::AllocParams;
+  // The lock a source is called with.
+  const auto& source_lock() const noexcept RESERVOIR_RETURN_CAPABILITY(mutex_) { return mutex_; }
+  const AllocatorConfig& current_config() const noexcept RESERVOIR_REQUIRES(mutex_) {
+    return config_;
+  }
+  // A classic segment of p.alloc_size bytes from the device, its head block
+  // in p.block; false when the device is out of memory.
+  bool new_segment(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // PyTorch's try_allocate_expandable_block: map pages until a free run of
+  // p.size bytes exists in a VM segment of the source's kind; leaves it in
+  // p.block. With `recycling` (paging under pressure), whole free handles
+  // from elsewhere are mapped there before fresh memory is created.
+  bool try_alloc_vm_block(AllocParams& p, bool recycling = false) RESERVOIR_REQUIRES(mutex_);
+  // The free range of a VM segment of the source's kind that p grows into
+  // (a new segment when none has room); nullptr when no address space is left.
+  detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // Paging: unmaps whole free handles, largest first, until `bytes` are
+  // released; leaves `keep` alone. True when anything was released.
+  bool release_free_handles(std::size_t bytes, const detail::Block* keep)
+      RESERVOIR_REQUIRES(mutex_);
+  // Paging's last resort: a new range mapped onto free pages of this
+  // stream's segments (plus fresh memory for the rest).
+  bool stitch_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // Reserved memory not allocated: cached blocks, and pages lent or pending.
+  std::size_t cached_bytes() const RESERVOIR_REQUIRES(mutex_);
+  // What more may be mapped now: the device's free memory, within the memory fraction if set.
+  std::size_t mapping_headroom() RESERVOIR_REQUIRES(mutex_);
+
  private:
-  struct AllocParams {
-    std::size_t size;        // rounded request
-    std::size_t alloc_size;  // device allocation size if a new segment is needed (set on a miss)
-    StreamId stream;
-    detail::BlockPool* pool;
-    detail::Block* block = nullptr;
-    bool block_in_pool = false;  // a cached block, still in its pool's set
-  };
   struct PendingEvent {
     EventId event;
     detail::Block* block;
@@ -241,7 +264,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     }
     // Paging keeps one arena per stream: small requests share pages with
     // large ones rather than holding 2 MiB pages of their own.
-    return size <= kSmallSize && vm_mode_ != VmMode::paging ? small_ : large_;
+    return size <= kSmallSize && traits_.small_pool ? small_ : large_;
   }
   // The private pool a route sends the request to, or nullptr.
   detail::BlockPool* routed_pool(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
@@ -333,15 +356,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void check_supported(const AllocatorConfig& config) const;  // reads config and device_ only
 
   // ---- virtual-memory segments (vm_policy.cpp) ----
-  enum class VmMode { none, expandable, paging };
-  static VmMode vm_mode(const AllocatorConfig& config) noexcept {
-    if (config.policy == Policy::paging) return VmMode::paging;
-    if (config.policy == Policy::expandable || config.expandable_segments) {
-      return VmMode::expandable;
-    }
-    return VmMode::none;
-  }
-  bool vm_on() const noexcept RESERVOIR_REQUIRES(mutex_) { return vm_mode_ != VmMode::none; }
+  // The source the configuration names (made anew when the policy changes),
+  // and its traits.
+  void choose_source() RESERVOIR_REQUIRES(mutex_);
+  bool vm_on() const noexcept RESERVOIR_REQUIRES(mutex_) { return traits_.virtual_memory; }
   // Whether a block lies in a VM segment (noted in the block when it is
   // made: a segment's vm is set before its blocks are made, and kept).
   static bool in_vm(const detail::Block* b) noexcept { return b->in_vm; }
@@ -385,16 +403,14 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // Unmapped bytes among the first `size` available bytes from b, or
   // SIZE_MAX when fewer than `size` available bytes follow.
   static std::size_t unmapped_within(const detail::Block* b, std::size_t size);
-  // PyTorch's try_allocate_expandable_block: map pages until a free run of
-  // p.size bytes exists; leaves it out of the pool in p.block.
-  bool alloc_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Moves `it`, the best fit in a VM segment, to the block that serves p
   // under the VM rules (growable size, stitched blocks whole, none while VM
   // is off); false when no block of p's stream does.
   inline bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it)
       RESERVOIR_REQUIRES(mutex_);
-  detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   detail::Block* new_vm_segment(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // try_alloc_vm_block's work, with recycling_ set as asked.
+  bool grow_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Maps the pages under the first `bytes` of an unmapped block; false on
   // out of memory (nothing changed). Throws DeviceError on other failures,
   // after undoing what it did.
@@ -429,10 +445,6 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<Recycled> recycle_free_handles(const detail::Block* to_map, std::size_t bytes)
       RESERVOIR_REQUIRES(mutex_);
   static constexpr std::size_t kMaxRecycledHandles = 4;
-  bool try_alloc_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
-  // Paging's last resort: a new range mapped onto free pages of this
-  // stream's segments (plus fresh memory for the rest).
-  bool stitch_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
   void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
@@ -443,22 +455,6 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // Puts a block back in its pool, merged with cached neighbours.
   void recache(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   static detail::Block* block_at(detail::Segment& seg, DevicePtr addr);
-  // Paging: how much to map for `bytes` of growth serving `request`.
-  std::size_t map_ahead_bytes(const detail::Block* to_map, std::size_t bytes, std::size_t request)
-      RESERVOIR_REQUIRES(mutex_);
-  static constexpr std::size_t kMapAheadDivisor = 16;
-  static constexpr std::size_t kMapAheadMin = std::size_t{20} << 20;
-  static constexpr std::size_t kMapAheadMax = std::size_t{160} << 20;
-  static constexpr std::size_t kLargeRequest = std::size_t{128} << 20;
-  // Paging: unmaps whole free handles, largest first, until `bytes` are
-  // released; leaves `keep` alone. True when anything was released.
-  bool release_free_handles(std::size_t bytes, const detail::Block* keep)
-      RESERVOIR_REQUIRES(mutex_);
-  // Paging with paging_release_threshold_mb: after a free, whole free
-  // handles beyond the threshold of cached memory go back to the device.
-  void release_above_threshold() RESERVOIR_REQUIRES(mutex_);
-  // Reserved memory not allocated: cached blocks, and pages lent or pending.
-  std::size_t cached_bytes() const RESERVOIR_REQUIRES(mutex_);
   void release_vm_segment(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   // empty_cache's part for cached VM blocks: stitched ones dissolved, the
   // others' pages unmapped and segments left empty given back.
@@ -525,7 +521,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::map<StreamId, std::deque<PendingEvent>> pending_events_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<EventId> idle_events_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t total_reserved_ RESERVOIR_GUARDED_BY(mutex_) = 0;
-  VmMode vm_mode_ RESERVOIR_GUARDED_BY(mutex_) = VmMode::none;
+  std::unique_ptr<detail::SegmentSource> source_ RESERVOIR_GUARDED_BY(mutex_);
+  detail::VmSegments* vm_source_ RESERVOIR_GUARDED_BY(mutex_) = nullptr;  // source_, if VM
+  detail::SourceTraits traits_ RESERVOIR_GUARDED_BY(mutex_);
   std::uint64_t segments_made_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // Segment::order of the newest
   // Orders every pool's cached blocks as config_ says (pytorch_version),
   // and notes whether its rounding uses divisions (uses_divisions_).
@@ -537,8 +535,6 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
-  // Cached bytes at the last look that found no whole handle to release.
-  std::size_t release_floor_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
   // config_ sets roundup_power2_divisions (any interval above 1).
   bool uses_divisions_ RESERVOIR_GUARDED_BY(mutex_) = true;

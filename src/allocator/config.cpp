@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "reservoir/errors.hpp"
+#include "segment_source.hpp"
 
 namespace reservoir {
 namespace {
@@ -225,6 +226,17 @@ struct Entry {
 };
 
 std::string mib(std::size_t bytes) { return fmt::format("{}", bytes / kMiB); }
+
+// The registered policies' names: "native, expandable or paging".
+std::string policy_names() {
+  std::string out;
+  const auto all = policies();
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (i > 0) out += i + 1 == all.size() ? " or " : ", ";
+    out += all[i].name;
+  }
+  return out;
+}
 
 constexpr std::string_view kMibFromLargeSegment =
     "a whole number of MiB >= large_segment_size_mb (default 20)";
@@ -454,21 +466,15 @@ const Entry kTable[] = {
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        const std::string v = p.value_token(k, "native, expandable or paging");
-       if (v == "native") {
-         c.policy = Policy::native;
-       } else if (v == "expandable") {
-         c.policy = Policy::expandable;
-       } else if (v == "paging") {
-         c.policy = Policy::paging;
+       if (const detail::SegmentSourceEntry* e = detail::find_segment_source(v)) {
+         c.policy = e->info.policy;
        } else {
-         p.fail(fmt::format("key 'policy': value '{}' is not accepted; accepted: native, "
-                            "expandable or paging",
-                            v));
+         p.fail(fmt::format("key 'policy': value '{}' is not accepted; accepted: {}", v,
+                            policy_names()));
        }
      },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
-       if (c.policy == Policy::expandable) out.emplace_back("policy:expandable");
-       if (c.policy == Policy::paging) out.emplace_back("policy:paging");
+       if (c.policy != Policy::native) out.push_back(fmt::format("policy:{}", to_string(c.policy)));
      }},
     {{"paging_release_threshold_mb", "a whole number of MiB (0: keep no cached memory)",
       "unlimited", "reservoir", "", "",

@@ -130,16 +130,19 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
 }
 
 bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
-  const std::size_t size = p.alloc_size;
   if (is_retry) ++stats_.num_alloc_retries;
-  // Private pools keep classic segments (as PyTorch's CUDA-graph pools).
-  const bool vm = vm_on() && p.pool->owner == nullptr;
-  // The paging policy checks the fraction against the pages it really maps.
-  if (set_fraction_ && !(vm && vm_mode_ == VmMode::paging) &&
-      total_reserved_ + size > allowed_memory_maximum_) {
+  // Private pools keep classic segments (as PyTorch's CUDA-graph pools);
+  // the default pool's memory comes from the policy's source.
+  const bool from_source = p.pool->owner == nullptr;
+  if (set_fraction_ && !(from_source && traits_.checks_fraction) &&
+      total_reserved_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }
-  if (vm) return alloc_vm_block(p);
+  return from_source ? source_->obtain(p) : new_segment(p);
+}
+
+bool CachingAllocator::Impl::new_segment(AllocParams& p) {
+  const std::size_t size = p.alloc_size;
   DevicePtr ptr = 0;
   const Status status = device_.allocate_segment(size, &ptr);
   if (status == Status::out_of_memory) return false;
@@ -430,9 +433,8 @@ void CachingAllocator::Impl::free_block(Block* block) {
     if (!routes_.empty()) deferred_event_blocks_.push_back(block);
   } else {
     cache_block(block);
-    if (vm_mode_ == VmMode::paging && config_.paging_release_threshold != kNoReleaseThreshold) {
-      release_above_threshold();
-    }
+    if (traits_.after_free) [[unlikely]]
+      source_->after_free();
   }
   return true;
 }

@@ -136,7 +136,7 @@ void CachingAllocator::Impl::restore_vm_locked(
   const bool any = std::any_of(layout.segments.begin(), layout.segments.end(),
                                [](const SegmentInfo& s) { return s.is_expandable; });
   if (!any && reservations.empty()) return;
-  if (vm_mode_ != VmMode::expandable) {
+  if (source_->policy() != Policy::expandable) {
     throw UsageError(
         "restore: expandable segments need an allocator with expandable_segments:True");
   }

@@ -22,25 +22,6 @@ std::size_t CachingAllocator::Impl::cached_bytes() const {
   return total_reserved_ > allocated ? total_reserved_ - allocated : 0;
 }
 
-void CachingAllocator::Impl::release_above_threshold() {
-  const std::size_t cached = cached_bytes();
-  if (cached <= config_.paging_release_threshold) {
-    release_floor_ = 0;
-    return;
-  }
-  // Cached memory in pieces of handles that still hold live blocks cannot
-  // go: look again only once more has been freed since a fruitless look.
-  if (cached <= release_floor_) return;
-  bool released = false;
-  try {
-    released = release_free_handles(cached - config_.paging_release_threshold, nullptr);
-  } catch (const DeviceError&) {
-    // A handle that would not go stays cached (and counted); the next free,
-    // empty_cache() or shortage tries again. The caller's free succeeded.
-  }
-  if (!released) release_floor_ = cached;
-}
-
 std::vector<CachingAllocator::Impl::FreeHandle> CachingAllocator::Impl::whole_free_handles(
     const Block* skip, const Block* skip_too) {
   std::vector<FreeHandle> found;

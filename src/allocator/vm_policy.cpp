@@ -23,6 +23,7 @@
 #include <limits>
 
 #include "allocator_impl.hpp"
+#include "reservoir/detail/debug_assert.hpp"
 #include "reservoir/errors.hpp"
 
 namespace reservoir {
@@ -39,7 +40,8 @@ void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) cons
         "choose one",
         config.to_string()));
   }
-  if (vm_mode(config) != VmMode::none && !device_.supports_virtual_memory()) {
+  if (detail::segment_source(detail::configured_policy(config)).info.needs_virtual_memory &&
+      !device_.supports_virtual_memory()) {
     throw UsageError(
         fmt::format("allocator config \"{}\": the {} device has no virtual-memory support, which "
                     "expandable segments and policy:paging need",
@@ -47,11 +49,31 @@ void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) cons
   }
 }
 
+void CachingAllocator::Impl::choose_source() {
+  const Policy policy = detail::configured_policy(config_);
+  if (source_ == nullptr || source_->policy() != policy) {
+    source_ = detail::segment_source(policy).make(*this);
+    vm_source_ = source_->as_vm();
+  }
+  traits_ = source_->traits(config_);
+}
+
+std::size_t CachingAllocator::Impl::mapping_headroom() {
+  MemoryInfo info;
+  if (device_.memory_info(&info) != Status::ok) return 0;
+  std::size_t headroom = info.free;
+  if (set_fraction_) {
+    const std::size_t allowed =
+        allowed_memory_maximum_ > total_reserved_ ? allowed_memory_maximum_ - total_reserved_ : 0;
+    headroom = std::min(headroom, allowed);
+  }
+  return headroom;
+}
+
 Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
-  const bool paging = vm_mode_ == VmMode::paging;
+  RESERVOIR_DEBUG_ASSERT(vm_source_ != nullptr);
   const std::size_t granularity = std::max<std::size_t>(device_.granularity(), 1);
-  std::size_t page =
-      paging ? granularity : (p.pool->is_small ? kSmallBuffer : config_.large_segment_size);
+  std::size_t page = vm_source_->page_size(*p.pool, granularity, config_);
   page = (page + granularity - 1) / granularity * granularity;
   MemoryInfo info;
   const Status info_status = device_.memory_info(&info);
@@ -69,7 +91,7 @@ Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
                       fmt::format("reserving {} bytes of address space", pages * page));
   }
   auto vm = std::make_unique<VmState>();
-  vm->paging = paging;
+  vm->paging = vm_source_->shares_handles();
   vm->page = page;
   vm->pages = pages;
   Block* b = add_segment(va, pages * page, p.stream, p.pool, std::move(vm))->head;
@@ -99,6 +121,9 @@ std::size_t CachingAllocator::Impl::unmapped_within(const Block* b, std::size_t 
 Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   BlockPool& pool = *p.pool;
   constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
+  RESERVOIR_DEBUG_ASSERT(vm_source_ != nullptr);
+  const bool paging = vm_source_->shares_handles();
+  const bool lowest_fit = vm_source_->lowest_fit();
   Block key;
   key.stream = p.stream;
   Block* best = nullptr;
@@ -106,12 +131,12 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   for (auto it = pool.unmapped.lower_bound(&key);
        it != pool.unmapped.end() && (*it)->stream == p.stream; ++it) {
     Block* c = *it;
-    if (c->segment->vm->paging != (vm_mode_ == VmMode::paging)) continue;
+    if (c->segment->vm->paging != paging) continue;
     // The cached block right before the unmapped range can be used too.
     if (c->prev != nullptr && c->prev->is_available()) c = c->prev;
     const std::size_t need = unmapped_within(c, p.size);
     if (need == kNoRoom) continue;
-    if (vm_mode_ == VmMode::expandable) return c;  // PyTorch: the lowest address that fits
+    if (lowest_fit) return c;  // PyTorch's expandable segments
     if (need < best_new) {
       best = c;
       best_new = need;
@@ -121,80 +146,33 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   return new_vm_segment(p);
 }
 
-bool CachingAllocator::Impl::alloc_vm_block(AllocParams& p) {
-  if (try_alloc_vm_block(p)) return true;
-  if (vm_mode_ != VmMode::paging) return false;
-  // Paging under pressure: map whole free handles from elsewhere (any
-  // stream's, once it has synchronized) where the arena grows; then give
-  // back just enough of them (largest first) and try once more; the retry
-  // ladder follows if not.
-  recycling_ = true;
-  bool moved = false;
+bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p, bool recycling) {
+  // recycling_ is read by recycle_free_handles, which map_block calls.
+  recycling_ = recycling;
   try {
-    moved = try_alloc_vm_block(p);
+    const bool found = grow_vm_block(p);
+    recycling_ = false;
+    return found;
   } catch (...) {
     recycling_ = false;
     throw;
   }
-  recycling_ = false;
-  if (moved) return true;
-  Block* candidate = find_vm_candidate(p);
-  if (candidate == nullptr) return false;
-  // Ask for the whole unmapped blocks the request reaches into.
-  std::size_t need = 0;
-  for (const Block* b = candidate; b != nullptr && need < p.size; b = b->next) {
-    if (!b->mapped) need += b->size;
-    if (b->ptr + b->size >= candidate->ptr + p.size) break;
-  }
-  if (release_free_handles(need, candidate) && try_alloc_vm_block(p)) return true;
-  // Still no contiguous run: stitch scattered free pages into a new range.
-  return stitch_block(p);
 }
 
-std::size_t CachingAllocator::Impl::map_ahead_bytes(const Block* to_map, std::size_t bytes,
-                                                    std::size_t request) {
-  // Paging maps ahead of the request while memory is plentiful, so that a
-  // growing workload makes few mappings (each is three driver calls: create,
-  // map, set access). The chunk follows what the stream's arena has shown it
-  // needs: a sixteenth of what it maps already, from 20 MiB (the segment
-  // PyTorch gives a mid-sized request) up to 160 MiB, so that what is left
-  // unused when the workload peaks stays within what the native policy loses
-  // to fragmentation; a request of 128 MiB or more brings room for half
-  // another like it, as large tensors come in groups. Near the limit it maps
-  // only what is asked. PyTorch's expandable segments never map ahead.
-  if (!to_map->segment->vm->paging) return bytes;
-  const VmState& vm = *to_map->segment->vm;
-  std::size_t wanted =
-      std::clamp(vm.mapped_pages * vm.page / kMapAheadDivisor, kMapAheadMin, kMapAheadMax);
-  if (request >= kLargeRequest) wanted = std::max(wanted, request + request / 2);
-  if (bytes >= wanted) return bytes;
-  MemoryInfo info;
-  if (device_.memory_info(&info) != Status::ok) return bytes;
-  std::size_t headroom = info.free;
-  if (set_fraction_) {
-    const std::size_t allowed =
-        allowed_memory_maximum_ > total_reserved_ ? allowed_memory_maximum_ - total_reserved_ : 0;
-    headroom = std::min(headroom, allowed);
-  }
-  if (headroom <= bytes) return bytes;
-  const std::size_t extra = std::min(wanted - bytes, (headroom - bytes) / 8);
-  return std::min(to_map->size, bytes + extra);
-}
-
-bool CachingAllocator::Impl::try_alloc_vm_block(AllocParams& p) {
+bool CachingAllocator::Impl::grow_vm_block(AllocParams& p) {
   Block* candidate = find_vm_candidate(p);
   if (candidate == nullptr) return false;
   // The candidate is one of: unmapped -> *, or cached -> unmapped -> *.
   if (!candidate->mapped &&
       !map_block(candidate,
-                 map_ahead_bytes(candidate, std::min(candidate->size, p.size), p.size))) {
+                 vm_source_->map_bytes(candidate, std::min(candidate->size, p.size), p.size))) {
     return false;
   }
   while (candidate->size < p.size) {
     // cached -> unmapped -> *: map part of the unmapped block; it merges.
     Block* next = candidate->next;
     if (!map_block(next,
-                   map_ahead_bytes(next, std::min(p.size - candidate->size, next->size), p.size))) {
+                   vm_source_->map_bytes(next, std::min(p.size - candidate->size, next->size), p.size))) {
       return false;
     }
     candidate = next;

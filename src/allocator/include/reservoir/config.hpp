@@ -84,6 +84,19 @@ struct AllocatorConfig {
   bool operator==(const AllocatorConfig&) const = default;
 };
 
+// A segment policy reservoir has: where memory comes from when no cached
+// block serves a request. Listed in one table (src/allocator/segment_sources.cpp).
+struct PolicyInfo {
+  Policy policy;
+  std::string_view name;     // its `policy:` value
+  std::string_view summary;  // one line
+  bool needs_virtual_memory;
+};
+// Every policy, in the table's order (native first).
+std::span<const PolicyInfo> policies() noexcept;
+// A policy's `policy:` value.
+std::string_view to_string(Policy policy) noexcept;
+
 // One allocator setting, as declared in the table.
 struct SettingInfo {
   std::string_view key;            // as written in a config string

@@ -32,6 +32,7 @@
 #define RESERVOIR_EXCLUDES(...) RESERVOIR_TSA(locks_excluded(__VA_ARGS__))
 #define RESERVOIR_ASSERT_CAPABILITY(x) RESERVOIR_TSA(assert_capability(x))
 #define RESERVOIR_NO_THREAD_SAFETY_ANALYSIS RESERVOIR_TSA(no_thread_safety_analysis)
+#define RESERVOIR_RETURN_CAPABILITY(x) RESERVOIR_TSA(lock_returned(x))
 
 namespace reservoir::detail {
 
