@@ -570,26 +570,16 @@ class Reader {
     return frame;
   }
 
-  // external_annotations: {stage, name, device, time_us} per entry.
-  void read_external_annotations(const Value& list_value, int device, Trace& trace) const {
-    const auto& items = list(list_value, "external_annotations");
-    for (std::size_t i = 0; i < items.size(); ++i) {
-      const std::string path = fmt::format("external_annotations[{}]", i);
-      const Value& a = *items[i];
-      if (a.kind != Kind::dict) fail(path, fmt::format("expected a dict, got {}", to_string(a.kind)));
-      if (const Value* d = a.find("device"); d != nullptr && d->kind != Kind::none &&
-                                              as_integer(*d, path + ".device") != device) {
-        continue;
-      }
-      TraceAnnotation note;
-      note.event = kUnplaced;
-      note.stage = std::string(optional_text(a, "stage", path));
-      note.name = std::string(optional_text(a, "name", path));
-      if (const Value* t = a.find("time_us"); t != nullptr && t->kind != Kind::none) {
-        note.time_us = as_integer(*t, path + ".time_us");
-      }
-      trace.annotations.push_back(std::move(note));
+  // One entry of external_annotations ({stage, name, device, time_us}).
+  void read_external_annotation(const Value& a, const std::string& path, Trace& trace) const {
+    TraceAnnotation note;
+    note.event = kUnplaced;
+    note.stage = std::string(optional_text(a, "stage", path));
+    note.name = std::string(optional_text(a, "name", path));
+    if (const Value* t = a.find("time_us"); t != nullptr && t->kind != Kind::none) {
+      note.time_us = as_integer(*t, path + ".time_us");
     }
+    trace.annotations.push_back(std::move(note));
   }
 
   // The context of an event the hook took (its context holds its frames
@@ -687,79 +677,69 @@ class Reader {
     return {};
   }
 
-  void read_segments(const Value& list_value, int device, Trace& trace) {
-    const auto& segments = list(list_value, "segments");
-    for (std::size_t i = 0; i < segments.size(); ++i) {
-      const std::string path = fmt::format("segments[{}]", i);
-      const Value& s = *segments[i];
-      if (s.kind != Kind::dict) fail(path, fmt::format("expected a dict, got {}", to_string(s.kind)));
-      if (const Value* d = s.find("device"); d != nullptr && d->kind != Kind::none &&
-                                              as_integer(*d, path + ".device") != device) {
-        continue;
+  // One entry of segments, for the device `trace` is of.
+  void read_segment(const Value& s, const std::string& path, Trace& trace) {
+    const int device = trace.device;
+    note_unknown(s, kSegmentKeys, "segments[].", trace);
+    SegmentInfo seg;
+    seg.device = device;
+    seg.address = unsigned_int(s, "address", path);
+    seg.total_size = unsigned_int(s, "total_size", path);
+    seg.stream = unsigned_int(s, "stream", path);
+    const std::string& type = text(s, "segment_type", path);
+    if (type != "large" && type != "small")
+      fail(path + ".segment_type", fmt::format("'{}' is neither large nor small", type));
+    seg.is_large = type == "large";
+    if (const Value* x = s.find("is_expandable"); x != nullptr && x->kind != Kind::none) {
+      if (x->kind != Kind::boolean && x->kind != Kind::integer) {
+        fail(path + ".is_expandable", fmt::format("expected bool, got {}", to_string(x->kind)));
       }
-      note_unknown(s, kSegmentKeys, "segments[].", trace);
-      SegmentInfo seg;
-      seg.device = device;
-      seg.address = unsigned_int(s, "address", path);
-      seg.total_size = unsigned_int(s, "total_size", path);
-      seg.stream = unsigned_int(s, "stream", path);
-      const std::string& type = text(s, "segment_type", path);
-      if (type != "large" && type != "small")
-        fail(path + ".segment_type", fmt::format("'{}' is neither large nor small", type));
-      seg.is_large = type == "large";
-      if (const Value* x = s.find("is_expandable"); x != nullptr && x->kind != Kind::none) {
-        if (x->kind != Kind::boolean && x->kind != Kind::integer) {
-          fail(path + ".is_expandable", fmt::format("expected bool, got {}", to_string(x->kind)));
-        }
-        seg.is_expandable = x->kind == Kind::boolean ? x->boolean : x->integer != 0;
-      }
-      const auto& blocks = list(field(s, "blocks", path), path + ".blocks");
-      DevicePtr cursor = seg.address;
-      for (std::size_t j = 0; j < blocks.size(); ++j) {
-        const std::string bpath = fmt::format("{}.blocks[{}]", path, j);
-        const Value& b = *blocks[j];
-        if (b.kind != Kind::dict) fail(bpath, fmt::format("expected a dict, got {}", to_string(b.kind)));
-        note_unknown(b, kBlockKeys, "segments[].blocks[].", trace);
-        BlockInfo block;
-        block.address = b.find("address") ? unsigned_int(b, "address", bpath) : cursor;
-        block.size = unsigned_int(b, "size", bpath);
-        block.requested_size =
-            b.find("requested_size") ? unsigned_int(b, "requested_size", bpath) : 0;
-        const std::string& state = text(b, "state", bpath);
-        if (state == "active_allocated") {
-          block.state = BlockState::active_allocated;
-        } else if (state == "active_pending_free" || state == "active_awaiting_free") {
-          block.state = BlockState::active_pending_free;
-        } else if (state == "inactive") {
-          block.state = BlockState::inactive;
-        } else {
-          fail(bpath + ".state", fmt::format("unknown block state '{}'", state));
-        }
-        block.context = context(b, bpath, trace);
-        cursor = block.address + block.size;
-        seg.blocks.push_back(block);
-        if (block.state == BlockState::active_allocated) seg.allocated_size += block.size;
-        if (block.state != BlockState::inactive) {
-          seg.active_size += block.size;
-          seg.requested_size += block.requested_size;
-        }
-      }
-      // Recorded totals, where present, win over the recount.
-      if (s.find("allocated_size")) seg.allocated_size = unsigned_int(s, "allocated_size", path);
-      if (s.find("active_size")) seg.active_size = unsigned_int(s, "active_size", path);
-      if (s.find("requested_size")) seg.requested_size = unsigned_int(s, "requested_size", path);
-      if (const Value* pool = s.find("segment_pool_id"); pool != nullptr && pool->kind != Kind::none) {
-        const auto& ids = list(*pool, path + ".segment_pool_id");
-        if (ids.size() != 2 || ids[0]->kind != Kind::integer || ids[1]->kind != Kind::integer) {
-          fail(path + ".segment_pool_id", "expected two ints");
-        }
-        seg.pool_id = {static_cast<std::uint64_t>(ids[0]->integer),
-                       static_cast<std::uint64_t>(ids[1]->integer)};
-      }
-      trace.final_state.segments.push_back(std::move(seg));
+      seg.is_expandable = x->kind == Kind::boolean ? x->boolean : x->integer != 0;
     }
-    std::sort(trace.final_state.segments.begin(), trace.final_state.segments.end(),
-              [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+    const auto& blocks = list(field(s, "blocks", path), path + ".blocks");
+    DevicePtr cursor = seg.address;
+    for (std::size_t j = 0; j < blocks.size(); ++j) {
+      const std::string bpath = fmt::format("{}.blocks[{}]", path, j);
+      const Value& b = *blocks[j];
+      if (b.kind != Kind::dict) fail(bpath, fmt::format("expected a dict, got {}", to_string(b.kind)));
+      note_unknown(b, kBlockKeys, "segments[].blocks[].", trace);
+      BlockInfo block;
+      block.address = b.find("address") ? unsigned_int(b, "address", bpath) : cursor;
+      block.size = unsigned_int(b, "size", bpath);
+      block.requested_size =
+          b.find("requested_size") ? unsigned_int(b, "requested_size", bpath) : 0;
+      const std::string& state = text(b, "state", bpath);
+      if (state == "active_allocated") {
+        block.state = BlockState::active_allocated;
+      } else if (state == "active_pending_free" || state == "active_awaiting_free") {
+        block.state = BlockState::active_pending_free;
+      } else if (state == "inactive") {
+        block.state = BlockState::inactive;
+      } else {
+        fail(bpath + ".state", fmt::format("unknown block state '{}'", state));
+      }
+      block.context = context(b, bpath, trace);
+      cursor = block.address + block.size;
+      seg.blocks.push_back(block);
+      if (block.state == BlockState::active_allocated) seg.allocated_size += block.size;
+      if (block.state != BlockState::inactive) {
+        seg.active_size += block.size;
+        seg.requested_size += block.requested_size;
+      }
+    }
+    // Recorded totals, where present, win over the recount.
+    if (s.find("allocated_size")) seg.allocated_size = unsigned_int(s, "allocated_size", path);
+    if (s.find("active_size")) seg.active_size = unsigned_int(s, "active_size", path);
+    if (s.find("requested_size")) seg.requested_size = unsigned_int(s, "requested_size", path);
+    if (const Value* pool = s.find("segment_pool_id"); pool != nullptr && pool->kind != Kind::none) {
+      const auto& ids = list(*pool, path + ".segment_pool_id");
+      if (ids.size() != 2 || ids[0]->kind != Kind::integer || ids[1]->kind != Kind::integer) {
+        fail(path + ".segment_pool_id", "expected two ints");
+      }
+      seg.pool_id = {static_cast<std::uint64_t>(ids[0]->integer),
+                     static_cast<std::uint64_t>(ids[1]->integer)};
+    }
+    trace.final_state.segments.push_back(std::move(seg));
   }
 
   // The number of devices the snapshot holds traces of.
@@ -769,7 +749,10 @@ class Reader {
     return list(field(root, "device_traces", "top level"), "device_traces").size();
   }
 
-  Trace read(const Value& root, int device) {
+  // A device's trace without what the snapshot lists for all devices
+  // together (segments, external annotations): those come through
+  // for_each_device_entry, then finish().
+  Trace begin(const Value& root, int device) {
     Trace trace;
     trace.name = name_;
     trace.format = to_string(TraceFormat::pytorch_pickle);
@@ -795,14 +778,58 @@ class Reader {
     }
     read_events(*traces[static_cast<std::size_t>(device)],
                 fmt::format("device_traces[{}]", device), trace);
+    return trace;
+  }
+
+  void finish(Trace& trace) const {
+    place_annotations(trace);
+    std::sort(trace.final_state.segments.begin(), trace.final_state.segments.end(),
+              [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+    trace.port = port_of(trace);
+  }
+
+  Trace read(const Value& root, int device) {
+    Trace trace = begin(root, device);
+    Reader* self = this;
+    for_each_device_entry(root, {&self, 1}, {&trace, 1});
+    finish(trace);
+    return trace;
+  }
+
+  // The snapshot's lists of every device's entries (segments, external
+  // annotations), walked once: each entry goes to the reader and trace of
+  // its device (`traces[k]` is of device traces[k].device); an entry that
+  // names no device goes to each of them.
+  void for_each_device_entry(const Value& root, std::span<Reader* const> readers,
+                             std::span<Trace> traces) const {
+    auto walk = [&](const Value& list_value, const char* key, auto&& read_one) {
+      const auto& items = list(list_value, key);
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        const std::string path = fmt::format("{}[{}]", key, i);
+        const Value& item = *items[i];
+        if (item.kind != Kind::dict) {
+          fail(path, fmt::format("expected a dict, got {}", to_string(item.kind)));
+        }
+        std::optional<std::int64_t> device;
+        if (const Value* d = item.find("device"); d != nullptr && d->kind != Kind::none) {
+          device = as_integer(*d, path + ".device");
+        }
+        for (std::size_t k = 0; k < traces.size(); ++k) {
+          if (!device || *device == traces[k].device) read_one(*readers[k], item, path, traces[k]);
+        }
+      }
+    };
     if (const Value* external = root.find("external_annotations");
         external != nullptr && external->kind != Kind::none) {
-      read_external_annotations(*external, device, trace);
+      walk(*external, "external_annotations",
+           [](Reader& r, const Value& a, const std::string& path, Trace& t) {
+             r.read_external_annotation(a, path, t);
+           });
     }
-    place_annotations(trace);
-    read_segments(field(root, "segments", "top level"), device, trace);
-    trace.port = port_of(trace);
-    return trace;
+    walk(field(root, "segments", "top level"), "segments",
+         [](Reader& r, const Value& seg, const std::string& path, Trace& t) {
+           r.read_segment(seg, path, t);
+         });
   }
 
  private:
@@ -977,11 +1004,23 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
   std::vector<std::size_t> all(n);
   for (std::size_t d = 0; d < n; ++d) all[d] = d;
   const bool hand_back = flat != nullptr && read_once(doc, all);
+  // A reader per device (each trace interns its own contexts); the lists of
+  // every device's entries are walked once for all of them.
+  std::vector<Reader> readers;
+  std::vector<Reader*> each;
   std::vector<Trace> out;
+  if (n == 0) return out;
+  readers.reserve(n);
   out.reserve(n);
   for (std::size_t d = 0; d < n; ++d) {
-    out.push_back(Reader(name, flat, with_contexts, hand_back).read(doc.root(), static_cast<int>(d)));
-    out.back().format = to_string(format);
+    readers.emplace_back(name, flat, with_contexts, hand_back);
+    out.push_back(readers.back().begin(doc.root(), static_cast<int>(d)));
+  }
+  for (Reader& r : readers) each.push_back(&r);
+  readers.front().for_each_device_entry(doc.root(), each, out);
+  for (std::size_t d = 0; d < n; ++d) {
+    readers[d].finish(out[d]);
+    out[d].format = to_string(format);
   }
   return out;
 }

@@ -199,6 +199,39 @@ TEST(SnapshotVersions, EveryDeviceIsReadOnce) {
   EXPECT_EQ(one.final_state.segments, all[1].final_state.segments);
 }
 
+TEST(SnapshotVersions, AnEntryNamingNoDeviceBelongsToEveryDevice) {
+  // Segments and annotations without a device key (or with None), as older
+  // writers leave them, are each device's; the list is walked once for all.
+  const char* const two_devices = R"({
+    "segments": [
+      {"address": 2097152, "total_size": 2097152, "stream": 0, "segment_type": "small",
+       "blocks": [{"size": 2097152, "state": "inactive"}]},
+      {"device": null, "address": 8388608, "total_size": 20971520, "stream": 0,
+       "segment_type": "large", "blocks": [{"size": 20971520, "state": "inactive"}]},
+      {"device": 1, "address": 4194304, "total_size": 2097152, "stream": 0, "segment_type": "small",
+       "blocks": [{"size": 2097152, "state": "inactive"}]}],
+    "device_traces": [[], []],
+    "external_annotations": [{"stage": "START", "name": "step", "time_us": 5}]
+  })";
+  const std::vector<Trace> all = read_snapshot_json_devices(two_devices, "s.json");
+  ASSERT_EQ(all.size(), 2u);
+  ASSERT_EQ(all[0].final_state.segments.size(), 2u);
+  EXPECT_EQ(all[0].final_state.segments[0].address, 2097152u);
+  EXPECT_EQ(all[0].final_state.segments[0].device, 0);
+  EXPECT_EQ(all[0].final_state.segments[1].address, 8388608u);
+  ASSERT_EQ(all[1].final_state.segments.size(), 3u);  // in address order
+  EXPECT_EQ(all[1].final_state.segments[1].address, 4194304u);
+  EXPECT_EQ(all[1].final_state.segments[1].device, 1);
+  EXPECT_EQ(all[1].final_state.segments[2].device, 1);
+  for (const Trace& t : all) {
+    EXPECT_EQ(t.annotations, (std::vector<TraceAnnotation>{{"START", "step", 5, 0}}));
+  }
+  for (int d = 0; d < 2; ++d) {
+    const Trace one = read_snapshot_json(two_devices, "s.json", d);
+    EXPECT_EQ(one.final_state.segments, all[static_cast<std::size_t>(d)].final_state.segments);
+  }
+}
+
 // allocator_settings as each version writes it: none before 2.4; 2.4 to
 // 2.8 eight keys; 2.9 on graph_capture_record_stream_reuse besides.
 TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
