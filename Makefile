@@ -24,7 +24,7 @@ TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt)
 PACKAGING_REQUIREMENTS := scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
                           scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
 
-.PHONY: deps build run test wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps configure build run test wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -38,8 +38,11 @@ deps:
 	@# the packaging tools (a few MB).
 	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) $(PACKAGING_REQUIREMENTS) >/dev/null
 
-build: deps
+# CMake builds everything; these targets drive it (deps installs what is missing).
+configure: deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+
+build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 # Every line it prints fits 100 columns; it ends with where to look next.
@@ -135,27 +138,28 @@ bench: build
 
 # Everything the GPU proofs run, for a GPU machine without our development
 # packages (docs/integrations.md, "The GPU bundle"): build/gpu-bundle.
-gpu-bundle: deps
-	JOBS=$(JOBS) BUNDLE_BUILD=build-bundle scripts/gpu_bundle/build.sh $(BUILD)/gpu-bundle
+gpu-bundle: configure
+	JOBS=$(JOBS) cmake --build $(BUILD) --target gpu_bundle
 
 # Its checks on this machine: dynamic sections, contents, run.sh under env -i,
 # and the driver's every step with stand-ins for the GPU programs.
 gpu-bundle-check: gpu-bundle
-	python3 tests/bundle/check_bundle.py $(BUILD)/gpu-bundle
-	python3 tests/bundle/driver_test.py $(BUILD)/gpu-bundle
+	python3 tests/packaging/bundle/check_bundle.py $(BUILD)/gpu-bundle
+	python3 tests/packaging/bundle/driver_test.py $(BUILD)/gpu-bundle
 
 # The Python package's wheel (pyproject.toml) in build/dist, for Debian's
 # python3 (PYTHON=... for another interpreter with setuptools and wheel).
 PYTHON ?= /usr/bin/python3
-wheel: deps
-	$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -w $(BUILD)/dist
+wheel: configure
+	cmake -S . -B $(BUILD) -DRESERVOIR_WHEEL_PYTHON=$(PYTHON) >/dev/null
+	cmake --build $(BUILD) --target wheel
 
 # What a release ships, in build/dist: the sdist and, built from it as
 # `pip install .` builds (build isolation, the PyPI cache's wheelhouse as the
 # index), a wheel per CPython 3.10+ on the machine repaired by auditwheel to a
 # manylinux tag.
-wheels: deps
-	/usr/bin/python3 scripts/packaging/wheels.py --out $(BUILD)/dist --work $(BUILD)/release
+wheels: configure
+	cmake --build $(BUILD) --target wheels
 
 clean:
 	rm -rf build build-nocuda build-clang build-asan build-tsan build-fuzz build-bundle

@@ -140,7 +140,7 @@ install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.
   "$root/tests/gpu/cuda_behaviour.py" "$root/tests/gpu/record_gpu_snapshots.py" \
   "$root/tests/gpu/rmm_compare.py" "$root/tests/gpu/own_allocator_check.py" \
   "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" \
-  "$root/tests/wheel/installed_check.py" "$out/tests/"
+  "$root/tests/packaging/wheel/installed_check.py" "$out/tests/"
 install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"
 install -m 755 "$root/scripts/gpu_bundle/run.sh" "$out/"
 install -m 644 "$root/scripts/gpu_bundle/run_steps.py" "$root/scripts/gpu_bundle/README.txt" "$out/"

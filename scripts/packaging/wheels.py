@@ -13,7 +13,7 @@ auditwheel runs from the cache too (requirements-auditwheel-*.txt).
 usage: wheels.py --out DIR [--work DIR] [--python PYTHON]...
        (no --python: every CPython 3.10+ found on PATH, in pyenv and in /usr/bin)
 
-Used by `make wheels` and by tests/wheel/wheel_test.py.
+Used by `make wheels` and by tests/packaging/wheel/wheel_test.py.
 """
 import argparse
 import glob

@@ -31,10 +31,10 @@ import tarfile
 import tempfile
 import zipfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts"))
 from debian_python_tools import BUILD_TOOLS, TEST_TOOLS, fill as debian_tools  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "packaging"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts", "packaging"))
 import wheels as release  # noqa: E402
 
 # What a portable build may need of the machine it runs on.

@@ -1,5 +1,5 @@
 # Installs reservoir into a temporary prefix, then configures, builds and runs
-# tests/consumer against it with find_package(reservoir).
+# tests/packaging/consumer against it with find_package(reservoir).
 set(prefix "${BINARY}/consumer-install")
 set(build "${BINARY}/consumer-build")
 file(REMOVE_RECURSE "${prefix}" "${build}")
@@ -7,7 +7,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install "${BINARY}" --prefix "${prefi
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "install failed")
 endif()
-execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${build}" -G Ninja
+execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE}/tests/packaging/consumer" -B "${build}" -G Ninja
                         -DCMAKE_PREFIX_PATH=${prefix} RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configure failed")
