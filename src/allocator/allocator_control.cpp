@@ -68,6 +68,7 @@ CachingAllocator::Impl::~Impl() {
 void CachingAllocator::Impl::empty_cache() {
   detail::LockGuard lock(mutex_);
   release_cached_blocks();
+  if (traits_.observes) source_->cache_emptied();
 }
 
 void CachingAllocator::Impl::process_completed_frees() {
@@ -267,10 +268,22 @@ void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
     history_ = std::make_unique<detail::EventHistory>();
   }
   history_->configure(options);
-  observed_ = !trackers_.empty() || history_->on();
+  observed_ = !trackers_.empty() || history_->on() || traits_.observes;
 }
 
 std::uint32_t CachingAllocator::Impl::emit(const TraceEvent& entry) {
+  if (traits_.observes) {
+    switch (entry.action) {
+      case TraceAction::alloc: {
+        Block* const* b = allocated_.find(entry.addr);
+        source_->observe(entry, b != nullptr && (*b)->pool->owner == nullptr);
+        break;
+      }
+      case TraceAction::free_requested:
+      case TraceAction::oom: source_->observe(entry, true); break;
+      default: break;
+    }
+  }
   for (const auto& tracker : trackers_) tracker(entry);
   if (history_ && history_->on()) {
     return history_->record(entry.action, entry.addr, entry.size, entry.stream);

@@ -133,6 +133,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool stitch_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Reserved memory not allocated: cached blocks, and pages lent or pending.
   std::size_t cached_bytes() const RESERVOIR_REQUIRES(mutex_);
+  // Reserved memory of the default pools (all but private pools').
+  std::size_t default_reserved() const RESERVOIR_REQUIRES(mutex_);
   // What more may be mapped now: the device's free memory, within the memory fraction if set.
   std::size_t mapping_headroom() RESERVOIR_REQUIRES(mutex_);
 

@@ -67,6 +67,10 @@ class Parser {
       fail("key 'paging_release_threshold_mb' applies to policy:paging only; add policy:paging "
            "or leave the key out");
     }
+    if (config.paging_slack != kNoPagingBound && config.policy != Policy::paging) {
+      fail("key 'paging_slack_mb' applies to policy:paging only; add policy:paging or leave the "
+           "key out");
+    }
     if (config.max_split_size < config.large_segment_size) {
       fail(fmt::format("key 'max_split_size_mb': value '{}' is too small; accepted: a whole "
                        "number of MiB >= {} (large_segment_size_mb)",
@@ -490,6 +494,25 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.paging_release_threshold != kNoReleaseThreshold)
          out.push_back("paging_release_threshold_mb:" + mib(c.paging_release_threshold));
+     }},
+    {{"paging_slack_mb", "a whole number of MiB, or off", "off", "reservoir", "", "",
+      "`policy:paging` only: the native bound. Wherever paging grows, reserved memory is held "
+      "within what the native policy would reserve for the same program at that point (a model "
+      "of the native policy follows the program) plus this much per stream: mapping ahead stops "
+      "there, growth takes free handles from elsewhere first, and free handles above it go back "
+      "to the device. Costs device calls; see docs/config.md for what it does not yet hold",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       const Token* t = p.peek();
+       if (t != nullptr && t->text == "off") {
+         (void)p.value_token(k, "a whole number of MiB, or off");
+         c.paging_slack = kNoPagingBound;
+       } else {
+         c.paging_slack = p.mib_value(k, 0, "a whole number of MiB, or off");
+       }
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.paging_slack != kNoPagingBound) out.push_back("paging_slack_mb:" + mib(c.paging_slack));
      }},
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
       "the release whose decisions the native policy takes where releases differ: from 2.12, of "

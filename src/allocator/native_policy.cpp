@@ -482,6 +482,7 @@ void CachingAllocator::Impl::record_stream(void* raw, StreamId stream) {
       block->stream_uses.end()) {
     block->stream_uses.push_back(stream);
   }
+  if (traits_.observes) source_->stream_used(ptr, stream);
 }
 
 void CachingAllocator::Impl::free_allocations(const std::vector<DevicePtr>& ptrs) {

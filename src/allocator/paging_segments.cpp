@@ -8,9 +8,20 @@
 // they are needed, and scattered free pages are stitched into a new range.
 // With paging_release_threshold_mb, free handles beyond that much cached
 // memory go back after each free.
+//
+// The native bound (paging_slack_mb; off by default): a model of the native
+// policy follows the program (native_shadow.hpp), and whenever paging would
+// grow, what the native policy reserves at that point plus the slack per
+// stream is the most paging may hold in its default pools. Mapping ahead
+// stops at the bound; growth that would pass it takes whole free handles
+// from elsewhere first; and after growing, free handles above it go back to
+// the device. Without capacity pressure the native policy only grows (frees
+// are cached), so holding the bound where paging grows holds it everywhere.
 #include <algorithm>
+#include <memory>
 
 #include "allocator_impl.hpp"
+#include "native_shadow.hpp"
 #include "reservoir/errors.hpp"
 #include "segment_source.hpp"
 
@@ -28,10 +39,43 @@ class PagingSegments final : public VmSegments {
     t.virtual_memory = true;
     t.checks_fraction = true;
     t.after_free = config.paging_release_threshold != kNoReleaseThreshold;
+    t.observes = config.paging_slack != kNoPagingBound;
     return t;
   }
   bool obtain(AllocParams& p) override RESERVOIR_REQUIRES(core_.source_lock());
+  // obtain's growth, without the bound's bookkeeping.
+  bool grow(AllocParams& p, bool near_bound) RESERVOIR_REQUIRES(core_.source_lock());
   void after_free() noexcept override RESERVOIR_REQUIRES(core_.source_lock());
+  void configure(const AllocatorConfig& config) override {
+    slack_ = config.paging_slack;
+    if (slack_ == kNoPagingBound) {
+      shadow_.reset();
+    } else if (shadow_ == nullptr) {
+      shadow_ = std::make_unique<NativeShadow>(config);
+    } else {
+      shadow_->configure(config);
+    }
+  }
+  void observe(const TraceEvent& e, bool default_pool) override {
+    if (shadow_ == nullptr) return;
+    if (e.action == TraceAction::alloc) {
+      if (default_pool) {
+        shadow_->allocated(e.addr, e.size, e.stream);
+      } else if (shadow_->in_request()) {
+        shadow_->abandon_request();  // served by a private pool (use_on_oom) after all
+      }
+    } else if (e.action == TraceAction::free_requested) {
+      shadow_->freed(e.addr);
+    } else if (e.action == TraceAction::oom) {
+      shadow_->abandon_request();
+    }
+  }
+  void stream_used(DevicePtr ptr, StreamId stream) override {
+    if (shadow_ != nullptr) shadow_->stream_used(ptr, stream);
+  }
+  void cache_emptied() override {
+    if (shadow_ != nullptr) shadow_->cache_emptied();
+  }
   std::size_t page_size(const BlockPool& /*pool*/, std::size_t granularity,
                         const AllocatorConfig& /*config*/) const noexcept override {
     return granularity;
@@ -46,17 +90,48 @@ class PagingSegments final : public VmSegments {
   static constexpr std::size_t kMapAheadMin = std::size_t{20} << 20;
   static constexpr std::size_t kMapAheadMax = std::size_t{160} << 20;
   static constexpr std::size_t kLargeRequest = std::size_t{128} << 20;
+  // The native bound: the most the default pools may reserve after this
+  // request (what the native policy would, plus the slack per stream).
+  std::size_t bound() const {
+    const std::size_t streams = std::max<std::size_t>(shadow_->streams(), 1);
+    return shadow_->reserved() + slack_ * streams;
+  }
+  // Gives free handles above the bound back (all but the block just served).
+  void hold_bound(const Block* keep) RESERVOIR_REQUIRES(core_.source_lock()) {
+    const std::size_t reserved = core_.default_reserved();
+    if (reserved > bound_) (void)core_.release_free_handles(reserved - bound_, keep);
+  }
+
   // Cached bytes at the last look that found no whole handle to release.
   std::size_t release_floor_ = 0;
+  std::unique_ptr<NativeShadow> shadow_;  // with the native bound
+  std::size_t slack_ = kNoPagingBound;
+  std::size_t bound_ = kNoPagingBound;  // for the request being served
 };
 
 bool PagingSegments::obtain(AllocParams& p) {
+  bool near_bound = false;
+  if (shadow_ != nullptr) {
+    // What the native policy holds once it has served this request too.
+    shadow_->begin_request(p.size, p.stream);
+    bound_ = bound();
+    near_bound = core_.default_reserved() + p.size > bound_;
+  }
+  if (!grow(p, near_bound)) return false;
+  if (shadow_ != nullptr) hold_bound(p.block);
+  return true;
+}
+
+bool PagingSegments::grow(AllocParams& p, bool near_bound) {
+  // Growth that may pass the native bound moves whole free handles from
+  // elsewhere first, as under pressure.
+  if (near_bound && core_.try_alloc_vm_block(p, /*recycling=*/true)) return true;
   if (core_.try_alloc_vm_block(p)) return true;
   // Under pressure: map whole free handles from elsewhere (any stream's,
   // once it has synchronized) where the arena grows; then give back just
   // enough of them (largest first) and try once more; the retry ladder
   // follows if not.
-  if (core_.try_alloc_vm_block(p, /*recycling=*/true)) return true;
+  if (!near_bound && core_.try_alloc_vm_block(p, /*recycling=*/true)) return true;
   Block* candidate = core_.find_vm_candidate(p);
   if (candidate == nullptr) return false;
   // Ask for the whole unmapped blocks the request reaches into.
@@ -88,7 +163,12 @@ std::size_t PagingSegments::map_bytes(const Block* to_map, std::size_t bytes,
   if (bytes >= wanted) return bytes;
   const std::size_t headroom = core_.mapping_headroom();
   if (headroom <= bytes) return bytes;
-  const std::size_t extra = std::min(wanted - bytes, (headroom - bytes) / 8);
+  std::size_t extra = std::min(wanted - bytes, (headroom - bytes) / 8);
+  if (shadow_ != nullptr) {
+    // Never ahead past the native bound.
+    const std::size_t after = core_.default_reserved() + bytes;
+    extra = std::min(extra, bound_ > after ? bound_ - after : 0);
+  }
   return std::min(to_map->size, bytes + extra);
 }
 

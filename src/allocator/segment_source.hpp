@@ -60,6 +60,10 @@ struct SourceTraits {
   bool checks_fraction = false;
   // after_free() is called after each free that returns a block to the cache.
   bool after_free = false;
+  // observe() hears every allocation and free request (and out-of-memory
+  // error), stream_used() every record_stream, cache_emptied() every
+  // empty_cache: the source follows the program (paging's native bound).
+  bool observes = false;
 };
 
 class SegmentSource {
@@ -79,6 +83,19 @@ class SegmentSource {
   virtual bool obtain(AllocParams& p) = 0;
   // After a free (only with traits().after_free). Never throws.
   virtual void after_free() noexcept {}
+  // The configuration, each time it is set (at construction too).
+  virtual void configure(const AllocatorConfig& config) { (void)config; }
+  // With traits().observes: an alloc, free_requested or oom event, and
+  // whether its block is in a default pool (not a private one).
+  virtual void observe(const TraceEvent& event, bool default_pool) {
+    (void)event;
+    (void)default_pool;
+  }
+  virtual void stream_used(DevicePtr ptr, StreamId stream) {
+    (void)ptr;
+    (void)stream;
+  }
+  virtual void cache_emptied() {}
   // This source as a VmSegments, or nullptr.
   virtual VmSegments* as_vm() noexcept { return nullptr; }
 

@@ -56,6 +56,16 @@ void CachingAllocator::Impl::choose_source() {
     vm_source_ = source_->as_vm();
   }
   traits_ = source_->traits(config_);
+  source_->configure(config_);
+  observed_ = !trackers_.empty() || (history_ && history_->on()) || traits_.observes;
+}
+
+std::size_t CachingAllocator::Impl::default_reserved() const {
+  std::size_t in_private = 0;
+  for (const auto& [id, reserved] : pool_reserved_) {
+    in_private += static_cast<std::size_t>(reserved[0].current);
+  }
+  return total_reserved_ > in_private ? total_reserved_ - in_private : 0;
 }
 
 std::size_t CachingAllocator::Impl::mapping_headroom() {

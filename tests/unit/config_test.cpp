@@ -142,7 +142,7 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "pinned_num_register_threads, pinned_use_background_threads, "
             "pinned_reserve_segment_size_mb, pinned_free_catch_all, "
             "pinned_max_round_threshold_mb, pinned_max_cached_size_mb, backend, policy, "
-            "paging_release_threshold_mb, pytorch_version");
+            "paging_release_threshold_mb, paging_slack_mb, pytorch_version");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
@@ -171,6 +171,24 @@ TEST(Config, PagingReleaseThreshold) {
             "allocator config \"policy:paging,paging_release_threshold_mb:-1\": key "
             "'paging_release_threshold_mb': value '-1' is not a whole number; accepted: a whole "
             "number of MiB (0: keep no cached memory)");
+}
+
+TEST(Config, PagingSlackIsTheNativeBound) {
+  EXPECT_EQ(AllocatorConfig::parse("policy:paging").paging_slack, reservoir::kNoPagingBound);
+  const AllocatorConfig c = AllocatorConfig::parse("policy:paging,paging_slack_mb:2");
+  EXPECT_EQ(c.paging_slack, 2 * kMiB);
+  EXPECT_EQ(c.to_string(), "policy:paging,paging_slack_mb:2");
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+  EXPECT_EQ(AllocatorConfig::parse("policy:paging,paging_slack_mb:0").paging_slack, 0u);
+  const AllocatorConfig off = AllocatorConfig::parse("policy:paging,paging_slack_mb:off");
+  EXPECT_EQ(off.paging_slack, reservoir::kNoPagingBound);
+  EXPECT_EQ(off.to_string(), "policy:paging");
+  EXPECT_EQ(error_of("paging_slack_mb:2"),
+            "allocator config \"paging_slack_mb:2\": key 'paging_slack_mb' applies to "
+            "policy:paging only; add policy:paging or leave the key out");
+  EXPECT_EQ(error_of("policy:paging,paging_slack_mb:on"),
+            "allocator config \"policy:paging,paging_slack_mb:on\": key 'paging_slack_mb': "
+            "value 'on' is not a whole number; accepted: a whole number of MiB, or off");
 }
 
 // The keys of newer PyTorch releases: parsed, printed back, and checked.
@@ -230,7 +248,7 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 23u);
+  EXPECT_EQ(keys.size(), 24u);
 }
 
 TEST(Config, VersionsCompareByNumber) {

@@ -25,6 +25,9 @@ enum class Policy { native, expandable, paging };
 // paging_release_threshold's default: keep all cached memory.
 inline constexpr std::size_t kNoReleaseThreshold = std::numeric_limits<std::size_t>::max();
 
+// paging_slack's value for no bound (the default).
+inline constexpr std::size_t kNoPagingBound = std::numeric_limits<std::size_t>::max();
+
 struct AllocatorConfig {
   // Blocks of this size or more are never split (default: unlimited).
   std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
@@ -62,6 +65,12 @@ struct AllocatorConfig {
   // than when memory runs short or empty_cache() is called. Default:
   // unlimited (PyTorch's caching: nothing goes back unasked).
   std::size_t paging_release_threshold = kNoReleaseThreshold;
+  // policy:paging with the native bound: reserved memory held, wherever
+  // paging grows, within what the native policy would reserve for the same
+  // program at the same point plus this much per stream; free handles above
+  // that go back to the device. kNoPagingBound (the default): no bound, and
+  // no model of the native policy kept beside the allocator.
+  std::size_t paging_slack = kNoPagingBound;
   // The PyTorch release whose decisions the native policy takes where
   // releases differ ("2.15"); empty: those of 2.11 and before.
   std::string pytorch_version;
