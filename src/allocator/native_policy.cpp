@@ -220,6 +220,7 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   if (found) [[likely]]
     return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
   p.alloc_size = allocation_size(size, config_);
+  p.requested = requested;
   if (!free_memory_callbacks_.empty()) {
     const std::vector<FreeMemoryCallback> callbacks = free_memory_callbacks_;
     lock.unlock();  // LOCK RELEASED: callbacks may free memory through this allocator

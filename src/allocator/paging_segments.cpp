@@ -112,8 +112,9 @@ class PagingSegments final : public VmSegments {
 bool PagingSegments::obtain(AllocParams& p) {
   bool near_bound = false;
   if (shadow_ != nullptr) {
-    // What the native policy holds once it has served this request too.
-    shadow_->begin_request(p.size, p.stream);
+    // What the native policy holds once it has served this request too (as
+    // the caller asked for it).
+    shadow_->begin_request(p.requested, p.stream);
     bound_ = bound();
     near_bound = core_.default_reserved() + p.size > bound_;
   }

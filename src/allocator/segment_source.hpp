@@ -40,6 +40,7 @@ struct AllocParams {
   BlockPool* pool;
   Block* block = nullptr;
   bool block_in_pool = false;  // a cached block, still in its pool's set
+  std::size_t requested = 0;   // the caller's size (set on a miss)
 };
 
 // What the core needs to know of a policy, read once per configuration.
