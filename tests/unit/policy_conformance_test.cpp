@@ -35,6 +35,20 @@ AllocatorConfig config_of(const PolicyInfo& policy, const std::string& more = ""
 
 class EveryPolicy : public ::testing::TestWithParam<PolicyInfo> {};
 
+// A policy's allocator on `capacity` bytes of real host memory.
+struct OnHost {
+  OnHost(const PolicyInfo& policy, std::size_t capacity)
+      : device(HostDeviceOptions{capacity, std::size_t{2} << 20}), a(device, config_of(policy)) {}
+  // Empties the cache: the device must then hold nothing.
+  void expect_all_back() {
+    a.empty_cache();
+    a.validate();
+    EXPECT_EQ(device.used_bytes(), 0u);
+  }
+  HostDevice device;
+  CachingAllocator a;
+};
+
 std::string policy_test_name(const ::testing::TestParamInfo<PolicyInfo>& info) {
   return std::string(info.param.name);
 }
@@ -183,8 +197,8 @@ TEST_P(EveryPolicy, ARandomProgramKeepsContentsStatisticsAndInvariants) {
 }
 
 TEST_P(EveryPolicy, ACachedBlockServesItsOwnStreamWithoutADeviceCall) {
-  HostDevice device;
-  CachingAllocator a(device, config_of(GetParam()));
+  OnHost host(GetParam(), std::size_t{8} << 30);
+  CachingAllocator& a = host.a;
   void* first = a.allocate(6 * kMiB, 1);
   a.deallocate(first);
   const std::int64_t device_allocs = a.stats().num_device_alloc;
@@ -195,16 +209,12 @@ TEST_P(EveryPolicy, ACachedBlockServesItsOwnStreamWithoutADeviceCall) {
   EXPECT_NE(other, first);
   a.deallocate(again);
   a.deallocate(other);
-  a.empty_cache();
-  a.validate();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  host.expect_all_back();
 }
 
 TEST_P(EveryPolicy, TheMemoryFractionBoundsReservedMemory) {
-  HostDeviceOptions options;
-  options.capacity = std::size_t{512} << 20;
-  HostDevice device(options);
-  CachingAllocator a(device, config_of(GetParam()));
+  OnHost host(GetParam(), std::size_t{512} << 20);
+  CachingAllocator& a = host.a;
   a.set_memory_fraction(0.25);  // 128 MiB
   std::vector<void*> held;
   bool ran_out = false;
@@ -223,15 +233,12 @@ TEST_P(EveryPolicy, TheMemoryFractionBoundsReservedMemory) {
   held.clear();
   void* p = a.allocate(100 * kMiB);  // the cache gives way to a request that fits
   a.deallocate(p);
-  a.empty_cache();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  host.expect_all_back();
 }
 
 TEST_P(EveryPolicy, CachedMemoryGoesBackBeforeRunningOut) {
-  HostDeviceOptions options;
-  options.capacity = std::size_t{64} << 20;
-  HostDevice device(options);
-  CachingAllocator a(device, config_of(GetParam()));
+  OnHost host(GetParam(), std::size_t{64} << 20);
+  CachingAllocator& a = host.a;
   void* p = a.allocate(40 * kMiB);
   a.deallocate(p);
   void* q = a.allocate(50 * kMiB);  // fits only once the 40 MiB go back
@@ -245,8 +252,7 @@ TEST_P(EveryPolicy, CachedMemoryGoesBackBeforeRunningOut) {
   }
   a.validate();
   a.deallocate(q);
-  a.empty_cache();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  host.expect_all_back();
 }
 
 TEST_P(EveryPolicy, AFailingDeviceCallIsReportedAndUndone) {
@@ -279,8 +285,8 @@ TEST_P(EveryPolicy, AFailingDeviceCallIsReportedAndUndone) {
 }
 
 TEST_P(EveryPolicy, PrivatePoolsKeepClassicSegments) {
-  HostDevice device;
-  CachingAllocator a(device, config_of(GetParam()));
+  OnHost host(GetParam(), std::size_t{8} << 30);
+  CachingAllocator& a = host.a;
   const PoolId pool{1, 1};
   a.begin_allocate_to_pool(pool, [](StreamId) { return true; });
   void* p = a.allocate(3 * kMiB);
@@ -291,9 +297,7 @@ TEST_P(EveryPolicy, PrivatePoolsKeepClassicSegments) {
   EXPECT_EQ(snap.segments[0].pool_id, pool);
   a.deallocate(p);
   a.release_pool(pool);
-  a.empty_cache();
-  a.validate();
-  EXPECT_EQ(device.used_bytes(), 0u);
+  host.expect_all_back();
 }
 
 TEST_P(EveryPolicy, ItsSegmentsAreTheKindItSays) {
