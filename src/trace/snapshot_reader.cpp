@@ -1012,6 +1012,7 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
   if (n == 0) return out;
   readers.reserve(n);
   out.reserve(n);
+  each.reserve(n);
   for (std::size_t d = 0; d < n; ++d) {
     readers.emplace_back(name, flat, with_contexts, hand_back);
     out.push_back(readers.back().begin(doc.root(), static_cast<int>(d)));
