@@ -326,7 +326,7 @@ def install_and_test(wheel, python, args, release):
         os.makedirs(run_dir)
         for f in glob.glob(os.path.join(source, "tests", "python", "*.py")):
             shutil.copy(f, run_dir)
-        shutil.copy(os.path.join(source, "tests", "wheel", "installed_check.py"), run_dir)
+        shutil.copy(os.path.join(source, "tests", "packaging", "wheel", "installed_check.py"), run_dir)
         trace = os.path.join(run_dir, "small.trace")
         shutil.copy(os.path.join(source, "examples", "traces", "transformer_training.trace"), trace)
 
