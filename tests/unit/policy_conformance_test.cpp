@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,11 @@
 #include "reservoir/errors.hpp"
 #include "reservoir/host_device.hpp"
 #include "reservoir/snapshot.hpp"
+
+namespace reservoir {
+// gtest prints a parameter by this (the test list shows the policy's name).
+inline void PrintTo(const PolicyInfo& policy, std::ostream* os) { *os << policy.name; }
+}  // namespace reservoir
 
 namespace reservoir::testing {
 namespace {
