@@ -258,7 +258,7 @@ void CachingAllocator::Impl::add_free_memory_callback(FreeMemoryCallback callbac
 void CachingAllocator::Impl::attach_trace_tracker(TraceTracker tracker) {
   detail::LockGuard lock(mutex_);
   trackers_.push_back(std::move(tracker));
-  observed_ = true;
+  update_observed();
 }
 
 void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
@@ -268,7 +268,7 @@ void CachingAllocator::Impl::record_history(const HistoryOptions& options) {
     history_ = std::make_unique<detail::EventHistory>();
   }
   history_->configure(options);
-  observed_ = !trackers_.empty() || history_->on() || traits_.observes;
+  update_observed();
 }
 
 std::uint32_t CachingAllocator::Impl::emit(const TraceEvent& entry) {

@@ -264,8 +264,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     if (!routes_.empty()) [[unlikely]] {
       if (detail::BlockPool* routed = routed_pool(size, stream)) return *routed;
     }
-    // Paging keeps one arena per stream: small requests share pages with
-    // large ones rather than holding 2 MiB pages of their own.
+    // A policy without a small pool (paging) keeps one arena per stream:
+    // small requests share pages with large ones.
     return size <= kSmallSize && traits_.small_pool ? small_ : large_;
   }
   // The private pool a route sends the request to, or nullptr.
@@ -353,6 +353,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     return observed_ ? emit(TraceEvent{action, addr, size, stream}) : 0;
   }
   std::uint32_t emit(const TraceEvent& entry) RESERVOIR_REQUIRES(mutex_);
+  // observed_ as trackers, history and the source ask.
+  void update_observed() noexcept RESERVOIR_REQUIRES(mutex_) {
+    observed_ = !trackers_.empty() || (history_ && history_->on()) || traits_.observes;
+  }
   // The statistics entry of a pool's kind: 1 small, 2 large.
   static std::size_t stat_index(const detail::BlockPool& pool) { return pool.is_small ? 1 : 2; }
   void check_supported(const AllocatorConfig& config) const;  // reads config and device_ only

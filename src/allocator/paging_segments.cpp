@@ -45,7 +45,7 @@ class PagingSegments final : public VmSegments {
   bool obtain(AllocParams& p) override RESERVOIR_REQUIRES(core_.source_lock());
   // obtain's growth, without the bound's bookkeeping.
   bool grow(AllocParams& p, bool near_bound) RESERVOIR_REQUIRES(core_.source_lock());
-  void after_free() noexcept override RESERVOIR_REQUIRES(core_.source_lock());
+  void after_free() override RESERVOIR_REQUIRES(core_.source_lock());
   void configure(const AllocatorConfig& config) override {
     slack_ = config.paging_slack;
     if (slack_ == kNoPagingBound) {
@@ -173,7 +173,7 @@ std::size_t PagingSegments::map_bytes(const Block* to_map, std::size_t bytes,
   return std::min(to_map->size, bytes + extra);
 }
 
-void PagingSegments::after_free() noexcept {
+void PagingSegments::after_free() {
   const std::size_t threshold = core_.current_config().paging_release_threshold;
   const std::size_t cached = core_.cached_bytes();
   if (cached <= threshold) {
@@ -186,7 +186,7 @@ void PagingSegments::after_free() noexcept {
   bool released = false;
   try {
     released = core_.release_free_handles(cached - threshold, nullptr);
-  } catch (const std::exception&) {
+  } catch (const DeviceError&) {
     // A handle that would not go stays cached (and counted); the next free,
     // empty_cache() or shortage tries again. The caller's free succeeded.
   }

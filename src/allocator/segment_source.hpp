@@ -82,8 +82,9 @@ class SegmentSource {
   // the core's retry ladder follows. Throws DeviceError on other failures,
   // having undone what it did.
   virtual bool obtain(AllocParams& p) = 0;
-  // After a free (only with traits().after_free). Never throws.
-  virtual void after_free() noexcept {}
+  // After a free (only with traits().after_free). A device failure is the
+  // source's to absorb: the caller's free has succeeded.
+  virtual void after_free() {}
   // The configuration, each time it is set (at construction too).
   virtual void configure(const AllocatorConfig& config) { (void)config; }
   // With traits().observes: an alloc, free_requested or oom event, and

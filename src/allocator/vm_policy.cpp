@@ -57,7 +57,7 @@ void CachingAllocator::Impl::choose_source() {
   }
   traits_ = source_->traits(config_);
   source_->configure(config_);
-  observed_ = !trackers_.empty() || (history_ && history_->on()) || traits_.observes;
+  update_observed();
 }
 
 std::size_t CachingAllocator::Impl::default_reserved() const {
@@ -132,7 +132,7 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   BlockPool& pool = *p.pool;
   constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
   RESERVOIR_DEBUG_ASSERT(vm_source_ != nullptr);
-  const bool paging = vm_source_->shares_handles();
+  const bool shares = vm_source_->shares_handles();
   const bool lowest_fit = vm_source_->lowest_fit();
   Block key;
   key.stream = p.stream;
@@ -141,7 +141,7 @@ Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
   for (auto it = pool.unmapped.lower_bound(&key);
        it != pool.unmapped.end() && (*it)->stream == p.stream; ++it) {
     Block* c = *it;
-    if (c->segment->vm->paging != paging) continue;
+    if (c->segment->vm->paging != shares) continue;  // segments of the source's kind
     // The cached block right before the unmapped range can be used too.
     if (c->prev != nullptr && c->prev->is_available()) c = c->prev;
     const std::size_t need = unmapped_within(c, p.size);
