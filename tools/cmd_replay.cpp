@@ -1,7 +1,9 @@
-// reservoir replay TRACE... [--config STR]... [--capacity SIZE] [--min-capacity] [--json]
+// reservoir replay TRACE... [--generated N [--first-seed S]] [--config STR]... [--capacity SIZE]
+//                  [--min-capacity] [--vs-native] [--json]
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -11,6 +13,7 @@
 #include "support.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
+#include "reservoir/generated.hpp"
 #include "reservoir/trace.hpp"
 
 namespace reservoir::tools {
@@ -25,8 +28,21 @@ struct ReplayArgs {
   bool validate = false;
   bool min_capacity = false;
   bool wide = false;
+  bool vs_native = false;
+  std::uint64_t generated = 0;
+  std::uint64_t first_seed = 0;
   std::optional<int> device;
 };
+
+// The native policy with a config's other settings: what policy:paging's
+// native bound compares with.
+AllocatorConfig native_policy_of(AllocatorConfig config) {
+  config.policy = Policy::native;
+  config.expandable_segments = false;
+  config.paging_release_threshold = kNoReleaseThreshold;
+  config.paging_slack = kNoPagingBound;
+  return config;
+}
 
 void run(const ReplayArgs& args) {
   ReplayOptions options;
@@ -49,22 +65,42 @@ void run(const ReplayArgs& args) {
   std::vector<Row> rows;
   Progress progress;
   options.observer = &progress;
-  const std::size_t tasks = args.traces.size() * configs.size();
+  const std::size_t tasks = (args.traces.size() + args.generated) * configs.size();
+  auto replay_all = [&](const ReplayProgram& program) {
+    // For --vs-native: the native policy's reserved memory after each op,
+    // under each config's other settings (one replay per distinct one).
+    std::map<std::string, std::vector<std::uint64_t>> native;
+    for (const auto& [text, config] : configs) {
+      rows.push_back(Row{});
+      ReplayOptions o = options;
+      if (args.vs_native) {
+        const AllocatorConfig same = native_policy_of(config);
+        auto [it, fresh] = native.try_emplace(same.to_string());
+        if (fresh) {
+          progress.task(fmt::format("{} [native, for the comparison]", base_name(program.name)));
+          ReplayOptions n = options;
+          n.keep_reserved = true;
+          it->second = replay(program, same, same.to_string(), n).reserved_after_op;
+        }
+        o.native_reserved = &it->second;
+      }
+      progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size(), tasks, base_name(program.name),
+                                config_label(text),
+                                args.min_capacity ? ", finding the minimum capacity" : ""));
+      rows.back().r = replay(program, config, text, o);
+      if (args.min_capacity) {
+        rows.back().min_capacity = min_capacity(program, config, text, options).bytes;
+      }
+    }
+  };
   for (const std::string& path : args.traces) {
     progress.task(fmt::format("reading {}", path));
     // replay shows no stacks: they are not read.
     for (const Trace& trace : load_devices(path, args.device, ReadOptions{.contexts = false, .consumed = {}})) {
-      const ReplayProgram program = compile(trace);
-      for (const auto& [text, config] : configs) {
-        progress.task(fmt::format("[{}/{}] {} [{}]{}", rows.size() + 1, tasks,
-                                  base_name(trace.name), config_label(text),
-                                  args.min_capacity ? ", finding the minimum capacity" : ""));
-        Row row{replay(program, config, text, options), std::nullopt};
-        if (args.min_capacity) row.min_capacity = min_capacity(program, config, text, options).bytes;
-        rows.push_back(std::move(row));
-      }
+      replay_all(compile(trace));
     }
   }
+  for (std::uint64_t i = 0; i < args.generated; ++i) replay_all(generated_program(args.first_seed + i));
   progress.clear();
   show_replays(rows, args.json ? ReplayView::json : args.wide ? ReplayView::wide : ReplayView::narrow);
   for (const Row& row : rows) {
@@ -80,8 +116,14 @@ void add_replay(CLI::App& app) {
       "replay",
       "Replay traces on a simulated device under each config and report what they reserve");
   cmd->add_option("traces", args->traces, "PyTorch snapshot pickles or reservoir text traces")
-      ->required()
       ->check(CLI::ExistingFile);
+  cmd->add_option("--generated", args->generated,
+                  "also replay N generated programs (training, inference, huge allocations among "
+                  "small ones, several streams; docs/replay.md)");
+  cmd->add_option("--first-seed", args->first_seed, "the first generated program's seed (default 0)");
+  cmd->add_flag("--vs-native", args->vs_native,
+                "also replay each under the native policy and report how far each config's "
+                "reserved memory went above it at the same call");
   cmd->add_option("--config,-c", args->configs,
                   "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults)");
   add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
@@ -102,8 +144,15 @@ void add_replay(CLI::App& app) {
        "would it run on 24 GiB? (exit 4 when a replay runs out of memory)"},
       {"reservoir replay run.pickle --min-capacity --json",
        "the smallest device it fits, per setting, as JSON"},
+      {"reservoir replay --generated 200 -c policy:paging,paging_slack_mb:2 --vs-native",
+       "how far paging goes above native on 200 generated programs"},
   });
-  cmd->callback([args] { run(*args); });
+  cmd->callback([args] {
+    if (args->traces.empty() && args->generated == 0) {
+      throw CLI::ValidationError("replay", "name a trace, or --generated N");
+    }
+    run(*args);
+  });
 }
 
 }  // namespace reservoir::tools

@@ -64,6 +64,15 @@ nlohmann::json to_json(const Row& row) {
       {"device_calls", r.device_calls},
       {"device_calls_per_1000_allocs", calls_per_1000(r)},
   };
+  if (const auto& o = r.over_native) {
+    j["over_native"] = {
+        {"worst_bytes", o->worst_bytes},
+        {"worst_op", o->worst_op},
+        {"slack_bytes_per_stream", o->slack_bytes},
+        {"ops_over_bound", o->ops_over_bound},
+        {"worst_over_bound_bytes", o->worst_over_bound_bytes},
+    };
+  }
   if (row.min_capacity) {
     j["min_capacity_bytes"] = *row.min_capacity;
     j["min_capacity_over_requested"] = min_over_requested(row);
@@ -97,6 +106,11 @@ void print_narrow(const std::vector<Row>& rows) {
     if (with_min) fmt::print(" {:>12} {:>7.3f}", format_size(*row.min_capacity), min_over_requested(row));
     fmt::print("\n");
     for (std::size_t i = 1; i < config.size(); ++i) fmt::print("    {}\n", config[i]);
+    if (const auto& o = r.over_native; o && o->worst_bytes > 0) {
+      fmt::print("    vs native: at most +{} (call {}); {} call{} above native + {} a stream\n",
+                 format_size(o->worst_bytes), o->worst_op, o->ops_over_bound,
+                 o->ops_over_bound == 1 ? "" : "s", format_size(o->slack_bytes));
+    }
   }
 }
 

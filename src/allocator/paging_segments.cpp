@@ -166,9 +166,11 @@ std::size_t PagingSegments::map_bytes(const Block* to_map, std::size_t bytes,
   if (headroom <= bytes) return bytes;
   std::size_t extra = std::min(wanted - bytes, (headroom - bytes) / 8);
   if (shadow_ != nullptr) {
-    // Never ahead past the native bound.
+    // Never ahead past the native bound (whole pages below it: a slack that
+    // is not a whole number of pages must not round up past it).
     const std::size_t after = core_.default_reserved() + bytes;
-    extra = std::min(extra, bound_ > after ? bound_ - after : 0);
+    const std::size_t room = bound_ > after ? bound_ - after : 0;
+    extra = std::min(extra, room / vm.page * vm.page);
   }
   return std::min(to_map->size, bytes + extra);
 }

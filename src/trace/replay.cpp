@@ -133,6 +133,16 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
 
   std::vector<void*> pointers(program.id_count, nullptr);
   ReplayObserver* const observer = options.observer;
+  std::unordered_set<StreamId> streams;
+  const std::vector<std::uint64_t>* const native = options.native_reserved;
+  if (native != nullptr) {
+    result.over_native.emplace();
+    result.over_native->slack_bytes =
+        config.paging_slack != kNoPagingBound ? config.paging_slack : kNativeBoundPage;
+  }
+  if (options.keep_reserved) {
+    result.reserved_after_op.reserve(program.initial.size() + program.ops.size());
+  }
   if (observer != nullptr) observer->on_start(allocator, program);
   const auto start = std::chrono::steady_clock::now();
   auto run = [&](const ReplayOp& op) {
@@ -152,6 +162,24 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
         pointers[op.id] = nullptr;
         break;
       case ReplayOp::Kind::empty_cache: allocator.empty_cache(); break;
+      case ReplayOp::Kind::stream_use:
+        if (pointers[op.id] != nullptr) allocator.record_stream(pointers[op.id], op.stream);
+        break;
+    }
+    if (op.kind == ReplayOp::Kind::alloc) streams.insert(op.stream);
+    if (options.keep_reserved) result.reserved_after_op.push_back(reserved);
+    if (native != nullptr && op_index < native->size()) {
+      OverNative& o = *result.over_native;
+      const std::uint64_t n = (*native)[op_index];
+      if (reserved > n && reserved - n > o.worst_bytes) {
+        o.worst_bytes = reserved - n;
+        o.worst_op = op_index;
+      }
+      const std::uint64_t bound = n + o.slack_bytes * std::max<std::size_t>(streams.size(), 1);
+      if (reserved > bound) {
+        ++o.ops_over_bound;
+        o.worst_over_bound_bytes = std::max(o.worst_over_bound_bytes, reserved - bound);
+      }
     }
     if (options.validate_each_step) allocator.validate();
     if (observer != nullptr) {
@@ -229,6 +257,8 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   MinCapacityResult out;
   ReplayOptions probe = options;
   probe.validate_each_step = false;
+  probe.keep_reserved = false;
+  probe.native_reserved = nullptr;
   auto fits = [&](std::uint64_t capacity) {
     probe.capacity = capacity;
     ++out.replays;
@@ -236,9 +266,8 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   };
   // An upper bound: the peak reserved with no limit, or twice it if the
   // retry ladder somehow needs more, doubling until the trace fits.
-  ReplayOptions unlimited = options;
+  ReplayOptions unlimited = probe;
   unlimited.capacity.reset();
-  unlimited.validate_each_step = false;
   const ReplayResult free_run = replay(program, config, config_text, unlimited);
   ++out.replays;
   std::uint64_t hi = (free_run.peak_reserved_bytes + kStep - 1) / kStep * kStep;

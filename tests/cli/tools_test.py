@@ -96,6 +96,22 @@ for args in (["verify", os.path.join(src, "tests", "data", "torch", "mixed_sizes
     text = run(*args).stdout
     check(text and not too_wide(text), f"{args[0]}: lines over 100 columns: {too_wide(text)[:3]}")
 
+# Generated programs, compared with the native policy at every call.
+gen = json.loads(run("replay", "--generated", "2", "--first-seed", "1", "-c", "", "-c", "policy:paging",
+                     "-c", "policy:paging,paging_slack_mb:2", "--vs-native", "--json").stdout)
+check([r["trace"] for r in gen][::3] == ["generated #1 (streams+training)", "generated #2 (inference)"],
+      f"replay --generated: the programs: {[r['trace'] for r in gen]}")
+check(all(r["over_native"]["worst_bytes"] == 0 for r in gen if r["config"] == ""),
+      f"replay --vs-native: native above itself: {[r['over_native'] for r in gen]}")
+bounded = [r["over_native"] for r in gen if r["config"].endswith("slack_mb:2")]
+check(all(o["slack_bytes_per_stream"] == 2 << 20 and o["ops_over_bound"] == 0 for o in bounded),
+      f"replay --vs-native: the bound on programs #1 and #2: {bounded}")
+text = run("replay", "--generated", "1", "--first-seed", "1", "-c", "policy:paging", "--vs-native").stdout
+check("vs native: at most +" in text and not too_wide(text), f"replay --vs-native's text: {text}")
+nothing_named = subprocess.run([binary, "replay"], capture_output=True, text=True)
+check(nothing_named.returncode == 2 and "name a trace, or --generated N" in nothing_named.stderr,
+      f"replay with nothing to replay: {nothing_named.returncode} {nothing_named.stderr}")
+
 # summary: PyTorch's table for the replayed trace.
 s = run("summary", transformer).stdout
 check("| GPU reserved memory   |   5022 MiB |   5022 MiB |   5022 MiB |      0 B   |" in s, s)

@@ -16,7 +16,9 @@ namespace reservoir {
 
 // A trace compiled to allocator operations on dense ids.
 struct ReplayOp {
-  enum class Kind : std::uint8_t { alloc, free, empty_cache } kind;
+  // stream_use: record_stream(id's block, stream) (generated programs; a
+  // recording has none).
+  enum class Kind : std::uint8_t { alloc, free, empty_cache, stream_use } kind;
   std::uint32_t id;
   std::uint64_t size;
   StreamId stream;
@@ -86,6 +88,27 @@ struct ReplayOptions {
   std::optional<double> memory_fraction;  // set_memory_fraction before the replay
   bool validate_each_step = false;        // run the invariant validator after every op
   ReplayObserver* observer = nullptr;     // not owned; also sees min_capacity's probes
+  // Keep the reserved bytes after every op (ReplayResult::reserved_after_op).
+  bool keep_reserved = false;
+  // Another replay's reserved_after_op for the same program under the native
+  // policy: the result then says how far this one went above it at the same
+  // op (ReplayResult::over_native). Not owned; min_capacity ignores it.
+  const std::vector<std::uint64_t>* native_reserved = nullptr;
+};
+
+// One device page per stream: the native bound's slack when a config names none.
+inline constexpr std::uint64_t kNativeBoundPage = std::uint64_t{2} << 20;
+
+// How far a replay's reserved memory went above the native policy's for the
+// same program at the same op (policy:paging's native bound, docs/config.md).
+struct OverNative {
+  std::uint64_t worst_bytes = 0;  // the most reserved above native's (0: never above)
+  std::uint64_t worst_op = 0;     // where
+  // The bound: native's reserved plus slack_bytes per stream allocated on so
+  // far (the config's paging_slack_mb, else one 2 MiB page per stream).
+  std::uint64_t slack_bytes = 0;
+  std::uint64_t ops_over_bound = 0;  // ops after which reserved was above the bound
+  std::uint64_t worst_over_bound_bytes = 0;
 };
 
 struct ReplayResult {
@@ -107,6 +130,8 @@ struct ReplayResult {
   double wall_seconds = 0.0;
   std::uint64_t allocations = 0;   // alloc calls made (including ones that ran out of memory)
   std::uint64_t device_calls = 0;  // memory-management calls: kMemoryCallKinds
+  std::vector<std::uint64_t> reserved_after_op;  // with ReplayOptions::keep_reserved
+  std::optional<OverNative> over_native;         // with ReplayOptions::native_reserved
 };
 
 // Device calls that obtain or return memory or address space: what
