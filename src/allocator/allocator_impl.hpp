@@ -452,7 +452,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   static constexpr std::size_t kMaxRecycledHandles = 4;
   void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
-  void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
+  // Every cached stitched block but `keep` (a block about to be handed out).
+  void dissolve_cached_stitched(const detail::Block* keep = nullptr) RESERVOIR_REQUIRES(mutex_);
   void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
   // Splits [start, start + bytes) out of a cached block, which leaves the pool;
   // the pieces before and after stay cached. Returns the middle block.

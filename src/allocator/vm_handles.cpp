@@ -49,7 +49,7 @@ std::vector<CachingAllocator::Impl::FreeHandle> CachingAllocator::Impl::whole_fr
 }
 
 bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
-  dissolve_cached_stitched();  // their pages go back to the lenders first
+  dissolve_cached_stitched(keep);  // their pages go back to the lenders first
   const std::vector<FreeHandle> victims = whole_free_handles(keep, nullptr);
   // Unmapping one handle may split its block: find the block again by address.
   std::size_t released = 0;

@@ -201,6 +201,25 @@ TEST(PagingBound, CutsTheProgramsWherePagingPassesNative) {
   RecordProperty("worst_excess_mib", static_cast<int>(worst >> 20));
 }
 
+TEST(PagingBound, UnderPressureTheBlockBeingServedStaysWhole) {
+  // Near the capacity, a request may be served by a stitched block; the
+  // bound's release of free handles after growing must not take that block
+  // apart (it did: freed under the caller, a crash). Every step checked.
+  ReplayOptions checked;
+  checked.validate_each_step = true;
+  const AllocatorConfig config = AllocatorConfig::parse("policy:paging,paging_slack_mb:2");
+  int ran_out = 0;
+  for (std::uint64_t seed = 0; seed < 40; ++seed) {
+    const Program prog = generated_program(seed);
+    const std::uint64_t peak = replay(prog, config, "").peak_requested_bytes;
+    for (std::uint64_t k = 0; k < 8; ++k) {
+      checked.capacity = (peak / kNativeBoundPage + 1 + k) * kNativeBoundPage;
+      ran_out += replay(prog, config, "bounded", checked).num_ooms > 0 ? 1 : 0;
+    }
+  }
+  EXPECT_GT(ran_out, 0);  // the capacities were tight enough to matter
+}
+
 TEST(PagingBound, AFailureShrinksToAFewSteps) {
   const std::string config = "policy:paging";
   std::optional<Program> found;
