@@ -125,9 +125,12 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // (a new segment when none has room); nullptr when no address space is left.
   detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Paging: unmaps whole free handles, largest first, until `bytes` are
-  // released; leaves `keep` alone. True when anything was released.
-  bool release_free_handles(std::size_t bytes, const detail::Block* keep)
-      RESERVOIR_REQUIRES(mutex_);
+  // released; leaves `keep` alone. Cached stitched blocks give their pages
+  // back to the blocks that lent them first, which then merge with their
+  // free neighbours; not when `keep` is a block about to be handed out
+  // (`keep_served`), which must stay as it is. True when anything was released.
+  bool release_free_handles(std::size_t bytes, const detail::Block* keep,
+                            bool keep_served = false) RESERVOIR_REQUIRES(mutex_);
   // Paging's last resort: a new range mapped onto free pages of this
   // stream's segments (plus fresh memory for the rest).
   bool stitch_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
@@ -452,8 +455,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   static constexpr std::size_t kMaxRecycledHandles = 4;
   void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
-  // Every cached stitched block but `keep` (a block about to be handed out).
-  void dissolve_cached_stitched(const detail::Block* keep = nullptr) RESERVOIR_REQUIRES(mutex_);
+  void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
   void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
   // Splits [start, start + bytes) out of a cached block, which leaves the pool;
   // the pieces before and after stay cached. Returns the middle block.

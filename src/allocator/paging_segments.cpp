@@ -99,7 +99,9 @@ class PagingSegments final : public VmSegments {
   // Gives free handles above the bound back (all but the block just served).
   void hold_bound(const Block* keep) RESERVOIR_REQUIRES(core_.source_lock()) {
     const std::size_t reserved = core_.default_reserved();
-    if (reserved > bound_) (void)core_.release_free_handles(reserved - bound_, keep);
+    if (reserved > bound_) {
+      (void)core_.release_free_handles(reserved - bound_, keep, /*keep_served=*/true);
+    }
   }
 
   // Cached bytes at the last look that found no whole handle to release.

@@ -169,12 +169,10 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   return true;
 }
 
-void CachingAllocator::Impl::dissolve_cached_stitched(const Block* keep) {
+void CachingAllocator::Impl::dissolve_cached_stitched() {
   std::vector<Block*> stitched;
   for (auto& [base, seg] : segments_) {
-    if (seg->vm && seg->vm->stitched && seg->head->is_free() && seg->head != keep) {
-      stitched.push_back(seg->head);
-    }
+    if (seg->vm && seg->vm->stitched && seg->head->is_free()) stitched.push_back(seg->head);
   }
   for (Block* b : stitched) dissolve_stitched(b);
 }

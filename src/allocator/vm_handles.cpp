@@ -48,8 +48,11 @@ std::vector<CachingAllocator::Impl::FreeHandle> CachingAllocator::Impl::whole_fr
   return found;
 }
 
-bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep) {
-  dissolve_cached_stitched(keep);  // their pages go back to the lenders first
+bool CachingAllocator::Impl::release_free_handles(std::size_t bytes, const Block* keep,
+                                                  bool keep_served) {
+  // Stitched blocks' pages go back to the lenders first; that merges the
+  // lenders with their free neighbours, which a block being served may be.
+  if (!keep_served) dissolve_cached_stitched();
   const std::vector<FreeHandle> victims = whole_free_handles(keep, nullptr);
   // Unmapping one handle may split its block: find the block again by address.
   std::size_t released = 0;

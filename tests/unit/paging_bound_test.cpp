@@ -220,6 +220,52 @@ TEST(PagingBound, UnderPressureTheBlockBeingServedStaysWhole) {
   EXPECT_GT(ran_out, 0);  // the capacities were tight enough to matter
 }
 
+TEST(PagingBound, GivingStitchedPagesBackDoesNotMergeTheBlockBeingServed) {
+  // Shrunk from generated program #1886 at 1,750 MiB: the 20 MB request
+  // (stream 0) is mapped beside a block whose pages a cached stitched block
+  // (stream 2) has borrowed. Releasing free handles above the bound used to
+  // give those pages back first, which merged the lender with the block just
+  // mapped, and then released the block's own handle: a served block with
+  // no memory behind it.
+  ReplayProgram p;
+  p.name = "generated #1886, shrunk";
+  auto alloc = [&p](std::uint32_t id, std::uint64_t size, StreamId stream) {
+    p.ops.push_back({ReplayOp::Kind::alloc, id, size, stream});
+    p.id_count = std::max(p.id_count, id + 1);
+  };
+  auto free = [&p](std::uint32_t id) { p.ops.push_back({ReplayOp::Kind::free, id, 0, 0}); };
+  alloc(0, 233336075, 0);
+  alloc(1, 2293760, 0);
+  free(1);
+  alloc(2, 45777986, 0);
+  free(2);
+  free(0);
+  alloc(3, 7719476, 1);
+  alloc(4, 62436, 0);
+  alloc(5, 169044603, 1);
+  alloc(6, 190437597, 0);
+  alloc(7, 83379299, 0);
+  free(6);
+  alloc(8, 112731149, 2);
+  alloc(9, 308021697, 3);
+  alloc(10, 116172573, 2);
+  alloc(11, 197721953, 2);
+  alloc(12, 248439363, 2);
+  p.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
+  alloc(13, 281198838, 2);
+  free(13);
+  alloc(14, 20166653, 0);
+  p.op_events.resize(p.ops.size());
+  p.contexts.resize(p.id_count);
+  ReplayOptions checked;
+  checked.validate_each_step = true;
+  checked.capacity = std::uint64_t{1750} << 20;
+  const ReplayResult r =
+      replay(p, AllocatorConfig::parse("policy:paging,paging_slack_mb:2"), "bounded", checked);
+  EXPECT_EQ(r.num_ooms, 0);
+  EXPECT_EQ(r.ops, p.ops.size());
+}
+
 TEST(PagingBound, AFailureShrinksToAFewSteps) {
   const std::string config = "policy:paging";
   std::optional<Program> found;
