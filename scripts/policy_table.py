@@ -22,7 +22,7 @@ binary = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "build", "bin"
 traces = sorted(glob.glob(os.path.join(root, "..", "shared", "traces", "*.pickle")))
 traces += sorted(glob.glob(os.path.join(root, "..", "shared", "traces", "oom", "*.pickle")))
 traces += sorted(glob.glob(os.path.join(root, "examples", "traces", "*")))
-configs = ["", "expandable_segments:True", "policy:paging", "policy:paging,paging_slack_mb:2"]
+configs = ["", "expandable_segments:True", "policy:paging", "policy:paging,paging_slack_mb:2", "policy:native_paged"]
 generated = 200
 command = [binary, "replay", *traces, "--generated", str(generated), "--min-capacity", "--vs-native", "--json"]
 for c in configs:

@@ -55,6 +55,8 @@ CachingAllocator::Impl::~Impl() {
   for (auto& [base, segment] : segments_) {
     if (segment->vm) {
       drop_vm_segment_locked(*segment);
+    } else if (segment->paged) {
+      drop_paged_segment_locked(*segment);
     } else {
       (void)device_.free_segment(base);
     }

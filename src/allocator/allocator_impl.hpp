@@ -140,6 +140,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::size_t default_reserved() const RESERVOIR_REQUIRES(mutex_);
   // What more may be mapped now: the device's free memory, within the memory fraction if set.
   std::size_t mapping_headroom() RESERVOIR_REQUIRES(mutex_);
+  // native_paged: a classic segment of p.alloc_size bytes of address space,
+  // no memory behind it yet, its head block in p.block, the pages p needs
+  // mapped (back_block); false when the device has no memory for them.
+  bool new_paged_segment(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
 
  private:
   struct PendingEvent {
@@ -328,6 +332,27 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId>::iterator release_freeable_pool(std::vector<PoolId>::iterator it)
       RESERVOIR_REQUIRES(mutex_);
   void release_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  // native_paged segments (native_paged.cpp). Pages under the block p
+  // serves mapped (the whole block when it is not split); false when the
+  // device has no memory for them, even after free pages went back.
+  bool back_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // One run of pages of a native_paged segment mapped with a handle of its
+  // own; false when the device (or the memory fraction) has no room.
+  bool map_paged_run(detail::Segment& seg, std::size_t first, std::size_t pages)
+      RESERVOIR_REQUIRES(mutex_);
+  // Unmaps and releases handles of native_paged segments whose pages hold
+  // no block in use and nothing of [keep_from, keep_to) (after synchronizing
+  // the segment's stream), until `bytes` are released (all of them with
+  // SIZE_MAX); returns the bytes released.
+  std::size_t release_free_pages(std::size_t bytes, DevicePtr keep_from = 0,
+                                 DevicePtr keep_to = 0) RESERVOIR_REQUIRES(mutex_);
+  // A free native_paged segment (its one block, in its pool when `in_pool`):
+  // its handles and address space back to the device.
+  void release_paged_segment(detail::Block* block, bool in_pool) RESERVOIR_REQUIRES(mutex_);
+  // Unmaps and releases one handle of a native_paged segment (no sync).
+  void release_paged_handle(detail::Segment& seg, std::uint32_t slot) RESERVOIR_REQUIRES(mutex_);
+  // The destructor's: everything of a native_paged segment back, failures ignored.
+  void drop_paged_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void insert_events(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void insert_deferred_events() RESERVOIR_REQUIRES(mutex_);
   // The front event of a queue completed: keep the event, free the block if it was the last.
@@ -473,6 +498,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void unmap_handles(detail::Segment& seg, std::size_t first, std::size_t end)
       RESERVOIR_REQUIRES(mutex_);
   void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
+  void validate_paged_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
   void validate_vm_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
   void restore_locked(const Snapshot& layout) RESERVOIR_REQUIRES(mutex_);
   void restore_vm_locked(const Snapshot& layout,

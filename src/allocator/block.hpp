@@ -236,6 +236,10 @@ struct Segment {
   BlockPool* pool = nullptr;
   Block* head = nullptr;        // the block at base
   std::unique_ptr<VmState> vm;  // set for virtual-memory segments
+  // Set for native_paged segments (native_paged.cpp): a classic segment (the
+  // native rules place, split and merge its blocks) on an address
+  // reservation whose pages are mapped as its blocks are handed out.
+  std::unique_ptr<VmState> paged;
 };
 
 struct PrivatePool {

@@ -89,6 +89,8 @@ bool CachingAllocator::Impl::release_cached_blocks() {
   retry_stuck();
   release_blocks(large_);
   release_blocks(small_);
+  // native_paged: the free pages of segments still in use go too.
+  (void)release_free_pages(std::numeric_limits<std::size_t>::max());
   for (auto it = freeable_pools_.begin(); it != freeable_pools_.end();) {
     it = release_freeable_pool(it);
   }
@@ -132,6 +134,10 @@ void CachingAllocator::Impl::release_blocks(BlockPool& pool) {
 }
 
 void CachingAllocator::Impl::release_block(Block* block) {
+  if (block->segment->paged) {
+    release_paged_segment(block, /*in_pool=*/true);
+    return;
+  }
   if (block->segment->vm) {
     // PyTorch asserts here when max_split_size_mb or GC meets an expandable
     // block; reservoir unmaps the block's free pages instead.

@@ -217,8 +217,12 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
   bool found = get_free_block(p);
-  if (found) [[likely]]
-    return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  if (found) [[likely]] {
+    // A native_paged segment's block may need pages mapped first.
+    if (p.block->segment->paged == nullptr || back_block(p)) [[likely]]
+      return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+    found = false;
+  }
   p.alloc_size = allocation_size(size, config_);
   p.requested = requested;
   if (!free_memory_callbacks_.empty()) {
@@ -228,7 +232,7 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
     for (const auto& callback : callbacks) freed |= callback();
     lock.lock();
     p.pool = &pool_for(size, stream);  // a pool may have changed while unlocked
-    found = freed && get_free_block(p);
+    found = freed && get_free_block(p) && (p.block->segment->paged == nullptr || back_block(p));
   }
   if (!found) {
     if (set_fraction_ && config_.garbage_collection_threshold > 0.0) {

@@ -11,20 +11,26 @@ namespace detail {
 std::unique_ptr<SegmentSource> make_native_segments(CachingAllocator::Impl& core);
 std::unique_ptr<SegmentSource> make_expandable_segments(CachingAllocator::Impl& core);
 std::unique_ptr<SegmentSource> make_paging_segments(CachingAllocator::Impl& core);
+std::unique_ptr<SegmentSource> make_native_paged_segments(CachingAllocator::Impl& core);
 
 namespace {
 
 constexpr std::array kSources{
     SegmentSourceEntry{{Policy::native, "native",
-                        "PyTorch's segments, one device allocation each (the default)", false},
+                        "PyTorch's segments, one device allocation each (the default)", false, true},
                        &make_native_segments},
     SegmentSourceEntry{{Policy::expandable, "expandable",
-                        "PyTorch's expandable segments (as expandable_segments:True)", true},
+                        "PyTorch's expandable segments (as expandable_segments:True)", true, false},
                        &make_expandable_segments},
     SegmentSourceEntry{{Policy::paging, "paging",
                         "reservoir's pages: mapped as needed, free handles given back whole",
-                        true},
+                        true, false},
                        &make_paging_segments},
+    SegmentSourceEntry{{Policy::native_paged, "native_paged",
+                        "PyTorch's segments and decisions, mapped page by page as blocks use "
+                        "them: never more than native reserves",
+                        true, true},
+                       &make_native_paged_segments},
 };
 
 constexpr std::array<PolicyInfo, kSources.size()> infos() {

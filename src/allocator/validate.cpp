@@ -27,6 +27,41 @@ void expect_stat(const char* name, std::size_t type, std::int64_t have, std::int
 
 }  // namespace
 
+void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) const {
+  const detail::VmState& pg = *seg.paged;
+  if (pg.page == 0 || seg.size > pg.pages * pg.page || pg.pages * pg.page >= seg.size + pg.page ||
+      pg.page_handle.size() > pg.pages) {
+    breach(fmt::format("paged segment {:#x}: {} pages of {} bytes do not hold its {} bytes",
+                       seg.base, pg.pages, pg.page, seg.size));
+  }
+  std::size_t with_handle = 0;
+  for (std::size_t i = 0; i < pg.page_handle.size(); ++i) {
+    const std::uint32_t slot = pg.at(i);
+    if (slot == detail::VmState::kNone) continue;
+    ++with_handle;
+    if (slot >= pg.handles.size() || !pg.handles[slot].live || i < pg.handles[slot].first_page ||
+        i >= pg.handles[slot].first_page + pg.handles[slot].pages) {
+      breach(fmt::format("paged segment {:#x}: page {} names a handle that does not cover it",
+                         seg.base, i));
+    }
+  }
+  if (with_handle != pg.mapped_pages) {
+    breach(fmt::format("paged segment {:#x}: {} pages have a handle, {} counted", seg.base,
+                       with_handle, pg.mapped_pages));
+  }
+  // Every block in use has memory behind all of it.
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+    if (!b->allocated) continue;
+    const std::size_t offset = b->ptr - seg.base;
+    for (std::size_t i = offset / pg.page; i < (offset + b->size + pg.page - 1) / pg.page; ++i) {
+      if (pg.at(i) == detail::VmState::kNone) {
+        breach(fmt::format("paged segment {:#x}: the allocated block at {:#x} has no memory at "
+                           "page {}", seg.base, b->ptr, i));
+      }
+    }
+  }
+}
+
 void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) const {
   const detail::VmState& vm = *seg.vm;
   const std::size_t page = vm.page;
@@ -115,7 +150,16 @@ void CachingAllocator::Impl::validate() const {
     }
     const std::size_t t = stat_index(*seg->pool);
     const detail::VmState* vm = seg->vm.get();
-    if (vm == nullptr) {
+    if (const detail::VmState* pg = seg->paged.get()) {
+      segment[0] += 1;
+      segment[t] += 1;
+      const auto mapped = static_cast<std::int64_t>(pg->mapped_pages * pg->page);
+      reserved_bytes[0] += mapped;
+      reserved_bytes[t] += mapped;
+      reserved += pg->mapped_pages * pg->page;
+      if (seg->size >= config_.max_split_size) ++oversize_segments;
+      validate_paged_segment(*seg);
+    } else if (vm == nullptr) {
       segment[0] += 1;
       segment[t] += 1;
       reserved_bytes[0] += static_cast<std::int64_t>(seg->size);

@@ -34,11 +34,11 @@ using detail::Segment;
 using detail::VmState;
 
 void CachingAllocator::Impl::check_supported(const AllocatorConfig& config) const {
-  if (config.policy == Policy::paging && config.expandable_segments) {
+  if (config.policy != Policy::native && config.expandable_segments) {
     throw UsageError(fmt::format(
-        "allocator config \"{}\": policy:paging and expandable_segments:True exclude each other; "
+        "allocator config \"{}\": policy:{} and expandable_segments:True exclude each other; "
         "choose one",
-        config.to_string()));
+        config.to_string(), to_string(config.policy)));
   }
   if (detail::segment_source(detail::configured_policy(config)).info.needs_virtual_memory &&
       !device_.supports_virtual_memory()) {

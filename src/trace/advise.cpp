@@ -463,7 +463,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   for (std::size_t i = 0; i < texts.size(); ++i) {
     Candidate& c = advice.candidates[i];
     c.config = texts[i];
-    c.reservoir_only = configs[i].policy == Policy::paging;
+    c.reservoir_only = configs[i].policy == Policy::paging || configs[i].policy == Policy::native_paged;
     c.recorded = configs[i] == recorded;
     if (configs[i].garbage_collection_threshold > 0.0) c.memory_fraction = 1.0;
   }

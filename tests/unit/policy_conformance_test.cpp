@@ -61,9 +61,10 @@ std::string policy_test_name(const ::testing::TestParamInfo<PolicyInfo>& info) {
 
 TEST(PolicyTable, ListsEachPolicyOnceNativeFirst) {
   const auto all = policies();
-  ASSERT_EQ(all.size(), 3u);
+  ASSERT_EQ(all.size(), 4u);
   EXPECT_EQ(all[0].policy, Policy::native);
   EXPECT_FALSE(all[0].needs_virtual_memory);
+  EXPECT_TRUE(all[0].native_layout);
   std::vector<std::string_view> names;
   for (const PolicyInfo& p : all) {
     EXPECT_EQ(to_string(p.policy), p.name);
@@ -74,7 +75,8 @@ TEST(PolicyTable, ListsEachPolicyOnceNativeFirst) {
     EXPECT_EQ(c.policy, p.policy);
     EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c) << p.name;
   }
-  EXPECT_EQ(names, (std::vector<std::string_view>{"native", "expandable", "paging"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string_view>{"native", "expandable", "paging", "native_paged"}));
 }
 
 TEST(PolicyTable, AnUnknownPolicyIsRefusedWithEveryName) {
@@ -83,8 +85,8 @@ TEST(PolicyTable, AnUnknownPolicyIsRefusedWithEveryName) {
     FAIL() << "accepted";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "key 'policy': value 'buddy' is not accepted; accepted: native, expandable or "
-                  "paging"),
+                  "key 'policy': value 'buddy' is not accepted; accepted: native, expandable, "
+                  "paging or native_paged"),
               std::string::npos)
         << e.what();
   }
@@ -313,7 +315,9 @@ TEST_P(EveryPolicy, ItsSegmentsAreTheKindItSays) {
   const Snapshot snap = a.snapshot();
   ASSERT_FALSE(snap.segments.empty());
   for (const SegmentInfo& s : snap.segments) {
-    EXPECT_EQ(s.is_expandable, GetParam().needs_virtual_memory);
+    // A policy with the native layout has the native policy's segments
+    // (whatever backs them); the others' are virtual-memory arenas.
+    EXPECT_EQ(s.is_expandable, GetParam().needs_virtual_memory && !GetParam().native_layout);
   }
   EXPECT_EQ(a.config().policy, GetParam().policy);
   a.deallocate(p);

@@ -20,7 +20,7 @@ namespace reservoir {
 
 inline constexpr std::size_t kRoundupIntervals = 16;  // 1 MiB .. 64 GiB, powers of two
 
-enum class Policy { native, expandable, paging };
+enum class Policy { native, expandable, paging, native_paged };
 
 // paging_release_threshold's default: keep all cached memory.
 inline constexpr std::size_t kNoReleaseThreshold = std::numeric_limits<std::size_t>::max();
@@ -100,6 +100,10 @@ struct PolicyInfo {
   std::string_view name;     // its `policy:` value
   std::string_view summary;  // one line
   bool needs_virtual_memory;
+  // Its blocks are where the native policy puts them, in segments of the
+  // native policy's sizes (only how memory backs them differs): it never
+  // reserves more than the native policy for the same program.
+  bool native_layout;
 };
 // Every policy, in the table's order (native first).
 std::span<const PolicyInfo> policies() noexcept;

@@ -1,0 +1,265 @@
+// The native_paged policy: PyTorch's segments and every one of its decisions
+// (pools, best fit, splitting, merging, the retry ladder, empty_cache), with
+// each segment's memory mapped in pages as its blocks are handed out.
+//
+// A segment is an address reservation of the size the native policy would
+// allocate, with no memory behind it when made. Serving a block maps the
+// pages under it that have none (one physical handle per run of such pages:
+// create, map, set access); cached pages stay mapped, so a loop that reuses
+// its memory makes no device calls. Since the blocks are the native policy's,
+// at the native policy's offsets in segments of the native policy's sizes,
+// and only pages of those segments are ever mapped, reserved memory is at
+// most what the native policy reserves for the same program at the same
+// point: the bound holds by construction, with no model of the native policy
+// beside it. Where memory runs short, handles whose pages hold no block in
+// use go back to the device (after their stream synchronizes) before the
+// retry ladder frees whole segments; empty_cache() gives back those pages
+// too, beyond the free segments the native policy releases.
+#include <fmt/format.h>
+
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "allocator_impl.hpp"
+#include "reservoir/errors.hpp"
+#include "segment_source.hpp"
+
+namespace reservoir {
+
+using detail::Block;
+using detail::BlockPool;
+using detail::Segment;
+using detail::VmState;
+
+namespace detail {
+namespace {
+
+class NativePagedSegments final : public SegmentSource {
+ public:
+  using SegmentSource::SegmentSource;
+  Policy policy() const noexcept override { return Policy::native_paged; }
+  SourceTraits traits(const AllocatorConfig& /*config*/) const noexcept override {
+    SourceTraits t;
+    t.checks_fraction = true;  // against the pages mapped, not the segment's size
+    return t;
+  }
+  bool obtain(AllocParams& p) override RESERVOIR_REQUIRES(core_.source_lock()) {
+    return core_.new_paged_segment(p);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<SegmentSource> make_native_paged_segments(CachingAllocator::Impl& core) {
+  return std::make_unique<NativePagedSegments>(core);
+}
+
+}  // namespace detail
+
+namespace {
+
+// The address space reserved for a segment of `size` bytes: whole pages.
+std::size_t reservation(std::size_t size, std::size_t page) {
+  return (size + page - 1) / page * page;
+}
+
+}  // namespace
+
+bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
+  const std::size_t size = p.alloc_size;
+  const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
+  const std::size_t reserved_space = reservation(size, page);
+  DevicePtr va = 0;
+  const Status status = device_.reserve(reserved_space, 0, &va);
+  if (status == Status::out_of_memory) return false;
+  if (status != Status::ok) {
+    throw DeviceError(CallKind::reserve, status,
+                      fmt::format("reserving {} bytes of address space for a segment",
+                                  reserved_space));
+  }
+  Segment* seg = add_segment(va, size, p.stream, p.pool);
+  seg->paged = std::make_unique<VmState>();
+  seg->paged->page = page;
+  seg->paged->pages = reserved_space / page;
+  BlockPool& pool = *p.pool;
+  add_stats(stats_.segment, stat_index(pool), 1);
+  if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
+  p.block = seg->head;
+  p.block_in_pool = false;
+  bool backed = false;
+  try {
+    backed = back_block(p);
+  } catch (...) {
+    backed = false;
+    release_paged_segment(seg->head, /*in_pool=*/false);
+    throw;
+  }
+  if (!backed) release_paged_segment(seg->head, /*in_pool=*/false);
+  return backed;
+}
+
+bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std::size_t pages) {
+  VmState& pg = *seg.paged;
+  const std::size_t bytes = pages * pg.page;
+  const DevicePtr va = seg.base + first * pg.page;
+  if (set_fraction_ && total_reserved_ + bytes > allowed_memory_maximum_) return false;
+  PhysicalHandle h = 0;
+  Status st = device_.create_physical(bytes, &h);
+  if (st == Status::out_of_memory) return false;
+  if (st != Status::ok) {
+    throw DeviceError(CallKind::create_physical, st,
+                      fmt::format("creating {} bytes of physical memory for {:#x}", bytes, va));
+  }
+  st = device_.map(va, bytes, h, 0);
+  if (st != Status::ok) {
+    if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    throw DeviceError(CallKind::map, st, fmt::format("mapping {} bytes at {:#x}", bytes, va));
+  }
+  st = device_.set_access(va, bytes);
+  if (st != Status::ok) {
+    if (device_.unmap(va, bytes) != Status::ok) stuck_mappings_.emplace_back(va, bytes);
+    if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    throw DeviceError(CallKind::set_access, st,
+                      fmt::format("setting access to {} bytes at {:#x}", bytes, va));
+  }
+  pg.add(h, first, pages);
+  total_reserved_ += bytes;
+  add_stats(stats_.reserved_bytes, stat_index(*seg.pool), bytes);
+  ++stats_.num_device_alloc;
+  trace(TraceAction::segment_map, va, bytes, seg.stream);
+  return true;
+}
+
+bool CachingAllocator::Impl::back_block(AllocParams& p) {
+  const Block* b = p.block;
+  Segment& seg = *b->segment;
+  const VmState& pg = *seg.paged;
+  // What alloc_found_block will hand out: the front of the block, or all of it.
+  const std::size_t bytes = should_split(b, p.size) ? p.size : b->size;
+  const std::size_t offset = b->ptr - seg.base;
+  const std::size_t end = (offset + bytes + pg.page - 1) / pg.page;
+  std::size_t i = offset / pg.page;
+  while (i < end) {
+    if (pg.at(i) != VmState::kNone) {
+      ++i;
+      continue;
+    }
+    std::size_t run = 1;
+    while (i + run < end && pg.at(i + run) == VmState::kNone) ++run;
+    // Short of memory: free pages elsewhere (not this block's) go back first.
+    if (!map_paged_run(seg, i, run) &&
+        (release_free_pages(run * pg.page, b->ptr, b->ptr + bytes) == 0 ||
+         !map_paged_run(seg, i, run))) {
+      return false;  // the pages mapped so far stay, cached under the block
+    }
+    i += run;
+  }
+  return true;
+}
+
+std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, DevicePtr keep_from,
+                                                       DevicePtr keep_to) {
+  std::size_t released = 0;
+  std::vector<bool> busy;
+  std::vector<std::uint32_t> victims;
+  for (auto& [base, seg] : segments_) {
+    if (!seg->paged || seg->paged->mapped_pages == 0) continue;
+    VmState& pg = *seg->paged;
+    // Pages under a block in use (or waiting on a stream), or under the range kept.
+    busy.assign(pg.pages, false);
+    auto mark = [&](DevicePtr from, DevicePtr to) {
+      if (to <= seg->base || from >= seg->base + pg.pages * pg.page) return;
+      from = std::max(from, seg->base);
+      const std::size_t last = std::min<std::size_t>((to - seg->base + pg.page - 1) / pg.page, pg.pages);
+      for (std::size_t k = (from - seg->base) / pg.page; k < last; ++k) busy[k] = true;
+    };
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->is_free()) mark(b->ptr, b->ptr + b->size);
+    }
+    mark(keep_from, keep_to);
+    victims.clear();
+    for (std::uint32_t slot = 0; slot < pg.handles.size(); ++slot) {
+      const VmState::Handle& h = pg.handles[slot];
+      if (!h.live) continue;
+      bool free = true;
+      for (std::size_t k = h.first_page; k < h.first_page + h.pages && free; ++k) free = !busy[k];
+      if (free) victims.push_back(slot);
+    }
+    if (victims.empty()) continue;
+    // Work still queued on the segment's stream may use its free pages.
+    const Status sync = device_.synchronize_stream(seg->stream);
+    if (sync != Status::ok) {
+      throw DeviceError(CallKind::synchronize_stream, sync,
+                        fmt::format("synchronizing stream {} before unmapping free pages of {:#x}",
+                                    seg->stream, seg->base));
+    }
+    for (std::uint32_t slot : victims) {
+      const std::size_t size = pg.handles[slot].pages * pg.page;
+      release_paged_handle(*seg, slot);
+      released += size;
+      if (released >= bytes) return released;
+    }
+  }
+  return released;
+}
+
+void CachingAllocator::Impl::release_paged_handle(Segment& seg, std::uint32_t slot) {
+  VmState& pg = *seg.paged;
+  const VmState::Handle h = pg.handles[slot];
+  const DevicePtr va = seg.base + h.first_page * pg.page;
+  const std::size_t bytes = h.pages * pg.page;
+  const Status st = device_.unmap(va, bytes);
+  if (st != Status::ok) {
+    throw DeviceError(CallKind::unmap, st, fmt::format("unmapping {} bytes at {:#x}", bytes, va));
+  }
+  // Unmapped, the pages are gone from the segment whatever the release says:
+  // a handle that will not go now is released again later.
+  if (device_.release_physical(h.handle) != Status::ok) unreleased_.push_back(h.handle);
+  pg.remove(slot);
+  total_reserved_ -= bytes;
+  sub_stats(stats_.reserved_bytes, stat_index(*seg.pool), bytes);
+  ++stats_.num_device_free;
+  trace(TraceAction::segment_unmap, va, bytes, seg.stream);
+}
+
+void CachingAllocator::Impl::release_paged_segment(Block* block, bool in_pool) {
+  Segment& seg = *block->segment;
+  VmState& pg = *seg.paged;
+  if (pg.mapped_pages != 0) {
+    // As cudaFree, which waits for the device: the segment's own stream here.
+    const Status sync = device_.synchronize_stream(seg.stream);
+    if (sync != Status::ok) {
+      throw DeviceError(CallKind::synchronize_stream, sync,
+                        fmt::format("synchronizing stream {} before releasing the segment at {:#x}",
+                                    seg.stream, seg.base));
+    }
+    for (std::uint32_t slot = 0; slot < pg.handles.size(); ++slot) {
+      if (pg.handles[slot].live) release_paged_handle(seg, slot);
+    }
+  }
+  const std::size_t space = pg.pages * pg.page;
+  if (device_.unreserve(seg.base, space) != Status::ok) {
+    stuck_reservations_.emplace_back(seg.base, space);
+  }
+  BlockPool& pool = *block->pool;
+  sub_stats(stats_.segment, stat_index(pool), 1);
+  if (seg.size >= config_.max_split_size) sub_stat(stats_.oversize_segments, 1);
+  if (in_pool) pool.erase(block);
+  const DevicePtr base = seg.base;
+  arena_.recycle(block);
+  segments_.erase(base);
+}
+
+void CachingAllocator::Impl::drop_paged_segment_locked(Segment& seg) noexcept {
+  VmState& pg = *seg.paged;
+  for (VmState::Handle& h : pg.handles) {
+    if (!h.live) continue;
+    (void)device_.unmap(seg.base + h.first_page * pg.page, h.pages * pg.page);
+    (void)device_.release_physical(h.handle);
+    h.live = false;
+  }
+  (void)device_.unreserve(seg.base, pg.pages * pg.page);
+}
+
+}  // namespace reservoir
