@@ -336,6 +336,13 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // serves mapped (the whole block when it is not split); false when the
   // device has no memory for them, even after free pages went back.
   bool back_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // The handles of a native_paged segment over pages [first, end) of a block
+  // being served that reach beyond it, where only free blocks lie under them,
+  // unmapped and released (after the segment's stream synchronizes).
+  void shed_handles(detail::Segment& seg, std::size_t first, std::size_t end)
+      RESERVOIR_REQUIRES(mutex_);
+  // The device's capacity, asked once.
+  std::size_t total_capacity() RESERVOIR_REQUIRES(mutex_);
   // One run of pages of a native_paged segment mapped with a handle of its
   // own; false when the device (or the memory fraction) has no room.
   bool map_paged_run(detail::Segment& seg, std::size_t first, std::size_t pages)
@@ -569,6 +576,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PhysicalHandle> unreleased_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
+  std::size_t total_capacity_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // total_capacity()'s
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
   // config_ sets roundup_power2_divisions (any interval above 1).

@@ -17,6 +17,7 @@
 // too, beyond the free segments the native policy releases.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -58,6 +59,15 @@ std::unique_ptr<SegmentSource> make_native_paged_segments(CachingAllocator::Impl
 }  // namespace detail
 
 namespace {
+
+// Memory is plentiful while what a choice would map (a whole new segment),
+// or hold beyond a block's own pages (a larger handle it sits in), is at most
+// this share of what the device has free: then the choice that makes fewer
+// calls is taken; otherwise the one that maps less. (1/256 of what is free:
+// measured over the recordings and generated programs, the minimum capacity
+// of mapping block by block at no more calls than mapping whole segments;
+// docs/benchmarks.md.)
+constexpr std::size_t kPlentifulShare = 256;
 
 // The address space reserved for a segment of `size` bytes: whole pages.
 std::size_t reservation(std::size_t size, std::size_t page) {
@@ -134,13 +144,46 @@ bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std:
 bool CachingAllocator::Impl::back_block(AllocParams& p) {
   const Block* b = p.block;
   Segment& seg = *b->segment;
-  const VmState& pg = *seg.paged;
+  VmState& pg = *seg.paged;
   // What alloc_found_block will hand out: the front of the block, or all of it.
   const std::size_t bytes = should_split(b, p.size) ? p.size : b->size;
-  const std::size_t offset = b->ptr - seg.base;
-  const std::size_t end = (offset + bytes + pg.page - 1) / pg.page;
-  std::size_t i = offset / pg.page;
-  while (i < end) {
+  const std::size_t first = (b->ptr - seg.base) / pg.page;
+  const std::size_t end = (b->ptr - seg.base + bytes + pg.page - 1) / pg.page;
+  if (pg.mapped_pages == 0) {
+    if (seg.size <= mapping_headroom() / kPlentifulShare && map_paged_run(seg, 0, pg.pages)) {
+      // A new segment, memory to spare: all of it at once (one handle, three
+      // calls, where mapping it block by block takes three a block).
+      return true;
+    }
+  } else {
+    // Pages the block would hold beyond its own: those of larger handles it
+    // sits in (mapped for a larger block before, or with the whole segment).
+    std::size_t missing = 0;  // pages
+    std::size_t beyond = 0;   // bytes
+    for (std::size_t i = first; i < end;) {
+      const std::uint32_t slot = pg.at(i);
+      if (slot == VmState::kNone) {
+        ++missing;
+        ++i;
+        continue;
+      }
+      const VmState::Handle& h = pg.handles[slot];
+      const std::size_t h_end = h.first_page + h.pages;
+      beyond += (h.pages - (std::min(h_end, end) - std::max(h.first_page, first))) * pg.page;
+      i = h_end;
+    }
+    if (missing == 0 && beyond == 0) [[likely]]
+      return true;
+    // Unless memory is plentiful, such handles (free but for this block) go
+    // back and the block gets pages of its own, so that what is mapped stays
+    // close to what is in use: served as it is, the block would hold all of
+    // them while it lives, and no shortage could get the rest back.
+    if (beyond * kPlentifulShare > total_capacity() - std::min(total_capacity(), total_reserved_) ||
+        beyond > mapping_headroom() / kPlentifulShare) {
+      shed_handles(seg, first, end);
+    }
+  }
+  for (std::size_t i = first; i < end;) {
     if (pg.at(i) != VmState::kNone) {
       ++i;
       continue;
@@ -156,6 +199,45 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
     i += run;
   }
   return true;
+}
+
+void CachingAllocator::Impl::shed_handles(Segment& seg, std::size_t first, std::size_t end) {
+  VmState& pg = *seg.paged;
+  std::vector<std::uint32_t> shed;
+  for (std::size_t i = first; i < end;) {
+    const std::uint32_t slot = pg.at(i);
+    if (slot == VmState::kNone) {
+      ++i;
+      continue;
+    }
+    const VmState::Handle& h = pg.handles[slot];
+    i = h.first_page + h.pages;
+    if (h.first_page >= first && h.first_page + h.pages <= end) continue;  // the block's own
+    // Only a handle under free blocks alone (the block served is still free).
+    const DevicePtr from = seg.base + h.first_page * pg.page;
+    const DevicePtr to = from + h.pages * pg.page;
+    bool free = true;
+    for (const Block* o = seg.head; o != nullptr && free; o = o->next) {
+      if (o->ptr < to && o->ptr + o->size > from) free = o->is_free();
+    }
+    if (free) shed.push_back(slot);
+  }
+  if (shed.empty()) return;
+  const Status sync = device_.synchronize_stream(seg.stream);
+  if (sync != Status::ok) {
+    throw DeviceError(CallKind::synchronize_stream, sync,
+                      fmt::format("synchronizing stream {} before unmapping free pages of {:#x}",
+                                  seg.stream, seg.base));
+  }
+  for (std::uint32_t slot : shed) release_paged_handle(seg, slot);
+}
+
+std::size_t CachingAllocator::Impl::total_capacity() {
+  if (total_capacity_ == 0) {
+    MemoryInfo info;
+    if (device_.memory_info(&info) == Status::ok) total_capacity_ = info.total;
+  }
+  return total_capacity_;
 }
 
 std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, DevicePtr keep_from,
