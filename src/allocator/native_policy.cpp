@@ -216,13 +216,21 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   const std::size_t size = rounded(requested);
   AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
-  bool found = get_free_block(p);
-  if (found) [[likely]] {
-    // A native_paged segment's block may need pages mapped first.
-    if (p.block->segment->paged == nullptr || back_block(p)) [[likely]]
-      return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  const bool found = get_free_block(p);
+  // A native_paged segment's block may need pages mapped first (allocate_slow).
+  if (found && p.block->segment->paged == nullptr) [[likely]]
+    return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  return allocate_slow(p, requested, found, lock);
+}
+
+void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requested, bool found,
+                                            detail::UniqueLock<ClaimingMutex>& lock) {
+  if (found) {
+    if (back_block(p)) return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
     found = false;
   }
+  const std::size_t size = p.size;
+  const StreamId stream = p.stream;
   p.alloc_size = allocation_size(size, config_);
   p.requested = requested;
   if (!free_memory_callbacks_.empty()) {

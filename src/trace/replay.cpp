@@ -166,9 +166,9 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
         if (pointers[op.id] != nullptr) allocator.record_stream(pointers[op.id], op.stream);
         break;
     }
-    if (op.kind == ReplayOp::Kind::alloc) streams.insert(op.stream);
     if (options.keep_reserved) result.reserved_after_op.push_back(reserved);
     if (native != nullptr && op_index < native->size()) {
+      if (op.kind == ReplayOp::Kind::alloc) streams.insert(op.stream);
       OverNative& o = *result.over_native;
       const std::uint64_t n = (*native)[op_index];
       if (reserved > n && reserved - n > o.worst_bytes) {
