@@ -1,0 +1,290 @@
+// policy:native_paged: the native policy's decisions, each segment's memory
+// mapped in pages as its blocks are handed out. Its guarantee, checked as a
+// property over generated programs: reserved memory never above the native
+// policy's for the same program at the same call, with the same blocks in
+// segments of the same sizes. Then what the pages buy under pressure, exact
+// figures on small cases, and every device failure on the release side.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/generated.hpp"
+#include "reservoir/replay.hpp"
+#include "reservoir/sim_device.hpp"
+
+namespace reservoir::testing {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+std::int64_t reserved(const CachingAllocator& a) { return a.stats().reserved_bytes[0].current; }
+
+// A device where memory is never plentiful for a segment of 20 MiB (its free
+// memory / 256 is below 2 MiB): pages are mapped block by block.
+SimDevice tight_device(std::size_t capacity = 64 * kMiB) {
+  SimDeviceOptions o;
+  o.capacity = capacity;
+  o.auto_complete_events = true;
+  return SimDevice(o);
+}
+
+OverNative over_native(const ReplayProgram& prog, const std::string& settings) {
+  ReplayOptions keep;
+  keep.keep_reserved = true;
+  const std::vector<std::uint64_t> native =
+      replay(prog, AllocatorConfig::parse(settings), settings, keep).reserved_after_op;
+  ReplayOptions compare;
+  compare.native_reserved = &native;
+  const std::string config = settings.empty() ? "policy:native_paged" : settings + ",policy:native_paged";
+  const ReplayResult r = replay(prog, AllocatorConfig::parse(config), config, compare);
+  EXPECT_EQ(r.num_ooms, 0) << prog.name;
+  return r.over_native.value();
+}
+
+TEST(NativePaged, NeverReservesMoreThanNativeAtAnyCallOfAnyProgram) {
+  // The property, on programs of every family (docs/replay.md), under the
+  // default settings and two others: not one call above native, not a byte.
+  for (const auto& [settings, programs] : {std::tuple<std::string, int>{"", 1500},
+                                           {"roundup_power2_divisions:4", 300},
+                                           {"max_split_size_mb:64", 300}}) {
+    for (int seed = 0; seed < programs; ++seed) {
+      const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed));
+      const OverNative o = over_native(prog, settings);
+      ASSERT_EQ(o.worst_bytes, 0u) << prog.name << " [" << settings << "] at call " << o.worst_op;
+      ASSERT_EQ(o.ops_over_bound, 0u) << prog.name;
+    }
+  }
+}
+
+// A segment as the snapshot shows it, apart from where it lies.
+using Shape = std::tuple<StreamId, bool, std::size_t, std::vector<std::tuple<std::size_t, std::size_t, int>>>;
+std::vector<Shape> shapes(const CachingAllocator& a) {
+  std::vector<Shape> out;
+  for (const SegmentInfo& s : a.snapshot().segments) {
+    std::vector<std::tuple<std::size_t, std::size_t, int>> blocks;
+    for (const BlockInfo& b : s.blocks) {
+      blocks.emplace_back(b.address - s.address, b.size, static_cast<int>(b.state));
+    }
+    out.emplace_back(s.stream, s.is_large, s.total_size, std::move(blocks));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(NativePaged, MakesEveryDecisionTheNativePolicyMakes) {
+  // Side by side on devices without a limit: the same statistics after
+  // every call, and every segment of the same size with the same blocks at
+  // the same offsets (only where segments lie, and what backs them, differ).
+  for (int seed = 0; seed < 200; ++seed) {
+    const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed) + 5000);
+    SimDeviceOptions o;
+    o.capacity = std::size_t{1} << 40;
+    o.auto_complete_events = true;
+    SimDevice native_device(o);
+    SimDevice paged_device(o);
+    CachingAllocator native(native_device, AllocatorConfig::parse(""));
+    CachingAllocator paged(paged_device, AllocatorConfig::parse("policy:native_paged"));
+    std::vector<std::pair<void*, void*>> ptrs(prog.id_count, {nullptr, nullptr});
+    for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+      const ReplayOp& op = prog.ops[i];
+      auto& [n, p] = ptrs[op.id];
+      switch (op.kind) {
+        case ReplayOp::Kind::alloc:
+          n = native.allocate(op.size, op.stream);
+          p = paged.allocate(op.size, op.stream);
+          break;
+        case ReplayOp::Kind::free:
+          native.deallocate(n);
+          paged.deallocate(p);
+          break;
+        case ReplayOp::Kind::stream_use:
+          native.record_stream(n, op.stream);
+          paged.record_stream(p, op.stream);
+          break;
+        case ReplayOp::Kind::empty_cache:
+          native.empty_cache();
+          paged.empty_cache();
+          break;
+      }
+      const DeviceStats a = native.stats();
+      const DeviceStats b = paged.stats();
+      ASSERT_EQ(a.segment[0].current, b.segment[0].current) << prog.name << " call " << i;
+      ASSERT_EQ(a.allocated_bytes[0].current, b.allocated_bytes[0].current) << prog.name;
+      ASSERT_EQ(a.active_bytes[0].current, b.active_bytes[0].current) << prog.name;
+      ASSERT_EQ(a.inactive_split_bytes[0].current, b.inactive_split_bytes[0].current) << prog.name;
+      ASSERT_LE(b.reserved_bytes[0].current, a.reserved_bytes[0].current) << prog.name;
+    }
+    ASSERT_EQ(shapes(native), shapes(paged)) << prog.name;
+    paged.validate();
+  }
+}
+
+TEST(NativePaged, MapsABlocksPagesOnlyWhereMemoryIsTight) {
+  // 3 MiB: native allocates a 20 MiB segment. With memory to spare, the
+  // segment is mapped whole (one handle); on a tight device, the 2 pages
+  // the block covers.
+  SimDevice roomy;
+  CachingAllocator a(roomy, AllocatorConfig::parse("policy:native_paged"));
+  void* p = a.allocate(3 * kMiB);
+  EXPECT_EQ(reserved(a), std::int64_t{20} << 20);
+  EXPECT_EQ(roomy.calls(CallKind::create_physical), 1u);
+  SimDevice tight = tight_device();
+  CachingAllocator b(tight, AllocatorConfig::parse("policy:native_paged"));
+  void* q = b.allocate(3 * kMiB);
+  EXPECT_EQ(reserved(b), std::int64_t{4} << 20);
+  EXPECT_EQ(b.snapshot().segments.at(0).total_size, 20 * kMiB);  // native's segment
+  a.deallocate(p);
+  b.deallocate(q);
+  a.validate();
+  b.validate();
+}
+
+TEST(NativePaged, FitsWhereNativeRunsOutOfMemory) {
+  // 40 MiB device. A and B (8 MiB each) share a 20 MiB segment; A is freed;
+  // then 28 MiB. Native needs 20 + 28 MiB: its segment is in use, so the
+  // retry ladder frees nothing and the request fails. native_paged holds
+  // A's and B's pages (16 MiB); short of 4 MiB, it gives A's back and fits:
+  // 8 + 28 MiB.
+  SimDevice native_device = tight_device(40 * kMiB);
+  CachingAllocator native(native_device, AllocatorConfig::parse(""));
+  void* a = native.allocate(8 * kMiB);
+  void* b = native.allocate(8 * kMiB);
+  native.deallocate(a);
+  EXPECT_THROW((void)native.allocate(28 * kMiB), OutOfMemoryError);
+
+  SimDevice device = tight_device(40 * kMiB);
+  CachingAllocator paged(device, AllocatorConfig::parse("policy:native_paged"));
+  void* pa = paged.allocate(8 * kMiB);
+  void* pb = paged.allocate(8 * kMiB);
+  EXPECT_EQ(reserved(paged), std::int64_t{16} << 20);
+  paged.deallocate(pa);
+  void* big = paged.allocate(28 * kMiB);
+  EXPECT_EQ(reserved(paged), std::int64_t{36} << 20);
+  EXPECT_EQ(paged.stats().num_ooms, 0);
+  EXPECT_EQ(paged.stats().segment[0].current, 2);  // native's two segments
+  paged.validate();
+  paged.deallocate(big);
+  paged.deallocate(pb);
+  native.deallocate(b);
+}
+
+TEST(NativePaged, EmptyCacheGivesBackFreePagesOfSegmentsInUse) {
+  SimDevice device = tight_device();
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* x = a.allocate(4 * kMiB);
+  void* y = a.allocate(4 * kMiB);  // the same 20 MiB segment, pages 2 and 3
+  a.deallocate(x);
+  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
+  a.empty_cache();  // native keeps the whole segment (y is in it)
+  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
+  EXPECT_EQ(a.stats().segment[0].current, 1);
+  a.deallocate(y);
+  a.empty_cache();
+  EXPECT_EQ(reserved(a), 0);
+  EXPECT_EQ(a.stats().segment[0].current, 0);
+  EXPECT_EQ(device.live_physical(), 0u);
+  EXPECT_EQ(device.live_reservations(), 0u);
+  a.validate();
+}
+
+TEST(NativePaged, ABlockInALargerFreeHandleGetsPagesOfItsOwn) {
+  // 8 MiB, freed; then 2 MiB at the same offset (native's best fit). Served
+  // inside the 8 MiB handle it would hold 8 MiB; on a tight device the
+  // handle goes back and the block gets one page.
+  SimDevice device = tight_device();
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* big = a.allocate(8 * kMiB);
+  a.deallocate(big);
+  void* small = a.allocate(2 * kMiB);
+  EXPECT_EQ(small, big);
+  EXPECT_EQ(reserved(a), std::int64_t{2} << 20);
+  EXPECT_EQ(device.calls(CallKind::release_physical), 1u);
+  a.validate();
+  // With memory to spare it is served as it is: no device call.
+  SimDevice roomy;
+  CachingAllocator b(roomy, AllocatorConfig::parse("policy:native_paged"));
+  b.deallocate(b.allocate(8 * kMiB));
+  const std::uint64_t maps = roomy.calls(CallKind::map);
+  void* again = b.allocate(2 * kMiB);
+  EXPECT_EQ(roomy.calls(CallKind::map), maps);
+  EXPECT_EQ(reserved(b), std::int64_t{20} << 20);
+  b.deallocate(again);
+  a.deallocate(small);
+}
+
+TEST(NativePaged, AFailedUnmapLeavesThePagesMappedAndCounted) {
+  SimDevice device = tight_device();
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* x = a.allocate(4 * kMiB);
+  void* y = a.allocate(4 * kMiB);
+  a.deallocate(x);
+  device.fail_nth(CallKind::unmap, 1, Status::device_error);
+  try {
+    a.empty_cache();
+    FAIL() << "no error";
+  } catch (const DeviceError& e) {
+    EXPECT_NE(std::string(e.what()).find("unmap"), std::string::npos) << e.what();
+  }
+  a.validate();
+  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
+  a.empty_cache();  // again: it goes now
+  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
+  a.validate();
+  a.deallocate(y);
+}
+
+TEST(NativePaged, AFailedReleaseOrUnreserveIsRetriedSoNothingLeaks) {
+  SimDevice device = tight_device();
+  {
+    CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+    a.deallocate(a.allocate(4 * kMiB));
+    device.fail_nth(CallKind::release_physical, 1, Status::device_error);
+    device.fail_nth(CallKind::unreserve, 1, Status::device_error);
+    a.empty_cache();  // the caller's call succeeds; the handle and range are kept to retry
+    EXPECT_EQ(reserved(a), 0);
+    EXPECT_EQ(a.stats().segment[0].current, 0);
+    a.validate();
+    EXPECT_EQ(device.live_physical(), 1u);
+    EXPECT_EQ(device.live_reservations(), 1u);
+    a.empty_cache();  // retried
+    EXPECT_EQ(device.live_physical(), 0u);
+    EXPECT_EQ(device.live_reservations(), 0u);
+  }
+  EXPECT_EQ(device.live_physical(), 0u);
+}
+
+TEST(NativePaged, AFailedSynchronizeBeforeUnmappingChangesNothing) {
+  SimDevice device = tight_device();
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* x = a.allocate(4 * kMiB);
+  void* y = a.allocate(4 * kMiB);
+  a.deallocate(x);
+  // empty_cache synchronizes every stream first (as PyTorch): fail the
+  // stream synchronization that unmapping free pages asks for.
+  device.fail_nth(CallKind::synchronize_stream, 1, Status::device_error);
+  EXPECT_THROW(a.empty_cache(), DeviceError);
+  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
+  a.validate();
+  a.empty_cache();
+  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
+  a.deallocate(y);
+}
+
+TEST(NativePaged, ExcludesExpandableSegmentsAndPagingsKeys) {
+  EXPECT_THROW(
+      {
+        SimDevice device;
+        CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged,expandable_segments:True"));
+      },
+      UsageError);
+  EXPECT_THROW((void)AllocatorConfig::parse("policy:native_paged,paging_slack_mb:2"), ConfigError);
+}
+
+}  // namespace
+}  // namespace reservoir::testing
