@@ -160,8 +160,11 @@ Case replay_case() {
 const std::map<std::string, Case>& cases() {
   static const std::map<std::string, Case> all = [] {
     std::map<std::string, Case> m;
-    const std::array<std::pair<const char*, const char*>, 3> policies = {
-        {{"native", ""}, {"expandable", "expandable_segments:True"}, {"paging", "policy:paging"}}};
+    const std::array<std::pair<const char*, const char*>, 4> policies = {
+        {{"native", ""},
+         {"expandable", "expandable_segments:True"},
+         {"paging", "policy:paging"},
+         {"native_paged", "policy:native_paged"}}};
     for (const auto& [name, config] : policies) {
       m[fmt::format("{}/one_size", name)] = allocator_case(config, 0);
       m[fmt::format("{}/mixed_sizes", name)] = allocator_case(config, 1);

@@ -29,7 +29,7 @@ TOLERANCE = 0.02
 PAIR_LIMIT = 600
 TAG_EXISTS_LIMIT = 1.05  # times the saver's pair with no tag
 INSIDE_TAG_LIMIT = 1.15
-POLICIES = ("native", "expandable", "paging")
+POLICIES = ("native", "expandable", "paging", "native_paged")
 
 
 def target_failures(measured):

@@ -332,11 +332,13 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId>::iterator release_freeable_pool(std::vector<PoolId>::iterator it)
       RESERVOIR_REQUIRES(mutex_);
   void release_block(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
-  // allocate's path past a plain cache hit: a native_paged block's pages
-  // (`found`: p.block is a cached block), then PyTorch's retry ladder.
+  // allocate's path past a plain cache hit, out of line so that the hit
+  // stays short: a native_paged block's pages (`found`: p.block is a cached
+  // block), then PyTorch's retry ladder. `lock` holds mutex_ (it is let go
+  // around callbacks and observers).
   [[gnu::noinline]] void* allocate_slow(AllocParams& p, std::size_t requested, bool found,
                                         detail::UniqueLock<ClaimingMutex>& lock)
-      RESERVOIR_REQUIRES(mutex_);
+      RESERVOIR_REQUIRES(mutex_, lock);
   // native_paged segments (native_paged.cpp). Pages under the block p
   // serves mapped (the whole block when it is not split); false when the
   // device has no memory for them, even after free pages went back.

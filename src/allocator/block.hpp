@@ -197,6 +197,11 @@ struct VmState {
   std::vector<Handle> handles;
   std::vector<std::uint32_t> free_slots;  // reusable entries of handles
   std::size_t mapped_pages = 0;           // pages with a handle behind them
+  // native_paged: every page mapped by one handle (the segment mapped whole),
+  // and the reserved memory from which the segment's size is no longer
+  // plentiful (its size x 256 below the capacity).
+  bool whole = false;
+  std::size_t plentiful_above = 0;
 
   std::uint32_t add(PhysicalHandle h, std::size_t first, std::size_t pages) {
     std::uint32_t slot;
@@ -209,6 +214,7 @@ struct VmState {
     }
     handles[slot] = Handle{h, first, pages, true};
     mapped_pages += pages;
+    whole = first == 0 && pages == this->pages && pages != 0;
     if (page_handle.size() < first + pages) page_handle.resize(first + pages, kNone);
     for (std::size_t i = first; i < first + pages; ++i) page_handle[i] = slot;
     return slot;
@@ -223,6 +229,7 @@ struct VmState {
       page_handle[i] = kNone;
     }
     rec.live = false;
+    whole = false;
     free_slots.push_back(slot);
     while (!page_handle.empty() && page_handle.back() == kNone) page_handle.pop_back();
   }

@@ -231,7 +231,7 @@ struct Entry {
 
 std::string mib(std::size_t bytes) { return fmt::format("{}", bytes / kMiB); }
 
-// The registered policies' names: "native, expandable or paging".
+// The registered policies' names: "native, expandable, paging or native_paged".
 std::string policy_names() {
   std::string out;
   const auto all = policies();
@@ -464,12 +464,12 @@ const Entry kTable[] = {
        }
      },
      [](const AllocatorConfig&, std::vector<std::string>&) {}},
-    {{"policy", "native, expandable or paging", "native", "reservoir", "", "",
-      "reservoir's own key: the segment policy; `paging` and `expandable_segments:True` "
-      "exclude each other",
+    {{"policy", "native, expandable, paging or native_paged", "native", "reservoir", "", "",
+      "reservoir's own key: the segment policy (below); any but `native` and "
+      "`expandable_segments:True` exclude each other",
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
-       const std::string v = p.value_token(k, "native, expandable or paging");
+       const std::string v = p.value_token(k, "native, expandable, paging or native_paged");
        if (const detail::SegmentSourceEntry* e = detail::find_segment_source(v)) {
          c.policy = e->info.policy;
        } else {

@@ -79,6 +79,7 @@ std::size_t reservation(std::size_t size, std::size_t page) {
 bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
   const std::size_t size = p.alloc_size;
   const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
+  (void)total_capacity();  // asked once, for back_block's fast path
   const std::size_t reserved_space = reservation(size, page);
   DevicePtr va = 0;
   const Status status = device_.reserve(reserved_space, 0, &va);
@@ -92,6 +93,7 @@ bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
   seg->paged = std::make_unique<VmState>();
   seg->paged->page = page;
   seg->paged->pages = reserved_space / page;
+  seg->paged->plentiful_above = reserved_space * kPlentifulShare;
   BlockPool& pool = *p.pool;
   add_stats(stats_.segment, stat_index(pool), 1);
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
@@ -250,11 +252,13 @@ std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, Device
     VmState& pg = *seg->paged;
     // Pages under a block in use (or waiting on a stream), or under the range kept.
     busy.assign(pg.pages, false);
+    const DevicePtr seg_base = seg->base;
     auto mark = [&](DevicePtr from, DevicePtr to) {
-      if (to <= seg->base || from >= seg->base + pg.pages * pg.page) return;
-      from = std::max(from, seg->base);
-      const std::size_t last = std::min<std::size_t>((to - seg->base + pg.page - 1) / pg.page, pg.pages);
-      for (std::size_t k = (from - seg->base) / pg.page; k < last; ++k) busy[k] = true;
+      if (to <= seg_base || from >= seg_base + pg.pages * pg.page) return;
+      from = std::max(from, seg_base);
+      const std::size_t last =
+          std::min<std::size_t>((to - seg_base + pg.page - 1) / pg.page, pg.pages);
+      for (std::size_t k = (from - seg_base) / pg.page; k < last; ++k) busy[k] = true;
     };
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       if (!b->is_free()) mark(b->ptr, b->ptr + b->size);

@@ -217,9 +217,14 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
   const bool found = get_free_block(p);
-  // A native_paged segment's block may need pages mapped first (allocate_slow).
-  if (found && p.block->segment->paged == nullptr) [[likely]]
-    return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  // A native_paged segment's block may need pages mapped first (allocate_slow),
+  // but not in the steady state: a segment mapped whole, memory to spare.
+  if (found) [[likely]] {
+    const detail::VmState* paged = p.block->segment->paged.get();
+    if (paged == nullptr || (paged->whole && total_reserved_ + paged->plentiful_above <= total_capacity_))
+        [[likely]]
+      return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  }
   return allocate_slow(p, requested, found, lock);
 }
 
