@@ -102,6 +102,22 @@ def test_policy_paging_reserves_less_on_a_fragmenting_program():
     assert paging["reserved"] < native["reserved"], (paging, native)
 
 
+def test_policy_native_paged_takes_pytorchs_decisions_and_never_reserves_more():
+    # PyTorch's own allocator beside reservoir's native_paged: the same
+    # statistics but for the reserved memory, which is never more.
+    native = run("native", PROGRAM)
+    paged = run("policy:native_paged", PROGRAM)
+    assert paged["backend"] == "reservoir"
+    differ = {k for k in native["stats"] if paged["stats"].get(k) != native["stats"][k]}
+    assert all(k.startswith(("reserved_bytes", "num_device_")) for k in differ), sorted(differ)
+    for key in ("reserved_bytes.all.current", "reserved_bytes.all.peak"):
+        assert 0 < paged["stats"][key] <= native["stats"][key], key
+    native = run("native", FRAGMENTING)
+    paged = run("policy:native_paged", FRAGMENTING)
+    assert paged["allocated"] == native["allocated"]
+    assert paged["reserved"] <= native["reserved"], (paged, native)
+
+
 OOM = """
 seen = []
 torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(list(args)))

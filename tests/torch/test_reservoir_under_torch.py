@@ -27,7 +27,7 @@ def run(code, env=None, preload=SIMCUDA):
     return r.stdout.split()
 
 
-@pytest.mark.parametrize("config", ["", "expandable_segments:True", "policy:paging"])
+@pytest.mark.parametrize("config", ["", "expandable_segments:True", "policy:paging", "policy:native_paged"])
 def test_the_pluggable_allocator_serves_pytorch(config):
     out = run(f"""
         import torch, reservoir
