@@ -125,6 +125,30 @@ TEST(NativePaged, MakesEveryDecisionTheNativePolicyMakes) {
   }
 }
 
+TEST(NativePaged, UnderPressureEveryStepKeepsItsInvariants) {
+  // Generated programs at capacities just above their peaks: pages given
+  // back, handles shed, segments freed by the retry ladder; every step
+  // validated (allocated blocks have memory behind every page, the page
+  // tables match the handles, reserved memory is the pages mapped).
+  ReplayOptions checked;
+  checked.validate_each_step = true;
+  const AllocatorConfig config = AllocatorConfig::parse("policy:native_paged");
+  int ran_out = 0;
+  std::uint64_t released = 0;
+  for (std::uint64_t seed = 0; seed < 60; ++seed) {
+    const ReplayProgram prog = generated_program(seed);
+    const std::uint64_t peak = replay(prog, config, "").peak_requested_bytes;
+    for (std::uint64_t k : {1, 2, 4, 8, 16, 40}) {
+      checked.capacity = (peak / (2 * kMiB) + k) * (2 * kMiB);
+      const ReplayResult r = replay(prog, config, "tight", checked);
+      ran_out += r.num_ooms > 0 ? 1 : 0;
+      released += static_cast<std::uint64_t>(r.device_frees);
+    }
+  }
+  EXPECT_GT(ran_out, 0);   // tight enough to fail somewhere
+  EXPECT_GT(released, 0u);  // and to give pages back
+}
+
 TEST(NativePaged, MapsABlocksPagesOnlyWhereMemoryIsTight) {
   // 3 MiB: native allocates a 20 MiB segment. With memory to spare, the
   // segment is mapped whole (one handle); on a tight device, the 2 pages
