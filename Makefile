@@ -18,7 +18,7 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
 # make run advises on a real out-of-memory dump when one is at hand.
 ADVISE_TRACE := $(firstword $(wildcard $(RECORDINGS)/oom/*.pickle) $(SHARED_TRACES) \
                   examples/traces/gpt_training.pickle)
-POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging"
+POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging" -c "policy:native_paged"
 TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt)
 # The wheelhouse an isolated package build and its test environments use, and auditwheel.
 PACKAGING_REQUIREMENTS := scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \

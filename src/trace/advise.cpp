@@ -401,6 +401,7 @@ std::vector<std::string> default_sweep(std::string_view pytorch_since) {
     out.emplace_back("expandable_segments:True,large_segment_size_mb:12");
   }
   out.emplace_back("policy:paging");
+  out.emplace_back("policy:native_paged");
   return out;
 }
 

@@ -341,7 +341,7 @@ nothing = subprocess.run([binary, "advise", empty], capture_output=True, text=Tr
 check(nothing.returncode == 2 and "no allocations to replay" in nothing.stderr, nothing.stderr)
 tty = run_on_terminal("advise", classic)
 # Our export records allocator_settings (PyTorch 2.4 on): max_non_split_rounding_mb is swept too.
-check("classic_oom.pickle: 23/23 settings swept" in tty,
+check("classic_oom.pickle: 24/24 settings swept" in tty,
       f"no advise progress on the terminal: {tty!r}")
 check(tty.endswith("\r\x1b[K"), f"advise's progress line is not erased: {tty[-40:]!r}")
 
