@@ -34,6 +34,22 @@ SimDevice tight_device(std::size_t capacity = 64 * kMiB) {
   return SimDevice(o);
 }
 
+// A 20 MiB segment on a tight device: x (pages 0 and 1) freed, y (pages 2
+// and 3) live; 8 MiB mapped where native holds 20.
+struct OneOfTwoFreed {
+  SimDevice device = tight_device();
+  CachingAllocator a{device, AllocatorConfig::parse("policy:native_paged")};
+  void* y = nullptr;
+  OneOfTwoFreed() {
+    void* x = a.allocate(4 * kMiB);
+    y = a.allocate(4 * kMiB);
+    a.deallocate(x);
+  }
+  ~OneOfTwoFreed() { a.deallocate(y); }
+  OneOfTwoFreed(const OneOfTwoFreed&) = delete;
+  OneOfTwoFreed& operator=(const OneOfTwoFreed&) = delete;
+};
+
 OverNative over_native(const ReplayProgram& prog, const std::string& settings) {
   ReplayOptions keep;
   keep.keep_reserved = true;
@@ -199,22 +215,19 @@ TEST(NativePaged, FitsWhereNativeRunsOutOfMemory) {
 }
 
 TEST(NativePaged, EmptyCacheGivesBackFreePagesOfSegmentsInUse) {
-  SimDevice device = tight_device();
-  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
-  void* x = a.allocate(4 * kMiB);
-  void* y = a.allocate(4 * kMiB);  // the same 20 MiB segment, pages 2 and 3
-  a.deallocate(x);
-  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
-  a.empty_cache();  // native keeps the whole segment (y is in it)
-  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
-  EXPECT_EQ(a.stats().segment[0].current, 1);
-  a.deallocate(y);
-  a.empty_cache();
-  EXPECT_EQ(reserved(a), 0);
-  EXPECT_EQ(a.stats().segment[0].current, 0);
-  EXPECT_EQ(device.live_physical(), 0u);
-  EXPECT_EQ(device.live_reservations(), 0u);
-  a.validate();
+  OneOfTwoFreed t;
+  EXPECT_EQ(reserved(t.a), std::int64_t{8} << 20);
+  t.a.empty_cache();  // native keeps the whole segment (y is in it)
+  EXPECT_EQ(reserved(t.a), std::int64_t{4} << 20);
+  EXPECT_EQ(t.a.stats().segment[0].current, 1);
+  t.a.deallocate(t.y);
+  t.y = t.a.allocate(512);  // a small block: a segment of the small pool
+  t.a.empty_cache();
+  EXPECT_EQ(reserved(t.a), std::int64_t{2} << 20);
+  EXPECT_EQ(t.a.stats().segment[0].current, 1);
+  EXPECT_EQ(t.device.live_physical(), 1u);
+  EXPECT_EQ(t.device.live_reservations(), 1u);
+  t.a.validate();
 }
 
 TEST(NativePaged, ABlockInALargerFreeHandleGetsPagesOfItsOwn) {
@@ -243,24 +256,19 @@ TEST(NativePaged, ABlockInALargerFreeHandleGetsPagesOfItsOwn) {
 }
 
 TEST(NativePaged, AFailedUnmapLeavesThePagesMappedAndCounted) {
-  SimDevice device = tight_device();
-  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
-  void* x = a.allocate(4 * kMiB);
-  void* y = a.allocate(4 * kMiB);
-  a.deallocate(x);
-  device.fail_nth(CallKind::unmap, 1, Status::device_error);
+  OneOfTwoFreed t;
+  t.device.fail_nth(CallKind::unmap, 1, Status::device_error);
   try {
-    a.empty_cache();
+    t.a.empty_cache();
     FAIL() << "no error";
   } catch (const DeviceError& e) {
     EXPECT_NE(std::string(e.what()).find("unmap"), std::string::npos) << e.what();
   }
-  a.validate();
-  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
-  a.empty_cache();  // again: it goes now
-  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
-  a.validate();
-  a.deallocate(y);
+  t.a.validate();
+  EXPECT_EQ(reserved(t.a), std::int64_t{8} << 20);
+  t.a.empty_cache();  // again: it goes now
+  EXPECT_EQ(reserved(t.a), std::int64_t{4} << 20);
+  t.a.validate();
 }
 
 TEST(NativePaged, AFailedReleaseOrUnreserveIsRetriedSoNothingLeaks) {
@@ -284,20 +292,14 @@ TEST(NativePaged, AFailedReleaseOrUnreserveIsRetriedSoNothingLeaks) {
 }
 
 TEST(NativePaged, AFailedSynchronizeBeforeUnmappingChangesNothing) {
-  SimDevice device = tight_device();
-  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
-  void* x = a.allocate(4 * kMiB);
-  void* y = a.allocate(4 * kMiB);
-  a.deallocate(x);
-  // empty_cache synchronizes every stream first (as PyTorch): fail the
-  // stream synchronization that unmapping free pages asks for.
-  device.fail_nth(CallKind::synchronize_stream, 1, Status::device_error);
-  EXPECT_THROW(a.empty_cache(), DeviceError);
-  EXPECT_EQ(reserved(a), std::int64_t{8} << 20);
-  a.validate();
-  a.empty_cache();
-  EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
-  a.deallocate(y);
+  OneOfTwoFreed t;
+  // Fail the stream synchronization that unmapping free pages asks for.
+  t.device.fail_nth(CallKind::synchronize_stream, 1, Status::device_error);
+  EXPECT_THROW(t.a.empty_cache(), DeviceError);
+  EXPECT_EQ(reserved(t.a), std::int64_t{8} << 20);
+  t.a.validate();
+  t.a.empty_cache();
+  EXPECT_EQ(reserved(t.a), std::int64_t{4} << 20);
 }
 
 TEST(NativePaged, ExcludesExpandableSegmentsAndPagingsKeys) {
