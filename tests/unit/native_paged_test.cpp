@@ -17,6 +17,7 @@
 #include "reservoir/generated.hpp"
 #include "reservoir/replay.hpp"
 #include "reservoir/sim_device.hpp"
+#include "per_call_validation.hpp"
 
 namespace reservoir::testing {
 namespace {
@@ -69,7 +70,7 @@ TEST(NativePaged, NeverReservesMoreThanNativeAtAnyCallOfAnyProgram) {
   for (const auto& [settings, programs] : {std::tuple<std::string, int>{"", 1500},
                                            {"roundup_power2_divisions:4", 300},
                                            {"max_split_size_mb:64", 300}}) {
-    for (int seed = 0; seed < programs; ++seed) {
+    for (int seed = 0; seed < scaled_for_validation(programs); ++seed) {
       const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed));
       const OverNative o = over_native(prog, settings);
       ASSERT_EQ(o.worst_bytes, 0u) << prog.name << " [" << settings << "] at call " << o.worst_op;
@@ -97,7 +98,7 @@ TEST(NativePaged, MakesEveryDecisionTheNativePolicyMakes) {
   // Side by side on devices without a limit: the same statistics after
   // every call, and every segment of the same size with the same blocks at
   // the same offsets (only where segments lie, and what backs them, differ).
-  for (int seed = 0; seed < 200; ++seed) {
+  for (int seed = 0; seed < scaled_for_validation(200); ++seed) {
     const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed) + 5000);
     SimDeviceOptions o;
     o.capacity = std::size_t{1} << 40;
@@ -151,7 +152,8 @@ TEST(NativePaged, UnderPressureEveryStepKeepsItsInvariants) {
   const AllocatorConfig config = AllocatorConfig::parse("policy:native_paged");
   int ran_out = 0;
   std::uint64_t released = 0;
-  for (std::uint64_t seed = 0; seed < 60; ++seed) {
+  const auto seeds = static_cast<std::uint64_t>(scaled_for_validation(60));
+  for (std::uint64_t seed = 0; seed < seeds; ++seed) {
     const ReplayProgram prog = generated_program(seed);
     const std::uint64_t peak = replay(prog, config, "").peak_requested_bytes;
     for (std::uint64_t k : {1, 2, 4, 8, 16, 40}) {

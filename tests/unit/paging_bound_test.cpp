@@ -24,6 +24,7 @@
 #include "reservoir/generated.hpp"
 #include "reservoir/replay.hpp"
 #include "reservoir/sim_device.hpp"
+#include "per_call_validation.hpp"
 
 namespace reservoir::testing {
 namespace {
@@ -209,7 +210,8 @@ TEST(PagingBound, UnderPressureTheBlockBeingServedStaysWhole) {
   checked.validate_each_step = true;
   const AllocatorConfig config = AllocatorConfig::parse("policy:paging,paging_slack_mb:2");
   int ran_out = 0;
-  for (std::uint64_t seed = 0; seed < 40; ++seed) {
+  const auto seeds = static_cast<std::uint64_t>(scaled_for_validation(40));
+  for (std::uint64_t seed = 0; seed < seeds; ++seed) {
     const Program prog = generated_program(seed);
     const std::uint64_t peak = replay(prog, config, "").peak_requested_bytes;
     for (std::uint64_t k = 0; k < 8; ++k) {
