@@ -221,9 +221,10 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   // but not in the steady state: a segment mapped whole, memory to spare.
   if (found) [[likely]] {
     const detail::VmState* paged = p.block->segment->paged.get();
-    if (paged == nullptr || (paged->whole && total_reserved_ + paged->plentiful_above <= total_capacity_))
-        [[likely]]
+    if (paged == nullptr ||
+        (paged->whole && total_reserved_ + paged->plentiful_above <= total_capacity_)) [[likely]] {
       return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+    }
   }
   return allocate_slow(p, requested, found, lock);
 }
