@@ -34,16 +34,6 @@ struct ReplayArgs {
   std::optional<int> device;
 };
 
-// The native policy with a config's other settings: what policy:paging's
-// native bound compares with.
-AllocatorConfig native_policy_of(AllocatorConfig config) {
-  config.policy = Policy::native;
-  config.expandable_segments = false;
-  config.paging_release_threshold = kNoReleaseThreshold;
-  config.paging_slack = kNoPagingBound;
-  return config;
-}
-
 void run(const ReplayArgs& args) {
   ReplayOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
@@ -74,7 +64,7 @@ void run(const ReplayArgs& args) {
       rows.push_back(Row{});
       ReplayOptions o = options;
       if (args.vs_native) {
-        const AllocatorConfig same = native_policy_of(config);
+        const AllocatorConfig same = config.with_native_policy();
         auto [it, fresh] = native.try_emplace(same.to_string());
         if (fresh) {
           progress.task(fmt::format("{} [native, for the comparison]", base_name(program.name)));

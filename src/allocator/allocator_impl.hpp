@@ -350,6 +350,15 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   // The device's capacity, asked once.
   std::size_t total_capacity() RESERVOIR_REQUIRES(mutex_);
+  // Per page of a native_paged segment: whether a block in use (or waiting
+  // on a stream) lies on it, or part of [keep_from, keep_to).
+  static void pages_in_use(const detail::Segment& seg, DevicePtr keep_from, DevicePtr keep_to,
+                           std::vector<bool>& busy);
+  // Waits for the work queued on a segment's stream before its pages are
+  // unmapped; DeviceError "synchronizing stream S before <doing> <at>"
+  // otherwise (the message made only then: unmapping is a frequent path).
+  void synchronize_segment_stream(const detail::Segment& seg, std::string_view doing, DevicePtr at)
+      RESERVOIR_REQUIRES(mutex_);
   // One run of pages of a native_paged segment mapped with a handle of its
   // own; false when the device (or the memory fraction) has no room.
   bool map_paged_run(detail::Segment& seg, std::size_t first, std::size_t pages)
@@ -513,6 +522,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void validate_paged_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
+  // Each page's handle of a VM or native_paged segment covers it; returns
+  // the pages with a handle. `kind` names the segment in a breach.
+  std::size_t validate_page_table(const detail::Segment& seg, const detail::VmState& pages,
+                                  std::string_view kind) const RESERVOIR_REQUIRES(mutex_);
   void validate_vm_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
   void restore_locked(const Snapshot& layout) RESERVOIR_REQUIRES(mutex_);
   void restore_vm_locked(const Snapshot& layout,

@@ -627,6 +627,15 @@ AllocatorConfig AllocatorConfig::from_env() {
   return AllocatorConfig{};
 }
 
+AllocatorConfig AllocatorConfig::with_native_policy() const {
+  AllocatorConfig c = *this;
+  c.policy = Policy::native;
+  c.expandable_segments = false;
+  c.paging_release_threshold = kNoReleaseThreshold;
+  c.paging_slack = kNoPagingBound;
+  return c;
+}
+
 std::string AllocatorConfig::to_string() const {
   std::vector<std::string> parts;
   // The policy first, as written by hand.

@@ -69,6 +69,14 @@ namespace {
 // docs/benchmarks.md.)
 constexpr std::size_t kPlentifulShare = 256;
 
+// Whether a handle has a page in use.
+bool any_in_use(const VmState::Handle& h, const std::vector<bool>& busy) {
+  for (std::size_t k = h.first_page; k < h.first_page + h.pages; ++k) {
+    if (busy[k]) return true;
+  }
+  return false;
+}
+
 // The address space reserved for a segment of `size` bytes: whole pages.
 std::size_t reservation(std::size_t size, std::size_t page) {
   return (size + page - 1) / page * page;
@@ -180,10 +188,7 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
     // back and the block gets pages of its own, so that what is mapped stays
     // close to what is in use: served as it is, the block would hold all of
     // them while it lives, and no shortage could get the rest back.
-    if (beyond * kPlentifulShare > total_capacity() - std::min(total_capacity(), total_reserved_) ||
-        beyond > mapping_headroom() / kPlentifulShare) {
-      shed_handles(seg, first, end);
-    }
+    if (beyond > mapping_headroom() / kPlentifulShare) shed_handles(seg, first, end);
   }
   for (std::size_t i = first; i < end;) {
     if (pg.at(i) != VmState::kNone) {
@@ -205,6 +210,8 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
 
 void CachingAllocator::Impl::shed_handles(Segment& seg, std::size_t first, std::size_t end) {
   VmState& pg = *seg.paged;
+  std::vector<bool> busy;  // the block served is still free: not among them
+  pages_in_use(seg, 0, 0, busy);
   std::vector<std::uint32_t> shed;
   for (std::size_t i = first; i < end;) {
     const std::uint32_t slot = pg.at(i);
@@ -215,22 +222,10 @@ void CachingAllocator::Impl::shed_handles(Segment& seg, std::size_t first, std::
     const VmState::Handle& h = pg.handles[slot];
     i = h.first_page + h.pages;
     if (h.first_page >= first && h.first_page + h.pages <= end) continue;  // the block's own
-    // Only a handle under free blocks alone (the block served is still free).
-    const DevicePtr from = seg.base + h.first_page * pg.page;
-    const DevicePtr to = from + h.pages * pg.page;
-    bool free = true;
-    for (const Block* o = seg.head; o != nullptr && free; o = o->next) {
-      if (o->ptr < to && o->ptr + o->size > from) free = o->is_free();
-    }
-    if (free) shed.push_back(slot);
+    if (!any_in_use(h, busy)) shed.push_back(slot);  // only a handle under free blocks alone
   }
   if (shed.empty()) return;
-  const Status sync = device_.synchronize_stream(seg.stream);
-  if (sync != Status::ok) {
-    throw DeviceError(CallKind::synchronize_stream, sync,
-                      fmt::format("synchronizing stream {} before unmapping free pages of {:#x}",
-                                  seg.stream, seg.base));
-  }
+  synchronize_segment_stream(seg, "unmapping free pages of", seg.base);
   for (std::uint32_t slot : shed) release_paged_handle(seg, slot);
 }
 
@@ -242,6 +237,31 @@ std::size_t CachingAllocator::Impl::total_capacity() {
   return total_capacity_;
 }
 
+void CachingAllocator::Impl::pages_in_use(const Segment& seg, DevicePtr keep_from,
+                                          DevicePtr keep_to, std::vector<bool>& busy) {
+  const VmState& pg = *seg.paged;
+  busy.assign(pg.pages, false);
+  auto mark = [&](DevicePtr from, DevicePtr to) {
+    if (to <= seg.base || from >= seg.base + pg.pages * pg.page) return;
+    from = std::max(from, seg.base);
+    const std::size_t last = std::min<std::size_t>((to - seg.base + pg.page - 1) / pg.page, pg.pages);
+    for (std::size_t k = (from - seg.base) / pg.page; k < last; ++k) busy[k] = true;
+  };
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+    if (!b->is_free()) mark(b->ptr, b->ptr + b->size);
+  }
+  mark(keep_from, keep_to);
+}
+
+void CachingAllocator::Impl::synchronize_segment_stream(const Segment& seg,
+                                                        std::string_view doing, DevicePtr at) {
+  const Status sync = device_.synchronize_stream(seg.stream);
+  if (sync != Status::ok) [[unlikely]] {
+    throw DeviceError(CallKind::synchronize_stream, sync,
+                      fmt::format("synchronizing stream {} before {} {:#x}", seg.stream, doing, at));
+  }
+}
+
 std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, DevicePtr keep_from,
                                                        DevicePtr keep_to) {
   std::size_t released = 0;
@@ -250,36 +270,14 @@ std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, Device
   for (auto& [base, seg] : segments_) {
     if (!seg->paged || seg->paged->mapped_pages == 0) continue;
     VmState& pg = *seg->paged;
-    // Pages under a block in use (or waiting on a stream), or under the range kept.
-    busy.assign(pg.pages, false);
-    const DevicePtr seg_base = seg->base;
-    auto mark = [&](DevicePtr from, DevicePtr to) {
-      if (to <= seg_base || from >= seg_base + pg.pages * pg.page) return;
-      from = std::max(from, seg_base);
-      const std::size_t last =
-          std::min<std::size_t>((to - seg_base + pg.page - 1) / pg.page, pg.pages);
-      for (std::size_t k = (from - seg_base) / pg.page; k < last; ++k) busy[k] = true;
-    };
-    for (const Block* b = seg->head; b != nullptr; b = b->next) {
-      if (!b->is_free()) mark(b->ptr, b->ptr + b->size);
-    }
-    mark(keep_from, keep_to);
+    pages_in_use(*seg, keep_from, keep_to, busy);
     victims.clear();
     for (std::uint32_t slot = 0; slot < pg.handles.size(); ++slot) {
-      const VmState::Handle& h = pg.handles[slot];
-      if (!h.live) continue;
-      bool free = true;
-      for (std::size_t k = h.first_page; k < h.first_page + h.pages && free; ++k) free = !busy[k];
-      if (free) victims.push_back(slot);
+      if (pg.handles[slot].live && !any_in_use(pg.handles[slot], busy)) victims.push_back(slot);
     }
     if (victims.empty()) continue;
     // Work still queued on the segment's stream may use its free pages.
-    const Status sync = device_.synchronize_stream(seg->stream);
-    if (sync != Status::ok) {
-      throw DeviceError(CallKind::synchronize_stream, sync,
-                        fmt::format("synchronizing stream {} before unmapping free pages of {:#x}",
-                                    seg->stream, seg->base));
-    }
+    synchronize_segment_stream(*seg, "unmapping free pages of", base);
     for (std::uint32_t slot : victims) {
       const std::size_t size = pg.handles[slot].pages * pg.page;
       release_paged_handle(*seg, slot);
@@ -314,12 +312,7 @@ void CachingAllocator::Impl::release_paged_segment(Block* block, bool in_pool) {
   VmState& pg = *seg.paged;
   if (pg.mapped_pages != 0) {
     // As cudaFree, which waits for the device: the segment's own stream here.
-    const Status sync = device_.synchronize_stream(seg.stream);
-    if (sync != Status::ok) {
-      throw DeviceError(CallKind::synchronize_stream, sync,
-                        fmt::format("synchronizing stream {} before releasing the segment at {:#x}",
-                                    seg.stream, seg.base));
-    }
+    synchronize_segment_stream(seg, "releasing the segment at", seg.base);
     for (std::uint32_t slot = 0; slot < pg.handles.size(); ++slot) {
       if (pg.handles[slot].live) release_paged_handle(seg, slot);
     }

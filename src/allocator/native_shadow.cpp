@@ -13,13 +13,10 @@ SimDeviceOptions unlimited() {
 
 // The native policy's part of a configuration: everything but the policy,
 // its keys, and the memory fraction (the model has no capacity limit).
-AllocatorConfig native_part(AllocatorConfig config) {
-  config.policy = Policy::native;
-  config.expandable_segments = false;
-  config.paging_release_threshold = kNoReleaseThreshold;
-  config.paging_slack = kNoPagingBound;
-  config.per_process_memory_fraction = 1.0;
-  return config;
+AllocatorConfig native_part(const AllocatorConfig& config) {
+  AllocatorConfig native = config.with_native_policy();
+  native.per_process_memory_fraction = 1.0;
+  return native;
 }
 
 }  // namespace

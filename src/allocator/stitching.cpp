@@ -180,12 +180,7 @@ void CachingAllocator::Impl::dissolve_cached_stitched() {
 void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   Segment& seg = *block->segment;
   VmState& vm = *seg.vm;
-  const Status sync = device_.synchronize_stream(seg.stream);
-  if (sync != Status::ok) {
-    throw DeviceError(
-        CallKind::synchronize_stream, sync,
-        fmt::format("synchronizing stream {} before unstitching {:#x}", seg.stream, seg.base));
-  }
+  synchronize_segment_stream(seg, "unstitching", seg.base);
   for (std::size_t k = 0; k < vm.pieces.size(); ++k) {
     const VmState::Piece& pc = vm.pieces[k];
     const Status st = device_.unmap(pc.va, pc.bytes);

@@ -27,6 +27,25 @@ void expect_stat(const char* name, std::size_t type, std::int64_t have, std::int
 
 }  // namespace
 
+std::size_t CachingAllocator::Impl::validate_page_table(const detail::Segment& seg,
+                                                       const detail::VmState& pages,
+                                                       std::string_view kind) const {
+  // Handles: each live one covers its pages exactly.
+  std::size_t with_handle = 0;
+  for (std::size_t i = 0; i < pages.page_handle.size(); ++i) {
+    const std::uint32_t slot = pages.at(i);
+    if (slot == detail::VmState::kNone) continue;
+    ++with_handle;
+    if (slot >= pages.handles.size() || !pages.handles[slot].live ||
+        i < pages.handles[slot].first_page ||
+        i >= pages.handles[slot].first_page + pages.handles[slot].pages) {
+      breach(fmt::format("{} {:#x}: page {} names a handle that does not cover it", kind, seg.base,
+                         i));
+    }
+  }
+  return with_handle;
+}
+
 void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) const {
   const detail::VmState& pg = *seg.paged;
   if (pg.page == 0 || seg.size > pg.pages * pg.page || pg.pages * pg.page >= seg.size + pg.page ||
@@ -34,17 +53,7 @@ void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) 
     breach(fmt::format("paged segment {:#x}: {} pages of {} bytes do not hold its {} bytes",
                        seg.base, pg.pages, pg.page, seg.size));
   }
-  std::size_t with_handle = 0;
-  for (std::size_t i = 0; i < pg.page_handle.size(); ++i) {
-    const std::uint32_t slot = pg.at(i);
-    if (slot == detail::VmState::kNone) continue;
-    ++with_handle;
-    if (slot >= pg.handles.size() || !pg.handles[slot].live || i < pg.handles[slot].first_page ||
-        i >= pg.handles[slot].first_page + pg.handles[slot].pages) {
-      breach(fmt::format("paged segment {:#x}: page {} names a handle that does not cover it",
-                         seg.base, i));
-    }
-  }
+  const std::size_t with_handle = validate_page_table(seg, pg, "paged segment");
   if (with_handle != pg.mapped_pages) {
     breach(fmt::format("paged segment {:#x}: {} pages have a handle, {} counted", seg.base,
                        with_handle, pg.mapped_pages));
@@ -69,16 +78,10 @@ void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) con
     breach(fmt::format("VM segment {:#x}: {} pages of {} bytes do not make its {} bytes", seg.base,
                        vm.pages, page, seg.size));
   }
-  // Handles: each live one covers its pages exactly.
-  for (std::size_t i = 0; i < vm.page_handle.size(); ++i) {
+  (void)validate_page_table(seg, vm, "VM segment");
+  for (std::size_t i = 0; i < vm.page_handle.size() && !vm.paging; ++i) {
     const std::uint32_t slot = vm.at(i);
-    if (slot == detail::VmState::kNone) continue;
-    if (slot >= vm.handles.size() || !vm.handles[slot].live || i < vm.handles[slot].first_page ||
-        i >= vm.handles[slot].first_page + vm.handles[slot].pages) {
-      breach(fmt::format("VM segment {:#x}: page {} names a handle that does not cover it",
-                         seg.base, i));
-    }
-    if (!vm.paging && vm.handles[slot].pages != 1) {
+    if (slot != detail::VmState::kNone && vm.handles[slot].pages != 1) {
       breach(fmt::format("expandable segment {:#x}: page {} has a multi-page handle", seg.base, i));
     }
   }

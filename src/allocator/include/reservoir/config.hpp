@@ -89,6 +89,9 @@ struct AllocatorConfig {
   static AllocatorConfig from_env();
   // The canonical string for this configuration ("" for the defaults).
   std::string to_string() const;
+  // The same settings under the native policy (reservoir's policy keys
+  // dropped): what native_paged and paging's native bound compare with.
+  AllocatorConfig with_native_policy() const;
 
   bool operator==(const AllocatorConfig&) const = default;
 };
