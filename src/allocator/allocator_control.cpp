@@ -61,6 +61,9 @@ CachingAllocator::Impl::~Impl() {
       (void)device_.free_segment(base);
     }
   }
+  if (address_arena_.active()) {
+    stuck_reservations_.emplace_back(address_arena_.base(), address_arena_.bytes());
+  }
   retry_stuck();
 }
 
@@ -70,6 +73,7 @@ CachingAllocator::Impl::~Impl() {
 void CachingAllocator::Impl::empty_cache() {
   detail::LockGuard lock(mutex_);
   release_cached_blocks();
+  release_idle_address_arena();
   if (traits_.observes) source_->cache_emptied();
 }
 

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "address_arena.hpp"
 #include "block.hpp"
 #include "event_history.hpp"
 #include "reservoir/caching_allocator.hpp"
@@ -350,6 +351,19 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   // The device's capacity, asked once.
   std::size_t total_capacity() RESERVOIR_REQUIRES(mutex_);
+  // native_paged: whether mapping `bytes` more leaves memory plentiful (at
+  // most 1/kPlentifulShare of what is free). The device is asked for what
+  // is free at most once every kHeadroomReadingUses answers, and whenever
+  // the reading, less what this allocator mapped since, says no.
+  bool plentiful(std::size_t bytes) RESERVOIR_REQUIRES(mutex_);
+  // Address space for a native_paged segment: `bytes` (whole pages) from
+  // the address arena, reserved with the first segment; a reservation of its
+  // own where the arena has no room or the device would not make one
+  // (`in_arena` says which). 0 when the device has no address space left.
+  DevicePtr paged_segment_space(std::size_t bytes, bool& in_arena) RESERVOIR_REQUIRES(mutex_);
+  // empty_cache's: the address arena back to the device once no segment
+  // lies in it (kept to retry when the device will not take it).
+  void release_idle_address_arena() RESERVOIR_REQUIRES(mutex_);
   // Per page of a native_paged segment: whether a block in use (or waiting
   // on a stream) lies on it, or part of [keep_from, keep_to).
   static void pages_in_use(const detail::Segment& seg, DevicePtr keep_from, DevicePtr keep_to,
@@ -522,6 +536,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void validate_paged_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
+  // The address arena's free ranges against the `in_segments` bytes of
+  // segments carved from it.
+  void validate_address_arena(std::size_t in_segments) const RESERVOIR_REQUIRES(mutex_);
   // Each page's handle of a VM or native_paged segment covers it; returns
   // the pages with a handle. `kind` names the segment in a breach.
   std::size_t validate_page_table(const detail::Segment& seg, const detail::VmState& pages,
@@ -597,6 +614,18 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t total_capacity_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // total_capacity()'s
+  // native_paged's segments are carved from one reservation of this many
+  // times the device's capacity (paged_segment_space); refused: the device
+  // would not reserve it, so each segment reserves its own.
+  static constexpr std::size_t kAddressArenaShare = 4;
+  detail::AddressArena address_arena_ RESERVOIR_GUARDED_BY(mutex_);
+  // plentiful()'s last reading of the device's free memory (mapping_headroom),
+  // what was reserved then, and how many answers it may still give.
+  static constexpr int kHeadroomReadingUses = 16;
+  std::size_t headroom_reading_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  std::size_t reserved_at_reading_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  int headroom_reads_left_ RESERVOIR_GUARDED_BY(mutex_) = 0;
+  bool address_arena_refused_ RESERVOIR_GUARDED_BY(mutex_) = false;
   std::size_t allowed_memory_maximum_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool set_fraction_ RESERVOIR_GUARDED_BY(mutex_) = false;
   // config_ sets roundup_power2_divisions (any interval above 1).

@@ -202,6 +202,9 @@ struct VmState {
   // plentiful (its size x 256 below the capacity).
   bool whole = false;
   std::size_t plentiful_above = 0;
+  // native_paged: the segment's address space was carved from the
+  // allocator's address arena (false: a reservation of its own).
+  bool in_arena = false;
 
   std::uint32_t add(PhysicalHandle h, std::size_t first, std::size_t pages) {
     std::uint32_t slot;

@@ -89,19 +89,15 @@ bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
   const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
   (void)total_capacity();  // asked once, for back_block's fast path
   const std::size_t reserved_space = reservation(size, page);
-  DevicePtr va = 0;
-  const Status status = device_.reserve(reserved_space, 0, &va);
-  if (status == Status::out_of_memory) return false;
-  if (status != Status::ok) {
-    throw DeviceError(CallKind::reserve, status,
-                      fmt::format("reserving {} bytes of address space for a segment",
-                                  reserved_space));
-  }
+  bool in_arena = false;
+  const DevicePtr va = paged_segment_space(reserved_space, in_arena);
+  if (va == 0) return false;
   Segment* seg = add_segment(va, size, p.stream, p.pool);
   seg->paged = std::make_unique<VmState>();
   seg->paged->page = page;
   seg->paged->pages = reserved_space / page;
   seg->paged->plentiful_above = reserved_space * kPlentifulShare;
+  seg->paged->in_arena = in_arena;
   BlockPool& pool = *p.pool;
   add_stats(stats_.segment, stat_index(pool), 1);
   if (size >= config_.max_split_size) add_stat(stats_.oversize_segments, 1);
@@ -119,6 +115,65 @@ bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
   return backed;
 }
 
+DevicePtr CachingAllocator::Impl::paged_segment_space(std::size_t bytes, bool& in_arena) {
+  if (!address_arena_.active() && !address_arena_refused_) {
+    const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
+    const std::size_t span = reservation(total_capacity() * kAddressArenaShare, page);
+    DevicePtr base = 0;
+    const Status st = span == 0 ? Status::out_of_memory : device_.reserve(span, 0, &base);
+    if (st == Status::ok) {
+      address_arena_.reset(base, span);
+    } else if (st == Status::out_of_memory) {
+      address_arena_refused_ = true;  // segments reserve their own from now on
+    } else {
+      throw DeviceError(CallKind::reserve, st,
+                        fmt::format("reserving {} bytes of address space for segments", span));
+    }
+  }
+  if (address_arena_.active()) {
+    if (const DevicePtr at = address_arena_.take(bytes); at != 0) {
+      in_arena = true;
+      return at;
+    }
+  }
+  in_arena = false;
+  DevicePtr va = 0;
+  const Status status = device_.reserve(bytes, 0, &va);
+  if (status == Status::out_of_memory) return 0;
+  if (status != Status::ok) {
+    throw DeviceError(CallKind::reserve, status,
+                      fmt::format("reserving {} bytes of address space for a segment", bytes));
+  }
+  return va;
+}
+
+void CachingAllocator::Impl::release_idle_address_arena() {
+  if (!address_arena_.active() || address_arena_.taken() != 0) return;
+  if (device_.unreserve(address_arena_.base(), address_arena_.bytes()) != Status::ok) {
+    stuck_reservations_.emplace_back(address_arena_.base(), address_arena_.bytes());
+  }
+  address_arena_.clear();
+}
+
+bool CachingAllocator::Impl::plentiful(std::size_t bytes) {
+  const std::size_t need = bytes > std::numeric_limits<std::size_t>::max() / kPlentifulShare
+                               ? std::numeric_limits<std::size_t>::max()
+                               : bytes * kPlentifulShare;
+  if (headroom_reads_left_ > 0) {
+    // The last reading, less what this allocator mapped since (plus what it
+    // gave back): asked again only when that says no, or it is old.
+    const std::size_t since = total_reserved_ - std::min(total_reserved_, reserved_at_reading_);
+    const std::size_t back = reserved_at_reading_ - std::min(reserved_at_reading_, total_reserved_);
+    const std::size_t estimate = headroom_reading_ - std::min(headroom_reading_, since) + back;
+    --headroom_reads_left_;
+    if (estimate >= need) return true;
+  }
+  headroom_reading_ = mapping_headroom();
+  reserved_at_reading_ = total_reserved_;
+  headroom_reads_left_ = kHeadroomReadingUses - 1;
+  return headroom_reading_ >= need;
+}
+
 bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std::size_t pages) {
   VmState& pg = *seg.paged;
   const std::size_t bytes = pages * pg.page;
@@ -126,7 +181,10 @@ bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std:
   if (set_fraction_ && total_reserved_ + bytes > allowed_memory_maximum_) return false;
   PhysicalHandle h = 0;
   Status st = device_.create_physical(bytes, &h);
-  if (st == Status::out_of_memory) return false;
+  if (st == Status::out_of_memory) {
+    headroom_reads_left_ = 0;  // the device has less than the last reading said
+    return false;
+  }
   if (st != Status::ok) {
     throw DeviceError(CallKind::create_physical, st,
                       fmt::format("creating {} bytes of physical memory for {:#x}", bytes, va));
@@ -160,7 +218,7 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
   const std::size_t first = (b->ptr - seg.base) / pg.page;
   const std::size_t end = (b->ptr - seg.base + bytes + pg.page - 1) / pg.page;
   if (pg.mapped_pages == 0) {
-    if (seg.size <= mapping_headroom() / kPlentifulShare && map_paged_run(seg, 0, pg.pages)) {
+    if (plentiful(seg.size) && map_paged_run(seg, 0, pg.pages)) {
       // A new segment, memory to spare: all of it at once (one handle, three
       // calls, where mapping it block by block takes three a block).
       return true;
@@ -188,7 +246,7 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
     // back and the block gets pages of its own, so that what is mapped stays
     // close to what is in use: served as it is, the block would hold all of
     // them while it lives, and no shortage could get the rest back.
-    if (beyond > mapping_headroom() / kPlentifulShare) shed_handles(seg, first, end);
+    if (!plentiful(beyond)) shed_handles(seg, first, end);
   }
   for (std::size_t i = first; i < end;) {
     if (pg.at(i) != VmState::kNone) {
@@ -318,7 +376,11 @@ void CachingAllocator::Impl::release_paged_segment(Block* block, bool in_pool) {
     }
   }
   const std::size_t space = pg.pages * pg.page;
-  if (device_.unreserve(seg.base, space) != Status::ok) {
+  if (pg.in_arena) {
+    const bool given = address_arena_.give(seg.base, space);
+    RESERVOIR_DEBUG_ASSERT(given);
+    (void)given;
+  } else if (device_.unreserve(seg.base, space) != Status::ok) {
     stuck_reservations_.emplace_back(seg.base, space);
   }
   BlockPool& pool = *block->pool;
@@ -338,7 +400,7 @@ void CachingAllocator::Impl::drop_paged_segment_locked(Segment& seg) noexcept {
     (void)device_.release_physical(h.handle);
     h.live = false;
   }
-  (void)device_.unreserve(seg.base, pg.pages * pg.page);
+  if (!pg.in_arena) (void)device_.unreserve(seg.base, pg.pages * pg.page);
 }
 
 }  // namespace reservoir

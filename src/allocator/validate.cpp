@@ -1,7 +1,10 @@
 // The whole-structure validator: tests call it after every operation.
 #include <fmt/format.h>
 
+#include <limits>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "allocator_impl.hpp"
 #include "reservoir/errors.hpp"
@@ -71,6 +74,45 @@ void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) 
   }
 }
 
+void CachingAllocator::Impl::validate_address_arena(std::size_t in_segments) const {
+  // Free ranges and the segments carved from the arena, in address order:
+  // inside it, apart from each other (free ranges merged), and together all
+  // of it.
+  std::vector<std::pair<DevicePtr, std::size_t>> spans;  // segments' (base, bytes)
+  for (const auto& [base, seg] : segments_) {
+    if (seg->paged && seg->paged->in_arena) spans.emplace_back(base, seg->paged->pages * seg->paged->page);
+  }
+  std::size_t free = 0;
+  DevicePtr end = address_arena_.base();
+  bool last_free = false;
+  auto seg_it = spans.begin();
+  auto next_segments_up_to = [&](DevicePtr at) {
+    for (; seg_it != spans.end() && seg_it->first < at; ++seg_it) {
+      if (seg_it->first < end) {
+        breach(fmt::format("address arena: segment {:#x} overlaps what lies before it",
+                           seg_it->first));
+      }
+      end = seg_it->first + seg_it->second;
+      last_free = false;
+    }
+  };
+  for (const auto& [at, bytes] : address_arena_.free_ranges()) {
+    next_segments_up_to(at);
+    if (at < end || (last_free && at == end) || bytes == 0 || !address_arena_.contains(at) ||
+        bytes > address_arena_.bytes() - (at - address_arena_.base())) {
+      breach(fmt::format("address arena: free range {:#x} of {} bytes is out of place", at, bytes));
+    }
+    free += bytes;
+    end = at + bytes;
+    last_free = true;
+  }
+  next_segments_up_to(std::numeric_limits<DevicePtr>::max());
+  if (address_arena_.taken() != in_segments || free + in_segments != address_arena_.bytes()) {
+    breach(fmt::format("address arena of {} bytes: {} free and {} in segments, {} counted taken",
+                       address_arena_.bytes(), free, in_segments, address_arena_.taken()));
+  }
+}
+
 void CachingAllocator::Impl::validate_vm_segment(const detail::Segment& seg) const {
   const detail::VmState& vm = *seg.vm;
   const std::size_t page = vm.page;
@@ -132,6 +174,7 @@ void CachingAllocator::Impl::validate() const {
   std::size_t unmapped_blocks = 0;
   std::size_t lent_listed = 0;
   std::size_t lent_found = 0;
+  std::size_t in_arena = 0;  // bytes of segments carved from the address arena
   std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
   for (const auto& [id, pool] : private_pools_) {
     known_pools.insert(&pool->large);
@@ -162,6 +205,15 @@ void CachingAllocator::Impl::validate() const {
       reserved += pg->mapped_pages * pg->page;
       if (seg->size >= config_.max_split_size) ++oversize_segments;
       validate_paged_segment(*seg);
+      if (pg->in_arena) {
+        const std::size_t span = pg->pages * pg->page;
+        if (!address_arena_.contains(base) ||
+            span > address_arena_.bytes() - (base - address_arena_.base())) {
+          breach(fmt::format("paged segment {:#x} of {} bytes says it lies in the address arena "
+                             "but does not", base, span));
+        }
+        in_arena += span;
+      }
     } else if (vm == nullptr) {
       segment[0] += 1;
       segment[t] += 1;
@@ -292,6 +344,7 @@ void CachingAllocator::Impl::validate() const {
     pooled += pool->blocks.size();
     unmapped_pooled += pool->unmapped.size();
   }
+  validate_address_arena(in_arena);
   if (lent_listed != lent_found) {
     breach(
         fmt::format("{} lent blocks found but stitched segments list {}", lent_found, lent_listed));

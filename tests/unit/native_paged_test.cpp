@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "address_arena.hpp"
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/generated.hpp"
@@ -302,6 +303,137 @@ TEST(NativePaged, AFailedSynchronizeBeforeUnmappingChangesNothing) {
   t.a.validate();
   t.a.empty_cache();
   EXPECT_EQ(reserved(t.a), std::int64_t{4} << 20);
+}
+
+TEST(AddressArena, TakesAboveEveryRangeHeldAndMergesWhatComesBack) {
+  detail::AddressArena arena;
+  const DevicePtr base = DevicePtr{1} << 40;
+  arena.reset(base, 20 * kMiB);
+  EXPECT_EQ(arena.take(4 * kMiB), base);
+  EXPECT_EQ(arena.take(2 * kMiB), base + 4 * kMiB);
+  EXPECT_EQ(arena.take(4 * kMiB), base + 6 * kMiB);
+  EXPECT_TRUE(arena.give(base + 4 * kMiB, 2 * kMiB));
+  // Not the hole: above every range held, as a device allocating one
+  // segment after another gives them.
+  EXPECT_EQ(arena.take(2 * kMiB), base + 10 * kMiB);
+  EXPECT_EQ(arena.taken(), 10 * kMiB);
+  // No room above the highest range held: none, though the hole is large.
+  EXPECT_EQ(arena.take(10 * kMiB), 0u);
+  // Not ranges it handed out: refused, nothing changed.
+  EXPECT_FALSE(arena.give(base + 4 * kMiB, 2 * kMiB));  // free already
+  EXPECT_FALSE(arena.give(base + 3 * kMiB, 2 * kMiB));  // half free
+  EXPECT_FALSE(arena.give(base - 2 * kMiB, 2 * kMiB));  // outside
+  EXPECT_FALSE(arena.give(base + 18 * kMiB, 4 * kMiB));  // past the end
+  EXPECT_EQ(arena.taken(), 10 * kMiB);
+  // Given back, neighbours merge: one range again.
+  EXPECT_TRUE(arena.give(base, 4 * kMiB));
+  EXPECT_TRUE(arena.give(base + 10 * kMiB, 2 * kMiB));
+  EXPECT_TRUE(arena.give(base + 6 * kMiB, 4 * kMiB));
+  EXPECT_EQ(arena.taken(), 0u);
+  ASSERT_EQ(arena.free_ranges().size(), 1u);
+  EXPECT_EQ(arena.free_ranges().begin()->first, base);
+  EXPECT_EQ(arena.free_ranges().begin()->second, 20 * kMiB);
+  EXPECT_EQ(arena.take(20 * kMiB), base);
+}
+
+TEST(NativePaged, SegmentsAreCarvedFromOneReservation) {
+  // Three segments: one reservation, then create, map and set access each
+  // (three calls where native makes one); each above the one before.
+  // empty_cache() gives everything back, the reservation too.
+  SimDevice device;
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  std::vector<void*> blocks;
+  for (std::size_t mib : {30, 40, 50}) blocks.push_back(a.allocate(mib * kMiB));
+  EXPECT_EQ(device.calls(CallKind::reserve), 1u);
+  EXPECT_EQ(device.live_reservations(), 1u);
+  for (CallKind kind : {CallKind::create_physical, CallKind::map, CallKind::set_access}) {
+    EXPECT_EQ(device.calls(kind), 3u) << to_string(kind);
+  }
+  EXPECT_LT(blocks[0], blocks[1]);
+  EXPECT_LT(blocks[1], blocks[2]);
+  a.validate();
+  for (void* p : blocks) a.deallocate(p);
+  a.empty_cache();
+  EXPECT_EQ(device.calls(CallKind::unmap), 3u);
+  EXPECT_EQ(device.calls(CallKind::release_physical), 3u);
+  EXPECT_EQ(device.calls(CallKind::unreserve), 1u);
+  EXPECT_EQ(device.live_reservations(), 0u);
+  a.validate();
+  void* again = a.allocate(30 * kMiB);  // a new reservation
+  EXPECT_EQ(device.calls(CallKind::reserve), 2u);
+  a.deallocate(again);
+}
+
+TEST(NativePaged, ASegmentWithNoRoomAboveTheOthersReservesItsOwn) {
+  // 128 MiB device: a 512 MiB arena. Each round makes a 40 MiB segment
+  // above the one held, then frees that one: twelve fit ([0, 480) MiB);
+  // the thirteenth reserves its own; with it alone held, the idle arena
+  // goes back at empty_cache and the next segment reserves a new one.
+  SimDevice device = tight_device(128 * kMiB);
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* held = a.allocate(40 * kMiB);
+  const auto first = reinterpret_cast<DevicePtr>(held);
+  std::vector<std::uint64_t> reserves;
+  for (int round = 1; round <= 14; ++round) {
+    void* next = a.allocate(40 * kMiB);
+    a.deallocate(held);
+    a.empty_cache();
+    a.validate();
+    held = next;
+    reserves.push_back(device.calls(CallKind::reserve));
+    if (round < 12) {
+      EXPECT_EQ(reinterpret_cast<DevicePtr>(next), first + round * 40 * kMiB) << round;
+    }
+  }
+  const std::vector<std::uint64_t> expected = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 3, 3};
+  EXPECT_EQ(reserves, expected);
+  EXPECT_EQ(device.live_reservations(), 1u);
+  a.deallocate(held);
+  a.empty_cache();
+  EXPECT_EQ(device.live_reservations(), 0u);
+}
+
+TEST(NativePaged, WhereTheDeviceWillNotReserveAnArenaEachSegmentReservesItsOwn) {
+  SimDevice device;
+  device.fail_nth(CallKind::reserve, 1, Status::out_of_memory);  // the arena's
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* p = a.allocate(30 * kMiB);
+  void* q = a.allocate(40 * kMiB);
+  EXPECT_EQ(device.calls(CallKind::reserve), 3u);
+  EXPECT_EQ(device.live_reservations(), 2u);
+  a.validate();
+  a.deallocate(p);
+  a.deallocate(q);
+  a.empty_cache();
+  EXPECT_EQ(device.live_reservations(), 0u);
+  EXPECT_EQ(device.calls(CallKind::unreserve), 2u);
+}
+
+TEST(NativePaged, AsksTheDeviceWhatIsFreeOnceEverySixteenSegments) {
+  // Whether memory is plentiful (a new segment mapped whole) is judged on
+  // the last reading of the device's free memory less what was mapped
+  // since; the device is asked again after sixteen answers. Another job
+  // that takes memory meanwhile is seen at the next reading. 3 MiB on a
+  // stream of its own each time: a new 20 MiB segment each time.
+  SimDeviceOptions o;
+  o.capacity = std::size_t{8} << 30;
+  SimDevice device(o);
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  std::vector<void*> blocks;
+  blocks.push_back(a.allocate(3 * kMiB, 1));  // 8 GiB free: 20 MiB x 256 is plentiful
+  EXPECT_EQ(device.calls(CallKind::memory_info), 2u);  // the capacity, then what is free
+  EXPECT_EQ(reserved(a), std::int64_t{20} << 20);
+  CachingAllocator other(device, AllocatorConfig::parse(""));
+  void* theirs = other.allocate(std::size_t{6} << 30);  // 2 GiB left: no longer plentiful
+  for (StreamId s = 2; s <= 16; ++s) blocks.push_back(a.allocate(3 * kMiB, s));
+  EXPECT_EQ(device.calls(CallKind::memory_info), 2u);  // answered from the reading
+  EXPECT_EQ(reserved(a), std::int64_t{16} * 20 << 20);  // whole segments
+  blocks.push_back(a.allocate(3 * kMiB, 17));
+  EXPECT_EQ(device.calls(CallKind::memory_info), 3u);  // asked again: the block's pages alone
+  EXPECT_EQ(reserved(a), (std::int64_t{16} * 20 + 4) << 20);
+  a.validate();
+  for (void* p : blocks) a.deallocate(p);
+  other.deallocate(theirs);
 }
 
 TEST(NativePaged, ExcludesExpandableSegmentsAndPagingsKeys) {
