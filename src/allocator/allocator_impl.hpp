@@ -344,6 +344,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // serves mapped (the whole block when it is not split); false when the
   // device has no memory for them, even after free pages went back.
   bool back_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // The bytes at the front of p.block that serving p hands its caller to
+  // touch: the request, not the rounding or an unsplit rest after it.
+  std::size_t served_bytes(const AllocParams& p, const detail::Block* b) const
+      RESERVOIR_REQUIRES(mutex_);
   // The handles of a native_paged segment over pages [first, end) of a block
   // being served that reach beyond it, where only free blocks lie under them,
   // unmapped and released (after the segment's stream synchronizes).

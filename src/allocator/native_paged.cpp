@@ -69,6 +69,19 @@ namespace {
 // docs/benchmarks.md.)
 constexpr std::size_t kPlentifulShare = 256;
 
+// The bytes of a block in use its caller may touch: what it asked for. (An
+// unsplit block can be up to 1 MiB larger, an oversize one more, and
+// roundup_power2_divisions rounds requests up by as much as a quarter: the
+// native policy holds all of that; native_paged maps only the pages under
+// what was asked for.)
+std::size_t bytes_in_use(const Block* b) {
+  return b->requested_size != 0 ? std::min(b->requested_size, b->size) : b->size;
+}
+
+// Runs of at least this many pages are mapped with their partly covered end
+// pages apart (back_block).
+constexpr std::size_t kEdgeSplitRun = 6;
+
 // Whether a handle has a page in use.
 bool any_in_use(const VmState::Handle& h, const std::vector<bool>& busy) {
   for (std::size_t k = h.first_page; k < h.first_page + h.pages; ++k) {
@@ -209,12 +222,18 @@ bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std:
   return true;
 }
 
+std::size_t CachingAllocator::Impl::served_bytes(const AllocParams& p, const Block* b) const {
+  // What alloc_found_block will hand out (the front of the block, or all of
+  // it), of which the caller may touch what it asked for.
+  const std::size_t handed = should_split(b, p.size) ? p.size : b->size;
+  return p.requested != 0 ? std::min(p.requested, handed) : handed;
+}
+
 bool CachingAllocator::Impl::back_block(AllocParams& p) {
   const Block* b = p.block;
   Segment& seg = *b->segment;
   VmState& pg = *seg.paged;
-  // What alloc_found_block will hand out: the front of the block, or all of it.
-  const std::size_t bytes = should_split(b, p.size) ? p.size : b->size;
+  const std::size_t bytes = served_bytes(p, b);
   const std::size_t first = (b->ptr - seg.base) / pg.page;
   const std::size_t end = (b->ptr - seg.base + bytes + pg.page - 1) / pg.page;
   if (pg.mapped_pages == 0) {
@@ -255,11 +274,24 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
     }
     std::size_t run = 1;
     while (i + run < end && pg.at(i + run) == VmState::kNone) ++run;
-    // Short of memory: free pages elsewhere (not this block's) go back first.
-    if (!map_paged_run(seg, i, run) &&
-        (release_free_pages(run * pg.page, b->ptr, b->ptr + bytes) == 0 ||
-         !map_paged_run(seg, i, run))) {
-      return false;  // the pages mapped so far stay, cached under the block
+    // A long run's end pages that the block covers only in part get handles
+    // of their own: a neighbour that comes to live on one then keeps that
+    // page alone mapped once this block is freed, not the whole run.
+    std::size_t head = 0;
+    std::size_t tail = 0;
+    if (run >= kEdgeSplitRun) {
+      head = i == first && (b->ptr - seg.base) % pg.page != 0 ? 1 : 0;
+      tail = i + run == end && (b->ptr - seg.base + bytes) % pg.page != 0 ? 1 : 0;
+    }
+    const std::size_t pieces[3][2] = {{i, head}, {i + head, run - head - tail}, {i + run - tail, tail}};
+    for (const auto& [at, pages] : pieces) {
+      if (pages == 0) continue;
+      // Short of memory: free pages elsewhere (not this block's) go back first.
+      if (!map_paged_run(seg, at, pages) &&
+          (release_free_pages(pages * pg.page, b->ptr, b->ptr + bytes) == 0 ||
+           !map_paged_run(seg, at, pages))) {
+        return false;  // the pages mapped so far stay, cached under the block
+      }
     }
     i += run;
   }
@@ -306,7 +338,7 @@ void CachingAllocator::Impl::pages_in_use(const Segment& seg, DevicePtr keep_fro
     for (std::size_t k = (from - seg.base) / pg.page; k < last; ++k) busy[k] = true;
   };
   for (const Block* b = seg.head; b != nullptr; b = b->next) {
-    if (!b->is_free()) mark(b->ptr, b->ptr + b->size);
+    if (!b->is_free()) mark(b->ptr, b->ptr + bytes_in_use(b));
   }
   mark(keep_from, keep_to);
 }

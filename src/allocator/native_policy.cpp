@@ -231,6 +231,7 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
 
 void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requested, bool found,
                                             detail::UniqueLock<ClaimingMutex>& lock) {
+  p.requested = requested;  // back_block maps the pages under it
   if (found) {
     if (back_block(p)) return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
     found = false;

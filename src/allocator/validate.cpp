@@ -61,11 +61,12 @@ void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) 
     breach(fmt::format("paged segment {:#x}: {} pages have a handle, {} counted", seg.base,
                        with_handle, pg.mapped_pages));
   }
-  // Every block in use has memory behind all of it.
+  // Every block in use has memory behind all its caller asked for.
   for (const Block* b = seg.head; b != nullptr; b = b->next) {
     if (!b->allocated) continue;
     const std::size_t offset = b->ptr - seg.base;
-    for (std::size_t i = offset / pg.page; i < (offset + b->size + pg.page - 1) / pg.page; ++i) {
+    const std::size_t used = b->requested_size != 0 ? std::min(b->requested_size, b->size) : b->size;
+    for (std::size_t i = offset / pg.page; i < (offset + used + pg.page - 1) / pg.page; ++i) {
       if (pg.at(i) == detail::VmState::kNone) {
         breach(fmt::format("paged segment {:#x}: the allocated block at {:#x} has no memory at "
                            "page {}", seg.base, b->ptr, i));

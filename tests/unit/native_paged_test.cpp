@@ -258,6 +258,44 @@ TEST(NativePaged, ABlockInALargerFreeHandleGetsPagesOfItsOwn) {
   a.deallocate(small);
 }
 
+TEST(NativePaged, MapsOnlyThePagesUnderWhatWasAskedFor) {
+  // roundup_power2_divisions:4 rounds 16 MiB + 1 up to 20 MiB: native holds
+  // 20 MiB; the caller may touch 16 MiB + 1, on 9 pages.
+  SimDevice device = tight_device();
+  CachingAllocator a(device,
+                     AllocatorConfig::parse("policy:native_paged,roundup_power2_divisions:4"));
+  void* p = a.allocate(16 * kMiB + 1);
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, std::int64_t{20} << 20);
+  EXPECT_EQ(reserved(a), std::int64_t{18} << 20);
+  a.validate();
+  a.deallocate(p);
+  // Served again for 20 MiB, the last page is mapped then.
+  void* q = a.allocate(20 * kMiB);
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(reserved(a), std::int64_t{20} << 20);
+  a.validate();
+  a.deallocate(q);
+}
+
+TEST(NativePaged, ANeighbourOnALargeBlocksLastPageKeepsThatPageAlone) {
+  // 40 MiB, freed; 15.5 MiB carved from its front (pages 0 to 7, the last
+  // in part), then 3 MiB right after it (pages 7 to 9). The first block's
+  // partly covered last page has a handle of its own, so once it is freed
+  // its other seven pages go back, though the second block lives on page 7.
+  SimDevice device = tight_device();
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  a.deallocate(a.allocate(40 * kMiB));
+  void* first = a.allocate(15 * kMiB + 512 * 1024);
+  void* second = a.allocate(3 * kMiB);
+  EXPECT_EQ(static_cast<char*>(second) - static_cast<char*>(first), 15 * kMiB + 512 * 1024);
+  EXPECT_EQ(reserved(a), std::int64_t{20} << 20);
+  a.deallocate(first);
+  a.empty_cache();
+  EXPECT_EQ(reserved(a), std::int64_t{6} << 20);  // pages 7 to 9
+  a.validate();
+  a.deallocate(second);
+}
+
 TEST(NativePaged, AFailedUnmapLeavesThePagesMappedAndCounted) {
   OneOfTwoFreed t;
   t.device.fail_nth(CallKind::unmap, 1, Status::device_error);
