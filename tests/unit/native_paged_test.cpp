@@ -285,9 +285,11 @@ TEST(NativePaged, ANeighbourOnALargeBlocksLastPageKeepsThatPageAlone) {
   SimDevice device = tight_device();
   CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
   a.deallocate(a.allocate(40 * kMiB));
-  void* first = a.allocate(15 * kMiB + 512 * 1024);
+  constexpr std::size_t kHalfMiB = kMiB / 2;
+  void* first = a.allocate(15 * kMiB + kHalfMiB);
   void* second = a.allocate(3 * kMiB);
-  EXPECT_EQ(static_cast<char*>(second) - static_cast<char*>(first), 15 * kMiB + 512 * 1024);
+  EXPECT_EQ(static_cast<std::size_t>(static_cast<char*>(second) - static_cast<char*>(first)),
+            15 * kMiB + kHalfMiB);
   EXPECT_EQ(reserved(a), std::int64_t{20} << 20);
   a.deallocate(first);
   a.empty_cache();
@@ -420,7 +422,7 @@ TEST(NativePaged, ASegmentWithNoRoomAboveTheOthersReservesItsOwn) {
     held = next;
     reserves.push_back(device.calls(CallKind::reserve));
     if (round < 12) {
-      EXPECT_EQ(reinterpret_cast<DevicePtr>(next), first + round * 40 * kMiB) << round;
+      EXPECT_EQ(reinterpret_cast<DevicePtr>(next), first + static_cast<std::size_t>(round) * 40 * kMiB) << round;
     }
   }
   const std::vector<std::uint64_t> expected = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 3, 3};
