@@ -8,7 +8,7 @@ import reservoir
 from reservoir.memory_saver import torch_memory_saver  # noqa: F401 (the drop-in imports)
 
 MiB = 1 << 20
-for config in ("", "expandable_segments:True", "policy:paging"):
+for config in ("", "expandable_segments:True", "policy:paging", "policy:native_paged"):
     dev = reservoir.HostDevice()
     saver = reservoir.Saver(dev, config=config, chunk_bytes=MiB, copy_streams=2)
     blocks = []

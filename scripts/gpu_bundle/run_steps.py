@@ -475,7 +475,7 @@ def step_torch_pause(run):
     run.results["figures"]["torch_pause"] = [
         {"config": c, "gib": float(g), "pause_gib_s": float(p), "pinned_d2h_gib_s": float(pd),
          "resume_gib_s": float(r), "pinned_h2d_gib_s": float(ph)} for c, g, p, pd, r, ph in rows]
-    return f"{len(rows)} pause/resume cycles under 3 policies, outputs identical"
+    return f"{len(rows)} pause/resume cycles under {len({r[0] for r in rows})} policies, outputs identical"
 
 
 def step_preload_cuda_program(run):

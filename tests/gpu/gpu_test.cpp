@@ -147,7 +147,8 @@ INSTANTIATE_TEST_SUITE_P(
         Backend{"runtime", "max_split_size_mb:64,roundup_power2_divisions:4,garbage_collection_threshold:0.6",
                 "RuntimeTuned"},
         Backend{"vmm", "", "VmmNative"}, Backend{"vmm", "expandable_segments:True", "VmmExpandable"},
-        Backend{"vmm", "policy:paging", "VmmPaging"}),
+        Backend{"vmm", "policy:paging", "VmmPaging"},
+        Backend{"vmm", "policy:native_paged", "VmmNativePaged"}),
     [](const ::testing::TestParamInfo<Backend>& info) { return std::string(info.param.name); });
 
 class GpuSaver : public ::testing::TestWithParam<const char*> {};
@@ -205,7 +206,8 @@ TEST_P(GpuSaver, PauseReleasesGpuMemoryAndResumeRestoresEveryByte) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, GpuSaver,
-                         ::testing::Values("", "expandable_segments:True", "policy:paging"));
+                         ::testing::Values("", "expandable_segments:True", "policy:paging",
+                                           "policy:native_paged"));
 
 }  // namespace
 }  // namespace reservoir

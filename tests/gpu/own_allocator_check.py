@@ -2,7 +2,7 @@
 """reservoir as PyTorch's own CUDA allocator on a GPU: reservoir.use_as_allocator()
 (a CUDAAllocator built for the running release; --api pluggable:
 install_torch(), the pluggable allocator with every hook) under the native,
-expandable and paging policies, beside PyTorch's allocator.
+expandable, paging and native_paged policies, beside PyTorch's allocator.
 
 Each run, in its own process: ten training steps of a small transformer
 (bitwise-identical losses required), then empty_cache() (reservoir's native
@@ -187,7 +187,7 @@ def main():
     args = ap.parse_args()
     scratch = tempfile.mkdtemp(prefix="own-allocator-")
     results, failures = {}, []
-    for config in ("native", "", "expandable_segments:True", "policy:paging"):
+    for config in ("native", "", "expandable_segments:True", "policy:paging", "policy:native_paged"):
         snapshot = os.path.join(scratch, "reservoir_native.pickle") if config == "" and args.api == "own" else ""
         p = subprocess.run([sys.executable, "-c", CHILD, config, args.api, snapshot], capture_output=True,
                            text=True, timeout=240, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})

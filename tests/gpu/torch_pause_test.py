@@ -114,7 +114,7 @@ assert held > 0 and freed >= held, (held, freed)
 print(held, freed)
 '''
 
-for config in ["", "expandable_segments:True", "policy:paging"]:
+for config in ["", "expandable_segments:True", "policy:paging", "policy:native_paged"]:
     out = subprocess.run([sys.executable, "-c", GRAPH_CHILD, config], capture_output=True, text=True)
     if out.returncode != 0:
         print(out.stdout, out.stderr)
@@ -123,7 +123,7 @@ for config in ["", "expandable_segments:True", "policy:paging"]:
     print(f"config '{config}': a captured graph's {held} bytes paused (free memory rose by {freed}) "
           f"and the graph replayed the same after resume")
 
-for config in ["", "expandable_segments:True", "policy:paging"]:
+for config in ["", "expandable_segments:True", "policy:paging", "policy:native_paged"]:
     out = subprocess.run([sys.executable, "-c", CHILD, config], capture_output=True, text=True)
     if out.returncode != 0:
         print(out.stdout, out.stderr)
