@@ -3,8 +3,8 @@
 Usage: policy_table.py [RESERVOIR_BINARY]
 Replays every trace in ../shared/traces and examples/traces, and a fixed set
 of generated programs (seeds 0 to 199, reservoir/generated.hpp), under the
-native policy, expandable segments, policy:paging and policy:paging with the
-native bound (paging_slack_mb:2) in one run (`reservoir replay ...
+native policy, expandable segments, policy:paging, policy:paging with the
+native bound (paging_slack_mb:2) and policy:native_paged in one run (`reservoir replay ...
 --generated 200 --min-capacity --vs-native --json`), then prints the
 per-recording table and, per config over the recordings and over the
 generated programs, the figures policy:paging is judged by, with how far
