@@ -622,6 +622,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // times the device's capacity (paged_segment_space); refused: the device
   // would not reserve it, so each segment reserves its own.
   static constexpr std::size_t kAddressArenaShare = 4;
+  static constexpr std::size_t kAddressArenaMost = std::size_t{1} << 52;  // 4 PiB at most
   detail::AddressArena address_arena_ RESERVOIR_GUARDED_BY(mutex_);
   // plentiful()'s last reading of the device's free memory (mapping_headroom),
   // what was reserved then, and how many answers it may still give.

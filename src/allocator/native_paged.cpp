@@ -131,13 +131,16 @@ bool CachingAllocator::Impl::new_paged_segment(AllocParams& p) {
 DevicePtr CachingAllocator::Impl::paged_segment_space(std::size_t bytes, bool& in_arena) {
   if (!address_arena_.active() && !address_arena_refused_) {
     const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
-    const std::size_t span = reservation(total_capacity() * kAddressArenaShare, page);
+    const std::size_t capacity = std::min(total_capacity(), kAddressArenaMost / kAddressArenaShare);
+    const std::size_t span = reservation(capacity * kAddressArenaShare, page);
     DevicePtr base = 0;
     const Status st = span == 0 ? Status::out_of_memory : device_.reserve(span, 0, &base);
     if (st == Status::ok) {
       address_arena_.reset(base, span);
-    } else if (st == Status::out_of_memory) {
-      address_arena_refused_ = true;  // segments reserve their own from now on
+    } else if (st == Status::out_of_memory || st == Status::invalid_argument) {
+      // No address space that large (or a size the device will not take):
+      // segments reserve their own from now on.
+      address_arena_refused_ = true;
     } else {
       throw DeviceError(CallKind::reserve, st,
                         fmt::format("reserving {} bytes of address space for segments", span));

@@ -434,19 +434,41 @@ TEST(NativePaged, ASegmentWithNoRoomAboveTheOthersReservesItsOwn) {
 }
 
 TEST(NativePaged, WhereTheDeviceWillNotReserveAnArenaEachSegmentReservesItsOwn) {
-  SimDevice device;
-  device.fail_nth(CallKind::reserve, 1, Status::out_of_memory);  // the arena's
+  // No address space that large, or a size the device will not take.
+  for (const Status refusal : {Status::out_of_memory, Status::invalid_argument}) {
+    SCOPED_TRACE(to_string(refusal));
+    SimDevice device;
+    device.fail_nth(CallKind::reserve, 1, refusal);  // the arena's
+    CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+    void* p = a.allocate(30 * kMiB);
+    void* q = a.allocate(40 * kMiB);
+    EXPECT_EQ(device.calls(CallKind::reserve), 3u);
+    EXPECT_EQ(device.live_reservations(), 2u);
+    a.validate();
+    a.deallocate(p);
+    a.deallocate(q);
+    a.empty_cache();
+    EXPECT_EQ(device.live_reservations(), 0u);
+    EXPECT_EQ(device.calls(CallKind::unreserve), 2u);
+  }
+}
+
+TEST(NativePaged, TheArenaOfADeviceBeyondPetabytesStaysWithinFourPebibytes) {
+  // 2^62 bytes of capacity: four times that does not fit a size_t.
+  SimDeviceOptions o;
+  o.capacity = std::size_t{1} << 62;
+  SimDevice device(o);
+  std::vector<std::size_t> asked;
+  device.set_reservation_source([&](std::size_t bytes, DevicePtr* out) {
+    asked.push_back(bytes);
+    *out = DevicePtr{1} << 60;
+    return Status::ok;
+  });
   CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
   void* p = a.allocate(30 * kMiB);
-  void* q = a.allocate(40 * kMiB);
-  EXPECT_EQ(device.calls(CallKind::reserve), 3u);
-  EXPECT_EQ(device.live_reservations(), 2u);
-  a.validate();
+  EXPECT_EQ(asked, std::vector<std::size_t>{std::size_t{1} << 52});
+  EXPECT_EQ(reinterpret_cast<DevicePtr>(p), DevicePtr{1} << 60);
   a.deallocate(p);
-  a.deallocate(q);
-  a.empty_cache();
-  EXPECT_EQ(device.live_reservations(), 0u);
-  EXPECT_EQ(device.calls(CallKind::unreserve), 2u);
 }
 
 TEST(NativePaged, AsksTheDeviceWhatIsFreeOnceEverySixteenSegments) {
