@@ -523,6 +523,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
   void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
+  // Address space back to the device, or kept to retry (retry_stuck) when
+  // the device will not take it.
+  void unreserve_or_retry(DevicePtr va, std::size_t bytes) RESERVOIR_REQUIRES(mutex_);
   // Splits [start, start + bytes) out of a cached block, which leaves the pool;
   // the pieces before and after stay cached. Returns the middle block.
   detail::Block* carve(detail::Block* block, DevicePtr start, std::size_t bytes)
@@ -540,9 +543,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_REQUIRES(mutex_);
   void drop_vm_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void validate_paged_segment(const detail::Segment& seg) const RESERVOIR_REQUIRES(mutex_);
-  // The address arena's free ranges against the `in_segments` bytes of
-  // segments carved from it.
-  void validate_address_arena(std::size_t in_segments) const RESERVOIR_REQUIRES(mutex_);
+  // The address arena's free ranges against the segments carved from it.
+  void validate_address_arena() const RESERVOIR_REQUIRES(mutex_);
   // Each page's handle of a VM or native_paged segment covers it; returns
   // the pages with a handle. `kind` names the segment in a breach.
   std::size_t validate_page_table(const detail::Segment& seg, const detail::VmState& pages,

@@ -81,6 +81,12 @@ struct Block {
   BlockSet::iterator pool_pos{};  // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
+  // Of a block in use, the bytes its caller may touch: what it asked for
+  // (an unsplit block can be up to 1 MiB larger, an oversize one more, and
+  // roundup_power2_divisions rounds requests up by as much as a quarter).
+  std::size_t touched_bytes() const noexcept {
+    return requested_size != 0 && requested_size < size ? requested_size : size;
+  }
   // Cached: mapped, not allocated, no pending stream use (belongs in pool->blocks).
   bool is_free() const noexcept {
     return mapped && !lent && !allocated && event_count == 0 && stream_uses.empty();

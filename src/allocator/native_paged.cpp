@@ -69,15 +69,6 @@ namespace {
 // docs/benchmarks.md.)
 constexpr std::size_t kPlentifulShare = 256;
 
-// The bytes of a block in use its caller may touch: what it asked for. (An
-// unsplit block can be up to 1 MiB larger, an oversize one more, and
-// roundup_power2_divisions rounds requests up by as much as a quarter: the
-// native policy holds all of that; native_paged maps only the pages under
-// what was asked for.)
-std::size_t bytes_in_use(const Block* b) {
-  return b->requested_size != 0 ? std::min(b->requested_size, b->size) : b->size;
-}
-
 // Runs of at least this many pages are mapped with their partly covered end
 // pages apart (back_block).
 constexpr std::size_t kEdgeSplitRun = 6;
@@ -165,9 +156,7 @@ DevicePtr CachingAllocator::Impl::paged_segment_space(std::size_t bytes, bool& i
 
 void CachingAllocator::Impl::release_idle_address_arena() {
   if (!address_arena_.active() || address_arena_.taken() != 0) return;
-  if (device_.unreserve(address_arena_.base(), address_arena_.bytes()) != Status::ok) {
-    stuck_reservations_.emplace_back(address_arena_.base(), address_arena_.bytes());
-  }
+  unreserve_or_retry(address_arena_.base(), address_arena_.bytes());
   address_arena_.clear();
 }
 
@@ -178,9 +167,8 @@ bool CachingAllocator::Impl::plentiful(std::size_t bytes) {
   if (headroom_reads_left_ > 0) {
     // The last reading, less what this allocator mapped since (plus what it
     // gave back): asked again only when that says no, or it is old.
-    const std::size_t since = total_reserved_ - std::min(total_reserved_, reserved_at_reading_);
-    const std::size_t back = reserved_at_reading_ - std::min(reserved_at_reading_, total_reserved_);
-    const std::size_t estimate = headroom_reading_ - std::min(headroom_reading_, since) + back;
+    const std::size_t before = headroom_reading_ + reserved_at_reading_;
+    const std::size_t estimate = before - std::min(before, total_reserved_);
     --headroom_reads_left_;
     if (estimate >= need) return true;
   }
@@ -341,7 +329,7 @@ void CachingAllocator::Impl::pages_in_use(const Segment& seg, DevicePtr keep_fro
     for (std::size_t k = (from - seg.base) / pg.page; k < last; ++k) busy[k] = true;
   };
   for (const Block* b = seg.head; b != nullptr; b = b->next) {
-    if (!b->is_free()) mark(b->ptr, b->ptr + bytes_in_use(b));
+    if (!b->is_free()) mark(b->ptr, b->ptr + b->touched_bytes());
   }
   mark(keep_from, keep_to);
 }
@@ -415,8 +403,8 @@ void CachingAllocator::Impl::release_paged_segment(Block* block, bool in_pool) {
     const bool given = address_arena_.give(seg.base, space);
     RESERVOIR_DEBUG_ASSERT(given);
     (void)given;
-  } else if (device_.unreserve(seg.base, space) != Status::ok) {
-    stuck_reservations_.emplace_back(seg.base, space);
+  } else {
+    unreserve_or_retry(seg.base, space);
   }
   BlockPool& pool = *block->pool;
   sub_stats(stats_.segment, stat_index(pool), 1);

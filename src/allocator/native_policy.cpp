@@ -239,7 +239,6 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
   const std::size_t size = p.size;
   const StreamId stream = p.stream;
   p.alloc_size = allocation_size(size, config_);
-  p.requested = requested;
   if (!free_memory_callbacks_.empty()) {
     const std::vector<FreeMemoryCallback> callbacks = free_memory_callbacks_;
     lock.unlock();  // LOCK RELEASED: callbacks may free memory through this allocator

@@ -201,9 +201,7 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
     fresh_bytes += pc.bytes;
     if (device_.release_physical(pc.handle) != Status::ok) unreleased_.push_back(pc.handle);
   }
-  if (device_.unreserve(seg.base, seg.size) != Status::ok) {
-    stuck_reservations_.emplace_back(seg.base, seg.size);
-  }
+  unreserve_or_retry(seg.base, seg.size);
   block->pool->erase(block);
   for (Block* lender : vm.lent) {
     lender->lent = false;

@@ -65,7 +65,7 @@ void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) 
   for (const Block* b = seg.head; b != nullptr; b = b->next) {
     if (!b->allocated) continue;
     const std::size_t offset = b->ptr - seg.base;
-    const std::size_t used = b->requested_size != 0 ? std::min(b->requested_size, b->size) : b->size;
+    const std::size_t used = b->touched_bytes();
     for (std::size_t i = offset / pg.page; i < (offset + used + pg.page - 1) / pg.page; ++i) {
       if (pg.at(i) == detail::VmState::kNone) {
         breach(fmt::format("paged segment {:#x}: the allocated block at {:#x} has no memory at "
@@ -75,13 +75,22 @@ void CachingAllocator::Impl::validate_paged_segment(const detail::Segment& seg) 
   }
 }
 
-void CachingAllocator::Impl::validate_address_arena(std::size_t in_segments) const {
+void CachingAllocator::Impl::validate_address_arena() const {
   // Free ranges and the segments carved from the arena, in address order:
   // inside it, apart from each other (free ranges merged), and together all
   // of it.
   std::vector<std::pair<DevicePtr, std::size_t>> spans;  // segments' (base, bytes)
+  std::size_t in_segments = 0;
   for (const auto& [base, seg] : segments_) {
-    if (seg->paged && seg->paged->in_arena) spans.emplace_back(base, seg->paged->pages * seg->paged->page);
+    if (!seg->paged || !seg->paged->in_arena) continue;
+    const std::size_t span = seg->paged->pages * seg->paged->page;
+    if (!address_arena_.contains(base) ||
+        span > address_arena_.bytes() - (base - address_arena_.base())) {
+      breach(fmt::format("paged segment {:#x} of {} bytes says it lies in the address arena "
+                         "but does not", base, span));
+    }
+    spans.emplace_back(base, span);
+    in_segments += span;
   }
   std::size_t free = 0;
   DevicePtr end = address_arena_.base();
@@ -175,7 +184,6 @@ void CachingAllocator::Impl::validate() const {
   std::size_t unmapped_blocks = 0;
   std::size_t lent_listed = 0;
   std::size_t lent_found = 0;
-  std::size_t in_arena = 0;  // bytes of segments carved from the address arena
   std::unordered_set<const BlockPool*> known_pools = {&large_, &small_};
   for (const auto& [id, pool] : private_pools_) {
     known_pools.insert(&pool->large);
@@ -206,15 +214,6 @@ void CachingAllocator::Impl::validate() const {
       reserved += pg->mapped_pages * pg->page;
       if (seg->size >= config_.max_split_size) ++oversize_segments;
       validate_paged_segment(*seg);
-      if (pg->in_arena) {
-        const std::size_t span = pg->pages * pg->page;
-        if (!address_arena_.contains(base) ||
-            span > address_arena_.bytes() - (base - address_arena_.base())) {
-          breach(fmt::format("paged segment {:#x} of {} bytes says it lies in the address arena "
-                             "but does not", base, span));
-        }
-        in_arena += span;
-      }
     } else if (vm == nullptr) {
       segment[0] += 1;
       segment[t] += 1;
@@ -345,7 +344,7 @@ void CachingAllocator::Impl::validate() const {
     pooled += pool->blocks.size();
     unmapped_pooled += pool->unmapped.size();
   }
-  validate_address_arena(in_arena);
+  validate_address_arena();
   if (lent_listed != lent_found) {
     breach(
         fmt::format("{} lent blocks found but stitched segments list {}", lent_found, lent_listed));

@@ -283,6 +283,10 @@ void CachingAllocator::Impl::retry_stuck() noexcept {
   }
 }
 
+void CachingAllocator::Impl::unreserve_or_retry(DevicePtr va, std::size_t bytes) {
+  if (device_.unreserve(va, bytes) != Status::ok) stuck_reservations_.emplace_back(va, bytes);
+}
+
 void CachingAllocator::Impl::release_vm_blocks(const std::vector<Block*>& blocks) {
   for (Block* b : blocks) {
     if (b->segment->vm->stitched) {
