@@ -156,6 +156,18 @@ class Parser {
     return d;
   }
 
+  // A number in [0.0, 1.0], with PyTorch's message (the same words as its
+  // own, which programs and tests look for) for one outside.
+  double fraction_value(const std::string& key) {
+    const std::string v = value_token(key, "a number in [0.0, 1.0]");
+    char* end = nullptr;
+    const double d = std::strtod(v.c_str(), &end);
+    if (end != v.c_str() + v.size() || !(d >= 0.0 && d <= 1.0)) {
+      fail(fmt::format("{} is invalid, set it in [0.0, 1.0] (the value given: '{}')", key, v));
+    }
+    return d;
+  }
+
   void parse_divisions(AllocatorConfig& c, const std::string& key) {
     const char* accepted =
         "a power of two, or a list [MiB:divisions,...,>:divisions] with power-of-two MiB keys "
@@ -329,12 +341,13 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.expandable_segments) out.emplace_back("expandable_segments:True");
      }},
-    {{"per_process_memory_fraction", "a number in (0.0, 1.0]", "1.0", "~2.10+", "2.10", "",
+    {{"per_process_memory_fraction", "a number in [0.0, 1.0]", "1.0", "~2.10+", "2.10", "",
       "as torch.cuda.set_per_process_memory_fraction before the first allocation: reserved "
-      "memory may not exceed this fraction of the device (enables garbage collection)",
+      "memory may not exceed this fraction of the device (enables garbage collection; 0.0 "
+      "allows none)",
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
-       c.per_process_memory_fraction = p.number_value(k, "a number in (0.0, 1.0]", true);
+       c.per_process_memory_fraction = p.fraction_value(k);
      },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.per_process_memory_fraction != 1.0)

@@ -224,10 +224,14 @@ TEST(Config, NewerPyTorchKeys) {
             "allocator config \"large_segment_size_mb:40,max_split_size_mb:30\": key "
             "'max_split_size_mb': value '30' is too small; accepted: a whole number of MiB >= 40 "
             "(large_segment_size_mb)");
-  EXPECT_EQ(error_of("per_process_memory_fraction:0"),
-            "allocator config \"per_process_memory_fraction:0\": key "
-            "'per_process_memory_fraction': value '0' is not accepted; accepted: a number in "
-            "(0.0, 1.0]");
+  // PyTorch's range and words: 0.0 allows no memory at all; outside [0, 1] is invalid.
+  EXPECT_EQ(AllocatorConfig::parse("per_process_memory_fraction:0").per_process_memory_fraction, 0.0);
+  EXPECT_EQ(error_of("per_process_memory_fraction:-0.1"),
+            "allocator config \"per_process_memory_fraction:-0.1\": per_process_memory_fraction is "
+            "invalid, set it in [0.0, 1.0] (the value given: '-0.1')");
+  EXPECT_EQ(error_of("per_process_memory_fraction:1.1"),
+            "allocator config \"per_process_memory_fraction:1.1\": per_process_memory_fraction is "
+            "invalid, set it in [0.0, 1.0] (the value given: '1.1')");
   EXPECT_EQ(AllocatorConfig::parse("per_process_memory_fraction:1").per_process_memory_fraction,
             1.0);
 }
