@@ -117,7 +117,9 @@ void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   if (config.max_split_size != config_.max_split_size) max_split_changed_ = true;
   config_ = config;
   choose_source();
-  stats_.max_split_size = static_cast<std::int64_t>(config_.max_split_size);
+  // stats_.max_split_size stays as the allocator was made: PyTorch's
+  // statistic is its allocator's at construction, though a split limit
+  // changed at run time (_set_allocator_settings) applies to what follows.
   apply_block_order();
 }
 

@@ -15,10 +15,13 @@ using detail::BlockPool;
 using detail::PrivatePool;
 using detail::Segment;
 
+// The innermost route whose filter takes the stream wins: a pool routed
+// inside another's route (nested torch.cuda.use_mem_pool) gets what is
+// allocated inside it, as PyTorch's allocator gives it.
 BlockPool* CachingAllocator::Impl::routed_pool(std::size_t size, StreamId stream) {
-  for (auto& [id, filter] : routes_) {
-    if (filter(stream)) {
-      PrivatePool& pool = *private_pools_.at(id);
+  for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+    if (it->second(stream)) {
+      PrivatePool& pool = *private_pools_.at(it->first);
       return size <= kSmallSize ? &pool.small : &pool.large;
     }
   }
