@@ -343,15 +343,18 @@ SIMCUDA_API cudaError_t cudaFreeHost(void* ptr) {
   ENTER("cudaFreeHost", false);
   return result(Sim::get().host_free(ptr));
 }
-// Host memory is the device's memory here: registering it changes nothing.
+// Host memory is the device's memory here: registering a range only makes
+// it pinned memory (cudaPointerGetAttributes answers cudaMemoryTypeHost) until
+// it is unregistered; a range that overlaps one registered, or an unknown
+// pointer to unregister, gets the runtime's error.
 SIMCUDA_API cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int flags) {
   ENTER("cudaHostRegister", false);
   (void)flags;
-  return ptr != nullptr && size != 0 ? cudaSuccess : result(cudaErrorInvalidValue);
+  return result(Sim::get().host_register(ptr, size));
 }
 SIMCUDA_API cudaError_t cudaHostUnregister(void* ptr) {
   ENTER("cudaHostUnregister", false);
-  return ptr != nullptr ? cudaSuccess : result(cudaErrorInvalidValue);
+  return result(Sim::get().host_unregister(ptr));
 }
 SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* ptr) {
   ENTER("cudaPointerGetAttributes", false);

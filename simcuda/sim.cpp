@@ -723,13 +723,44 @@ int Sim::host_free(void* ptr) {
   return kSuccess;
 }
 
+namespace {
+// The range of `ranges` holding p, or end().
+std::map<std::uintptr_t, std::size_t>::const_iterator holding(const std::map<std::uintptr_t, std::size_t>& ranges,
+                                                              std::uintptr_t p) {
+  auto it = ranges.upper_bound(p);
+  if (it == ranges.begin()) return ranges.end();
+  --it;
+  return p < it->first + it->second ? it : ranges.end();
+}
+}  // namespace
+
+int Sim::host_register(void* ptr, std::size_t size) {
+  if (ptr == nullptr || size == 0) return kInvalidValue;
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  // Any overlap with a registered range or a pinned allocation: already registered.
+  for (const auto* ranges : {&registered_, &host_}) {
+    auto it = ranges->lower_bound(p);
+    if (it != ranges->end() && it->first < p + size) return kHostMemoryAlreadyRegistered;
+    if (holding(*ranges, p) != ranges->end()) return kHostMemoryAlreadyRegistered;
+  }
+  registered_[p] = size;
+  return kSuccess;
+}
+
+int Sim::host_unregister(void* ptr) {
+  if (ptr == nullptr) return kInvalidValue;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == registered_.end()) return kHostMemoryNotRegistered;
+  registered_.erase(it);
+  return kSuccess;
+}
+
 bool Sim::is_host(const void* ptr) {
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = host_.upper_bound(p);
-  if (it == host_.begin()) return false;
-  --it;
-  return p < it->first + it->second;
+  return holding(host_, p) != host_.end() || holding(registered_, p) != registered_.end();
 }
 
 void Sim::fail_at(const std::string& call, std::uint64_t nth_from_now) {

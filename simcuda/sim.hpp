@@ -57,6 +57,8 @@ enum Code : int {
   kInvalidHandle = 400,
   kNotFound = 500,
   kNotReady = 600,
+  kHostMemoryAlreadyRegistered = 712,
+  kHostMemoryNotRegistered = 713,
   kNotSupported = 801,
   kUnknown = 999,
 };
@@ -173,6 +175,11 @@ class SIMCUDA_API Sim {
   // Pinned host memory.
   int host_alloc(std::size_t size, void** out);
   int host_free(void* ptr);
+  // cudaHostRegister / cudaHostUnregister: page-locked host memory the
+  // program allocated itself, which is_host() then answers for (PyTorch's
+  // is_pinned() asks cudaPointerGetAttributes).
+  int host_register(void* ptr, std::size_t size);
+  int host_unregister(void* ptr);
   bool is_host(const void* ptr);
 
   // Test control.
@@ -210,6 +217,7 @@ class SIMCUDA_API Sim {
   std::unordered_map<std::uint64_t, Physical> physical_;
   std::uint64_t next_handle_ = 1;
   std::map<std::uintptr_t, std::size_t> host_;  // pinned host allocations
+  std::map<std::uintptr_t, std::size_t> registered_;  // host ranges registered
   std::vector<std::unique_ptr<Event>> events_;
   std::vector<std::unique_ptr<Stream>> streams_;
 };

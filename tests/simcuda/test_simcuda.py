@@ -263,3 +263,26 @@ def test_ipc_memory_and_events_shared_between_processes():
     # cudaErrorInvalidValue, cudaErrorDeviceUninitialized (own process);
     # the child: a stranger's bytes, a third close.
     assert out == ["400", "801", "1", "201", "400", "1", "33" * 8], out
+
+
+def test_registered_host_memory_is_pinned_until_unregistered():
+    # cudaPointerGetAttributes's type (what PyTorch's is_pinned() reads):
+    # 1 host (pinned), 0 unregistered; the runtime's errors for a range
+    # registered twice (712) and a pointer never registered (713).
+    out, _ = run("""
+        class Attributes(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                        ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                        ("reserved", ctypes.c_long * 16)]  # room for the runtime's whole struct
+        buf = ctypes.create_string_buffer(3 * MiB)
+        inner = ctypes.c_void_p(ctypes.addressof(buf) + MiB)
+        def kind(p):
+            a = Attributes()
+            assert rt.cudaPointerGetAttributes(ctypes.byref(a), p) == 0
+            return a.type
+        print(kind(buf), rt.cudaHostRegister(buf, ctypes.c_size_t(2 * MiB), 0), kind(buf), kind(inner),
+              rt.cudaHostRegister(inner, ctypes.c_size_t(MiB), 0), rt.cudaHostUnregister(inner),
+              rt.cudaHostUnregister(buf), kind(buf), rt.cudaHostUnregister(buf),
+              rt.cudaHostRegister(None, ctypes.c_size_t(MiB), 0))
+    """)
+    assert out == ["0", "0", "1", "1", "712", "713", "0", "0", "713", "1"]
