@@ -1,5 +1,6 @@
 // The retry ladder, memory fraction, garbage collection, stream events and
 // private pools, with exact device-call counts.
+#include <map>
 #include <thread>
 
 #include "allocator_fixture.hpp"
@@ -191,6 +192,40 @@ TEST_F(Ladder, PrivatePoolsKeepTheirOwnSegments) {
   EXPECT_EQ(device_->live_segments(), 1u);
   EXPECT_THROW(allocator_->release_pool(pool), UsageError);
   EXPECT_THROW(allocator_->end_allocate_to_pool(pool), UsageError);
+}
+
+// Routes nest (torch.cuda.use_mem_pool inside another): the innermost
+// route whose filter takes the stream serves it, and ending it gives the
+// stream back to the route outside.
+TEST_F(Ladder, TheInnermostRouteServesTheStream) {
+  const PoolId outer{1, 1};
+  const PoolId inner{1, 2};
+  allocator_->begin_allocate_to_pool(outer, [](StreamId) { return true; });
+  const DevicePtr a = alloc(4096, 0);
+  allocator_->begin_allocate_to_pool(inner, [](StreamId s) { return s == 0; });
+  const DevicePtr b = alloc(4096, 0);
+  const DevicePtr c = alloc(4096, 5);  // not the inner filter's: the outer pool's
+  allocator_->end_allocate_to_pool(inner);
+  const DevicePtr d = alloc(4096, 0);
+  allocator_->end_allocate_to_pool(outer);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 3u);  // outer's small segments on streams 0 and 5, inner's on 0
+  std::map<DevicePtr, PoolId> pool_of;
+  for (const auto& seg : snap.segments) {
+    for (DevicePtr p : {a, b, c, d}) {
+      if (p >= seg.address && p < seg.address + seg.total_size) pool_of[p] = seg.pool_id;
+    }
+  }
+  EXPECT_EQ(pool_of[a], outer);
+  EXPECT_EQ(pool_of[b], inner);
+  EXPECT_EQ(pool_of[c], outer);
+  EXPECT_EQ(pool_of[d], outer);
+  EXPECT_EQ(d, a + 4096);  // the outer pool's segment again, after a
+  for (DevicePtr p : {a, b, c, d}) release(p);
+  allocator_->release_pool(inner);
+  allocator_->release_pool(outer);
+  allocator_->empty_cache();
+  EXPECT_EQ(device_->live_segments(), 0u);
 }
 
 TEST_F(Ladder, CurrentThreadRoutingLeavesOtherThreadsAlone) {
