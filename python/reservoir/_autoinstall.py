@@ -12,7 +12,13 @@ reservoir's policies) and the backend of RESERVOIR_TORCH_DEVICE.
 reservoir_autoinstall.pth, installed beside the package, imports this module
 at interpreter start-up when the variable is set; it costs nothing otherwise.
 A value it does not know, or an install that fails, makes `import torch` fail
-with the reason: a job never runs on an allocator it was not meant to.
+with the reason: a job never runs on an allocator it was not meant to. It
+steps aside, saying so in one line on stderr, where PyTorch's own settings
+(PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF) ask for another backend
+(backend:cudaMallocAsync), and in a process under reservoir's interposer
+(LD_PRELOAD: the drop-in's configure_subprocess()), whose CUDA allocations
+the interposer serves already: a variable inherited from a parent breaks
+neither.
 """
 import importlib.abc
 import importlib.util
@@ -31,11 +37,62 @@ def _choice():
     return value
 
 
+def _settings_items(text):
+    """The key:value items of an allocator settings string, split at the
+    commas outside brackets (roundup_power2_divisions:[256:1,>:4])."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text + ","):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth <= 0:
+            key, _, value = text[start:i].partition(":")
+            if key.strip():
+                items.append((key.strip(), value.strip()))
+            start = i + 1
+    return items
+
+
+def _other_backend():
+    """The backend other than the native one that PyTorch's own settings ask
+    for (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF: backend:cudaMallocAsync),
+    and the variable that asks, or None."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for key, value in _settings_items(os.environ.get(name, "")):
+            if key == "backend" and value != "native":
+                return value, name
+    return None
+
+
+def _under_interposer():
+    """Whether reservoir's LD_PRELOAD interposer serves this process's CUDA
+    allocations already (a child of the drop-in's configure_subprocess())."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).reservoir_preload_region_push
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
 def install():
-    """Installs the allocator the variable names; torch must be imported."""
+    """Installs the allocator the variable names; torch must be imported.
+    Steps aside, with one line on stderr, where the process asked PyTorch for
+    another backend or runs under reservoir's interposer."""
     import reservoir
 
     choice = _choice()
+    other = _other_backend()
+    if other is not None:
+        print(f"reservoir: {VARIABLE}={choice} ignored: {other[1]} asks PyTorch for backend:{other[0]}, "
+              "which PyTorch keeps", file=sys.stderr)
+        return
+    if _under_interposer():
+        print(f"reservoir: {VARIABLE}={choice} ignored: this process runs under reservoir's interposer "
+              "(LD_PRELOAD), which serves its CUDA allocations already", file=sys.stderr)
+        return
     try:
         if choice == "own":
             reservoir.use_as_allocator()

@@ -258,6 +258,20 @@ PYBIND11_MODULE(_core, m) {
           [](Saver& s, double fraction) { s.untagged_allocator().set_memory_fraction(fraction); },
           py::arg("fraction"));
 
+  m.def("default_saver_devices", &torch_saver_devices,
+        "The devices whose default saver exists (PyTorch allocated there, or default_saver(device) was called)");
+  m.def(
+      "_push_region_everywhere",
+      [](std::optional<std::string> tag, bool cpu_backup, std::optional<std::string> storage) {
+        return torch_push_region_everywhere(
+            std::move(tag), {.cpu_backup = cpu_backup,
+                             .storage = storage ? std::optional(parse_backup_storage(*storage, "region: storage"))
+                                                : std::nullopt});
+      },
+      py::arg("tag"), py::arg("cpu_backup") = false, py::arg("storage") = py::none(),
+      "Opens a region on this thread of every device's default saver (those created later too); "
+      "returns its id for _pop_region_everywhere");
+  m.def("_pop_region_everywhere", &torch_pop_region_everywhere, py::arg("id"));
   m.def("default_saver", &torch_saver, py::arg("device") = 0, py::return_value_policy::reference,
         "The saver PyTorch's allocator uses for this GPU (created on first use from "
         "RESERVOIR_ALLOC_CONF and RESERVOIR_TORCH_DEVICE)");

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -29,8 +30,10 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "reservoir/caching_allocator.hpp"
 #include "reservoir/cuda_device.hpp"
@@ -60,10 +63,33 @@ struct PerDevice {
 
 std::mutex mutex;
 std::array<PerDevice, kMaxDevices> devices;
+
+// Regions on every device (torch_memory_saver's regions tag allocations on
+// whichever device they are made): per thread, the regions open, innermost
+// last, each with the token of every saver it was entered on. A saver
+// created while a region is open enters the creating thread's regions.
+struct EveryDeviceRegion {
+  std::uint64_t id = 0;
+  std::optional<std::string> tag;  // none: untagged
+  reservoir::RegionOptions options;
+  std::vector<std::pair<int, std::uint64_t>> tokens;  // (device, the saver's token)
+};
+thread_local std::vector<EveryDeviceRegion> every_device_regions;
+std::uint64_t next_every_device_region = 1;  // under mutex
+
+// Enters `region` on `saver` (the device's), noting the token.
+void enter_on(EveryDeviceRegion& region, int device, reservoir::Saver& saver) {
+  const std::uint64_t token =
+      region.tag ? saver.push_region(*region.tag, region.options) : saver.push_untagged();
+  region.tokens.emplace_back(device, token);
+}
 // The running PyTorch's release ("2.15"), when a library built for it said
 // so: the native policy then takes that release's decisions unless the
 // configuration names another (pytorch_version).
 std::string running_release;
+// The settings as changed at run time (reservoir_torch_apply_settings), for
+// every allocator from then on; empty: the environment's.
+std::string runtime_settings;
 thread_local std::string last_error;
 thread_local bool last_error_out_of_memory = false;
 
@@ -88,7 +114,7 @@ reservoir::Saver& saver_for(int device) {
   PerDevice& d = devices[static_cast<std::size_t>(device)];
   if (!d.saver) {
     reservoir::SaverOptions options;
-    options.config = AllocatorConfig::from_env();
+    options.config = runtime_settings.empty() ? AllocatorConfig::from_env() : AllocatorConfig::parse(runtime_settings);
     d.settings = options.config.to_string();
     if (options.config.pytorch_version.empty()) options.config.pytorch_version = running_release;
     options.device_index = device;
@@ -110,6 +136,7 @@ reservoir::Saver& saver_for(int device) {
     }
     reservoir::read_saver_environment(options);
     d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
+    for (EveryDeviceRegion& region : every_device_regions) enter_on(region, device, *d.saver);
   }
   return *d.saver;
 }
@@ -125,6 +152,50 @@ std::string settings_of(int device) {
 
 namespace reservoir {
 Saver& torch_saver(int device) { return saver_for(device); }
+
+std::vector<int> torch_saver_devices() {
+  std::lock_guard lock(mutex);
+  std::vector<int> out;
+  for (int i = 0; i < kMaxDevices; ++i) {
+    if (devices[static_cast<std::size_t>(i)].saver) out.push_back(i);
+  }
+  return out;
+}
+
+std::uint64_t torch_push_region_everywhere(std::optional<std::string> tag, RegionOptions options) {
+  std::lock_guard lock(mutex);
+  EveryDeviceRegion region{.id = next_every_device_region++, .tag = std::move(tag), .options = options,
+                           .tokens = {}};
+  try {
+    for (int i = 0; i < kMaxDevices; ++i) {
+      PerDevice& d = devices[static_cast<std::size_t>(i)];
+      if (d.saver) enter_on(region, i, *d.saver);
+    }
+  } catch (...) {
+    // Nothing stays open of a region that could not be entered everywhere.
+    for (auto it = region.tokens.rbegin(); it != region.tokens.rend(); ++it) {
+      devices[static_cast<std::size_t>(it->first)].saver->pop_region(it->second);
+    }
+    throw;
+  }
+  every_device_regions.push_back(std::move(region));
+  return every_device_regions.back().id;
+}
+
+void torch_pop_region_everywhere(std::uint64_t id) {
+  std::lock_guard lock(mutex);
+  if (every_device_regions.empty() || every_device_regions.back().id != id) {
+    throw UsageError(fmt::format(
+        "region: closing region {} of every device, but {} is the innermost open on this thread "
+        "(regions close innermost first)",
+        id, every_device_regions.empty() ? std::string("none") : std::to_string(every_device_regions.back().id)));
+  }
+  const EveryDeviceRegion region = std::move(every_device_regions.back());
+  every_device_regions.pop_back();
+  for (auto it = region.tokens.rbegin(); it != region.tokens.rend(); ++it) {
+    devices[static_cast<std::size_t>(it->first)].saver->pop_region(it->second);
+  }
+}
 }  // namespace reservoir
 
 namespace {
@@ -143,6 +214,48 @@ bool guarded(F&& f) {
     last_error_out_of_memory = false;
     return false;
   }
+}
+
+// The items of a settings string, split at the commas outside brackets
+// (roundup_power2_divisions:[256:1,>:4] is one item).
+std::vector<std::string> settings_items(const std::string& text) {
+  std::vector<std::string> items;
+  int depth = 0;
+  std::string item;
+  for (const char c : text + ",") {
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (c == ',' && depth <= 0) {
+      const auto first = item.find_first_not_of(" \t");
+      if (first != std::string::npos) items.push_back(item.substr(first));
+      item.clear();
+      continue;
+    }
+    item += c;
+  }
+  return items;
+}
+
+std::string item_key(const std::string& item) {
+  std::string key = item.substr(0, item.find(':'));
+  while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+  return key;
+}
+
+std::vector<std::string> settings_keys(const std::string& text) {
+  std::vector<std::string> keys;
+  for (const std::string& item : settings_items(text)) keys.push_back(item_key(item));
+  return keys;
+}
+
+// `text` less the items of `keys`.
+std::string settings_without(const std::string& text, const std::vector<std::string>& keys) {
+  std::string out;
+  for (const std::string& item : settings_items(text)) {
+    if (std::find(keys.begin(), keys.end(), item_key(item)) != keys.end()) continue;
+    out += (out.empty() ? "" : ",") + item;
+  }
+  return out;
 }
 
 char* copy_string(const std::string& s) {
@@ -319,6 +432,64 @@ __attribute__((visibility("default"))) char* reservoir_torch_restore_pool(int de
     out = copy_string(nlohmann::json{{"freed", r.freed}, {"allocated", r.allocated}}.dump());
   });
   return out;
+}
+
+// The per_process_memory_fraction of the settings (1.0 without one) in
+// *fraction: 0, or -1 with last_error (settings it cannot read, in PyTorch's
+// words where PyTorch has some).
+__attribute__((visibility("default"))) int reservoir_torch_configured_memory_fraction(double* fraction) {
+  return guarded([&] {
+    std::string settings;
+    {
+      std::lock_guard lock(mutex);
+      settings = runtime_settings;
+    }
+    const AllocatorConfig config = settings.empty() ? AllocatorConfig::from_env() : AllocatorConfig::parse(settings);
+    if (fraction != nullptr) *fraction = config.per_process_memory_fraction;
+  }) ? 0 : -1;
+}
+
+// Settings changed at run time (torch.cuda.memory._set_allocator_settings:
+// `text` as PyTorch took it), applied to every device's allocators and to
+// those created later, as PyTorch applies them: max_split_size_mb,
+// roundup_power2_divisions and garbage_collection_threshold fall back to
+// their defaults when `text` leaves them out, every other key keeps its
+// value unless `text` gives it. Segments made already stay as they are. A
+// change of the segment kind (expandable_segments, policy) is not made:
+// *ignored (free with free()) then names what was left, and the rest still
+// applies. 0, or -1 with last_error (nothing changed).
+__attribute__((visibility("default"))) int reservoir_torch_apply_settings(const char* text, char** ignored) {
+  if (ignored != nullptr) *ignored = nullptr;
+  return guarded([&] {
+    const std::string given = text == nullptr ? "" : text;
+    (void)AllocatorConfig::parse(given);  // validates
+    std::lock_guard lock(mutex);
+    const AllocatorConfig before = runtime_settings.empty() ? AllocatorConfig::from_env()
+                                                             : AllocatorConfig::parse(runtime_settings);
+    std::vector<std::string> keys = settings_keys(given);
+    for (const char* reset : {"max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold"}) {
+      keys.emplace_back(reset);
+    }
+    std::string merged = settings_without(before.to_string(), keys);
+    if (!given.empty()) merged += (merged.empty() ? "" : ",") + given;
+    AllocatorConfig after = AllocatorConfig::parse(merged);
+    std::string left;
+    if (after.expandable_segments != before.expandable_segments || after.policy != before.policy) {
+      left = fmt::format("expandable_segments:{}", after.expandable_segments ? "True" : "False");
+      after.expandable_segments = before.expandable_segments;
+      after.policy = before.policy;
+      merged = after.to_string();
+    }
+    for (PerDevice& d : devices) {
+      if (!d.saver) continue;
+      AllocatorConfig c = after;
+      if (c.pytorch_version.empty()) c.pytorch_version = running_release;
+      d.saver->untagged_allocator().set_config(c);
+      d.settings = merged;
+    }
+    runtime_settings = merged;
+    if (!left.empty() && ignored != nullptr) *ignored = copy_string(left);
+  }) ? 0 : -1;
 }
 
 // The running PyTorch's release ("2.15.0" or "2.15"), from the library built

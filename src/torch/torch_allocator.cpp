@@ -14,6 +14,9 @@
 //
 // reservoir_torch_use_as_allocator(path, release) installs it before the
 // first CUDA allocation; reservoir.use_as_allocator() calls it.
+#if __has_include(<c10/core/AllocatorConfig.h>)
+#include <c10/core/AllocatorConfig.h>
+#endif
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -24,12 +27,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -74,6 +80,7 @@ void fill(c10::CachingDeviceAllocator::StatArray& out, const nlohmann::json& sta
 }
 
 void raw_delete_fn(void* ptr);
+void uncached_delete_fn(void* ptr);
 
 // The pool a segment of reservoir's snapshot JSON belongs to ({0, 0}: the default pools).
 c10::MempoolId_t pool_of(const nlohmann::json& segment) {
@@ -95,8 +102,40 @@ class ReservoirAllocator final : public CUDAAllocator {
   // ---- allocation ----
   c10::DataPtr allocate(size_t size) override {
     const c10::DeviceIndex device = c10::cuda::current_device();
+    if (uncached()) {
+      void* p = uncached_allocate(size);
+      return {p, p, &uncached_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+    }
     void* p = size == 0 ? nullptr : malloc_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
     return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  // With caching off (torch.cuda.memory.caching_allocator_enable(False), or
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1), as PyTorch's allocator: each request
+  // is a cudaMalloc of its own, given back by cudaFree when freed, outside
+  // the cache and its statistics.
+  bool uncached() const {
+    static const bool forced = [] {
+      const char* v = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+      return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    return forced || !enabled_.load(std::memory_order_relaxed);
+  }
+  void* uncached_allocate(size_t size) {
+    if (size == 0) return nullptr;
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&p, size));
+    std::lock_guard lock(mutex_);
+    uncached_.insert(p);
+    return p;
+  }
+  // A pointer of uncached_allocate's: freed with cudaFree (true); false otherwise.
+  bool uncached_free(void* ptr) {
+    {
+      std::lock_guard lock(mutex_);
+      if (uncached_.erase(ptr) == 0) return false;
+    }
+    C10_CUDA_CHECK(cudaFree(ptr));
+    return true;
   }
   c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -107,10 +146,11 @@ class ReservoirAllocator final : public CUDAAllocator {
     return raw_alloc_with_stream(size, c10::cuda::getCurrentCUDAStream(device).stream());
   }
   void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
+    if (uncached()) return uncached_allocate(size);
     return size == 0 ? nullptr : malloc_on(size, c10::cuda::current_device(), stream);
   }
   void raw_delete(void* ptr) override {
-    if (ptr == nullptr) return;
+    if (ptr == nullptr || uncached_free(ptr)) return;
     Live live;
     std::optional<Recorded> recorded;
     if (recording_.load(std::memory_order_relaxed)) {
@@ -136,9 +176,14 @@ class ReservoirAllocator final : public CUDAAllocator {
 
   // ---- set-up and state ----
   void init(int device_count) override {
+    // The settings' memory fraction (per_process_memory_fraction), checked
+    // here as PyTorch checks it: a bad value is PyTorch's ValueError at
+    // initialization, not a failure of the first allocation.
+    double fraction = 1.0;
+    TORCH_CHECK_VALUE(entry().configured_fraction(&fraction) == 0, entry().error());
     entry().init(device_count);
     std::unique_lock lock(mutex_);
-    fractions_.assign(static_cast<std::size_t>(device_count), 1.0);
+    fractions_.assign(static_cast<std::size_t>(device_count), fraction);
     initialized_ = true;
     // reservoir's events cost a call each: taken only once asked for.
     const bool wanted = history_on_ || !trackers_.empty();
@@ -152,6 +197,20 @@ class ReservoirAllocator final : public CUDAAllocator {
   double getMemoryFraction(c10::DeviceIndex device) override {
     std::lock_guard lock(mutex_);
     return static_cast<std::size_t>(device) < fractions_.size() ? fractions_[device] : 1.0;
+  }
+  // torch.cuda.memory._set_allocator_settings(text), after PyTorch took it
+  // (its own parser validated it): reservoir's allocators follow.
+  void settings_changed(const std::string& text) {
+    char* ignored = nullptr;
+    TORCH_CHECK_VALUE(entry().apply_settings(text.c_str(), &ignored) == 0,
+                      "reservoir (PyTorch's allocator): _set_allocator_settings(\"", text, "\"): ", entry().error());
+    if (ignored != nullptr) {
+      const std::string what = ignored;
+      std::free(ignored);
+      TORCH_WARN("reservoir (PyTorch's allocator): _set_allocator_settings(\"", text, "\"): ", what,
+                 " is not applied at run time (reservoir keeps one kind of segment per allocator); the rest "
+                 "is. Give it in PYTORCH_ALLOC_CONF or RESERVOIR_ALLOC_CONF before the first allocation.");
+    }
   }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     entry().set_memory_fraction(fraction, device);
@@ -493,6 +552,9 @@ class ReservoirAllocator final : public CUDAAllocator {
           const std::size_t k = release_seen[addr]++;
           if (it != releases_.end() && k < it->second.size()) recorded = it->second[k];
         }
+        // context="state" keeps frames on the blocks in use only, as
+        // PyTorch's: its trace entries have none.
+        if (when_ == cca::RecordContext::STATE) recorded.context = nullptr;
         const auto time_us = e["time_us"].get<std::int64_t>();
         add_own_entries_until(trace, device, time_us, &own_entries_added);
         TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, e["size"].get<std::size_t>(),
@@ -991,6 +1053,11 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
 
   void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    // PyTorch's own check, ahead of its device allocator (no statistics,
+    // no observers): 1 EiB is more than any device holds.
+    constexpr size_t kOneExaByte = size_t{1} << 60;
+    TORCH_CHECK_WITH(OutOfMemoryError, size < kOneExaByte,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     std::optional<Recorded> recorded = record_context(true, device);
     void* p = nullptr;
     {
@@ -1025,6 +1092,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::mutex mutex_;
   bool initialized_ = false;
   std::atomic<bool> enabled_{true};
+  std::unordered_set<void*> uncached_;  // uncached_allocate's, live
   std::vector<double> fractions_;
   std::unordered_map<void*, Live> live_;
   std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
@@ -1070,6 +1138,42 @@ std::shared_ptr<ReservoirAllocator>& the_allocator() {
 }
 
 void raw_delete_fn(void* ptr) { the_allocator()->raw_delete(ptr); }
+void uncached_delete_fn(void* ptr) {
+  if (ptr != nullptr) (void)the_allocator()->uncached_free(ptr);
+}
+
+// Settings PyTorch takes at run time (torch.cuda.memory._set_allocator_settings,
+// torch._C._accelerator_setAllocatorSettings) reach reservoir through c10's
+// device parser hook, wrapped: PyTorch's own parser (CUDA's keys) runs
+// first, then reservoir's allocators follow. The hook is an object of
+// libc10's (a process-wide unique symbol), looked up there: an inline
+// reference from this library, built with hidden inlines, would be a copy
+// of its own.
+void follow_runtime_settings() {
+#if RESERVOIR_TORCH_MINOR >= 9
+  using Hook = std::function<void(const std::string&)>;
+  Hook* hook = nullptr;
+  if (void* c10 = dlopen("libc10.so", RTLD_NOW | RTLD_NOLOAD)) {
+    // An exported function returning it (2.15), or the function's static
+    // itself where the function is inline in the headers (2.11).
+    if (void* f = dlsym(c10, "_ZN3c1016CachingAllocator26AcceleratorAllocatorConfig19getConfigParserHookB5cxx11Ev")) {
+      hook = &reinterpret_cast<Hook& (*)()>(f)();
+    } else {
+      hook = static_cast<Hook*>(
+          dlsym(c10, "_ZZN3c1016CachingAllocator26AcceleratorAllocatorConfig19getConfigParserHookB5cxx11EvE4hook"));
+    }
+    dlclose(c10);
+  }
+  TORCH_CHECK(hook != nullptr,
+              "reservoir (PyTorch's allocator): libc10 has no allocator settings hook to follow "
+              "_set_allocator_settings with (a PyTorch this library was not built for?)");
+  const Hook previous = *hook;
+  *hook = [previous](const std::string& text) {
+    if (previous) previous(text);
+    if (the_allocator()) the_allocator()->settings_changed(text);
+  };
+#endif
+}
 
 }  // namespace
 
@@ -1084,6 +1188,12 @@ __attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(cons
     reservoir_torch_hooks::load(path, release);
     the_allocator() = std::make_shared<ReservoirAllocator>();
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(the_allocator());
+    follow_runtime_settings();
+    // The device-generic API (torch.accelerator.memory_stats(),
+    // empty_cache(), ...) asks c10's allocator of the CUDA device type,
+    // which changeCurrentAllocator leaves at PyTorch's: it is reservoir's
+    // too (at the highest priority, which no later registration overrides).
+    c10::SetAllocator(c10::DeviceType::CUDA, the_allocator().get(), std::numeric_limits<uint8_t>::max());
   });
 }
 

@@ -38,6 +38,8 @@ struct Entry {
   int (*empty_pool_cache)(int, unsigned long long, unsigned long long) = nullptr;
   char* (*checkpoint_pool)(int, unsigned long long, unsigned long long) = nullptr;
   char* (*restore_pool)(int, unsigned long long, unsigned long long, const char*) = nullptr;
+  int (*configured_fraction)(double*) = nullptr;
+  int (*apply_settings)(const char*, char**) = nullptr;
 };
 
 // The entry points, once load() found them.

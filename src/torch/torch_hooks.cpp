@@ -84,6 +84,8 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_empty_pool_cache", e.empty_pool_cache);
   find(lib, "reservoir_torch_checkpoint_pool", e.checkpoint_pool);
   find(lib, "reservoir_torch_restore_pool", e.restore_pool);
+  find(lib, "reservoir_torch_configured_memory_fraction", e.configured_fraction);
+  find(lib, "reservoir_torch_apply_settings", e.apply_settings);
   // The native policy takes this release's decisions (unless configured otherwise).
   int (*set_release)(const char*) = nullptr;
   find(lib, "reservoir_torch_set_pytorch_release", set_release);

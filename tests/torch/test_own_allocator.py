@@ -765,3 +765,230 @@ def test_a_pool_used_several_times_gives_its_memory_back_as_under_the_native_all
     assert ours["seen"][0][:2] == [2 * MiB + 20 * MiB + 26 * MiB + 2 * MiB, 4]
     assert ours["seen"][2] == [2 * MiB + 26 * MiB, 2, 1, 2]
     assert ours["seen"][3][:2] == [0, 0]
+
+
+def run_both(body, extra_env=None):
+    """The same program under PyTorch's allocator and under reservoir's,
+    installed by RESERVOIR_TORCH_ALLOCATOR=own (as a user with PyTorch's
+    own test suites runs it): both results."""
+    env = {k: v for k, v in os.environ.items() if k != "RESERVOIR_TORCH_ALLOCATOR"}
+    env.update(extra_env or {})
+    code = PRELUDE.replace('mode = sys.argv[1]', 'mode = "native"') + textwrap.dedent(body)
+    native = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    ours = run_with_environment("own", body, extra_env)
+    run_both.stderr = ours.stderr
+    return result_of(native), result_of(ours)
+
+
+# torch.accelerator's memory calls (the device-generic API) reach the
+# allocator PyTorch allocates CUDA memory from: reservoir's, once installed.
+ACCELERATOR = """
+torch.cuda.empty_cache()
+torch.cuda.reset_peak_memory_stats()
+x = torch.empty(256, dtype=torch.float32, device="cuda")
+stats = torch.accelerator.memory_stats()
+allocated = torch.accelerator.memory_allocated()
+reserved = torch.accelerator.memory_reserved()
+del x
+torch.accelerator.empty_cache()
+after = torch.accelerator.memory_stats()
+torch.accelerator.reset_peak_memory_stats()
+emit(backend=torch.cuda.get_allocator_backend(), active=stats["active_bytes.all.current"], allocated=allocated,
+     reserved=reserved, reserved_after=torch.accelerator.memory_reserved(),
+     freed=after["active_bytes.all.freed"], max_allocated=torch.accelerator.max_memory_allocated(),
+     max_reserved=torch.accelerator.max_memory_reserved(), keys=sorted(stats))
+"""
+
+
+def test_torch_accelerator_memory_calls_reach_reservoir():
+    native, ours = run_both(ACCELERATOR)
+    assert (native.pop("backend"), ours.pop("backend")) == ("native", "reservoir")
+    assert ours == native
+    assert (ours["active"], ours["allocated"], ours["reserved"]) == (1024, 1024, 2 * 1024 * 1024)
+    assert (ours["reserved_after"], ours["freed"], ours["max_allocated"], ours["max_reserved"]) == (0, 1024, 0, 0)
+
+
+# torch.cuda.memory._set_allocator_settings() at run time: each call's
+# rounding, split limit and collection threshold apply from the next
+# allocation on (the three fall back to their defaults when a call leaves
+# them out, as PyTorch's parser does).
+RUNTIME_SETTINGS = """
+nelems = 21 * MiB  # 84 MiB of floats
+def grown(f):
+    before = torch.cuda.memory_stats().get("active_bytes.all.allocated", 0)
+    t = f()
+    return torch.cuda.memory_stats()["active_bytes.all.allocated"] - before, t
+keep = []
+def alloc():
+    return torch.empty(nelems, dtype=torch.float32, device="cuda")
+sizes = []
+for settings in (None, "roundup_power2_divisions:4", "garbage_collection_threshold:0.5,max_split_size_mb:40",
+                 "roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]", "release_lock_on_cudamalloc:True"):
+    if settings is not None:
+        torch.cuda.memory._set_allocator_settings(settings)
+    n, t = grown(alloc)
+    keep.append(t)
+    sizes.append(n)
+    split = torch.cuda.memory_stats()["max_split_size"]
+    sizes.append(split)
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+emit(sizes=sizes, backend=torch.cuda.get_allocator_backend())
+"""
+
+
+def test_settings_changed_at_run_time_apply_to_the_next_allocation():
+    native, ours = run_both(RUNTIME_SETTINGS)
+    assert ours["sizes"] == native["sizes"]
+    MiB = 1 << 20
+    # 84 MiB as asked; to 96 MiB in quarters; back to 84; to 88 in eighths; 84 again.
+    assert ours["sizes"][0::2] == [84 * MiB, 96 * MiB, 84 * MiB, 88 * MiB, 84 * MiB]
+    # The max_split_size statistic stays as the allocator was made (-1: no
+    # limit), though the limit itself applied, as under PyTorch's.
+    assert set(ours["sizes"][1::2]) == {-1}
+    # A change of segment kind is not made at run time, and reservoir says so
+    # (PyTorch's warning, on stderr).
+    said = [line for line in run_both.stderr.splitlines() if "is not applied at run time" in line]
+    assert len(said) == 1 and "expandable_segments:True is not applied at run time" in said[0], run_both.stderr
+
+
+# torch.cuda.memory.caching_allocator_enable(False): every request is a
+# cudaMalloc of its own, outside the cache and its statistics, and its
+# memory goes back to the device when freed.
+UNCACHED = """
+device = torch.cuda.current_device()
+stream = torch._C._cuda_getCurrentRawStream(device)
+def requested(n):
+    start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+    p = torch._C._cuda_cudaCachingAllocator_raw_alloc(n, stream)
+    finish = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+    torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+    return finish - start
+torch.cuda.empty_cache()
+torch.cuda.caching_allocator_enable(False)
+off = requested(MiB)
+free0 = torch.cuda.mem_get_info()[0]
+t = torch.empty(6 * MiB, dtype=torch.uint8, device="cuda")
+free1 = torch.cuda.mem_get_info()[0]
+reserved_off = torch.cuda.memory_reserved()
+del t
+free2 = torch.cuda.mem_get_info()[0]
+torch.cuda.caching_allocator_enable(True)
+on = requested(MiB)
+emit(off=off, on=on, reserved_off=reserved_off, taken=free0 - free1, back=free2 - free1,
+     enabled=getattr(torch._C, "_cuda_cudaCachingAllocator_is_enabled", lambda: True)())
+"""
+
+
+def test_a_disabled_cache_allocates_from_the_device_each_time():
+    native, ours = run_both(UNCACHED)
+    assert ours == native
+    assert (ours["off"], ours["on"], ours["reserved_off"]) == (0, 1 << 20, 0)
+    assert ours["taken"] == ours["back"] >= 6 << 20 and ours["enabled"]
+
+
+# per_process_memory_fraction in the settings: what the getter answers, 0.0
+# accepted, and a value outside [0, 1] is PyTorch's ValueError when CUDA
+# starts, with PyTorch's words.
+FRACTION = """
+device = torch._C._cuda_getDevice()
+emit(fraction=torch.cuda.memory.get_per_process_memory_fraction(device), backend=torch.cuda.get_allocator_backend())
+"""
+
+
+@pytest.mark.parametrize("value", ["0.0", "0.5", "1.0"])
+def test_the_memory_fraction_of_the_settings_is_what_the_getter_answers(value):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": f"per_process_memory_fraction:{value}"}
+    native, ours = run_both(FRACTION, env)
+    assert (native["backend"], ours["backend"]) == ("native", "reservoir")
+    assert ours["fraction"] == native["fraction"] == float(value)
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.1"])
+def test_a_memory_fraction_out_of_range_stops_the_program_in_pytorchs_words(value):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": f"per_process_memory_fraction:{value}"}
+    r = run_with_environment("own", FRACTION, env)
+    assert r.returncode != 0
+    assert "ValueError" in r.stderr and "per_process_memory_fraction is invalid" in r.stderr, r.stderr[-2000:]
+
+
+def test_zero_memory_fraction_allows_no_memory():
+    body = """
+torch.cuda.set_per_process_memory_fraction(0.0)
+try:
+    torch.empty(1, device="cuda")
+    emit(oom=False, fraction=torch.cuda.get_per_process_memory_fraction())
+except torch.OutOfMemoryError as e:
+    emit(oom=True, fraction=torch.cuda.get_per_process_memory_fraction())
+"""
+    native, ours = run_both(body)
+    assert ours == native == {"oom": True, "fraction": 0.0}
+
+
+# _record_memory_history(context="state"): frames on the blocks in use
+# only; the trace's entries carry none.
+STATE_CONTEXT = """
+torch.cuda.memory._record_memory_history(context="state", stacks="python")
+x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+y = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+del y
+snap = torch.cuda.memory._snapshot()
+torch.cuda.memory._record_memory_history(None)
+blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+trace = snap["device_traces"][0]
+emit(block_frames=[len(b["frames"]) > 0 for b in blocks], actions=[e["action"] for e in trace],
+     trace_frames=[len(e.get("frames", [])) for e in trace])
+"""
+
+
+def test_state_context_keeps_frames_on_blocks_in_use_only():
+    native, ours = run_both(STATE_CONTEXT)
+    assert ours == native
+    assert ours["block_frames"] == [True] and set(ours["trace_frames"]) == {0}
+
+
+# Nested torch.cuda.use_mem_pool: what is allocated inside the innermost
+# block goes to its pool.
+NESTED_POOLS = """
+pools = [torch.cuda.MemPool() for _ in range(3)]
+keep = []
+with torch.cuda.use_mem_pool(pools[0]):
+    keep.append(torch.empty(3 * MiB, dtype=torch.uint8, device="cuda"))
+    with torch.cuda.use_mem_pool(pools[1]):
+        keep.append(torch.empty(3 * MiB, dtype=torch.uint8, device="cuda"))
+        with torch.cuda.use_mem_pool(pools[2]):
+            keep.append(torch.empty(3 * MiB, dtype=torch.uint8, device="cuda"))
+        keep.append(torch.empty(30 * MiB, dtype=torch.uint8, device="cuda"))
+    keep.append(torch.empty(30 * MiB, dtype=torch.uint8, device="cuda"))
+emit(segments=[len(p.snapshot()) for p in pools])
+"""
+
+
+def test_nested_memory_pools_allocate_to_the_innermost():
+    native, ours = run_both(NESTED_POOLS)
+    assert ours == native == {"segments": [2, 2, 1]}
+
+
+# A request of 1 EiB or more: PyTorch's own words, before any device call.
+def test_a_request_beyond_an_exabyte_is_pytorchs_error():
+    body = """
+try:
+    torch.empty(1024 * 1024 * 1024 * 8000000000, dtype=torch.int8, device="cuda")
+    emit(error=None)
+except torch.OutOfMemoryError as e:
+    emit(error=str(e).split("\\n")[0], ooms=torch.cuda.memory_stats().get("num_ooms", 0))
+"""
+    native, ours = run_both(body)
+    assert ours == native
+    assert ours["error"] == "CUDA out of memory. Tried to allocate more than 1EB memory."
+
+
+# A child told to use another backend of PyTorch's (backend:cudaMallocAsync)
+# gets it: the inherited RESERVOIR_TORCH_ALLOCATOR steps aside, in one line.
+def test_another_backend_asked_of_pytorch_wins_over_the_inherited_variable():
+    body = "torch.cuda.init()\nemit(backend=torch.cuda.get_allocator_backend())"
+    r = run_with_environment("own", body, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:20,backend:cudaMallocAsync"})
+    assert result_of(r) == {"backend": "cudaMallocAsync"}
+    lines = [x for x in r.stderr.splitlines() if x.startswith("reservoir:")]
+    assert lines == ["reservoir: RESERVOIR_TORCH_ALLOCATOR=own ignored: PYTORCH_ALLOC_CONF asks PyTorch for "
+                     "backend:cudaMallocAsync, which PyTorch keeps"], r.stderr[-2000:]
