@@ -12,10 +12,13 @@ Switch with one import::
     torch_memory_saver.pause("kv_cache")
     torch_memory_saver.resume("kv_cache")
 
-On first use it makes reservoir PyTorch's allocator (reservoir.install_torch,
-with RESERVOIR_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF), which must happen
-before the first CUDA tensor; call reservoir.install_torch() yourself at
-start-up to choose the config. Differences from torch_memory_saver are listed
+On first use, before the first CUDA tensor, it makes reservoir PyTorch's
+allocator (reservoir.install_torch, with RESERVOIR_ALLOC_CONF or
+PYTORCH_CUDA_ALLOC_CONF; call it yourself at start-up to choose the
+config); after it, PyTorch's allocator stays and regions allocate from
+MemPools of reservoir's allocator, as torch_memory_saver's torch mode does.
+Tags span devices: a region tags what its thread allocates on any device,
+and pause and resume act on every device holding the tag. Differences from torch_memory_saver are listed
 in docs/integrations.md ("torch_memory_saver drop-in").
 """
 import contextlib
@@ -176,6 +179,129 @@ class _InterposerSaver:
         return buf.raw if found else None
 
 
+class _EveryDevice:
+    """reservoir's default savers of every device as one, as
+    torch_memory_saver's tags span devices: a region tags what its thread
+    allocates on any device (savers created inside it too), and pause and
+    resume act on every device that holds the tag.
+
+    With `pools` (PyTorch's own allocator was in use before the first
+    region), a region also routes its device's allocations through a MemPool
+    of reservoir's pluggable allocator, one per tag, backup and device, as
+    torch_memory_saver's torch mode does: PyTorch keeps caching, and the
+    pool's segments are the tag's memory."""
+
+    def __init__(self, pools=False):
+        self._pools = {} if pools else None
+        self._allocator = None
+        self._settings = {}  # what set_disk_backup_dir and the properties set, for every saver
+        self._configured = set()  # devices whose saver has them
+
+    def _savers(self):
+        devices = reservoir._core.default_saver_devices()
+        for d in devices:
+            if d not in self._configured:
+                saver = reservoir.default_saver(d)
+                for name, value in self._settings.items():
+                    if name == "disk_backup_dir":
+                        saver.set_disk_backup_dir(value)
+                    else:
+                        setattr(saver, name, value)
+                self._configured.add(d)
+        return [reservoir.default_saver(d) for d in devices]
+
+    def _current_device(self):
+        return torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+
+    def _pool(self, key):
+        if key not in self._pools:
+            if self._allocator is None:
+                self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                    reservoir.library_path(), "reservoir_torch_malloc", "reservoir_torch_free")
+            self._pools[key] = torch.cuda.MemPool(allocator=self._allocator.allocator())
+        return self._pools[key]
+
+    @contextlib.contextmanager
+    def _open(self, tag, cpu_backup, storage):
+        reservoir.default_saver(self._current_device())  # the current device's, with its settings
+        self._savers()
+        region = reservoir._core._push_region_everywhere(tag, cpu_backup, storage)
+        try:
+            yield
+        finally:
+            reservoir._core._pop_region_everywhere(region)
+
+    @contextlib.contextmanager
+    def region(self, tag, cpu_backup=False, storage=None):
+        if self._pools is None:
+            with self._open(tag, cpu_backup, storage):
+                yield
+            return
+        pool = self._pool((tag, storage if cpu_backup else None, self._current_device()))
+        with torch.cuda.use_mem_pool(pool), self._open(tag, cpu_backup, storage):
+            yield
+
+    @contextlib.contextmanager
+    def untagged(self):
+        if self._pools is None:
+            with self._open(None, False, None):
+                yield
+            return
+        # PyTorch's own memory, in a pool of its own used once (as
+        # torch_memory_saver's disable()), so that no block of a tag's pool
+        # is handed out inside.
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            yield
+
+    def _holding(self, tag):
+        return [s for s in self._savers() if tag is None or any(t["tag"] == tag for t in s.tags())]
+
+    def pause(self, tag=None):
+        for saver in self._holding(tag):
+            saver.pause(tag)
+
+    def resume(self, tag=None):
+        for saver in self._holding(tag):
+            saver.resume(tag)
+
+    def tags(self):
+        return [t for s in self._savers() for t in s.tags()]
+
+    def read_backup(self, ptr, nbytes):
+        for saver in self._savers():
+            data = saver.read_backup(ptr, nbytes)
+            if data is not None:
+                return data
+        return None
+
+    def _set(self, name, value):
+        self._settings[name] = value
+        self._configured.clear()
+        self._savers()
+
+    def set_disk_backup_dir(self, path):
+        self._set("disk_backup_dir", path)
+
+    @property
+    def retain_backup(self):
+        if "retain_backup" in self._settings:
+            return self._settings["retain_backup"]
+        return reservoir.default_saver(self._current_device()).retain_backup
+
+    @retain_backup.setter
+    def retain_backup(self, value):
+        self._set("retain_backup", bool(value))
+
+    @property
+    def memory_margin(self):
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin.setter
+    def memory_margin(self, value):
+        self._set("memory_margin", int(value))
+
+
 @contextlib.contextmanager
 def configure_subprocess():
     """Child processes started inside run under reservoir's interposer
@@ -225,11 +351,14 @@ class TorchMemorySaver:
 
     def _install(self):
         kind = os.environ.get("RESERVOIR_TORCH_DEVICE", "")
-        if kind not in ("host", "sim"):
-            import torch
-
-            if torch.cuda.is_available():
-                if not reservoir.torch_installed():
+        pools = False
+        if kind not in ("host", "sim") and torch is not None and torch.cuda.is_available():
+            if not reservoir.torch_installed():
+                if torch.cuda.is_initialized():
+                    # PyTorch's own allocator holds memory already: regions
+                    # go through MemPools of reservoir's allocator instead.
+                    pools = True
+                else:
                     try:
                         reservoir.install_torch()
                     except RuntimeError as e:
@@ -237,7 +366,7 @@ class TorchMemorySaver:
                             "reservoir.memory_saver: could not make reservoir PyTorch's allocator "
                             f"({e}); call reservoir.install_torch() before the first CUDA tensor"
                         ) from e
-        self._impl = reservoir.default_saver(self._device)
+        self._impl = _EveryDevice(pools=pools)
         return self._impl
 
     def _configure(self, saver):

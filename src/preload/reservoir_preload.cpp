@@ -45,6 +45,8 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -258,13 +260,43 @@ int on_saver(F&& f) {
   return -1;
 }
 
+// Runs `f` on every GPU's saver that holds `tag` (every saver when it is
+// null); when none holds it, on the current GPU's, whose error then says so.
+template <typename F>
+int on_every_saver(const char* tag, F&& f) {
+  std::vector<reservoir::Saver*> holding;
+  {
+    State& s = state();
+    std::lock_guard lock(s.mutex);
+    for (PerDevice& d : s.devices) {
+      if (!d.saver) continue;
+      if (tag == nullptr) {
+        holding.push_back(d.saver.get());
+        continue;
+      }
+      for (const reservoir::TagInfo& t : d.saver->tags()) {
+        if (t.tag == tag) {
+          holding.push_back(d.saver.get());
+          break;
+        }
+      }
+    }
+  }
+  if (holding.empty()) return on_saver(std::forward<F>(f));
+  for (reservoir::Saver* saver : holding) {
+    const int rc = on_saver([&](reservoir::Saver&) { f(*saver); });
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 // ---- tags (reservoir.memory_saver's preload mode) -------------------------
-// Every call acts on the calling thread's current GPU; -1 on an error, and
-// reservoir_preload_last_error() says why.
+// Every call but pause and resume acts on the calling thread's current GPU;
+// -1 on an error, and reservoir_preload_last_error() says why.
 
 __attribute__((visibility("default"))) const char* reservoir_preload_last_error() {
   return last_error.c_str();
@@ -300,24 +332,50 @@ __attribute__((visibility("default"))) int reservoir_preload_region_pop(unsigned
   return on_saver([&](reservoir::Saver& saver) { saver.pop_region(token); });
 }
 
-// Pauses or resumes `tag`, or every tag when it is null.
+// Pauses or resumes `tag` on every GPU that holds it, or every tag of
+// every GPU when it is null (a tag no GPU holds: the current GPU's error).
 __attribute__((visibility("default"))) int reservoir_preload_pause(const char* tag) {
-  return on_saver([&](reservoir::Saver& saver) { tag != nullptr ? saver.pause(tag) : saver.pause(); });
+  return on_every_saver(tag, [&](reservoir::Saver& saver) { tag != nullptr ? saver.pause(tag) : saver.pause(); });
 }
 
 __attribute__((visibility("default"))) int reservoir_preload_resume(const char* tag) {
-  return on_saver([&](reservoir::Saver& saver) { tag != nullptr ? saver.resume(tag) : saver.resume(); });
+  return on_every_saver(tag, [&](reservoir::Saver& saver) { tag != nullptr ? saver.resume(tag) : saver.resume(); });
 }
 
-// The tags as a JSON list of TagInfo objects; free it with free(). Null on error.
+// torch_memory_saver's preload library's C entry points that programs call
+// themselves: pause or resume `tag` (every tag when null), as above. They
+// return nothing, as there; an error is printed with what was wrong.
+__attribute__((visibility("default"))) void tms_pause(const char* tag) {
+  if (reservoir_preload_pause(tag) != 0) {
+    std::fprintf(stderr, "reservoir preload: tms_pause(%s): %s\n", tag != nullptr ? tag : "NULL",
+                 last_error.c_str());
+  }
+}
+
+__attribute__((visibility("default"))) void tms_resume(const char* tag) {
+  if (reservoir_preload_resume(tag) != 0) {
+    std::fprintf(stderr, "reservoir preload: tms_resume(%s): %s\n", tag != nullptr ? tag : "NULL",
+                 last_error.c_str());
+  }
+}
+
+// The tags of every GPU as a JSON list of TagInfo objects (a tag held on
+// two GPUs is listed twice, with "device" apart); free it with free(). Null
+// on error.
 __attribute__((visibility("default"))) char* reservoir_preload_tags_json() {
   char* out = nullptr;
-  (void)on_saver([&](reservoir::Saver& saver) {
+  (void)on_saver([&](reservoir::Saver&) {
     nlohmann::json list = nlohmann::json::array();
-    for (const reservoir::TagInfo& t : saver.tags()) {
-      nlohmann::json j;
-      t.for_each_field([&](const char* name, const auto& value) { j[name] = value; });
-      list.push_back(std::move(j));
+    State& s = state();
+    std::lock_guard lock(s.mutex);
+    for (std::size_t device = 0; device < s.devices.size(); ++device) {
+      if (!s.devices[device].saver) continue;
+      for (const reservoir::TagInfo& t : s.devices[device].saver->tags()) {
+        nlohmann::json j;
+        t.for_each_field([&](const char* name, const auto& value) { j[name] = value; });
+        j["device"] = device;
+        list.push_back(std::move(j));
+      }
     }
     const std::string text = list.dump();
     out = static_cast<char*>(std::malloc(text.size() + 1));

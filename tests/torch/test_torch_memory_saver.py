@@ -120,23 +120,110 @@ def test_misuse_kills_the_process_there_and_is_an_error_here(case):
     assert ours.stdout.split() == ["UsageError", "alive"]
 
 
-def test_tensors_before_the_first_region_work_there_and_not_here():
-    # torch_memory_saver routes regions through a MemPool beside PyTorch's
-    # own allocator; the drop-in makes reservoir PyTorch's allocator, which
-    # must happen before the first CUDA tensor, and says so.
-    body = """
-        y = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
-        try:
-            with tms.region(tag="a"):
-                x = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
-            print("region")
-        except RuntimeError as e:
-            print("before the first CUDA tensor" in str(e))
-        import os
-        os._exit(0)
-    """
-    assert run(REAL, "torch", body).stdout.split() == ["region"]
-    assert run(OURS, "torch", body).stdout.split() == ["True"]
+# CUDA tensors made before the first region (as sglang and verl make them):
+# PyTorch's own allocator is in charge then, and a region's allocations go
+# through a MemPool of the saver's allocator, both ways.
+BEFORE_THE_FIRST_REGION = """
+    y = torch.full((16 * MiB,), 3, dtype=torch.uint8).to("cuda")
+    with tms.region(tag="a", enable_cpu_backup=True):
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    x.copy_(torch.arange(64 * MiB, dtype=torch.int64).to(torch.uint8))
+    px = x.data_ptr()
+    free0 = torch.cuda.mem_get_info()[0]
+    tms.pause("a")
+    free1 = torch.cuda.mem_get_info()[0]
+    tms.resume("a")
+    free2 = torch.cuda.mem_get_info()[0]
+    print((free1 - free0) // MiB, free2 == free0, x.data_ptr() == px,
+          torch.equal(x.cpu(), torch.arange(64 * MiB, dtype=torch.int64).to(torch.uint8)),
+          bool((y.cpu() == 3).all()), torch.cuda.get_allocator_backend())
+    import os
+    os._exit(0)
+"""
+
+
+def prints_both_ways(hook_mode, ours_impl, body, expected, env=None):
+    """The real package and the drop-in run `body`; each ends its output
+    with `expected`."""
+    for impl in (REAL, ours_impl):
+        r = run(impl, hook_mode, body, env)
+        assert r.returncode == 0, f"{impl}: {r.stderr[-3000:]}"
+        assert r.stdout.split()[-len(expected):] == expected, f"{impl}: {r.stdout[-2000:]}"
+
+
+def test_tensors_before_the_first_region_work_both_ways():
+    prints_both_ways("torch", OURS, BEFORE_THE_FIRST_REGION, ["64", "True", "True", "True", "True", "native"])
+
+
+# Tensors of one tag on two devices (each made in a region opened with its
+# device current): pause and resume act on both, from whichever device is
+# current, as torch_memory_saver's do.
+TWO_DEVICES = """
+    keep = []
+    for d in (0, 1):
+        torch.cuda.set_device(d)
+        with tms.region(tag="w"):
+            keep.append(torch.empty(256 * MiB, dtype=torch.uint8, device="cuda"))
+    torch.cuda.set_device(0)
+    free = lambda: (torch.cuda.mem_get_info(0)[0], torch.cuda.mem_get_info(1)[0])
+    before = free()
+    tms.pause("w")
+    paused = free()
+    tms.resume("w")
+    print((paused[0] - before[0]) // MiB, (paused[1] - before[1]) // MiB, free() == before)
+    tms.pause()
+    print([(p - q) // MiB for p, q in zip(free(), before)])
+    tms.resume()
+    import os
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("ours_impl", [OURS, OURS_UNDER_INTERPOSER])
+@pytest.mark.parametrize("hook_mode", ["torch", "preload"])
+def test_pause_and_resume_act_on_every_device(hook_mode, ours_impl):
+    prints_both_ways(hook_mode, ours_impl, TWO_DEVICES, ["256", "256", "True", "[256,", "256]"],
+                     {"RESERVOIR_SIMCUDA_DEVICES": "2"})
+
+
+# A program that calls the preload library's C functions itself
+# (torch_memory_saver's own cuda_vmm_granularity example does).
+C_ENTRY_POINTS = """
+    import ctypes
+    api = ctypes.CDLL(None)
+    pause, resume = api.tms_pause, api.tms_resume
+    pause.argtypes = resume.argtypes = [ctypes.c_char_p]
+    pause.restype = resume.restype = None
+    with tms.region(tag="t"):
+        x = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")
+    free0 = torch.cuda.mem_get_info()[0]
+    pause(b"t")
+    free1 = torch.cuda.mem_get_info()[0]
+    resume(None)
+    x.copy_(torch.full((32 * MiB,), 4, dtype=torch.uint8))
+    print((free1 - free0) // MiB, torch.cuda.mem_get_info()[0] == free0, bool((x.cpu() == 4).all()))
+    import os
+    os._exit(0)
+"""
+
+
+def test_the_preload_librarys_c_entry_points_pause_and_resume():
+    prints_both_ways("preload", OURS_UNDER_INTERPOSER, C_ENTRY_POINTS, ["32", "True", "True"])
+
+
+def test_an_inherited_allocator_variable_leaves_a_child_under_the_interposer_alone():
+    # RESERVOIR_TORCH_ALLOCATOR from the parent, in a child that
+    # configure_subprocess() put under the interposer: the child's
+    # allocations are the interposer's, and the variable steps aside.
+    import reservoir
+    site_dir = os.path.dirname(os.path.dirname(os.path.abspath(reservoir.__file__)))
+    for value in ("pluggable", "own"):
+        ours = run(OURS_UNDER_INTERPOSER, "preload", f"import site\nsite.addsitedir({site_dir!r})\n" +
+                   textwrap.dedent(PAUSE_RESUME), {"RESERVOIR_TORCH_ALLOCATOR": value})
+        assert ours.returncode == 0, ours.stderr[-3000:]
+        assert ours.stdout.split() == ["128", "64", "True", "True", "True", "True", "True", "True"]
+        assert (f"reservoir: RESERVOIR_TORCH_ALLOCATOR={value} ignored: this process runs under reservoir's "
+                "interposer") in ours.stderr
 
 
 def test_disable_outside_a_region_asserts_there_and_is_allowed_here():
