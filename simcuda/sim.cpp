@@ -740,7 +740,7 @@ int Sim::host_register(void* ptr, std::size_t size) {
   std::lock_guard<std::mutex> lock(mu_);
   // Any overlap with a registered range or a pinned allocation: already registered.
   for (const auto* ranges : {&registered_, &host_}) {
-    auto it = ranges->lower_bound(p);
+    const auto it = ranges->lower_bound(p);
     if (it != ranges->end() && it->first < p + size) return kHostMemoryAlreadyRegistered;
     if (holding(*ranges, p) != ranges->end()) return kHostMemoryAlreadyRegistered;
   }
@@ -751,7 +751,7 @@ int Sim::host_register(void* ptr, std::size_t size) {
 int Sim::host_unregister(void* ptr) {
   if (ptr == nullptr) return kInvalidValue;
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  const auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == registered_.end()) return kHostMemoryNotRegistered;
   registered_.erase(it);
   return kSuccess;
