@@ -200,6 +200,8 @@ def tms_suite(args, report):
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text(
         "from reservoir.memory_saver import TorchMemorySaver, configure_subprocess, torch_memory_saver  # noqa\n")
+    # The module the class is defined in, which the suite imports it from.
+    (shim / "entrypoint.py").write_text("from reservoir.memory_saver import TorchMemorySaver  # noqa\n")
     for helper in ("testing_utils.py", "utils.py"):
         shutil.copy(tms_site / "torch_memory_saver" / helper, shim / helper)
     python_dir = Path(args.build).resolve() / "python"
