@@ -172,7 +172,7 @@ SIMCUDA_API CUresult cuCtxGetDevice(CUdevice* device) {
 
 SIMCUDA_API CUresult cuCtxSynchronize(void) {
   ENTER("cuCtxSynchronize", false);
-  Sim::get().complete_all();
+  Sim::get().device_synchronize(current_device());
   return CUDA_SUCCESS;
 }
 
@@ -360,7 +360,7 @@ SIMCUDA_API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp*
   return CUDA_SUCCESS;
 }
 
-// ---- streams, events and copies (work is done when issued) ---------------
+// ---- streams, events and copies (in their streams' order: Sim::run) -------
 
 SIMCUDA_API CUresult cuStreamCreate(CUstream* stream, unsigned int flags) {
   ENTER("cuStreamCreate", false);
@@ -374,8 +374,9 @@ SIMCUDA_API CUresult cuStreamDestroy(CUstream stream) {
 }
 SIMCUDA_API CUresult cuStreamSynchronize(CUstream stream) {
   ENTER("cuStreamSynchronize", false);
-  (void)stream;
-  return CUDA_SUCCESS;
+  const auto handle = reinterpret_cast<std::uintptr_t>(stream);
+  const int device = handle <= 2 ? current_device() : reinterpret_cast<sc::Stream*>(stream)->device;
+  return code(Sim::get().stream_synchronize(stream, device));
 }
 SIMCUDA_API CUresult cuEventCreate(CUevent* event, unsigned int flags) {
   ENTER("cuEventCreate", false);
@@ -390,8 +391,7 @@ SIMCUDA_API CUresult cuEventDestroy(CUevent event) {
 }
 SIMCUDA_API CUresult cuEventRecord(CUevent event, CUstream stream) {
   ENTER("cuEventRecord", false);
-  (void)stream;
-  return code(Sim::get().record(reinterpret_cast<sc::Event*>(event)));
+  return code(Sim::get().record(reinterpret_cast<sc::Event*>(event), stream));
 }
 SIMCUDA_API CUresult cuEventQuery(CUevent event) {
   ENTER("cuEventQuery", false);

@@ -32,6 +32,11 @@ cudaError_t result(int code) {
   if (const int injected = Sim::get().enter(name, alloc)) return result(injected)
 
 int device() { return Sim::current_device(); }
+// The device of a stream: its own, or the current one for the default streams.
+int stream_device(cudaStream_t s) {
+  const auto handle = reinterpret_cast<std::uintptr_t>(s);
+  return handle <= 2 ? device() : reinterpret_cast<Stream*>(s)->device;
+}
 
 // Launch configurations pushed by <<<>>> and popped by the stub that
 // launches.
@@ -65,8 +70,8 @@ SIMCUDA_API void __cudaRegisterFatBinaryEnd(void** handle) { (void)handle; }
 SIMCUDA_API void __cudaUnregisterFatBinary(void** handle) { (void)handle; }
 SIMCUDA_API void __cudaRegisterFunction(void** handle, const char* host, char* device, const char* name,
                                         int limit, uint3* tid, uint3* bid, dim3* bdim, dim3* gdim, int* wsize) {
-  (void)handle, (void)host, (void)device, (void)name, (void)limit, (void)tid, (void)bid, (void)bdim,
-      (void)gdim, (void)wsize;
+  (void)handle, (void)device, (void)limit, (void)tid, (void)bid, (void)bdim, (void)gdim, (void)wsize;
+  Sim::get().register_function(host, name);  // which kernel a launch of the stub is
 }
 SIMCUDA_API void __cudaRegisterVar(void** handle, char* host, char* device, const char* name, int ext,
                                    size_t size, int constant, int global) {
@@ -99,25 +104,35 @@ SIMCUDA_API cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* func) 
   return cudaSuccess;
 }
 
-cudaError_t launch(const char* name) {
+// A kernel runs in its stream's order and takes no time, but for a kernel
+// that spins for its first argument's cycles (torch.cuda._sleep's
+// spin_kernel), which keeps the stream busy that long (Sim::run).
+cudaError_t launch(const char* name, const void* f, void** args, cudaStream_t stream) {
   if (!Sim::get().allow_kernels()) return result(Sim::get().refuse(name));
   ENTER(name, false);
+  double ms = 0.0;
+  if (f != nullptr && args != nullptr && args[0] != nullptr &&
+      Sim::get().function_name(f).find("spin_kernel") != std::string::npos) {
+    std::int64_t cycles = 0;
+    std::memcpy(&cycles, args[0], sizeof cycles);
+    if (cycles > 0) ms = static_cast<double>(cycles) / reservoir::simcuda::kSimulatedCyclesPerMs;
+  }
+  Sim::get().run(stream, device(), ms);
   return cudaSuccess;
 }
 
 SIMCUDA_API cudaError_t cudaLaunchKernel(const void* f, dim3 grid, dim3 block, void** args, size_t shared,
                                          cudaStream_t stream) {
-  (void)f, (void)grid, (void)block, (void)args, (void)shared, (void)stream;
-  return launch("cudaLaunchKernel");
+  (void)grid, (void)block, (void)shared;
+  return launch("cudaLaunchKernel", f, args, stream);
 }
 SIMCUDA_API cudaError_t __cudaLaunchKernel(const void* f, dim3 grid, dim3 block, void** args, size_t shared,
                                            cudaStream_t stream) {
-  (void)f, (void)grid, (void)block, (void)args, (void)shared, (void)stream;
-  return launch("__cudaLaunchKernel");
+  (void)grid, (void)block, (void)shared;
+  return launch("__cudaLaunchKernel", f, args, stream);
 }
 SIMCUDA_API cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* config, const void* f, void** args) {
-  (void)config, (void)f, (void)args;
-  return launch("cudaLaunchKernelExC");
+  return launch("cudaLaunchKernelExC", f, args, config != nullptr ? config->stream : nullptr);
 }
 
 // ---- errors and versions ------------------------------------------------
@@ -208,7 +223,7 @@ SIMCUDA_API cudaError_t cudaSetDevice(int d) {
 }
 SIMCUDA_API cudaError_t cudaDeviceSynchronize(void) {
   ENTER("cudaDeviceSynchronize", false);
-  Sim::get().complete_all();
+  Sim::get().device_synchronize(device());
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int d) {
@@ -380,17 +395,22 @@ SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const
   return cudaSuccess;
 }
 
+// Copies take no time; a synchronous one waits for the legacy stream's work
+// (and so every blocking stream's) first, an asynchronous one runs in its
+// stream's order.
 SIMCUDA_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   ENTER("cudaMemcpy", false);
   (void)kind;
+  Sim::get().stream_synchronize(nullptr, device());
   copy(dst, src, count);
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                                         cudaStream_t stream) {
   ENTER("cudaMemcpyAsync", false);
-  (void)kind, (void)stream;
+  (void)kind;
   copy(dst, src, count);
+  Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
@@ -416,8 +436,8 @@ SIMCUDA_API cudaError_t cudaMemset(void* ptr, int value, size_t count) {
 }
 SIMCUDA_API cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
   ENTER("cudaMemsetAsync", false);
-  (void)stream;
   std::memset(ptr, value, count);
+  Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }
 
@@ -443,21 +463,19 @@ SIMCUDA_API cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
   *priority = s != nullptr ? reinterpret_cast<Stream*>(s)->priority : 0;
   return cudaSuccess;
 }
-// Work is done when issued: a stream is always idle.
+// A stream is busy while the work queued on it has not ended (Sim::run).
 SIMCUDA_API cudaError_t cudaStreamQuery(cudaStream_t s) {
   ENTER("cudaStreamQuery", false);
-  (void)s;
-  return cudaSuccess;
+  return result(Sim::get().stream_query(s, stream_device(s)));
 }
 SIMCUDA_API cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   ENTER("cudaStreamSynchronize", false);
-  (void)s;
-  return cudaSuccess;
+  return result(Sim::get().stream_synchronize(s, stream_device(s)));
 }
 SIMCUDA_API cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   ENTER("cudaStreamWaitEvent", false);
-  (void)s, (void)e, (void)flags;
-  return cudaSuccess;
+  (void)flags;
+  return result(Sim::get().stream_wait_event(s, stream_device(s), reinterpret_cast<Event*>(e)));
 }
 SIMCUDA_API cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
   ENTER("cudaStreamIsCapturing", false);
@@ -555,13 +573,12 @@ SIMCUDA_API cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 SIMCUDA_API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   ENTER("cudaEventRecord", false);
-  (void)s;
-  return result(Sim::get().record(reinterpret_cast<Event*>(e)));
+  return result(Sim::get().record(reinterpret_cast<Event*>(e), s));
 }
 SIMCUDA_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int flags) {
   ENTER("cudaEventRecordWithFlags", false);
-  (void)s, (void)flags;
-  return result(Sim::get().record(reinterpret_cast<Event*>(e)));
+  (void)flags;
+  return result(Sim::get().record(reinterpret_cast<Event*>(e), s));
 }
 SIMCUDA_API cudaError_t cudaEventQuery(cudaEvent_t e) {
   ENTER("cudaEventQuery", false);

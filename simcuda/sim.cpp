@@ -5,12 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <thread>
 
 #include "control.h"
 
@@ -53,6 +55,8 @@ Sim::Sim() {
     capacity = std::size_t{81079} << 20;
   }
   devices_.resize(static_cast<std::size_t>(count > 0 ? count : 1), Device{capacity, 0, 0, {}, {}});
+  legacy_busy_ms_.assign(devices_.size(), 0.0);
+  per_thread_busy_ms_.assign(devices_.size(), 0.0);
   name_ = env("RESERVOIR_SIMCUDA_NAME", "NVIDIA H100 80GB HBM3");
   held_ = env("RESERVOIR_SIMCUDA_EVENTS", "complete") == "held";
   kernels_ = env("RESERVOIR_SIMCUDA_KERNELS", "refuse") == "skip";
@@ -666,26 +670,122 @@ double Sim::now_ms() const {
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
-int Sim::record(Event* e) {
+namespace {
+// The legacy default stream's handles (0 and cudaStreamLegacy), and cudaStreamPerThread's.
+bool is_legacy(const void* stream) {
+  return stream == nullptr || reinterpret_cast<std::uintptr_t>(stream) == 1;
+}
+bool is_per_thread(const void* stream) { return reinterpret_cast<std::uintptr_t>(stream) == 2; }
+constexpr unsigned kNonBlocking = 1;  // cudaStreamNonBlocking
+}  // namespace
+
+double* Sim::queue_of(void* stream, int device) {
+  const auto d = static_cast<std::size_t>(valid(device) ? device : 0);
+  if (is_legacy(stream)) return &legacy_busy_ms_[d];
+  if (is_per_thread(stream)) return &per_thread_busy_ms_[d];
+  return &static_cast<Stream*>(stream)->busy_until_ms;
+}
+
+double Sim::busy_until(void* stream, int device, bool joined) {
+  double until = *queue_of(stream, device);
+  if (!joined) return until;
+  const auto d = static_cast<std::size_t>(valid(device) ? device : 0);
+  if (is_legacy(stream)) {
+    // The legacy stream waits for every blocking stream of its device.
+    until = std::max(until, per_thread_busy_ms_[d]);
+    for (const auto& s : streams_) {
+      if (s->device == device && (s->flags & kNonBlocking) == 0) until = std::max(until, s->busy_until_ms);
+    }
+  } else if (is_per_thread(stream) || (static_cast<Stream*>(stream)->flags & kNonBlocking) == 0) {
+    until = std::max(until, legacy_busy_ms_[d]);  // a blocking stream waits for the legacy one
+  }
+  return until;
+}
+
+void Sim::wait_until(double ms) {
+  using namespace std::chrono;
+  const double now = duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+  if (ms > now) std::this_thread::sleep_for(duration<double, std::milli>(ms - now));
+}
+
+void Sim::run(void* stream, int device, double ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const double start = std::max(now_ms(), busy_until(stream, device, true));
+  *queue_of(stream, device) = start + ms;
+}
+
+int Sim::record(Event* e, void* stream) {
   if (e == nullptr) return kInvalidHandle;
   std::lock_guard<std::mutex> lock(mu_);
   e->recorded = true;
   e->complete = !held_;
-  e->time_ms = now_ms();
+  e->time_ms = std::max(now_ms(), busy_until(stream, e->device, true));
   return kSuccess;
 }
 
 int Sim::query(const Event* e) {
   if (e == nullptr) return kInvalidHandle;
   std::lock_guard<std::mutex> lock(mu_);
-  return e->complete ? kSuccess : kNotReady;
+  return e->complete && e->time_ms <= now_ms() ? kSuccess : kNotReady;
 }
 
 int Sim::synchronize(Event* e) {
   if (e == nullptr) return kInvalidHandle;
-  std::lock_guard<std::mutex> lock(mu_);
-  e->complete = true;  // the work it waits for is done: the device ran it
+  double until = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    e->complete = true;  // the work it waits for is done: the device ran it
+    until = e->time_ms;
+  }
+  wait_until(until);
   return kSuccess;
+}
+
+int Sim::stream_query(void* stream, int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return busy_until(stream, device, false) <= now_ms() ? kSuccess : kNotReady;
+}
+
+int Sim::stream_synchronize(void* stream, int device) {
+  double until = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    until = busy_until(stream, device, true);
+  }
+  wait_until(until);
+  return kSuccess;
+}
+
+int Sim::stream_wait_event(void* stream, int device, const Event* e) {
+  if (e == nullptr) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(mu_);
+  double* queue = queue_of(stream, device);
+  if (e->recorded) *queue = std::max(*queue, e->time_ms);
+  return kSuccess;
+}
+
+void Sim::device_synchronize(int device) {
+  double until = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    until = busy_until(nullptr, device, true);  // the legacy stream's, joined: every blocking stream's
+    for (const auto& s : streams_) {
+      if (s->device == device) until = std::max(until, s->busy_until_ms);
+    }
+    for (auto& e : events_) e->complete = true;
+  }
+  wait_until(until);
+}
+
+void Sim::register_function(const void* host, const char* name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  functions_[host] = name != nullptr ? name : "";
+}
+
+std::string Sim::function_name(const void* host) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = functions_.find(host);
+  return it == functions_.end() ? std::string() : it->second;
 }
 
 void Sim::complete_all() {

@@ -67,15 +67,25 @@ struct Event {
   int device = 0;
   bool interprocess = false;  // cudaEventInterprocess: its handle can be shared
   bool recorded = false;
-  bool complete = true;
-  double time_ms = 0.0;
+  bool complete = true;       // false while held (RESERVOIR_SIMCUDA_EVENTS=held)
+  double time_ms = 0.0;       // when the work before it ends (the simulated clock)
 };
 
 struct Stream {
   int device = 0;
   int priority = 0;
   unsigned flags = 0;
+  double busy_until_ms = 0.0;  // when the work queued on it ends
 };
+
+// Work takes time on a stream: a kernel that spins (torch.cuda._sleep's
+// spin_kernel) keeps its stream busy for its cycles at this clock, and
+// events recorded behind it complete when that time has passed, or when
+// they, their stream or the device are synchronized (which waits for it).
+// Every other kernel and copy takes no time, but runs in its stream's
+// order. The legacy default stream waits for the work of every blocking
+// stream of its device, and they for its, as CUDA's does.
+constexpr double kSimulatedCyclesPerMs = 1.98e6;  // an H100 SXM at 1980 MHz
 
 // Physical memory made by cuMemCreate: a memfd of `size` bytes.
 struct Physical {
@@ -164,10 +174,19 @@ class SIMCUDA_API Sim {
   int destroy_stream(Stream* s);
   Event* create_event(int device);
   int destroy_event(Event* e);
-  int record(Event* e);
+  int record(Event* e, void* stream = nullptr);
   int query(const Event* e);
   int synchronize(Event* e);
   void complete_all();
+  // `ms` of work queued on `stream` of `device` (0: ordered, no time).
+  void run(void* stream, int device, double ms);
+  int stream_query(void* stream, int device);
+  int stream_synchronize(void* stream, int device);
+  int stream_wait_event(void* stream, int device, const Event* e);
+  void device_synchronize(int device);
+  // The device function a host stub was registered for (__cudaRegisterFunction).
+  void register_function(const void* host, const char* name);
+  std::string function_name(const void* host);
   void hold_events(bool held);
   bool allow_kernels() const { return kernels_; }
   void set_allow_kernels(bool allow) { kernels_ = allow; }
@@ -220,6 +239,14 @@ class SIMCUDA_API Sim {
   std::map<std::uintptr_t, std::size_t> registered_;  // host ranges registered
   std::vector<std::unique_ptr<Event>> events_;
   std::vector<std::unique_ptr<Stream>> streams_;
+  std::vector<double> legacy_busy_ms_;      // per device: the legacy default stream
+  std::vector<double> per_thread_busy_ms_;  // per device: cudaStreamPerThread
+  std::unordered_map<const void*, std::string> functions_;
+  // Under mu_: where the work of `stream` ends (its own queue; `joined`: with
+  // what a blocking stream waits for on the legacy one and the other way round).
+  double busy_until(void* stream, int device, bool joined);
+  double* queue_of(void* stream, int device);
+  static void wait_until(double ms);
 };
 
 // Parses "80GiB", "512MiB", "1024" (bytes). 0 when malformed.

@@ -286,3 +286,43 @@ def test_registered_host_memory_is_pinned_until_unregistered():
               rt.cudaHostRegister(None, ctypes.c_size_t(MiB), 0))
     """)
     assert out == ["0", "0", "1", "1", "712", "713", "0", "0", "713", "1"]
+
+
+def test_a_spinning_kernel_keeps_its_stream_busy_and_events_complete_in_order():
+    # A kernel registered as a spin kernel (as torch.cuda._sleep's) keeps its
+    # stream busy for its cycles at 1.98e6 a millisecond; events behind it,
+    # the stream, and the legacy stream (which waits for blocking streams)
+    # are not ready until then, a non-blocking stream is; synchronizing waits.
+    out, _ = run("""
+        import time
+        class Dim3(ctypes.Structure):
+            _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+        stub = ctypes.create_string_buffer(8)  # a host stub's address
+        rt.__cudaRegisterFunction(None, stub, b"spin", b"_ZN2at4cuda11spin_kernelEl", -1,
+                                  None, None, None, None, None)
+        def stream(flags):
+            s = ctypes.c_void_p()
+            assert rt.cudaStreamCreateWithFlags(ctypes.byref(s), flags) == 0
+            return s
+        def event(s):
+            e = ctypes.c_void_p()
+            assert rt.cudaEventCreate(ctypes.byref(e)) == 0
+            assert rt.cudaEventRecord(e, s) == 0
+            return e
+        blocking, side = stream(0), stream(1)
+        start = event(blocking)
+        cycles = ctypes.c_int64(int(80 * 1.98e6))  # 80 ms
+        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(cycles), ctypes.c_void_p))
+        t0 = time.monotonic()
+        assert rt.cudaLaunchKernel(stub, Dim3(1, 1, 1), Dim3(1, 1, 1), args, ctypes.c_size_t(0), blocking) == 0
+        end, other, legacy = event(blocking), event(side), event(None)
+        print(rt.cudaEventQuery(start), rt.cudaEventQuery(end), rt.cudaStreamQuery(blocking),
+              rt.cudaEventQuery(other), rt.cudaStreamQuery(side), rt.cudaEventQuery(legacy))
+        assert rt.cudaEventSynchronize(end) == 0
+        waited = time.monotonic() - t0
+        ms = ctypes.c_float()
+        assert rt.cudaEventElapsedTime(ctypes.byref(ms), start, end) == 0
+        print(rt.cudaEventQuery(end), rt.cudaStreamQuery(blocking), rt.cudaEventQuery(legacy),
+              waited >= 0.079, 79 <= ms.value <= 200)
+    """, RESERVOIR_SIMCUDA_KERNELS="skip")
+    assert out == ["0", "600", "600", "0", "0", "600", "0", "0", "0", "True", "True"]

@@ -992,3 +992,32 @@ def test_another_backend_asked_of_pytorch_wins_over_the_inherited_variable():
     lines = [x for x in r.stderr.splitlines() if x.startswith("reservoir:")]
     assert lines == ["reservoir: RESERVOIR_TORCH_ALLOCATOR=own ignored: PYTORCH_ALLOC_CONF asks PyTorch for "
                      "backend:cudaMallocAsync, which PyTorch keeps"], r.stderr[-2000:]
+
+
+# Work that takes time on the simulated device (torch.cuda._sleep keeps its
+# stream busy): a block freed after record_stream onto a busy stream is not
+# handed out again until that stream's work is done, under either allocator.
+BUSY_STREAM = """
+cycles_per_ms = 1.98e6
+side = torch.cuda.Stream()
+x = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+px = x.data_ptr()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(int(300 * cycles_per_ms))
+    x.record_stream(side)
+done = side.record_event()
+del x
+y = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+reused_while_busy = y.data_ptr() == px
+busy = (side.query(), done.query())
+side.synchronize()
+z = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+emit(reused_while_busy=reused_while_busy, busy=busy, after=(side.query(), done.query()),
+     reused_after=z.data_ptr() == px)
+"""
+
+
+def test_a_block_recorded_on_a_busy_stream_waits_for_its_work():
+    native, ours = run_both(BUSY_STREAM, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
+    assert ours == native == {"reused_while_busy": False, "busy": [False, False], "after": [True, True],
+                              "reused_after": True}
