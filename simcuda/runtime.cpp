@@ -345,6 +345,28 @@ SIMCUDA_API cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
   *free = *total - Sim::get().used(device());
   return cudaSuccess;
 }
+// Managed memory: flags cudaMemAttachGlobal or cudaMemAttachHost, as the
+// runtime takes; a prefetch or an advice on it is taken (ordered in its
+// stream), on anything else refused with the runtime's invalid value.
+SIMCUDA_API cudaError_t cudaMallocManaged(void** ptr, size_t size, unsigned int flags) {
+  ENTER("cudaMallocManaged", true);
+  if (flags != cudaMemAttachGlobal && flags != cudaMemAttachHost) return result(cudaErrorInvalidValue);
+  return result(Sim::get().managed_alloc(size, ptr));
+}
+SIMCUDA_API cudaError_t cudaMemPrefetchAsync(const void* ptr, size_t count, cudaMemLocation location,
+                                             unsigned int flags, cudaStream_t stream) {
+  ENTER("cudaMemPrefetchAsync", false);
+  (void)count, (void)location, (void)flags;
+  if (!Sim::get().is_managed(ptr)) return result(cudaErrorInvalidValue);
+  Sim::get().run(stream, stream_device(stream), 0.0);
+  return cudaSuccess;
+}
+SIMCUDA_API cudaError_t cudaMemAdvise(const void* ptr, size_t count, cudaMemoryAdvise advice,
+                                      cudaMemLocation location) {
+  ENTER("cudaMemAdvise", false);
+  (void)count, (void)advice, (void)location;
+  return Sim::get().is_managed(ptr) ? cudaSuccess : result(cudaErrorInvalidValue);
+}
 SIMCUDA_API cudaError_t cudaMallocHost(void** ptr, size_t size) {
   ENTER("cudaMallocHost", true);
   return result(Sim::get().host_alloc(size, ptr));
@@ -382,6 +404,11 @@ SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const
     a->type = cudaMemoryTypeDevice;
     a->device = d;
     a->devicePointer = const_cast<void*>(ptr);
+  } else if (Sim::get().is_managed(ptr)) {
+    a->type = cudaMemoryTypeManaged;
+    a->device = device();
+    a->devicePointer = const_cast<void*>(ptr);
+    a->hostPointer = const_cast<void*>(ptr);
   } else if (Sim::get().is_host(ptr)) {
     a->type = cudaMemoryTypeHost;
     a->device = device();

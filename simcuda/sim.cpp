@@ -365,6 +365,17 @@ int Sim::ipc_close(void* ptr) {
   return kSuccess;
 }
 
+int Sim::managed_alloc(std::size_t size, void** out) {
+  if (out == nullptr || size == 0) return kInvalidValue;
+  const std::size_t bytes = round_up(size, kPage);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return kOutOfMemory;
+  std::lock_guard<std::mutex> lock(mu_);
+  managed_[reinterpret_cast<std::uintptr_t>(p)] = bytes;
+  *out = p;
+  return kSuccess;
+}
+
 int Sim::free_device(void* ptr) {
   if (ptr == nullptr) return kSuccess;
   const auto at = reinterpret_cast<std::uintptr_t>(ptr);
@@ -373,7 +384,14 @@ int Sim::free_device(void* ptr) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(at);
-    if (it == allocations_.end()) return kInvalidValue;
+    if (it == allocations_.end()) {
+      const auto managed = managed_.find(at);
+      if (managed == managed_.end()) return kInvalidValue;
+      const std::size_t bytes = managed->second;
+      managed_.erase(managed);
+      ::munmap(ptr, bytes);
+      return kSuccess;
+    }
     const std::size_t bytes = it->second.first;
     Device& d = devices_[static_cast<std::size_t>(it->second.second)];
     allocations_.erase(it);
@@ -855,6 +873,11 @@ int Sim::host_unregister(void* ptr) {
   if (it == registered_.end()) return kHostMemoryNotRegistered;
   registered_.erase(it);
   return kSuccess;
+}
+
+bool Sim::is_managed(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return holding(managed_, reinterpret_cast<std::uintptr_t>(ptr)) != managed_.end();
 }
 
 bool Sim::is_host(const void* ptr) {

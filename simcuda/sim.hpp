@@ -191,6 +191,12 @@ class SIMCUDA_API Sim {
   bool allow_kernels() const { return kernels_; }
   void set_allow_kernels(bool allow) { kernels_ = allow; }
 
+  // Managed memory (cudaMallocManaged): host pages both sides reach, not
+  // counted as the device's (a GPU counts only what migrated to it); freed
+  // by cudaFree.
+  int managed_alloc(std::size_t size, void** out);
+  bool is_managed(const void* ptr);
+
   // Pinned host memory.
   int host_alloc(std::size_t size, void** out);
   int host_free(void* ptr);
@@ -237,6 +243,7 @@ class SIMCUDA_API Sim {
   std::uint64_t next_handle_ = 1;
   std::map<std::uintptr_t, std::size_t> host_;  // pinned host allocations
   std::map<std::uintptr_t, std::size_t> registered_;  // host ranges registered
+  std::map<std::uintptr_t, std::size_t> managed_;     // cudaMallocManaged: base -> bytes
   std::vector<std::unique_ptr<Event>> events_;
   std::vector<std::unique_ptr<Stream>> streams_;
   std::vector<double> legacy_busy_ms_;      // per device: the legacy default stream

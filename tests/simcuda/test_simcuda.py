@@ -172,13 +172,13 @@ def test_kernels_refused_unless_allowed_and_refusals_name_the_call():
         drv.reservoirSimCudaAllowKernels(1)
         print(rt.cudaLaunchKernel(*args))
         m = ctypes.c_void_p()
-        print(rt.cudaMallocManaged(ctypes.byref(m), MiB, 1))  # a call the simulation does not serve
+        print(rt.cudaMallocArray(ctypes.byref(m), None, 1, 1, 0))  # a call the simulation does not serve
         print(rt.cudaGetErrorString(801).decode().replace(" ", "_"))
     """)
     assert out == [
         "801", "operation_not_supported:_cudaLaunchKernel_is_not_served_by_reservoir's_simulated_CUDA_device",
         "0", "801",
-        "operation_not_supported:_cudaMallocManaged_is_not_served_by_reservoir's_simulated_CUDA_device"]
+        "operation_not_supported:_cudaMallocArray_is_not_served_by_reservoir's_simulated_CUDA_device"]
     assert "cudaLaunchKernel is not served by the simulated device" in err
 
 
@@ -326,3 +326,30 @@ def test_a_spinning_kernel_keeps_its_stream_busy_and_events_complete_in_order():
               waited >= 0.079, 79 <= ms.value <= 200)
     """, RESERVOIR_SIMCUDA_KERNELS="skip")
     assert out == ["0", "600", "600", "0", "0", "600", "0", "0", "0", "True", "True"]
+
+
+def test_managed_memory_is_reachable_from_the_host_and_freed_by_cudafree():
+    out, _ = run("""
+        class Attributes(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                        ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                        ("reserved", ctypes.c_long * 16)]
+        class MemLocation(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+        p = ctypes.c_void_p()
+        before = free_bytes()[0]
+        print(rt.cudaMallocManaged(ctypes.byref(p), ctypes.c_size_t(3 * MiB), 1), free_bytes()[0] == before)
+        ctypes.memmove(p, b"managed", 7)  # the host reaches it
+        a = Attributes()
+        assert rt.cudaPointerGetAttributes(ctypes.byref(a), p) == 0
+        print(a.type, a.devicePointer == a.hostPointer == p.value, ctypes.string_at(p, 7) == b"managed")
+        plain = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(plain), ctypes.c_size_t(MiB)) == 0
+        print(rt.cudaMemAdvise(p, ctypes.c_size_t(MiB), 1, MemLocation(1, 0)),
+              rt.cudaMemPrefetchAsync(p, ctypes.c_size_t(MiB), MemLocation(1, 0), 0, None),
+              rt.cudaMemPrefetchAsync(plain, ctypes.c_size_t(MiB), MemLocation(1, 0), 0, None))
+        q = ctypes.c_void_p()
+        print(rt.cudaFree(p), rt.cudaFree(p), rt.cudaMallocManaged(ctypes.byref(q), ctypes.c_size_t(MiB), 4),
+              rt.cudaMallocManaged(ctypes.byref(q), ctypes.c_size_t(0), 1), rt.cudaFree(plain))
+    """)
+    assert out == ["0", "True", "3", "True", "True", "0", "0", "1", "0", "1", "1", "1", "0"]
