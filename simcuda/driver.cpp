@@ -139,7 +139,8 @@ SIMCUDA_API CUresult cuDevicePrimaryCtxGetState(CUdevice device, unsigned int* f
 SIMCUDA_API CUresult cuCtxGetCurrent(CUcontext* ctx) {
   ENTER("cuCtxGetCurrent", false);
   if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  *ctx = current;
+  // A thread that used the runtime has its device's primary context current.
+  *ctx = current != nullptr || !Sim::runtime_thread() ? current : context_of(Sim::current_device());
   return CUDA_SUCCESS;
 }
 

@@ -29,6 +29,7 @@ cudaError_t result(int code) {
 }
 
 #define ENTER(name, alloc)                                         \
+  Sim::runtime_thread() = true;                                    \
   if (const int injected = Sim::get().enter(name, alloc)) return result(injected)
 
 int device() { return Sim::current_device(); }

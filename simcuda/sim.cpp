@@ -87,6 +87,11 @@ int& Sim::current_device() {
   return device;
 }
 
+bool& Sim::runtime_thread() {
+  thread_local bool used = false;
+  return used;
+}
+
 int Sim::enter(const char* call, bool alloc) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::uint64_t n = ++counts_[call];

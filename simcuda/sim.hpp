@@ -135,6 +135,9 @@ class SIMCUDA_API Sim {
   std::size_t capacity(int device) const { return devices_.at(static_cast<std::size_t>(device)).capacity; }
   std::size_t used(int device);
   static int& current_device();  // this thread's
+  // Whether this thread called the runtime, which makes the current
+  // device's primary context current on it (cuCtxGetCurrent then answers it).
+  static bool& runtime_thread();
 
   // cudaMalloc-style memory: real pages; nullptr-free errors by code.
   int malloc_device(int device, std::size_t size, void** out);

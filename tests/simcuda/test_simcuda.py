@@ -353,3 +353,30 @@ def test_managed_memory_is_reachable_from_the_host_and_freed_by_cudafree():
               rt.cudaMallocManaged(ctypes.byref(q), ctypes.c_size_t(0), 1), rt.cudaFree(plain))
     """)
     assert out == ["0", "True", "3", "True", "True", "0", "0", "1", "0", "1", "1", "1", "0"]
+
+
+def test_cublas_handles_without_math():
+    # cuBLAS as the runtime loads it: a handle's stream, workspace and modes
+    # kept, a destroyed handle not initialized (1); a GEMM refused (15) unless
+    # kernels are allowed, then taken without computing, as a skipped kernel.
+    body = """
+        blas = ctypes.CDLL(os.path.join(os.path.dirname(rt._name), "libcublas.so.13"))
+        h = ctypes.c_void_p()
+        print(blas.cublasCreate_v2(ctypes.byref(h)))
+        s = ctypes.c_void_p()
+        assert rt.cudaStreamCreate(ctypes.byref(s)) == 0
+        ws = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(ws), ctypes.c_size_t(4 * MiB)) == 0
+        got, mode = ctypes.c_void_p(), ctypes.c_int()
+        print(blas.cublasSetStream_v2(h, s), blas.cublasGetStream_v2(h, ctypes.byref(got)), got.value == s.value,
+              blas.cublasSetWorkspace_v2(h, ws, ctypes.c_size_t(4 * MiB)),
+              blas.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.value + 8), ctypes.c_size_t(MiB)),
+              blas.cublasSetMathMode(h, 3), blas.cublasGetMathMode(h, ctypes.byref(mode)), mode.value)
+        one = ctypes.c_float(1.0)
+        print(blas.cublasSgemm_v2(h, 0, 0, 2, 2, 2, ctypes.byref(one), ws, 2, ws, 2, ctypes.byref(one), ws, 2))
+        print(blas.cublasDestroy_v2(h), blas.cublasDestroy_v2(h))
+    """
+    out, _ = run(body)
+    assert out == ["0", "0", "0", "True", "0", "7", "0", "0", "3", "15", "0", "1"]
+    out, _ = run(body, RESERVOIR_SIMCUDA_KERNELS="skip")
+    assert out[9] == "0"

@@ -1021,3 +1021,21 @@ def test_a_block_recorded_on_a_busy_stream_waits_for_its_work():
     native, ours = run_both(BUSY_STREAM, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
     assert ours == native == {"reused_while_busy": False, "busy": [False, False], "after": [True, True],
                               "reused_after": True}
+
+
+# cuBLAS on the simulated device (handles, no math): PyTorch's cuBLAS
+# workspace comes from the allocator, 32 MiB on a compute capability 9.0
+# device, under either allocator.
+CUBLAS_WORKSPACE = """
+a = torch.empty(7, 7, device="cuda")
+torch._C._cuda_clearCublasWorkspaces()
+start = torch.cuda.memory_stats()["active_bytes.all.allocated"]
+with torch.no_grad():
+    torch.matmul(a, a)
+emit(grown=torch.cuda.memory_stats()["active_bytes.all.allocated"] - start)
+"""
+
+
+def test_the_cublas_workspace_comes_from_the_allocator():
+    native, ours = run_both(CUBLAS_WORKSPACE, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
+    assert ours == native == {"grown": 32 * MiB + 512}
