@@ -121,6 +121,8 @@ def base_env(args, site_dirs):
            if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
                         "PYTORCH_ALLOC_CONF", "LD_PRELOAD")}
     env.update({"LD_PRELOAD": str(simcuda.resolve()), "RESERVOIR_SIMCUDA_KERNELS": "skip",
+                # the driver and NVML beside the runtime, for what loads them by name
+                "LD_LIBRARY_PATH": str(simcuda.resolve().parent),
                 "PYTHONPATH": ":".join(str(s) for s in site_dirs), "PEER_PYTHON": "/usr/bin/python3",
                 "PYTHONDONTWRITEBYTECODE": "1"})
     return env
@@ -205,8 +207,7 @@ def tms_suite(args, report):
     for helper in ("testing_utils.py", "utils.py"):
         shutil.copy(tms_site / "torch_memory_saver" / helper, shim / helper)
     python_dir = Path(args.build).resolve() / "python"
-    real = dict(base_env(args, [tms_site, torch_site, tools]), RESERVOIR_SIMCUDA_DEVICES="2",
-                LD_LIBRARY_PATH=str((Path(args.build) / "simcuda").resolve()))
+    real = dict(base_env(args, [tms_site, torch_site, tools]), RESERVOIR_SIMCUDA_DEVICES="2")
     ours = dict(base_env(args, [shim.parent, python_dir, torch_site, tools]), RESERVOIR_SIMCUDA_DEVICES="2")
     ids = collect("test", work, real, args.k or ".")
     private = private_tests(work / "test")
