@@ -11,11 +11,9 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
-#include <cstring>
-#include <mutex>
-#include <new>
-#include <unordered_set>
+#include <cstdint>
 
+#include "handles.hpp"
 #include "sim.hpp"
 
 using reservoir::simcuda::Sim;
@@ -32,16 +30,33 @@ struct Handle {
   int sm_count_target = 0;
 };
 
-// The handles alive (a destroyed or foreign one is not initialized, as cuBLAS says).
-std::mutex handles_mutex;
-std::unordered_set<const void*>& live() {
-  static std::unordered_set<const void*> handles;
-  return handles;
+reservoir::simcuda::Handles<Handle>& handles() {
+  static reservoir::simcuda::Handles<Handle> all;
+  return all;
 }
 
-Handle* handle_of(cublasHandle_t h) {
-  std::lock_guard<std::mutex> lock(handles_mutex);
-  return live().count(h) != 0 ? reinterpret_cast<Handle*>(h) : nullptr;
+// `f` on the handle's state; a destroyed or foreign handle is not initialized.
+template <typename F>
+cublasStatus_t with(cublasHandle_t handle, F&& f) {
+  Handle* h = handles().find(handle);
+  return h == nullptr ? CUBLAS_STATUS_NOT_INITIALIZED : f(*h);
+}
+
+// Sets, or reads into *out, one field of a handle's state.
+template <typename V>
+cublasStatus_t set(cublasHandle_t handle, V Handle::*field, V value) {
+  return with(handle, [&](Handle& h) {
+    h.*field = value;
+    return CUBLAS_STATUS_SUCCESS;
+  });
+}
+template <typename V>
+cublasStatus_t get(cublasHandle_t handle, V Handle::*field, V* out) {
+  return with(handle, [&](Handle& h) {
+    if (out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+    *out = h.*field;
+    return CUBLAS_STATUS_SUCCESS;
+  });
 }
 
 constexpr int kVersion = 130400;  // cuBLAS 13.4, as the wheel PyTorch 2.15 ships
@@ -67,97 +82,58 @@ const char* status_name(cublasStatus_t status) {
 extern "C" {
 
 // What the generated stubs call: a skipped kernel's success, or the refusal.
-SIMCUDA_API int reservoir_simcublas_refuse(const char* name) {
-  if (Sim::get().allow_kernels()) return CUBLAS_STATUS_SUCCESS;
-  (void)Sim::get().refuse(name);
-  return CUBLAS_STATUS_NOT_SUPPORTED;
-}
+SIMCUDA_API int reservoir_simcublas_refuse(const char* name) { return reservoir::simcuda::skipped_or_refused(name); }
 
 SIMCUDA_API cublasStatus_t cublasCreate_v2(cublasHandle_t* out) {
   if (out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  auto* h = new (std::nothrow) Handle;
-  if (h == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
-  std::lock_guard<std::mutex> lock(handles_mutex);
-  live().insert(h);
-  *out = reinterpret_cast<cublasHandle_t>(h);
-  return CUBLAS_STATUS_SUCCESS;
+  *out = reinterpret_cast<cublasHandle_t>(handles().make());
+  return *out == nullptr ? CUBLAS_STATUS_ALLOC_FAILED : CUBLAS_STATUS_SUCCESS;
 }
 SIMCUDA_API cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
-  std::lock_guard<std::mutex> lock(handles_mutex);
-  if (live().erase(handle) == 0) return CUBLAS_STATUS_NOT_INITIALIZED;
-  delete reinterpret_cast<Handle*>(handle);
-  return CUBLAS_STATUS_SUCCESS;
+  return handles().destroy(handle) ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
 }
 SIMCUDA_API cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  h->stream = stream;
-  return CUBLAS_STATUS_SUCCESS;
+  return set(handle, &Handle::stream, stream);
 }
 SIMCUDA_API cublasStatus_t cublasGetStream_v2(cublasHandle_t handle, cudaStream_t* stream) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (stream == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  *stream = h->stream;
-  return CUBLAS_STATUS_SUCCESS;
+  return get(handle, &Handle::stream, stream);
 }
 // The workspace is the caller's memory, kept by the handle (cuBLAS asks for
 // 256-byte alignment).
 SIMCUDA_API cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t bytes) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (bytes != 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
-    return CUBLAS_STATUS_INVALID_VALUE;
-  }
-  h->workspace = workspace;
-  h->workspace_bytes = bytes;
-  return CUBLAS_STATUS_SUCCESS;
+  return with(handle, [&](Handle& h) {
+    if (bytes != 0 && (workspace == nullptr || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)) {
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    h.workspace = workspace;
+    h.workspace_bytes = bytes;
+    return CUBLAS_STATUS_SUCCESS;
+  });
 }
 SIMCUDA_API cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  h->math = mode;
-  return CUBLAS_STATUS_SUCCESS;
+  return set(handle, &Handle::math, mode);
 }
 SIMCUDA_API cublasStatus_t cublasGetMathMode(cublasHandle_t handle, cublasMath_t* mode) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (mode == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  *mode = h->math;
-  return CUBLAS_STATUS_SUCCESS;
+  return get(handle, &Handle::math, mode);
 }
 SIMCUDA_API cublasStatus_t cublasSetPointerMode_v2(cublasHandle_t handle, cublasPointerMode_t mode) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  h->pointer = mode;
-  return CUBLAS_STATUS_SUCCESS;
+  return set(handle, &Handle::pointer, mode);
 }
 SIMCUDA_API cublasStatus_t cublasGetPointerMode_v2(cublasHandle_t handle, cublasPointerMode_t* mode) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (mode == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  *mode = h->pointer;
-  return CUBLAS_STATUS_SUCCESS;
+  return get(handle, &Handle::pointer, mode);
 }
 SIMCUDA_API cublasStatus_t cublasSetAtomicsMode(cublasHandle_t handle, cublasAtomicsMode_t mode) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  h->atomics = mode;
-  return CUBLAS_STATUS_SUCCESS;
+  return set(handle, &Handle::atomics, mode);
 }
 SIMCUDA_API cublasStatus_t cublasSetSmCountTarget(cublasHandle_t handle, int target) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (target < 0) return CUBLAS_STATUS_INVALID_VALUE;
-  h->sm_count_target = target;
-  return CUBLAS_STATUS_SUCCESS;
+  return with(handle, [&](Handle& h) {
+    if (target < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    h.sm_count_target = target;
+    return CUBLAS_STATUS_SUCCESS;
+  });
 }
 SIMCUDA_API cublasStatus_t cublasGetSmCountTarget(cublasHandle_t handle, int* target) {
-  Handle* h = handle_of(handle);
-  if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (target == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  *target = h->sm_count_target;
-  return CUBLAS_STATUS_SUCCESS;
+  return get(handle, &Handle::sm_count_target, target);
 }
 SIMCUDA_API cublasStatus_t cublasGetVersion_v2(cublasHandle_t handle, int* version) {
   (void)handle;

@@ -5,24 +5,19 @@
 #include <cublasLt.h>
 
 #include <cstring>
-#include <mutex>
-#include <new>
-#include <unordered_set>
 
+#include "handles.hpp"
 #include "sim.hpp"
 
 using reservoir::simcuda::Sim;
 
 namespace {
 
-struct LtHandle {
-  int unused = 0;
-};
+struct LtHandle {};
 
-std::mutex handles_mutex;
-std::unordered_set<const void*>& live() {
-  static std::unordered_set<const void*> handles;
-  return handles;
+reservoir::simcuda::Handles<LtHandle>& handles() {
+  static reservoir::simcuda::Handles<LtHandle> all;
+  return all;
 }
 
 constexpr size_t kVersion = 130400;
@@ -31,26 +26,15 @@ constexpr size_t kVersion = 130400;
 
 extern "C" {
 
-SIMCUDA_API int reservoir_simcublaslt_refuse(const char* name) {
-  if (Sim::get().allow_kernels()) return CUBLAS_STATUS_SUCCESS;
-  (void)Sim::get().refuse(name);
-  return CUBLAS_STATUS_NOT_SUPPORTED;
-}
+SIMCUDA_API int reservoir_simcublaslt_refuse(const char* name) { return reservoir::simcuda::skipped_or_refused(name); }
 
 SIMCUDA_API cublasStatus_t cublasLtCreate(cublasLtHandle_t* out) {
   if (out == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  auto* h = new (std::nothrow) LtHandle;
-  if (h == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
-  std::lock_guard<std::mutex> lock(handles_mutex);
-  live().insert(h);
-  *out = reinterpret_cast<cublasLtHandle_t>(h);
-  return CUBLAS_STATUS_SUCCESS;
+  *out = reinterpret_cast<cublasLtHandle_t>(handles().make());
+  return *out == nullptr ? CUBLAS_STATUS_ALLOC_FAILED : CUBLAS_STATUS_SUCCESS;
 }
 SIMCUDA_API cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
-  std::lock_guard<std::mutex> lock(handles_mutex);
-  if (live().erase(handle) == 0) return CUBLAS_STATUS_NOT_INITIALIZED;
-  delete reinterpret_cast<LtHandle*>(handle);
-  return CUBLAS_STATUS_SUCCESS;
+  return handles().destroy(handle) ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED;
 }
 SIMCUDA_API size_t cublasLtGetVersion(void) { return kVersion; }
 SIMCUDA_API size_t cublasLtGetCudartVersion(void) { return 13000; }

@@ -235,14 +235,12 @@ bool release(void* ptr, cudaStream_t stream, bool async) {
 thread_local std::string last_error;
 thread_local const char* last_error_kind = "";
 
-// Runs `f` on the current GPU's saver: 0, or -1 with last_error saying why
-// and last_error_kind naming reservoir's error class.
+// Runs `f`: 0, or -1 with last_error saying why and last_error_kind naming
+// reservoir's error class.
 template <typename F>
-int on_saver(F&& f) {
+int reported(F&& f) {
   try {
-    reservoir::Saver* saver = current_saver();
-    if (saver == nullptr) throw reservoir::DeviceUnavailableError("reservoir preload: CUDA could not be opened");
-    f(*saver);
+    f();
     return 0;
   } catch (const reservoir::UsageError& e) {
     last_error_kind = "UsageError";
@@ -258,6 +256,16 @@ int on_saver(F&& f) {
     last_error = e.what();
   }
   return -1;
+}
+
+// Runs `f` on the current GPU's saver, as reported() does.
+template <typename F>
+int on_saver(F&& f) {
+  return reported([&] {
+    reservoir::Saver* saver = current_saver();
+    if (saver == nullptr) throw reservoir::DeviceUnavailableError("reservoir preload: CUDA could not be opened");
+    f(*saver);
+  });
 }
 
 // Runs `f` on every GPU's saver that holds `tag` (every saver when it is
@@ -283,11 +291,9 @@ int on_every_saver(const char* tag, F&& f) {
     }
   }
   if (holding.empty()) return on_saver(std::forward<F>(f));
-  for (reservoir::Saver* saver : holding) {
-    const int rc = on_saver([&](reservoir::Saver&) { f(*saver); });
-    if (rc != 0) return rc;
-  }
-  return 0;
+  return reported([&] {
+    for (reservoir::Saver* saver : holding) f(*saver);
+  });
 }
 
 }  // namespace
@@ -364,7 +370,7 @@ __attribute__((visibility("default"))) void tms_resume(const char* tag) {
 // on error.
 __attribute__((visibility("default"))) char* reservoir_preload_tags_json() {
   char* out = nullptr;
-  (void)on_saver([&](reservoir::Saver&) {
+  (void)reported([&] {
     nlohmann::json list = nlohmann::json::array();
     State& s = state();
     std::lock_guard lock(s.mutex);

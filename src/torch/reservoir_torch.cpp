@@ -83,6 +83,9 @@ void enter_on(EveryDeviceRegion& region, int device, reservoir::Saver& saver) {
       region.tag ? saver.push_region(*region.tag, region.options) : saver.push_untagged();
   region.tokens.emplace_back(device, token);
 }
+
+// Closes `region` on every saver it was entered on, innermost first. Under mutex.
+void leave(const EveryDeviceRegion& region);
 // The running PyTorch's release ("2.15"), when a library built for it said
 // so: the native policy then takes that release's decisions unless the
 // configuration names another (pytorch_version).
@@ -90,6 +93,13 @@ std::string running_release;
 // The settings as changed at run time (reservoir_torch_apply_settings), for
 // every allocator from then on; empty: the environment's.
 std::string runtime_settings;
+
+// The configuration every allocator takes now: the run-time settings, else
+// the environment's. Under mutex.
+AllocatorConfig current_config() {
+  return runtime_settings.empty() ? AllocatorConfig::from_env() : AllocatorConfig::parse(runtime_settings);
+}
+
 thread_local std::string last_error;
 thread_local bool last_error_out_of_memory = false;
 
@@ -114,7 +124,7 @@ reservoir::Saver& saver_for(int device) {
   PerDevice& d = devices[static_cast<std::size_t>(device)];
   if (!d.saver) {
     reservoir::SaverOptions options;
-    options.config = runtime_settings.empty() ? AllocatorConfig::from_env() : AllocatorConfig::parse(runtime_settings);
+    options.config = current_config();
     d.settings = options.config.to_string();
     if (options.config.pytorch_version.empty()) options.config.pytorch_version = running_release;
     options.device_index = device;
@@ -172,10 +182,7 @@ std::uint64_t torch_push_region_everywhere(std::optional<std::string> tag, Regio
       if (d.saver) enter_on(region, i, *d.saver);
     }
   } catch (...) {
-    // Nothing stays open of a region that could not be entered everywhere.
-    for (auto it = region.tokens.rbegin(); it != region.tokens.rend(); ++it) {
-      devices[static_cast<std::size_t>(it->first)].saver->pop_region(it->second);
-    }
+    leave(region);  // nothing stays open of a region that could not be entered everywhere
     throw;
   }
   every_device_regions.push_back(std::move(region));
@@ -192,11 +199,17 @@ void torch_pop_region_everywhere(std::uint64_t id) {
   }
   const EveryDeviceRegion region = std::move(every_device_regions.back());
   every_device_regions.pop_back();
+  leave(region);
+}
+}  // namespace reservoir
+
+namespace {
+void leave(const EveryDeviceRegion& region) {
   for (auto it = region.tokens.rbegin(); it != region.tokens.rend(); ++it) {
     devices[static_cast<std::size_t>(it->first)].saver->pop_region(it->second);
   }
 }
-}  // namespace reservoir
+}  // namespace
 
 namespace {
 
@@ -439,13 +452,8 @@ __attribute__((visibility("default"))) char* reservoir_torch_restore_pool(int de
 // words where PyTorch has some).
 __attribute__((visibility("default"))) int reservoir_torch_configured_memory_fraction(double* fraction) {
   return guarded([&] {
-    std::string settings;
-    {
-      std::lock_guard lock(mutex);
-      settings = runtime_settings;
-    }
-    const AllocatorConfig config = settings.empty() ? AllocatorConfig::from_env() : AllocatorConfig::parse(settings);
-    if (fraction != nullptr) *fraction = config.per_process_memory_fraction;
+    std::lock_guard lock(mutex);
+    if (fraction != nullptr) *fraction = current_config().per_process_memory_fraction;
   }) ? 0 : -1;
 }
 
@@ -464,8 +472,7 @@ __attribute__((visibility("default"))) int reservoir_torch_apply_settings(const 
     const std::string given = text == nullptr ? "" : text;
     (void)AllocatorConfig::parse(given);  // validates
     std::lock_guard lock(mutex);
-    const AllocatorConfig before = runtime_settings.empty() ? AllocatorConfig::from_env()
-                                                             : AllocatorConfig::parse(runtime_settings);
+    const AllocatorConfig before = current_config();
     std::vector<std::string> keys = settings_keys(given);
     for (const char* reset : {"max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold"}) {
       keys.emplace_back(reset);

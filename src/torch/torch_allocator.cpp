@@ -126,13 +126,17 @@ class ReservoirAllocator final : public CUDAAllocator {
     C10_CUDA_CHECK(cudaMalloc(&p, size));
     std::lock_guard lock(mutex_);
     uncached_.insert(p);
+    uncached_live_.store(uncached_.size(), std::memory_order_relaxed);
     return p;
   }
-  // A pointer of uncached_allocate's: freed with cudaFree (true); false otherwise.
+  // A pointer of uncached_allocate's: freed with cudaFree (true); false
+  // otherwise (without a lock while none lives: every free asks).
   bool uncached_free(void* ptr) {
+    if (uncached_live_.load(std::memory_order_relaxed) == 0) return false;
     {
       std::lock_guard lock(mutex_);
       if (uncached_.erase(ptr) == 0) return false;
+      uncached_live_.store(uncached_.size(), std::memory_order_relaxed);
     }
     C10_CUDA_CHECK(cudaFree(ptr));
     return true;
@@ -1093,6 +1097,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   bool initialized_ = false;
   std::atomic<bool> enabled_{true};
   std::unordered_set<void*> uncached_;  // uncached_allocate's, live
+  std::atomic<std::size_t> uncached_live_{0};  // uncached_.size(), read without the lock
   std::vector<double> fractions_;
   std::unordered_map<void*, Live> live_;
   std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
