@@ -337,6 +337,13 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // stays short: a native_paged block's pages (`found`: p.block is a cached
   // block), then PyTorch's retry ladder. `lock` holds mutex_ (it is let go
   // around callbacks and observers).
+  // Requests of 1 EiB and more are out of memory on every device, refused
+  // before any arithmetic on their size (PyTorch's own limit).
+  static constexpr std::size_t kLargestRequest = std::size_t{1} << 60;
+  // map_block asks the device's free memory before creating more handles
+  // than this (2 GiB of 2 MiB pages) for one request.
+  static constexpr std::size_t kHeadroomCheckHandles = 1024;
+  [[noreturn, gnu::noinline, gnu::cold]] void refuse_impossible(std::size_t requested);
   [[gnu::noinline]] void* allocate_slow(AllocParams& p, std::size_t requested, bool found,
                                         detail::UniqueLock<ClaimingMutex>& lock)
       RESERVOIR_REQUIRES(mutex_, lock);

@@ -263,8 +263,12 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
       ++i;
       continue;
     }
+    // Pages past the highest mapped one are all unmapped: no need to look.
     std::size_t run = 1;
-    while (i + run < end && pg.at(i + run) == VmState::kNone) ++run;
+    while (i + run < end && i + run < pg.page_handle.size() && pg.at(i + run) == VmState::kNone) {
+      ++run;
+    }
+    if (i + run >= pg.page_handle.size()) run = end - i;
     // A long run's end pages that the block covers only in part get handles
     // of their own: a neighbour that comes to live on one then keeps that
     // page alone mapped once this block is freed, not the whole run.

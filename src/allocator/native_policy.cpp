@@ -211,6 +211,7 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
 [[gnu::always_inline]] inline void* CachingAllocator::Impl::allocate(std::size_t requested,
                                                                      StreamId stream) {
   if (requested == 0) return nullptr;
+  if (requested >= kLargestRequest) [[unlikely]] refuse_impossible(requested);
   detail::UniqueLock lock(mutex_);
   if (events_pending() && routes_.empty()) process_events();
   const std::size_t size = rounded(requested);
@@ -268,6 +269,20 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
     throw std::move(oom.error);
   }
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+}
+
+void CachingAllocator::Impl::refuse_impossible(std::size_t requested) {
+  // PyTorch's check ahead of its device allocator: no statistics, no history
+  // entry, no observers. Every size computed from a request below it (its
+  // rounding, a segment, a page count, an address range) stays far from
+  // wrapping: 2^60 leaves sixteen times the room.
+  MemoryInfo info;
+  if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
+  throw OutOfMemoryError(
+      fmt::format("CUDA out of memory. Tried to allocate more than 1EB memory ({} bytes "
+                  "requested on device {}).",
+                  requested, device_index_),
+      requested, info.free, info.total);
 }
 
 bool CachingAllocator::Impl::borrow_from_use_on_oom_pools(AllocParams& p) {

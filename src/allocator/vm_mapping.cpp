@@ -59,6 +59,14 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
     undo();  // the taken handles go back to the device: the ladder carries on
     return false;
   }
+  // Many fresh pages (an expandable segment takes one handle each): when the
+  // device has not the memory for them, creating them one by one until it
+  // says so (as PyTorch does) ends the same way, and takes time in
+  // proportion to the request. Asked only where that time would show.
+  if (count > kHeadroomCheckHandles && fresh_pages * page > mapping_headroom()) {
+    undo();
+    return false;
+  }
   for (std::size_t k = 0; k < count; ++k) {
     PhysicalHandle h = 0;
     const Status st = device_.create_physical(handle_bytes, &h);

@@ -118,6 +118,40 @@ class Ref {
 };
 static_assert(alignof(Value) >= 2, "Ref tags values in the low bit");
 
+// The offset of the first byte that is not UTF-8 as Python's pickle decodes
+// it ('utf-8' with 'surrogatepass': encoded surrogates are accepted), or
+// the size when all of it is.
+std::size_t invalid_utf8(std::span<const std::uint8_t> s) noexcept {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const std::uint8_t c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t n = 0;
+    std::uint32_t cp = 0;
+    std::uint32_t least = 0;
+    if ((c & 0xe0) == 0xc0) {
+      n = 1, cp = c & 0x1fu, least = 0x80;
+    } else if ((c & 0xf0) == 0xe0) {
+      n = 2, cp = c & 0x0fu, least = 0x800;
+    } else if ((c & 0xf8) == 0xf0) {
+      n = 3, cp = c & 0x07u, least = 0x10000;
+    } else {
+      return i;
+    }
+    if (n > s.size() - i - 1) return i;
+    for (std::size_t k = 1; k <= n; ++k) {
+      if ((s[i + k] & 0xc0) != 0x80) return i;
+      cp = (cp << 6) | (s[i + k] & 0x3fu);
+    }
+    if (cp < least || cp > 0x10ffff) return i;  // overlong, or beyond Unicode
+    i += n + 1;
+  }
+  return s.size();
+}
+
 class Decoder {
  public:
   explicit Decoder(std::span<const std::uint8_t> data, const DecodeOptions& options = {})
@@ -140,6 +174,16 @@ class Decoder {
         return std::move(doc_);
       }
       step(at, op);
+      if (frame_end_ != 0) [[likely]] {
+        // Python's pickler ends a frame between opcodes: one that runs past
+        // its frame's end means bytes were cut out of (or added to) it.
+        if (pos_ > frame_end_) {
+          fail(at, fmt::format("this opcode ends at byte {}, past the end of its FRAME at byte "
+                               "{}: bytes are missing from the frame, or were added",
+                               pos_, frame_end_));
+        }
+        if (pos_ == frame_end_) frame_end_ = 0;
+      }
       if (consumed_ && pos_ - reported_ >= kReportEvery) {
         reported_ = pos_;
         consumed_(at);
@@ -241,6 +285,12 @@ class Decoder {
   void push_string(Kind kind, std::size_t n, std::size_t at, const char* what) {
     if (n > data_.size()) fail(at, fmt::format("{} length {} exceeds the file", what, n));
     auto bytes = take(n, at, what);
+    if (kind == Kind::string) {
+      if (const std::size_t bad = invalid_utf8(bytes); bad != bytes.size()) {
+        fail(at, fmt::format("{}: a string of {} bytes that is not UTF-8 (byte {} of it)", what, n,
+                             bad));
+      }
+    }
     Value* v = doc_.make(kind);
     v->text.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     push(v);
@@ -417,7 +467,20 @@ class Decoder {
         if (version > 5) fail(at, fmt::format("unsupported pickle protocol {}", version));
         return;
       }
-      case FRAME: little(8, at, "FRAME"); return;
+      case FRAME: {
+        if (frame_end_ != 0) {
+          fail(at, fmt::format("a FRAME begins {} bytes before the current frame ends (at byte "
+                               "{}): bytes are missing from that frame, or were added",
+                               frame_end_ - at, frame_end_));
+        }
+        const std::uint64_t n = little(8, at, "FRAME");
+        if (n > data_.size() - pos_) {
+          fail(at, fmt::format("truncated: the FRAME holds {} bytes, {} remain", n,
+                               data_.size() - pos_));
+        }
+        if (n != 0) frame_end_ = pos_ + n;
+        return;
+      }
       case MARK: marks_.push_back(stack_.size()); return;
       case POP: pop(at, "POP"); return;
       case POP_MARK: stack_.resize(pop_mark(at, "POP_MARK")); return;
@@ -527,6 +590,7 @@ class Decoder {
 
   std::span<const std::uint8_t> data_;
   std::size_t pos_ = 0;
+  std::size_t frame_end_ = 0;  // where the current FRAME ends; 0: outside every frame
   Document doc_;
   std::vector<Ref> stack_;
   std::vector<std::size_t> marks_;

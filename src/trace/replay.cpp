@@ -104,7 +104,7 @@ ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
 ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
                     const std::string& config_text, const ReplayOptions& options) {
   SimDeviceOptions device_options;
-  device_options.capacity = options.capacity.value_or(std::size_t{1} << 50);
+  device_options.capacity = options.capacity.value_or(kUnboundedCapacity);
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
   AllocatorConfig rules = config;
@@ -145,6 +145,9 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   }
   if (observer != nullptr) observer->on_start(allocator, program);
   const auto start = std::chrono::steady_clock::now();
+  // Requests refused, counted here too: one of 1 EiB or more is refused
+  // ahead of the allocator's statistics, as PyTorch refuses it.
+  std::uint64_t refused = 0;
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
       case ReplayOp::Kind::alloc:
@@ -152,6 +155,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
         try {
           pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
+          ++refused;
           if (result.first_oom.empty()) {
             result.first_oom = fmt::format("op {}: {}", op_index, e.what());
           }
@@ -200,7 +204,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   result.device_allocs = s.num_device_alloc;
   result.device_frees = s.num_device_free;
   result.num_alloc_retries = s.num_alloc_retries;
-  result.num_ooms = s.num_ooms;
+  result.num_ooms = std::max<std::uint64_t>(s.num_ooms, refused);
   result.device_call_seconds = device.estimated_ns() / 1e9;
   for (CallKind kind : kMemoryCallKinds) result.device_calls += device.calls(kind);
   if (observer != nullptr) observer->on_finish(allocator);
@@ -259,10 +263,13 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   probe.validate_each_step = false;
   probe.keep_reserved = false;
   probe.native_reserved = nullptr;
+  std::string last_oom;  // the first out-of-memory error of the last probe that had one
   auto fits = [&](std::uint64_t capacity) {
     probe.capacity = capacity;
     ++out.replays;
-    return replay(program, config, config_text, probe).num_ooms == 0;
+    ReplayResult r = replay(program, config, config_text, probe);
+    if (r.num_ooms != 0) last_oom = std::move(r.first_oom);
+    return r.num_ooms == 0;
   };
   // An upper bound: the peak reserved with no limit, or twice it if the
   // retry ladder somehow needs more, doubling until the trace fits.
@@ -272,11 +279,13 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   ++out.replays;
   std::uint64_t hi = (free_run.peak_reserved_bytes + kStep - 1) / kStep * kStep;
   hi = std::max(hi, kStep);
-  constexpr std::uint64_t kLimit = std::uint64_t{1} << 50;
+  constexpr std::uint64_t kLimit = kUnboundedCapacity;
   while (!fits(hi)) {
     if (hi >= kLimit) {
-      throw TraceError(fmt::format("{}: no capacity up to {} runs without running out of memory",
-                                   program.name, format_size(kLimit)));
+      throw TraceError(fmt::format(
+          "{}: no capacity up to {} (more than any GPU holds) runs without running out of "
+          "memory; {}",
+          program.name, format_size(kLimit), last_oom));
     }
     hi *= 2;
   }

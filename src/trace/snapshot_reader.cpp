@@ -495,6 +495,12 @@ class Reader {
     if (!with_contexts_ || frames == nullptr || frames->kind == Kind::none) return 0;
     if (auto it = by_list_.find(frames); it != by_list_.end()) return it->second;
     const auto& items = list(*frames, path + ".frames");
+    if (items.size() > kMostFrames) {
+      fail(path + ".frames",
+           fmt::format("{} frames in one stack; a stack PyTorch records is far shorter (at most "
+                       "{} are read)",
+                       items.size(), kMostFrames));
+    }
     std::uint32_t id = 0;
     if (!items.empty()) {
       Context c;
@@ -513,6 +519,7 @@ class Reader {
       std::string key = context_key(c);
       auto [it, inserted] = context_ids_.try_emplace(std::move(key), 0);
       if (inserted) {
+        count_context(c, path + ".frames");
         it->second = static_cast<std::uint32_t>(trace.final_state.contexts.size());
         trace.final_state.contexts.push_back(std::move(c));
       }
@@ -520,6 +527,43 @@ class Reader {
     }
     by_list_.emplace(frames, id);
     return id;
+  }
+
+  // Bounds what the stacks may cost: a pickle shares values through its memo,
+  // so a few bytes can name a stack or a string again and again; each stack
+  // kept is copied out. Within kContextBase plus kContextPerByte times the
+  // input, far beyond what PyTorch's own snapshots take.
+  static constexpr std::size_t kMostFrames = 100'000;
+  static constexpr std::size_t kLongestText = std::size_t{1} << 20;
+  static constexpr std::size_t kContextBase = std::size_t{256} << 20;
+  static constexpr std::size_t kContextPerByte = 32;
+  // The readers of one file's devices share one budget.
+  struct ContextBudget {
+    std::size_t limit = 0;
+    std::size_t used = 0;
+    explicit ContextBudget(std::size_t input_bytes)
+        : limit(kContextBase + kContextPerByte * input_bytes) {}
+  };
+  void share_budget(ContextBudget* budget) { budget_ = budget; }
+  static std::size_t bytes_of(const Frame& f) {
+    return sizeof(Frame) + f.filename.size() + f.name.size();
+  }
+  void count_context(const Context& c, const std::string& path) {
+    std::size_t bytes = sizeof(Context);
+    for (const Frame& f : c.frames) bytes += bytes_of(f);
+    for (const std::string& a : c.annotations) bytes += sizeof(std::string) + a.size();
+    count(bytes, path);
+  }
+  void count(std::size_t bytes, const std::string& path) {
+    if (budget_ == nullptr) return;
+    budget_->used += bytes;
+    if (budget_->used > budget_->limit) {
+      fail(path,
+           fmt::format("the stacks read so far take {} bytes, more than {} for a file of this "
+                       "size: the file repeats shared stacks or strings far beyond any "
+                       "snapshot PyTorch writes",
+                       budget_->used, budget_->limit));
+    }
   }
 
   // Our JSON's table of contexts; [0] must be the empty one.
@@ -548,6 +592,7 @@ class Reader {
   Frame cached_frame(const Value& f, const std::string& fpath) {
     if (auto it = frames_read_.find(&f); it != frames_read_.end()) return it->second;
     Frame out = frame(f, fpath);
+    count(bytes_of(out), fpath);
     frames_read_.emplace(&f, out);
     return out;
   }
@@ -560,6 +605,11 @@ class Reader {
     frame.filename = std::string(optional_text(f, "filename", fpath));
     if (frame.filename.empty() && f.find("filename") == nullptr) frame.filename = "??";
     frame.name = std::string(optional_text(f, "name", fpath));
+    if (frame.filename.size() > kLongestText || frame.name.size() > kLongestText) {
+      fail(fpath, fmt::format("a name of {} bytes; PyTorch's file and function names are far "
+                              "shorter (at most {} are read)",
+                              std::max(frame.filename.size(), frame.name.size()), kLongestText));
+    }
     if (const Value* l = f.find("line"); l != nullptr && l->kind != Kind::none) {
       const std::int64_t line = as_integer(*l, fpath + ".line");
       if (line < std::numeric_limits<int>::min() || line > std::numeric_limits<int>::max()) {
@@ -746,7 +796,22 @@ class Reader {
   std::size_t device_count(const Value& root) const {
     if (root.kind != Kind::dict)
       fail("top level", fmt::format("expected a dict, got {}", to_string(root.kind)));
-    return list(field(root, "device_traces", "top level"), "device_traces").size();
+    return device_traces(root).size();
+  }
+
+  // The snapshot's per-device lists. PyTorch numbers devices with an 8-bit
+  // index; a list of more than kMostDevices is no snapshot PyTorch wrote,
+  // and each device costs a trace of its own (with a count per device).
+  static constexpr std::size_t kMostDevices = 1024;
+  const std::vector<const Value*>& device_traces(const Value& root) const {
+    const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
+    if (traces.size() > kMostDevices) {
+      fail("device_traces",
+           fmt::format("{} device lists; PyTorch records at most one per device and numbers "
+                       "devices with an 8-bit index, so no snapshot it writes has over {}",
+                       traces.size(), kMostDevices));
+    }
+    return traces;
   }
 
   // A device's trace without what the snapshot lists for all devices
@@ -766,7 +831,7 @@ class Reader {
       trace.settings_recorded = false;
     }
     if (const Value* contexts = root.find("contexts")) read_contexts(*contexts, trace);
-    const auto& traces = list(field(root, "device_traces", "top level"), "device_traces");
+    const auto& traces = device_traces(root);
     if (device < 0 || static_cast<std::size_t>(device) >= traces.size()) {
       fail("device_traces",
            fmt::format("no device {} (the snapshot has {})", device, traces.size()));
@@ -873,6 +938,7 @@ class Reader {
   bool hand_back_ = false;     // flat_'s events are read once: its blocks go as they are read
   std::vector<std::uint32_t> list_contexts_;  // frames list id -> context
   std::unordered_map<const Value*, Frame> frames_read_;
+  ContextBudget* budget_ = nullptr;  // not owned; null: unbounded
   std::unordered_map<std::string, std::uint32_t> context_ids_;
   std::unordered_map<const Value*, std::uint32_t> by_list_;  // frames list -> context
 };
@@ -998,8 +1064,8 @@ pickle::Document decode_json(const std::string& text, const std::string& name) {
 }
 
 std::vector<Trace> every_device(const pickle::Document& doc, const std::string& name,
-                                TraceFormat format, FlatEvents* flat = nullptr,
-                                bool with_contexts = true) {
+                                std::size_t input_bytes, TraceFormat format,
+                                FlatEvents* flat = nullptr, bool with_contexts = true) {
   const std::size_t n = Reader(name).device_count(doc.root());
   std::vector<std::size_t> all(n);
   for (std::size_t d = 0; d < n; ++d) all[d] = d;
@@ -1013,8 +1079,10 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
   readers.reserve(n);
   out.reserve(n);
   each.reserve(n);
+  Reader::ContextBudget budget(input_bytes);
   for (std::size_t d = 0; d < n; ++d) {
     readers.emplace_back(name, flat, with_contexts, hand_back);
+    readers.back().share_budget(&budget);
     out.push_back(readers.back().begin(doc.root(), static_cast<int>(d)));
   }
   for (Reader& r : readers) each.push_back(&r);
@@ -1033,14 +1101,17 @@ Trace read_pytorch_snapshot(std::span<const std::uint8_t> data, const std::strin
   FlatEvents flat;
   const pickle::Document doc = decode_snapshot(data, name, flat, options);
   const bool hand_back = device >= 0 && read_once(doc, {static_cast<std::size_t>(device)});
-  return Reader(name, &flat, options.contexts, hand_back).read(doc.root(), device);
+  Reader::ContextBudget budget(data.size());
+  Reader reader(name, &flat, options.contexts, hand_back);
+  reader.share_budget(&budget);
+  return reader.read(doc.root(), device);
 }
 
 std::vector<Trace> read_pytorch_snapshot_devices(std::span<const std::uint8_t> data,
                                                  const std::string& name, const ReadOptions& options) {
   FlatEvents flat;
   const pickle::Document doc = decode_snapshot(data, name, flat, options);
-  return every_device(doc, name, TraceFormat::pytorch_pickle, &flat, options.contexts);
+  return every_device(doc, name, data.size(), TraceFormat::pytorch_pickle, &flat, options.contexts);
 }
 
 Trace read_snapshot_json(const std::string& text, const std::string& name, int device) {
@@ -1051,7 +1122,7 @@ Trace read_snapshot_json(const std::string& text, const std::string& name, int d
 }
 
 std::vector<Trace> read_snapshot_json_devices(const std::string& text, const std::string& name) {
-  return every_device(decode_json(text, name), name, TraceFormat::snapshot_json);
+  return every_device(decode_json(text, name), name, text.size(), TraceFormat::snapshot_json);
 }
 
 }  // namespace reservoir

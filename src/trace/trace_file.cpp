@@ -100,10 +100,39 @@ void set_recorded_config(Trace& trace, const std::string& text) {
 
 namespace {
 
+// A stream (a pipe, a device) is read whole, in memory, up to this much;
+// files are mapped or read at their size.
+constexpr std::size_t kLargestStream = std::size_t{4} << 30;
+
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TraceError(fmt::format("trace {}: cannot open the file", path));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  struct stat st {};
+  const bool regular = ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  std::string bytes;
+  char chunk[1 << 16];
+  bool looked = false;
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    bytes.append(chunk, static_cast<std::size_t>(in.gcount()));
+    if (!looked && (bytes.size() >= 4096 || in.eof())) {
+      // Text (the format anything unknown is read as) has no NUL byte: a
+      // binary stream such as /dev/zero is refused before it is read on.
+      looked = true;
+      const std::string_view head(bytes.data(), std::min<std::size_t>(bytes.size(), 4096));
+      if (detect_trace_format(head) == TraceFormat::text && head.find('\0') != head.npos) {
+        throw TraceError(fmt::format(
+            "trace {}: byte {}: a NUL byte: binary data that is no trace format reservoir reads "
+            "(PyTorch snapshot pickles, snapshot JSON, RMM CSV, reservoir's text)",
+            path, head.find('\0')));
+      }
+    }
+    if (!regular && bytes.size() > kLargestStream) {
+      throw TraceError(fmt::format(
+          "trace {}: a stream of more than {} bytes: write it to a file and give its path "
+          "(files are mapped, streams are held in memory whole)",
+          path, kLargestStream));
+    }
+  }
   if (in.bad()) throw TraceError(fmt::format("trace {}: read error", path));
   return bytes;
 }
@@ -191,18 +220,31 @@ Trace read_trace_file(const std::string& path, int device) {
     throw TraceError(fmt::format("trace {}: a {} trace holds one device; device {} was asked for",
                                  path, format.name, device));
   }
-  return std::move(format.read(as_span(bytes), path, {}).front());
+  std::vector<Trace> devices = format.read(as_span(bytes), path, {});
+  if (devices.empty()) throw TraceError(fmt::format("{}: the file holds no trace", path));
+  return std::move(devices.front());
 }
 
 std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options) {
+  std::vector<Trace> devices;
   if (auto t = read_mapped_pickle(path, options, [&](std::span<const std::uint8_t> bytes,
                                                      const ReadOptions& mapped) {
         return read_pytorch_snapshot_devices(bytes, path, mapped);
       })) {
-    return std::move(*t);
+    devices = std::move(*t);
+  } else {
+    const std::string bytes = read_bytes(path);
+    devices = trace_format(detect_trace_format(bytes)).read(as_span(bytes), path, options);
   }
-  const std::string bytes = read_bytes(path);
-  return trace_format(detect_trace_format(bytes)).read(as_span(bytes), path, options);
+  if (devices.empty()) {
+    // A snapshot of no device ({'segments': [], 'device_traces': []}) is not
+    // a recording of anything: no tool has a device to work on.
+    throw TraceError(fmt::format(
+        "{}: the file holds no device: no segments and no device_traces entries, so there is "
+        "nothing to work on (was memory history recording when the snapshot was taken?)",
+        path));
+  }
+  return devices;
 }
 
 std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device) {

@@ -93,7 +93,7 @@ VerifyResult Verifier::run() {
   }
 
   SimDeviceOptions options;
-  options.capacity = options_.device_memory.value_or(std::size_t{1} << 50);
+  options.capacity = options_.device_memory.value_or(kUnboundedCapacity);
   SimDevice device(options);
   device.set_address_source(
       [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });

@@ -83,8 +83,14 @@ class ReplayStateCapture : public ReplayObserver {
   std::vector<DevicePtr> ptrs_;
 };
 
+// The capacity of a replay's device when none is given: more than any GPU
+// holds (16 TiB), so nothing a real recording asks runs out of memory, and
+// small enough that a page table of it (8 Mi pages of 2 MiB) stays cheap:
+// a request beyond it is an out-of-memory result, quickly.
+inline constexpr std::uint64_t kUnboundedCapacity = std::uint64_t{1} << 44;
+
 struct ReplayOptions {
-  std::optional<std::uint64_t> capacity;  // device capacity; unlimited when empty
+  std::optional<std::uint64_t> capacity;  // device capacity; kUnboundedCapacity when empty
   std::optional<double> memory_fraction;  // set_memory_fraction before the replay
   bool validate_each_step = false;        // run the invariant validator after every op
   ReplayObserver* observer = nullptr;     // not owned; also sees min_capacity's probes
