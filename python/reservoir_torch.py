@@ -100,7 +100,8 @@ def empty_cache():
 
 
 def set_memory_fraction(fraction, device=0):
-    library().reservoir_torch_set_memory_fraction(fraction, device)
+    if library().reservoir_torch_set_memory_fraction(fraction, device) != 0:
+        raise ValueError(library().reservoir_torch_last_error().decode())
 
 
 def record_memory_history(enabled=True, max_entries=1_000_000, stacks=False, device=0):

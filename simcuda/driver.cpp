@@ -186,6 +186,7 @@ SIMCUDA_API CUresult cuGetErrorString(CUresult error, const char** text) {
     case CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
     case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "an illegal memory access was encountered"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = Sim::get().refused_text(); break;
     default: *text = "unknown error"; break;
   }
@@ -201,6 +202,7 @@ SIMCUDA_API CUresult cuGetErrorName(CUresult error, const char** text) {
     case CUDA_ERROR_INVALID_DEVICE: *text = "CUDA_ERROR_INVALID_DEVICE"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_READY: *text = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "CUDA_ERROR_NOT_SUPPORTED"; break;
     default: *text = "CUDA_ERROR_UNKNOWN"; break;
   }
@@ -404,28 +406,33 @@ SIMCUDA_API CUresult cuEventSynchronize(CUevent event) {
 }
 SIMCUDA_API CUresult cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
   ENTER("cuMemcpyDtoH_v2", false);
+  if (const int fault = Sim::get().touch(reinterpret_cast<const void*>(src), bytes)) return code(fault);
   if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
   return CUDA_SUCCESS;
 }
 SIMCUDA_API CUresult cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
   ENTER("cuMemcpyHtoD_v2", false);
+  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), bytes)) return code(fault);
   if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
   return CUDA_SUCCESS;
 }
 SIMCUDA_API CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
   ENTER("cuMemsetD8_v2", false);
+  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), count)) return code(fault);
   if (count != 0) std::memset(reinterpret_cast<void*>(dst), value, count);
   return CUDA_SUCCESS;
 }
 SIMCUDA_API CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoHAsync_v2", false);
   (void)stream;
+  if (const int fault = Sim::get().touch(reinterpret_cast<const void*>(src), bytes)) return code(fault);
   if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
   return CUDA_SUCCESS;
 }
 SIMCUDA_API CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyHtoDAsync_v2", false);
   (void)stream;
+  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), bytes)) return code(fault);
   if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
   return CUDA_SUCCESS;
 }

@@ -48,8 +48,18 @@ struct LaunchConfig {
 };
 thread_local LaunchConfig pushed;
 
-void copy(void* dst, const void* src, size_t count) {
+// A copy as the device makes it: an address it cannot reach faults (and the
+// error is sticky) instead of touching the memory.
+int copy(void* dst, const void* src, size_t count) {
+  if (const int fault = Sim::get().touch(src, count)) return fault;
+  if (const int fault = Sim::get().touch(dst, count)) return fault;
   if (count != 0 && dst != src) std::memmove(dst, src, count);
+  return reservoir::simcuda::kSuccess;
+}
+int fill(void* ptr, int value, size_t count) {
+  if (const int fault = Sim::get().touch(ptr, count)) return fault;
+  std::memset(ptr, value, count);
+  return reservoir::simcuda::kSuccess;
 }
 
 }  // namespace
@@ -154,6 +164,7 @@ SIMCUDA_API const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     default: return "cudaErrorUnknown";
@@ -169,6 +180,7 @@ SIMCUDA_API const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorNotSupported: return Sim::get().refused_text();
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     default: return "unknown error";
@@ -430,14 +442,13 @@ SIMCUDA_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cud
   ENTER("cudaMemcpy", false);
   (void)kind;
   Sim::get().stream_synchronize(nullptr, device());
-  copy(dst, src, count);
-  return cudaSuccess;
+  return result(copy(dst, src, count));
 }
 SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                                         cudaStream_t stream) {
   ENTER("cudaMemcpyAsync", false);
   (void)kind;
-  copy(dst, src, count);
+  if (const int fault = copy(dst, src, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }
@@ -445,26 +456,26 @@ SIMCUDA_API cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const voi
                                             size_t count, cudaStream_t stream) {
   ENTER("cudaMemcpyPeerAsync", false);
   (void)dst_device, (void)src_device, (void)stream;
-  copy(dst, src, count);
-  return cudaSuccess;
+  return result(copy(dst, src, count));
 }
 SIMCUDA_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                           size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
   ENTER("cudaMemcpy2DAsync", false);
   (void)kind, (void)stream;
   for (size_t row = 0; row < height; ++row) {
-    copy(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
+    const int fault =
+        copy(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
+    if (fault != reservoir::simcuda::kSuccess) return result(fault);
   }
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   ENTER("cudaMemset", false);
-  std::memset(ptr, value, count);
-  return cudaSuccess;
+  return result(fill(ptr, value, count));
 }
 SIMCUDA_API cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
   ENTER("cudaMemsetAsync", false);
-  std::memset(ptr, value, count);
+  if (const int fault = fill(ptr, value, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }

@@ -96,6 +96,7 @@ int Sim::enter(const char* call, bool alloc) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::uint64_t n = ++counts_[call];
   if (log_) std::fprintf(stderr, "simcuda: %s #%llu\n", call, static_cast<unsigned long long>(n));
+  if (sticky_ != kSuccess) return sticky_;
   auto it = failures_.find(call);
   if (it == failures_.end()) return kSuccess;
   for (const std::uint64_t use : it->second) {
@@ -591,21 +592,43 @@ int Sim::unmap(std::uintptr_t va, std::size_t size) {
 }
 
 int Sim::set_access(std::uintptr_t va, std::size_t size, bool read_write) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::uintptr_t at = va;
-    while (at < va + size) {
-      auto m = mappings_.upper_bound(at);
-      if (m == mappings_.begin()) return kInvalidValue;
-      --m;
-      if (at >= m->first + m->second.size) return kInvalidValue;
-      at = m->first + m->second.size;
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Mapping*> covered;
+  std::uintptr_t at = va;
+  while (at < va + size) {
+    auto m = mappings_.upper_bound(at);
+    if (m == mappings_.begin()) return kInvalidValue;
+    --m;
+    if (at >= m->first + m->second.size) return kInvalidValue;
+    covered.push_back(&m->second);
+    at = m->first + m->second.size;
   }
   if (::mprotect(reinterpret_cast<void*>(va), size, read_write ? PROT_READ | PROT_WRITE : PROT_READ) != 0) {
     return kInvalidValue;
   }
+  for (Mapping* m : covered) m->accessible = true;
   return kSuccess;
+}
+
+int Sim::touch(const void* p, std::size_t n) {
+  if (n == 0) return kSuccess;
+  const auto begin = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = reservations_.upper_bound(begin);
+  if (r == reservations_.begin()) return kSuccess;
+  --r;
+  if (begin >= r->first + r->second) return kSuccess;  // not reserved memory
+  const std::uintptr_t end = begin + n;
+  for (std::uintptr_t at = begin; at < end;) {
+    auto m = mappings_.upper_bound(at);
+    if (m == mappings_.begin()) break;
+    --m;
+    if (at >= m->first + m->second.size || !m->second.accessible) break;
+    at = m->first + m->second.size;
+    if (at >= end) return kSuccess;
+  }
+  sticky_ = kIllegalAddress;
+  return kIllegalAddress;
 }
 
 int Sim::export_fd(std::uint64_t handle, int* fd) {

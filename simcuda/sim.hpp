@@ -57,6 +57,7 @@ enum Code : int {
   kInvalidHandle = 400,
   kNotFound = 500,
   kNotReady = 600,
+  kIllegalAddress = 700,
   kHostMemoryAlreadyRegistered = 712,
   kHostMemoryNotRegistered = 713,
   kNotSupported = 801,
@@ -99,6 +100,7 @@ struct Mapping {
   std::size_t size = 0;
   std::uint64_t handle = 0;
   std::size_t offset = 0;
+  bool accessible = false;  // set_access given for it
 };
 
 struct Device {
@@ -167,6 +169,12 @@ class SIMCUDA_API Sim {
   int map(std::uintptr_t va, std::size_t size, std::size_t offset, std::uint64_t handle);
   int unmap(std::uintptr_t va, std::size_t size);
   int set_access(std::uintptr_t va, std::size_t size, bool read_write);
+  // The device reading or writing [p, p + n) (a copy, a memset): inside a
+  // reserved range every byte must be mapped with access given, or, as on a
+  // GPU, the access faults with kIllegalAddress, and the fault is sticky:
+  // every later call of the process answers it (CUDA's context is lost).
+  // Memory outside reserved ranges (cudaMalloc's, the host's) is not checked.
+  int touch(const void* p, std::size_t n);
   int export_fd(std::uint64_t handle, int* fd);
   int import_fd(int fd, int device, std::uint64_t* handle);
   int retain(const void* ptr, std::uint64_t* handle);
@@ -222,6 +230,7 @@ class SIMCUDA_API Sim {
   std::vector<Device> devices_;
   std::string name_;
   bool held_ = false;
+  int sticky_ = kSuccess;  // kIllegalAddress once the device faulted
   bool kernels_ = false;
   bool log_ = false;
   std::unordered_map<std::string, std::uint64_t> counts_;

@@ -173,8 +173,10 @@ void add_advise(CLI::App& app) {
   cmd->add_option("--config,-c", args->configs,
                   "sweep these settings instead of the default list (repeatable; '' = defaults)");
   cmd->add_flag("--json", args->json, "print the advice as JSON (keys: docs/tools.md)");
-  cmd->add_option("-o,--output", args->output, "also write the advice as an HTML page");
-  cmd->add_option("--threads", args->threads, "replays run in parallel (default: every core)");
+  cmd->add_option("-o,--output", args->output, "also write the advice as an HTML page")
+      ->check(output_path());
+  cmd->add_option("--threads", args->threads, "replays run in parallel (default: every core)")
+      ->check(whole_number(0, 1024, "threads (0: every core)"));
   add_device_option(*cmd, args->device);
   set_examples(*cmd, {
       {"reservoir advise rank0.pickle",

@@ -88,7 +88,8 @@ void add_compare(CLI::App& app) {
   cmd->add_option("a", args->a, "the first snapshot or trace")->required()->check(CLI::ExistingFile);
   cmd->add_option("b", args->b, "the second")->required()->check(CLI::ExistingFile);
   cmd->add_flag("--json", args->json, "print the comparison as JSON");
-  cmd->add_option("--top", args->top, "rows per list (default 15)");
+  cmd->add_option("--top", args->top, "rows per list (default 15)")
+      ->check(whole_number(1, 100'000, "rows"));
   add_device_option(*cmd, args->device);
   set_examples(*cmd, {
       {"reservoir compare before.pickle after.pickle",

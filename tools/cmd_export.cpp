@@ -76,7 +76,7 @@ void add_export(CLI::App& app) {
       "Convert a trace (pickle, JSON, RMM CSV, text) to a PyTorch snapshot pickle for memory_viz, "
       "JSON or text; with --config, the snapshot of its replay under that config");
   cmd->add_option("trace", args->trace, "trace to read")->required()->check(CLI::ExistingFile);
-  cmd->add_option("-o,--output", args->output, "file to write")->required();
+  cmd->add_option("-o,--output", args->output, "file to write")->required()->check(output_path());
   std::vector<std::string> formats{"auto"};
   for (const TraceFormatInfo& f : trace_formats()) {
     if (f.write != nullptr) formats.emplace_back(f.export_name);

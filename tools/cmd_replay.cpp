@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -109,8 +110,10 @@ void add_replay(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--generated", args->generated,
                   "also replay N generated programs (training, inference, huge allocations among "
-                  "small ones, several streams; docs/replay.md)");
-  cmd->add_option("--first-seed", args->first_seed, "the first generated program's seed (default 0)");
+                  "small ones, several streams; docs/replay.md)")
+      ->check(whole_number(0, 1'000'000, "programs"));
+  cmd->add_option("--first-seed", args->first_seed, "the first generated program's seed (default 0)")
+      ->check(whole_number(0, std::numeric_limits<std::int64_t>::max() - 1'000'000, "(a seed)"));
   cmd->add_flag("--vs-native", args->vs_native,
                 "also replay each under the native policy and report how far each config's "
                 "reserved memory went above it at the same call");
@@ -119,7 +122,7 @@ void add_replay(CLI::App& app) {
   add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_option("--memory-fraction", args->fraction,
                   "set_per_process_memory_fraction before replaying (enables garbage collection)")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(fraction(true));
   cmd->add_flag("--json", args->json, "print results as JSON (keys: docs/replay.md)");
   cmd->add_flag("--wide", args->wide,
                 "one wide line per replay with every figure (peaks, device allocs and frees, retries)");

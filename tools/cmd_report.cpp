@@ -165,9 +165,11 @@ void add_report(CLI::App& app) {
   cmd->add_flag("--min-capacity", args->min_capacity, "also find each config's minimum capacity");
   cmd->add_flag("!--no-advice", args->advice,
                 "leave out each trace's advice (diagnosis and sweep of settings, as `advise`)");
-  cmd->add_option("--top", args->top, "largest allocations listed (default 25)");
+  cmd->add_option("--top", args->top, "largest allocations listed (default 25)")
+      ->check(whole_number(1, 100'000, "rows"));
   add_device_option(*cmd, args->device);
-  cmd->add_option("-o,--output", args->output, "HTML file to write (default report.html)");
+  cmd->add_option("-o,--output", args->output, "HTML file to write (default report.html)")
+      ->check(output_path());
   set_examples(*cmd, {
       {"reservoir report run.pickle -o report.html",
        "one page: memory over time, the segments at the peak, the largest allocations"},

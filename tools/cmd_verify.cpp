@@ -144,7 +144,7 @@ void add_verify(CLI::App& app) {
                   "the program's torch.cuda.set_per_process_memory_fraction, set before the "
                   "recording began (a snapshot does not record it): with --device-memory, "
                   "garbage collection and the limit are checked exactly")
-      ->check(CLI::Range(0.0, 1.0).description("") & CLI::PositiveNumber.description(""));
+      ->check(fraction(false));
   add_size_option(*cmd, "--device-memory", args->device_memory,
                   "the device's total memory as CUDA reports it (torch.cuda.mem_get_info()[1]), "
                   "e.g. 80GiB, or 85899345920B in bytes");

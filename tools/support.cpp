@@ -1,5 +1,9 @@
 #include "support.hpp"
 
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -21,7 +25,9 @@ CLI::Option* add_size_option(CLI::App& cmd, const std::string& name, std::string
                              text, text, text, text);
         }
         try {
-          (void)parse_size(text);
+          if (parse_size(text) == 0) {
+            return fmt::format("'{}' is no memory at all: give a size above 0", text);
+          }
         } catch (const UsageError& e) {
           return e.what();
         }
@@ -29,6 +35,48 @@ CLI::Option* add_size_option(CLI::App& cmd, const std::string& name, std::string
       },
       "SIZE");
   return cmd.add_option(name, value, help)->check(size_with_unit);
+}
+
+CLI::Validator whole_number(std::int64_t lo, std::int64_t hi, const std::string& what) {
+  return CLI::Validator(
+      [lo, hi, what](std::string& text) -> std::string {
+        std::int64_t n = 0;
+        const char* end = text.data() + text.size();
+        const auto [at, ec] = std::from_chars(text.data(), end, n);
+        if (text.empty() || at != end || ec == std::errc::invalid_argument) {
+          return fmt::format("'{}' is not a whole number of {}", text, what);
+        }
+        if (ec == std::errc::result_out_of_range || n < lo || n > hi) {
+          return fmt::format("{} {}: give {} to {}", text, what, lo, hi);
+        }
+        return "";
+      },
+      fmt::format("{}..{}", lo, hi));
+}
+
+CLI::Validator fraction(bool zero_allowed) {
+  return CLI::Validator(
+      [zero_allowed](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double f = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(f)) {
+          return fmt::format("'{}' is not a fraction (a number such as 0.5)", text);
+        }
+        if (f < 0.0 || f > 1.0 || (!zero_allowed && f == 0.0)) {
+          return fmt::format("{} is not a fraction {} of the device's memory", text,
+                             zero_allowed ? "from 0 to 1" : "above 0 and at most 1");
+        }
+        return "";
+      },
+      zero_allowed ? "0..1" : "(0..1]");
+}
+
+CLI::Validator output_path() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? "an empty path: give the file to write" : "";
+      },
+      "PATH");
 }
 
 void set_examples(CLI::App& cmd, const std::vector<std::pair<std::string, std::string>>& examples) {
@@ -304,7 +352,7 @@ void add_device_option(CLI::App& cmd, std::optional<int>& device) {
   cmd.add_option("--device", device,
                  "only this device of a snapshot (default: every device with events, each "
                  "labelled)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(whole_number(0, 1023, "(a device index)"));
 }
 
 Trace state_of(const std::string& path, std::optional<int> device) {

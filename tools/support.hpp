@@ -28,6 +28,15 @@ enum ExitStatus : int {
 CLI::Option* add_size_option(CLI::App& cmd, const std::string& name, std::string& value,
                              const std::string& help);
 
+// Validators that say what was wrong in a person's words, checked on the
+// text before CLI11 converts it (so "-1" never wraps into an unsigned):
+// a whole number from lo to hi, `what` naming the unit ("programs");
+CLI::Validator whole_number(std::int64_t lo, std::int64_t hi, const std::string& what);
+// a fraction in [0, 1], or in (0, 1] when zero is not allowed;
+CLI::Validator fraction(bool zero_allowed);
+// a path to write to (not empty).
+CLI::Validator output_path();
+
 // Sets a subcommand's `--help` footer: lines of examples, each a command
 // line and what it does.
 void set_examples(CLI::App& cmd, const std::vector<std::pair<std::string, std::string>>& examples);

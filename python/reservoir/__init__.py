@@ -28,6 +28,7 @@ torch_library_path() is PyTorch's pluggable allocator for ctypes users
 CUDA program, cli_path() the `reservoir` command-line tool (also installed as
 the `reservoir` command, and run by `python -m reservoir`).
 """
+import contextlib
 import logging
 import os
 
@@ -130,22 +131,21 @@ def install_torch(config=None, device_kind=None):
     global _torch_installed
     import torch
 
-    if config is not None:
-        os.environ["RESERVOIR_ALLOC_CONF"] = config
-    if device_kind is not None:
-        os.environ["RESERVOIR_TORCH_DEVICE"] = device_kind
     pluggable = getattr(torch.cuda.memory, "CUDAPluggableAllocator", None)
     if pluggable is None:
         raise RuntimeError(
             f"PyTorch {torch.__version__} has no CUDAPluggableAllocator (PyTorch 2.0 or later needed)")
     release = torch.__version__.split("+")[0]
     hooks = torch_hooks_path(release)
-    if hooks is not None:
-        # Every hook connected: empty_cache, the memory fraction,
-        # record_stream and the pools reach reservoir.
-        _call_hooks(hooks, "reservoir_torch_install_hooks", release, "install_torch")
-        _torch_installed = True
-        return torch.cuda.memory._get_current_allocator()
+    with _install_settings(config, device_kind, "install_torch"):
+        if hooks is not None:
+            # Every hook connected: empty_cache, the memory fraction,
+            # record_stream and the pools reach reservoir.
+            _call_hooks(hooks, "reservoir_torch_install_hooks", release, "install_torch")
+            _torch_installed = True
+            return torch.cuda.memory._get_current_allocator()
+        allocator = pluggable(library_path(), "reservoir_torch_malloc", "reservoir_torch_free")
+        torch.cuda.memory.change_current_allocator(allocator)
     # Python's binding takes malloc and free only: PyTorch then ignores
     # empty_cache(), set_per_process_memory_fraction() and record_stream()
     # for this allocator (reservoir's own functions still do them).
@@ -155,10 +155,42 @@ def install_torch(config=None, device_kind=None):
         "set_per_process_memory_fraction() and Tensor.record_stream() do not reach reservoir "
         "(call reservoir.empty_cache(), reservoir.set_memory_fraction() instead; "
         "record_stream is not honoured)", torch.__version__, ", ".join(torch_hook_releases()) or "none")
-    allocator = pluggable(library_path(), "reservoir_torch_malloc", "reservoir_torch_free")
-    torch.cuda.memory.change_current_allocator(allocator)
     _torch_installed = True
     return allocator
+
+
+_SETTING_VARIABLES = ("RESERVOIR_ALLOC_CONF", "RESERVOIR_TORCH_DEVICE")
+
+
+@contextlib.contextmanager
+def _install_settings(config, device_kind, caller):
+    """Sets the environment an install reads (config, device_kind), checks
+    it as every allocator will take it, and puts it back as it was when the
+    check or the install fails: a refused call changes nothing."""
+    import ctypes
+
+    saved = {name: os.environ.get(name) for name in _SETTING_VARIABLES}
+
+    def restore():
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    if config is not None:
+        os.environ["RESERVOIR_ALLOC_CONF"] = config
+    if device_kind is not None:
+        os.environ["RESERVOIR_TORCH_DEVICE"] = device_kind
+    try:
+        lib = ctypes.CDLL(library_path())
+        lib.reservoir_torch_last_error.restype = ctypes.c_char_p
+        if lib.reservoir_torch_check_settings() != 0:
+            raise ValueError(f"reservoir.{caller}: " + lib.reservoir_torch_last_error().decode())
+        yield
+    except BaseException:
+        restore()
+        raise
 
 
 def _call_hooks(hooks, function, release, caller):
@@ -192,10 +224,6 @@ def use_as_allocator(config=None, device_kind=None):
     global _torch_installed
     import torch
 
-    if config is not None:
-        os.environ["RESERVOIR_ALLOC_CONF"] = config
-    if device_kind is not None:
-        os.environ["RESERVOIR_TORCH_DEVICE"] = device_kind
     release = torch.__version__.split("+")[0]
     hooks = torch_hooks_path(release)
     if hooks is None:
@@ -203,7 +231,8 @@ def use_as_allocator(config=None, device_kind=None):
             f"reservoir.use_as_allocator: this package has no library for PyTorch {torch.__version__} "
             f"(built for: {', '.join(torch_hook_releases()) or 'none'}); build reservoir against it, "
             "or use reservoir.install_torch() (the pluggable allocator)")
-    _call_hooks(hooks, "reservoir_torch_use_as_allocator", release, "use_as_allocator")
+    with _install_settings(config, device_kind, "use_as_allocator"):
+        _call_hooks(hooks, "reservoir_torch_use_as_allocator", release, "use_as_allocator")
     _torch_installed = True
     return torch.cuda.memory._get_current_allocator()
 

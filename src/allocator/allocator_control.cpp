@@ -75,6 +75,16 @@ void CachingAllocator::Impl::empty_cache() {
   release_cached_blocks();
   release_idle_address_arena();
   if (traits_.observes) source_->cache_emptied();
+  if (!unreleased_.empty()) {
+    // Not emptied: the device keeps memory it would not take back. The
+    // statistics count it as reserved; the next release tries again.
+    throw DeviceError(CallKind::release_physical, Status::device_error,
+                      fmt::format("emptying the cache: the device would not release {} "
+                                  "handle{} ({} bytes); still counted as reserved, they are "
+                                  "released again at the next empty_cache or retry",
+                                  unreleased_.size(), unreleased_.size() == 1 ? "" : "s",
+                                  unreleased_bytes()));
+  }
 }
 
 void CachingAllocator::Impl::process_completed_frees() {

@@ -529,6 +529,13 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   static constexpr std::size_t kMaxRecycledHandles = 4;
   void dissolve_stitched(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void dissolve_cached_stitched() RESERVOIR_REQUIRES(mutex_);
+  // Keeps a handle the device would not release and adds its bytes to
+  // reserved memory (callers that counted them take them out as for any
+  // release; so the device's holdings and the statistics agree either way).
+  void keep_unreleased(PhysicalHandle handle, std::size_t bytes, std::size_t index)
+      RESERVOIR_REQUIRES(mutex_);
+  // Bytes held in handles the device would not release (0 normally).
+  std::size_t unreleased_bytes() const RESERVOIR_REQUIRES(mutex_);
   void retry_stuck() noexcept RESERVOIR_REQUIRES(mutex_);
   // Address space back to the device, or kept to retry (retry_stuck) when
   // the device will not take it.
@@ -623,7 +630,15 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // Undo steps that failed themselves, retried on each release pass and at
   // destruction: handles whose release failed, mappings that would not go,
   // and address space that could not be returned.
-  std::vector<PhysicalHandle> unreleased_ RESERVOIR_GUARDED_BY(mutex_);
+  // Physical memory the device would not take back (release_physical
+  // failed): still the device's, so still counted as reserved (in the pool
+  // kind it came from) until a retry releases it.
+  struct Unreleased {
+    PhysicalHandle handle = 0;
+    std::size_t bytes = 0;
+    std::size_t index = 0;  // stat_index of its pool
+  };
+  std::vector<Unreleased> unreleased_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_mappings_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<DevicePtr, std::size_t>> stuck_reservations_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t total_capacity_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // total_capacity()'s

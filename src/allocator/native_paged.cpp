@@ -195,13 +195,13 @@ bool CachingAllocator::Impl::map_paged_run(Segment& seg, std::size_t first, std:
   }
   st = device_.map(va, bytes, h, 0);
   if (st != Status::ok) {
-    if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    if (device_.release_physical(h) != Status::ok) keep_unreleased(h, bytes, stat_index(*seg.pool));
     throw DeviceError(CallKind::map, st, fmt::format("mapping {} bytes at {:#x}", bytes, va));
   }
   st = device_.set_access(va, bytes);
   if (st != Status::ok) {
     if (device_.unmap(va, bytes) != Status::ok) stuck_mappings_.emplace_back(va, bytes);
-    if (device_.release_physical(h) != Status::ok) unreleased_.push_back(h);
+    if (device_.release_physical(h) != Status::ok) keep_unreleased(h, bytes, stat_index(*seg.pool));
     throw DeviceError(CallKind::set_access, st,
                       fmt::format("setting access to {} bytes at {:#x}", bytes, va));
   }
@@ -384,7 +384,9 @@ void CachingAllocator::Impl::release_paged_handle(Segment& seg, std::uint32_t sl
   }
   // Unmapped, the pages are gone from the segment whatever the release says:
   // a handle that will not go now is released again later.
-  if (device_.release_physical(h.handle) != Status::ok) unreleased_.push_back(h.handle);
+  if (device_.release_physical(h.handle) != Status::ok) {
+    keep_unreleased(h.handle, bytes, stat_index(*seg.pool));
+  }
   pg.remove(slot);
   total_reserved_ -= bytes;
   sub_stats(stats_.reserved_bytes, stat_index(*seg.pool), bytes);

@@ -97,7 +97,9 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
         clean = false;
       }
     }
-    if (have_fresh && device_.release_physical(fresh) != Status::ok) unreleased_.push_back(fresh);
+    if (have_fresh && device_.release_physical(fresh) != Status::ok) {
+      keep_unreleased(fresh, fresh_pages * page, stat_index(*p.pool));
+    }
     if (!clean || device_.unreserve(va, bytes) != Status::ok) {
       stuck_reservations_.emplace_back(va, bytes);
     }
@@ -199,7 +201,9 @@ void CachingAllocator::Impl::dissolve_stitched(Block* block) {
   for (const VmState::Piece& pc : vm.pieces) {
     if (!pc.fresh) continue;
     fresh_bytes += pc.bytes;
-    if (device_.release_physical(pc.handle) != Status::ok) unreleased_.push_back(pc.handle);
+    if (device_.release_physical(pc.handle) != Status::ok) {
+      keep_unreleased(pc.handle, pc.bytes, stat_index(*block->pool));
+    }
   }
   unreserve_or_retry(seg.base, seg.size);
   block->pool->erase(block);

@@ -338,6 +338,12 @@ void CachingAllocator::Impl::validate() const {
     }
   }
 
+  // Handles the device would not take back are still reserved memory.
+  for (const Unreleased& u : unreleased_) {
+    reserved_bytes[0] += static_cast<std::int64_t>(u.bytes);
+    reserved_bytes[u.index] += static_cast<std::int64_t>(u.bytes);
+    reserved += u.bytes;
+  }
   std::size_t pooled = 0;
   std::size_t unmapped_pooled = 0;
   for (const BlockPool* pool : known_pools) {

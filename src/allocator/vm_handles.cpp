@@ -103,7 +103,9 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
       unmap_pages(b, v.first, v.end, &taken);
     } catch (...) {
       for (const Recycled& r : taken) {
-        if (device_.release_physical(r.handle) != Status::ok) unreleased_.push_back(r.handle);
+        if (device_.release_physical(r.handle) != Status::ok) {
+          keep_unreleased(r.handle, r.bytes, stat_index(*seg.pool));
+        }
       }
       throw;
     }

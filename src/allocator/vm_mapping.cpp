@@ -52,7 +52,9 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
       at += pieces[k].bytes;
     }
     for (const Recycled& r : pieces) {
-      if (device_.release_physical(r.handle) != Status::ok) unreleased_.push_back(r.handle);
+      if (device_.release_physical(r.handle) != Status::ok) {
+        keep_unreleased(r.handle, r.bytes, stat_index(pool));
+      }
     }
   };
   if (vm.paging && set_fraction_ && total_reserved_ + mapped_bytes > allowed_memory_maximum_) {
@@ -199,7 +201,7 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     }
     const Status rel = device_.release_physical(h.handle);
     if (rel != Status::ok) {
-      unreleased_.push_back(h.handle);
+      keep_unreleased(h.handle, h.pages * page, stat_index(*block->pool));
       failed = rel;
       failed_call = CallKind::release_physical;
       break;
@@ -287,8 +289,27 @@ void CachingAllocator::Impl::retry_stuck() noexcept {
                                                                 : std::next(it);
   }
   for (auto it = unreleased_.begin(); it != unreleased_.end();) {
-    it = device_.release_physical(*it) == Status::ok ? unreleased_.erase(it) : std::next(it);
+    if (device_.release_physical(it->handle) != Status::ok) {
+      ++it;
+      continue;
+    }
+    total_reserved_ -= it->bytes;
+    sub_stats(stats_.reserved_bytes, it->index, it->bytes);
+    it = unreleased_.erase(it);
   }
+}
+
+void CachingAllocator::Impl::keep_unreleased(PhysicalHandle handle, std::size_t bytes,
+                                             std::size_t index) {
+  unreleased_.push_back({handle, bytes, index});
+  total_reserved_ += bytes;
+  add_stats(stats_.reserved_bytes, index, bytes);
+}
+
+std::size_t CachingAllocator::Impl::unreleased_bytes() const {
+  std::size_t bytes = 0;
+  for (const Unreleased& u : unreleased_) bytes += u.bytes;
+  return bytes;
 }
 
 void CachingAllocator::Impl::unreserve_or_retry(DevicePtr va, std::size_t bytes) {

@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
 
 namespace reservoir {
 
@@ -132,13 +133,25 @@ void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
   if (active_routes_.load(std::memory_order_acquire) > 0) [[unlikely]]
     route_into(*state, stream);
   try {
-    return state->allocator.allocate(size, stream);
-  } catch (const OutOfMemoryError&) {
-    // The tag ran out after its own retry ladder: memory the other
-    // allocators cache goes back to the device, and it tries once more (as
-    // PyTorch's ladder frees the cached blocks of every pool).
-    if (reclaim(*state) <= 0) throw;
-    return state->allocator.allocate(size, stream);
+    try {
+      return state->allocator.allocate(size, stream);
+    } catch (const OutOfMemoryError&) {
+      // The tag ran out after its own retry ladder: memory the other
+      // allocators cache goes back to the device, and it tries once more (as
+      // PyTorch's ladder frees the cached blocks of every pool).
+      if (reclaim(*state) <= 0) throw;
+      return state->allocator.allocate(size, stream);
+    }
+  } catch (const OutOfMemoryError& e) {
+    const std::size_t margin = memory_margin_.load(std::memory_order_relaxed);
+    if (margin == 0) throw;
+    // The device's free memory in the message includes the margin the tag
+    // may not touch: say so, or the message contradicts itself.
+    throw OutOfMemoryError(
+        fmt::format("{} Tagged allocations leave {} of the device free (the memory margin, "
+                    "set_memory_margin): tag '{}' can use only the memory above it.",
+                    e.what(), format_size(margin), state->tag),
+        e.requested_bytes(), e.device_free(), e.device_total());
   }
 }
 

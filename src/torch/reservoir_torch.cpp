@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -281,6 +282,29 @@ char* copy_string(const std::string& s) {
 
 extern "C" {
 
+// Set once a hooks library (torch_hooks.cpp) carries every failed
+// allocation's message into PyTorch's exception: nothing to print then.
+std::atomic<bool> errors_raised{false};
+
+__attribute__((visibility("default"))) void reservoir_torch_errors_raised() { errors_raised = true; }
+
+}  // extern "C"
+
+namespace {
+// Through Python's binding alone, PyTorch's CUDAPluggableAllocator does not
+// check malloc's result nor see why: a line on stderr says it, once for a
+// run of the same message from one thread (a loop that retries does not
+// print a line each time).
+void say_error() {
+  thread_local std::string last_said;
+  if (errors_raised || last_said == last_error) return;
+  last_said = last_error;
+  std::fprintf(stderr, "reservoir: %s (repeats on this thread are not printed)\n", last_error.c_str());
+}
+}  // namespace
+
+extern "C" {
+
 __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size, int device,
                                                                      CUstream_st* stream) {
   void* p = nullptr;
@@ -288,19 +312,14 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
         p = saver_for(device).allocate(static_cast<std::size_t>(size),
                                        reinterpret_cast<reservoir::StreamId>(stream));
       })) {
-    // PyTorch's CUDAPluggableAllocator does not check the result: the
-    // hooks library (torch_hooks.cpp) raises PyTorch's error for a null
-    // one; through Python's binding alone, this line is all that says why.
-    std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
+    say_error();
   }
   return p;
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_free(void* ptr, ssize_t, int device,
                                                                  CUstream_st*) {
-  if (!guarded([&] { saver_for(device).deallocate(ptr); })) {
-    std::fprintf(stderr, "reservoir: %s\n", last_error.c_str());
-  }
+  if (!guarded([&] { saver_for(device).deallocate(ptr); })) say_error();
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_init(int device_count) {
@@ -314,9 +333,10 @@ __attribute__((visibility("default"))) void reservoir_torch_reset() {
   }
 }
 
-__attribute__((visibility("default"))) void reservoir_torch_set_memory_fraction(double fraction,
-                                                                                int device) {
-  (void)guarded([&] { allocator_for(device).set_memory_fraction(fraction); });
+// 0, or -1 with last_error (a fraction outside [0, 1], NaN included).
+__attribute__((visibility("default"))) int reservoir_torch_set_memory_fraction(double fraction,
+                                                                               int device) {
+  return guarded([&] { allocator_for(device).set_memory_fraction(fraction); }) ? 0 : -1;
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_record_stream(void* ptr,
@@ -503,6 +523,17 @@ __attribute__((visibility("default"))) int reservoir_torch_apply_settings(const 
 // for it, before the first allocation: the native policy takes that
 // release's decisions where releases differ, unless the configuration names
 // pytorch_version. 0, or -1 with last_error (not a 2.x release).
+// Checks the settings every allocator would take now (RESERVOIR_ALLOC_CONF
+// or PyTorch's variables, and RESERVOIR_TORCH_DEVICE) without opening a
+// device: installing reservoir refuses a bad one there, not at the first
+// allocation. 0, or -1 with last_error naming what is wrong.
+__attribute__((visibility("default"))) int reservoir_torch_check_settings() {
+  return guarded([&] {
+    std::lock_guard lock(mutex);
+    (void)backend_kind(current_config());
+  }) ? 0 : -1;
+}
+
 __attribute__((visibility("default"))) int reservoir_torch_set_pytorch_release(const char* release) {
   return guarded([&] {
     const std::string text = release == nullptr ? "" : release;

@@ -217,7 +217,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
   }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    entry().set_memory_fraction(fraction, device);
+    reservoir_torch_hooks::set_memory_fraction(fraction, device);
     std::lock_guard lock(mutex_);
     if (static_cast<std::size_t>(device) >= fractions_.size()) fractions_.resize(device + 1, 1.0);
     fractions_[device] = fraction;
@@ -1191,9 +1191,13 @@ __attribute__((visibility("default"))) int reservoir_torch_use_as_allocator(cons
                                                                            const char* release) {
   return reservoir_torch_hooks::guarded([&] {
     reservoir_torch_hooks::load(path, release);
-    the_allocator() = std::make_shared<ReservoirAllocator>();
-    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(the_allocator());
-    follow_runtime_settings();
+    // PyTorch refuses the change once its allocator has served a request:
+    // the allocator in place (reservoir's too) then stays as it is.
+    auto fresh = std::make_shared<ReservoirAllocator>();
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(fresh);
+    the_allocator() = std::move(fresh);
+    static std::once_flag followed;
+    std::call_once(followed, follow_runtime_settings);
     // The device-generic API (torch.accelerator.memory_stats(),
     // empty_cache(), ...) asks c10's allocator of the CUDA device type,
     // which changeCurrentAllocator leaves at PyTorch's: it is reservoir's

@@ -21,7 +21,7 @@ struct Entry {
   void (*free)(void*, ssize_t, int, cudaStream_t) = nullptr;
   void (*init)(int) = nullptr;
   void (*reset)() = nullptr;
-  void (*set_memory_fraction)(double, int) = nullptr;
+  int (*set_memory_fraction)(double, int) = nullptr;
   void (*record_stream)(void*, cudaStream_t) = nullptr;
   int (*begin_allocate_to_pool)(int, unsigned long long, unsigned long long, StreamFilter, void*) = nullptr;
   int (*end_allocate_to_pool)(int, unsigned long long, unsigned long long) = nullptr;
@@ -50,6 +50,11 @@ Entry& entry();
 // points (libreservoir_torch.so or the Python module) and finds every one;
 // std::runtime_error saying what is wrong otherwise.
 void load(const char* path, const char* release);
+
+// set_per_process_memory_fraction for both integrations: PyTorch's own
+// check and words (its native allocator's, which NaN does not pass), then
+// reservoir's; c10::Error when either refuses.
+void set_memory_fraction(double fraction, int device);
 
 // The message of the last failed call, for Python.
 std::string& last_error();

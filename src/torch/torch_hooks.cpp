@@ -53,6 +53,11 @@ void find(void* lib, const char* name, F& out) {
 }  // namespace
 
 Entry& entry() { return the_entry; }
+
+void set_memory_fraction(double fraction, int device) {
+  TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction, ". Please set within [0, 1].");
+  TORCH_CHECK(the_entry.set_memory_fraction(fraction, device) == 0, the_entry.error());
+}
 std::string& last_error() { return the_last_error; }
 
 void load(const char* path, const char* release) {
@@ -90,6 +95,11 @@ void load(const char* path, const char* release) {
   int (*set_release)(const char*) = nullptr;
   find(lib, "reservoir_torch_set_pytorch_release", set_release);
   if (set_release(release) != 0) throw std::runtime_error(e.error());
+  // Failed allocations raise PyTorch's error with reservoir's message from
+  // here on: the library need not print it too.
+  void (*errors_raised)() = nullptr;
+  find(lib, "reservoir_torch_errors_raised", errors_raised);
+  errors_raised();
 }
 
 }  // namespace reservoir_torch_hooks
@@ -133,7 +143,7 @@ void install(const char* path, const char* release) {
       torch::cuda::CUDAPluggableAllocator::createCustomAllocator(allocate, e.free));
   allocator->set_init_fn(e.init);
   allocator->set_reset_fn(e.reset);
-  allocator->set_memory_fraction_fn(e.set_memory_fraction);
+  allocator->set_memory_fraction_fn(&reservoir_torch_hooks::set_memory_fraction);
   allocator->set_record_stream_fn(e.record_stream);
   allocator->set_begin_allocate_to_pool(
       [](int device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {

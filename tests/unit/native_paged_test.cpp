@@ -321,17 +321,62 @@ TEST(NativePaged, AFailedReleaseOrUnreserveIsRetriedSoNothingLeaks) {
     a.deallocate(a.allocate(4 * kMiB));
     device.fail_nth(CallKind::release_physical, 1, Status::device_error);
     device.fail_nth(CallKind::unreserve, 1, Status::device_error);
-    a.empty_cache();  // the caller's call succeeds; the handle and range are kept to retry
-    EXPECT_EQ(reserved(a), 0);
+    // The handle the device kept is still its memory: empty_cache says it did
+    // not empty, and the statistics keep it as reserved (no segment holds it).
+    try {
+      a.empty_cache();
+      FAIL() << "no error";
+    } catch (const DeviceError& e) {
+      EXPECT_EQ(e.call(), CallKind::release_physical);
+      EXPECT_NE(std::string(e.what()).find("would not release 1 handle (4194304 bytes)"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(reserved(a), std::int64_t{4} << 20);
+    EXPECT_EQ(static_cast<std::size_t>(reserved(a)), device.used_bytes());
     EXPECT_EQ(a.stats().segment[0].current, 0);
     a.validate();
     EXPECT_EQ(device.live_physical(), 1u);
     EXPECT_EQ(device.live_reservations(), 1u);
     a.empty_cache();  // retried
+    EXPECT_EQ(reserved(a), 0);
     EXPECT_EQ(device.live_physical(), 0u);
     EXPECT_EQ(device.live_reservations(), 0u);
+    a.validate();
   }
   EXPECT_EQ(device.live_physical(), 0u);
+}
+
+// After a failed release, at every step, under each virtual-memory policy:
+// what the statistics call reserved is what the device holds.
+TEST(FailedRelease, TheStatisticsSayWhatTheDeviceHolds) {
+  for (const char* settings : {"expandable_segments:True", "policy:native_paged", "policy:paging"}) {
+    SCOPED_TRACE(settings);
+    SimDevice device = tight_device(256 * kMiB);
+    {
+      CachingAllocator a(device, AllocatorConfig::parse(settings));
+      auto holds = [&] {
+        EXPECT_EQ(static_cast<std::size_t>(reserved(a)), device.used_bytes());
+        a.validate();
+      };
+      std::vector<void*> live;
+      for (int i = 0; i < 5; ++i) live.push_back(a.allocate(20 * kMiB));
+      holds();
+      for (void* p : live) a.deallocate(p);
+      device.fail_nth(CallKind::release_physical, 2, Status::device_error);
+      EXPECT_THROW(a.empty_cache(), DeviceError);
+      holds();
+      EXPECT_GT(reserved(a), 0);
+      // Allocating again (the ladder's retries) and freeing keep it so.
+      void* p = a.allocate(60 * kMiB);
+      holds();
+      a.deallocate(p);
+      a.empty_cache();  // the handle goes now
+      holds();
+      EXPECT_EQ(reserved(a), 0);
+    }
+    EXPECT_EQ(device.used_bytes(), 0u);
+  }
 }
 
 TEST(NativePaged, AFailedSynchronizeBeforeUnmappingChangesNothing) {
