@@ -125,9 +125,9 @@ fuzz: deps
 	  -DRESERVOIR_BUILD_TOOLS=OFF >/dev/null
 	cmake --build build-fuzz -j $(JOBS)
 	@# $(JOBS) fuzzers at a time; a crash in any fails the target.
-	printf '%s\n' config pickle text_trace snapshot_json rmm_csv verify | \
+	printf '%s\n' config pickle text_trace snapshot_json rmm_csv verify hostile_snapshot | \
 	  xargs -P $(JOBS) -I{} sh -c 'mkdir -p build-fuzz/corpus-{} && \
-	    build-fuzz/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 \
+	    build-fuzz/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
 	      build-fuzz/corpus-{} tests/fuzz/corpus/{} > build-fuzz/fuzz-{}.log 2>&1 || \
 	    { tail -40 build-fuzz/fuzz-{}.log; echo "fuzz_{} failed (build-fuzz/fuzz-{}.log)"; exit 255; }; \
 	    tail -1 build-fuzz/fuzz-{}.log'

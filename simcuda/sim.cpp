@@ -1,5 +1,7 @@
 #include "sim.hpp"
 
+#include <string_view>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -92,11 +94,27 @@ bool& Sim::runtime_thread() {
   return used;
 }
 
+namespace {
+// Calls that still answer once the device faulted: what asks about devices,
+// versions and the current device or context, which CUDA answers without
+// the lost context (PyTorch's device guards call them while an illegal
+// address error unwinds, and a throw there would end the process).
+bool answers_after_fault(std::string_view call) {
+  for (std::string_view prefix : {"cuDevice", "cudaGetDevice", "cudaSetDevice", "cudaDeviceGet",
+                                  "cuCtxGet", "cuInit", "cuDriverGetVersion", "cudaDriverGetVersion",
+                                  "cudaRuntimeGetVersion", "cudaGetErrorString", "cudaGetErrorName",
+                                  "cudaGetLastError", "cudaPeekAtLastError"}) {
+    if (call.starts_with(prefix)) return true;
+  }
+  return false;
+}
+}  // namespace
+
 int Sim::enter(const char* call, bool alloc) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::uint64_t n = ++counts_[call];
   if (log_) std::fprintf(stderr, "simcuda: %s #%llu\n", call, static_cast<unsigned long long>(n));
-  if (sticky_ != kSuccess) return sticky_;
+  if (sticky_ != kSuccess && !answers_after_fault(call)) return sticky_;
   auto it = failures_.find(call);
   if (it == failures_.end()) return kSuccess;
   for (const std::uint64_t use : it->second) {

@@ -377,8 +377,12 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void release_idle_address_arena() RESERVOIR_REQUIRES(mutex_);
   // Per page of a native_paged segment: whether a block in use (or waiting
   // on a stream) lies on it, or part of [keep_from, keep_to).
+  // The pages of a native_paged segment in use (blocks not free, and
+  // [keep_from, keep_to)), as sorted, disjoint runs [first, end): their
+  // cost follows the segment's blocks, not its page count.
+  using PageRuns = std::vector<std::pair<std::size_t, std::size_t>>;
   static void pages_in_use(const detail::Segment& seg, DevicePtr keep_from, DevicePtr keep_to,
-                           std::vector<bool>& busy);
+                           PageRuns& busy);
   // Waits for the work queued on a segment's stream before its pages are
   // unmapped; DeviceError "synchronizing stream S before <doing> <at>"
   // otherwise (the message made only then: unmapping is a frequent path).

@@ -73,12 +73,12 @@ constexpr std::size_t kPlentifulShare = 256;
 // pages apart (back_block).
 constexpr std::size_t kEdgeSplitRun = 6;
 
-// Whether a handle has a page in use.
-bool any_in_use(const VmState::Handle& h, const std::vector<bool>& busy) {
-  for (std::size_t k = h.first_page; k < h.first_page + h.pages; ++k) {
-    if (busy[k]) return true;
-  }
-  return false;
+// Whether a handle has a page in use (busy: sorted, disjoint runs).
+bool any_in_use(const VmState::Handle& h, const std::vector<std::pair<std::size_t, std::size_t>>& busy) {
+  // The first run that ends after the handle's first page.
+  auto it = std::upper_bound(busy.begin(), busy.end(), h.first_page,
+                             [](std::size_t page, const auto& run) { return page < run.second; });
+  return it != busy.end() && it->first < h.first_page + h.pages;
 }
 
 // The address space reserved for a segment of `size` bytes: whole pages.
@@ -295,7 +295,7 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
 
 void CachingAllocator::Impl::shed_handles(Segment& seg, std::size_t first, std::size_t end) {
   VmState& pg = *seg.paged;
-  std::vector<bool> busy;  // the block served is still free: not among them
+  PageRuns busy;  // the block served is still free: not among them
   pages_in_use(seg, 0, 0, busy);
   std::vector<std::uint32_t> shed;
   for (std::size_t i = first; i < end;) {
@@ -323,19 +323,31 @@ std::size_t CachingAllocator::Impl::total_capacity() {
 }
 
 void CachingAllocator::Impl::pages_in_use(const Segment& seg, DevicePtr keep_from,
-                                          DevicePtr keep_to, std::vector<bool>& busy) {
+                                          DevicePtr keep_to, PageRuns& busy) {
   const VmState& pg = *seg.paged;
-  busy.assign(pg.pages, false);
+  busy.clear();
   auto mark = [&](DevicePtr from, DevicePtr to) {
     if (to <= seg.base || from >= seg.base + pg.pages * pg.page) return;
     from = std::max(from, seg.base);
+    const std::size_t first = (from - seg.base) / pg.page;
     const std::size_t last = std::min<std::size_t>((to - seg.base + pg.page - 1) / pg.page, pg.pages);
-    for (std::size_t k = (from - seg.base) / pg.page; k < last; ++k) busy[k] = true;
+    if (first < last) busy.emplace_back(first, last);
   };
-  for (const Block* b = seg.head; b != nullptr; b = b->next) {
+  for (const Block* b = seg.head; b != nullptr; b = b->next) {  // in address order
     if (!b->is_free()) mark(b->ptr, b->ptr + b->touched_bytes());
   }
   mark(keep_from, keep_to);
+  std::sort(busy.begin(), busy.end());
+  // Runs that overlap or touch (blocks sharing a page) become one.
+  std::size_t out = 0;
+  for (std::size_t i = 0; i < busy.size(); ++i) {
+    if (out > 0 && busy[i].first <= busy[out - 1].second) {
+      busy[out - 1].second = std::max(busy[out - 1].second, busy[i].second);
+    } else {
+      busy[out++] = busy[i];
+    }
+  }
+  busy.resize(out);
 }
 
 void CachingAllocator::Impl::synchronize_segment_stream(const Segment& seg,
@@ -350,7 +362,7 @@ void CachingAllocator::Impl::synchronize_segment_stream(const Segment& seg,
 std::size_t CachingAllocator::Impl::release_free_pages(std::size_t bytes, DevicePtr keep_from,
                                                        DevicePtr keep_to) {
   std::size_t released = 0;
-  std::vector<bool> busy;
+  PageRuns busy;
   std::vector<std::uint32_t> victims;
   for (auto& [base, seg] : segments_) {
     if (!seg->paged || seg->paged->mapped_pages == 0) continue;

@@ -1075,7 +1075,12 @@ std::vector<Trace> every_device(const pickle::Document& doc, const std::string& 
   std::vector<Reader> readers;
   std::vector<Reader*> each;
   std::vector<Trace> out;
-  if (n == 0) return out;
+  if (n == 0) {
+    Reader(name).fail("device_traces",
+                      "the file holds no device: no segments and no device_traces entries, so "
+                      "there is nothing to work on (was memory history recording when the "
+                      "snapshot was taken?)");
+  }
   readers.reserve(n);
   out.reserve(n);
   each.reserve(n);

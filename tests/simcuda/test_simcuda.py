@@ -380,3 +380,40 @@ def test_cublas_handles_without_math():
     assert out == ["0", "0", "0", "True", "0", "7", "0", "0", "3", "15", "0", "1"]
     out, _ = run(body, RESERVOIR_SIMCUDA_KERNELS="skip")
     assert out[9] == "0"
+
+
+def test_a_copy_into_unmapped_address_space_is_a_sticky_illegal_address():
+    # As a GPU: reserved but unmapped (or mapped without access) memory
+    # faults with error 700 instead of being touched, and the context is lost:
+    # later work answers 700 too, while device queries still answer.
+    out, _ = run("""
+        assert drv.cuInit(0) == 0
+        va, h = ptr(), ptr()
+        assert drv.cuMemAddressReserve(ctypes.byref(va), 8 * MiB, 0, 0, 0) == 0
+        assert drv.cuMemCreate(ctypes.byref(h), 4 * MiB, ctypes.byref(prop()), 0) == 0
+        assert drv.cuMemMap(ptr(va.value), 4 * MiB, 0, h, 0) == 0
+        assert drv.cuMemSetAccess(ptr(va.value), 4 * MiB, ctypes.byref(rw()), 1) == 0
+        host = ctypes.create_string_buffer(8 * MiB)
+        print(rt.cudaMemcpy(ctypes.c_void_p(va.value), host, 4 * MiB, 1))  # mapped: fine
+        print(rt.cudaMemset(ctypes.c_void_p(va.value + 2 * MiB), 0, 2 * MiB))
+        # Across the end of the mapping into the unmapped half: a fault.
+        print(rt.cudaMemcpy(host, ctypes.c_void_p(va.value + 3 * MiB), 2 * MiB, 2))
+        print(rt.cudaGetErrorString(700).decode().replace(" ", "_"))
+        d = ctypes.c_void_p()
+        print(rt.cudaMalloc(ctypes.byref(d), MiB), rt.cudaDeviceSynchronize())
+        dev = ctypes.c_int(-1)
+        print(rt.cudaGetDevice(ctypes.byref(dev)), dev.value)
+    """)
+    assert out == ["0", "0", "700", "an_illegal_memory_access_was_encountered", "700", "700", "0", "0"]
+
+
+def test_mapped_memory_without_access_faults_too():
+    out, _ = run("""
+        assert drv.cuInit(0) == 0
+        va, h = ptr(), ptr()
+        assert drv.cuMemAddressReserve(ctypes.byref(va), 2 * MiB, 0, 0, 0) == 0
+        assert drv.cuMemCreate(ctypes.byref(h), 2 * MiB, ctypes.byref(prop()), 0) == 0
+        assert drv.cuMemMap(ptr(va.value), 2 * MiB, 0, h, 0) == 0
+        print(drv.cuMemsetD8_v2(ptr(va.value), 1, 4096))
+    """)
+    assert out == ["700"]

@@ -39,6 +39,31 @@ TEST_F(Rules, AllocateZeroReturnsNull) {
   allocator_->deallocate(nullptr);
 }
 
+// PyTorch's check before its device allocator: 1 EiB and more is out of
+// memory at once, with no statistic, no device call and no arithmetic on the
+// size (2^64 - 1 rounded would wrap to 0).
+TEST_F(Rules, RequestsOfAnExabyteOrMoreAreOutOfMemoryBeforeAnything) {
+  for (const std::size_t size : {std::size_t{1} << 60, std::size_t{1} << 62, ~std::size_t{0},
+                                 ~std::size_t{0} - 511}) {
+    try {
+      (void)allocator_->allocate(size);
+      FAIL() << size << ": no error";
+    } catch (const OutOfMemoryError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "CUDA out of memory. Tried to allocate more than 1EB memory (" + std::to_string(size) +
+                    " bytes requested on device 0).");
+      EXPECT_EQ(e.requested_bytes(), size);
+    }
+  }
+  EXPECT_EQ(device_->calls(CallKind::allocate_segment), 0u);
+  EXPECT_EQ(stat("num_ooms"), 0);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);
+  EXPECT_EQ(stat("reserved_bytes.all.peak"), 0);
+  // Just below: an ordinary out-of-memory error from the ladder.
+  EXPECT_THROW((void)allocator_->allocate((std::size_t{1} << 60) - 1), OutOfMemoryError);
+  EXPECT_EQ(stat("num_ooms"), 1);
+}
+
 TEST_F(Rules, SmallRequestsPackIntoTwoMiBSegments) {
   const DevicePtr a = alloc(1000);
   const DevicePtr b = alloc(1);

@@ -555,3 +555,28 @@ TEST(NativePaged, ExcludesExpandableSegmentsAndPagingsKeys) {
 
 }  // namespace
 }  // namespace reservoir::testing
+
+namespace reservoir::testing {
+namespace {
+
+// A request far beyond the device's free memory under expandable segments
+// (one handle a page) is refused without creating thousands of handles one
+// by one: the ladder ends as it would, out of memory, in a few device calls.
+TEST(ExpandableSegments, AnImpossibleRequestCreatesNoHandles) {
+  SimDevice device = tight_device(std::size_t{64} << 30);
+  CachingAllocator a(device, AllocatorConfig::parse("expandable_segments:True"));
+  // 1 TiB on a 64 GiB device: the segment's 72 GiB are 3,687 pages of 20
+  // MiB (the large pool's), none of which could all be had.
+  EXPECT_THROW((void)a.allocate(std::size_t{1} << 40), OutOfMemoryError);
+  EXPECT_EQ(device.calls(CallKind::create_physical), 0u);
+  EXPECT_EQ(device.used_bytes(), 0u);
+  EXPECT_EQ(a.stats().num_ooms, 1u);
+  // What fits still maps, page by page, as PyTorch's does.
+  void* p = a.allocate(512 * kMiB);
+  EXPECT_EQ(device.calls(CallKind::create_physical), 26u);
+  a.deallocate(p);
+  a.validate();
+}
+
+}  // namespace
+}  // namespace reservoir::testing

@@ -124,6 +124,29 @@ TEST(Pickle, CorruptInputGetsExactErrors) {
             "pickle: byte 2: integer of 10 bytes does not fit 64 bits");
   EXPECT_EQ(error_of("\x80\x04X\xff\xff\xff\x7f."),
             "pickle: byte 2: BINUNICODE length 2147483647 exceeds the file");
+  // Strings are UTF-8 (encoded surrogates pass, as Python's 'surrogatepass').
+  EXPECT_EQ(error_of("\x80\x04\x8c\x03"
+                     "a\xff"
+                     "b."),
+            "pickle: byte 2: SHORT_BINUNICODE: a string of 3 bytes that is not UTF-8 (byte 1 of it)");
+  EXPECT_EQ(error_of("\x80\x04\x8c\x02\xc0\x80."),  // an overlong NUL
+            "pickle: byte 2: SHORT_BINUNICODE: a string of 2 bytes that is not UTF-8 (byte 0 of it)");
+  EXPECT_EQ(error_of("\x80\x04\x8c\x03\xed\xa0\x80\x94."), "no error");
+  EXPECT_EQ(error_of("\x80\x04\x8c\x04\xf0\x9f\x98\x80."), "no error");
+  // FRAME: its length within the file; its opcodes end at its end; the
+  // next frame starts there (Python's pickler writes them so).
+  const std::string frame8 = std::string("\x95\x08\x00\x00\x00\x00\x00\x00\x00", 9);
+  EXPECT_EQ(error_of("\x80\x04" + frame8 + "K\x01."),
+            "pickle: byte 2: truncated: the FRAME holds 8 bytes, 3 remain");
+  EXPECT_EQ(error_of("\x80\x04" + std::string("\x95\x02\x00\x00\x00\x00\x00\x00\x00", 9) + "J\x01\x02\x03\x04."),
+            "pickle: byte 11: this opcode ends at byte 16, past the end of its FRAME at byte 13: "
+            "bytes are missing from the frame, or were added");
+  EXPECT_EQ(error_of("\x80\x04" + std::string("\x95\x03\x00\x00\x00\x00\x00\x00\x00", 9) + "K\x01" +
+                     std::string("\x95\x01\x00\x00\x00\x00\x00\x00\x00", 9) + "."),
+            "pickle: byte 13: a FRAME begins 1 bytes before the current frame ends (at byte 14): "
+            "bytes are missing from that frame, or were added");
+  EXPECT_EQ(error_of("\x80\x04" + std::string("\x95\x03\x00\x00\x00\x00\x00\x00\x00", 9) + "K\x01."),
+            "no error");
 }
 
 // Writes pickle opcodes, counting the memo as Python's pickler does.
