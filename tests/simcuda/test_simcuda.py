@@ -39,6 +39,17 @@ def rw(device=0):
     a = Access()
     a.location.type, a.location.id, a.flags = 1, device, 3  # read and write
     return a
+def reserve_and_map(reserved, mapped, access=True):
+    # A reservation of `reserved` bytes whose first `mapped` are mapped (and
+    # readable and writable when `access`): its address.
+    assert drv.cuInit(0) == 0
+    va, h = ptr(), ptr()
+    assert drv.cuMemAddressReserve(ctypes.byref(va), reserved, 0, 0, 0) == 0
+    assert drv.cuMemCreate(ctypes.byref(h), mapped, ctypes.byref(prop()), 0) == 0
+    assert drv.cuMemMap(ptr(va.value), mapped, 0, h, 0) == 0
+    if access:
+        assert drv.cuMemSetAccess(ptr(va.value), mapped, ctypes.byref(rw()), 1) == 0
+    return va.value
 def free_bytes():
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     assert rt.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0
@@ -387,17 +398,12 @@ def test_a_copy_into_unmapped_address_space_is_a_sticky_illegal_address():
     # faults with error 700 instead of being touched, and the context is lost:
     # later work answers 700 too, while device queries still answer.
     out, _ = run("""
-        assert drv.cuInit(0) == 0
-        va, h = ptr(), ptr()
-        assert drv.cuMemAddressReserve(ctypes.byref(va), 8 * MiB, 0, 0, 0) == 0
-        assert drv.cuMemCreate(ctypes.byref(h), 4 * MiB, ctypes.byref(prop()), 0) == 0
-        assert drv.cuMemMap(ptr(va.value), 4 * MiB, 0, h, 0) == 0
-        assert drv.cuMemSetAccess(ptr(va.value), 4 * MiB, ctypes.byref(rw()), 1) == 0
+        va = reserve_and_map(8 * MiB, 4 * MiB)
         host = ctypes.create_string_buffer(8 * MiB)
-        print(rt.cudaMemcpy(ctypes.c_void_p(va.value), host, 4 * MiB, 1))  # mapped: fine
-        print(rt.cudaMemset(ctypes.c_void_p(va.value + 2 * MiB), 0, 2 * MiB))
+        print(rt.cudaMemcpy(ctypes.c_void_p(va), host, 4 * MiB, 1))  # mapped: fine
+        print(rt.cudaMemset(ctypes.c_void_p(va + 2 * MiB), 0, 2 * MiB))
         # Across the end of the mapping into the unmapped half: a fault.
-        print(rt.cudaMemcpy(host, ctypes.c_void_p(va.value + 3 * MiB), 2 * MiB, 2))
+        print(rt.cudaMemcpy(host, ctypes.c_void_p(va + 3 * MiB), 2 * MiB, 2))
         print(rt.cudaGetErrorString(700).decode().replace(" ", "_"))
         d = ctypes.c_void_p()
         print(rt.cudaMalloc(ctypes.byref(d), MiB), rt.cudaDeviceSynchronize())
@@ -409,11 +415,7 @@ def test_a_copy_into_unmapped_address_space_is_a_sticky_illegal_address():
 
 def test_mapped_memory_without_access_faults_too():
     out, _ = run("""
-        assert drv.cuInit(0) == 0
-        va, h = ptr(), ptr()
-        assert drv.cuMemAddressReserve(ctypes.byref(va), 2 * MiB, 0, 0, 0) == 0
-        assert drv.cuMemCreate(ctypes.byref(h), 2 * MiB, ctypes.byref(prop()), 0) == 0
-        assert drv.cuMemMap(ptr(va.value), 2 * MiB, 0, h, 0) == 0
-        print(drv.cuMemsetD8_v2(ptr(va.value), 1, 4096))
+        va = reserve_and_map(2 * MiB, 2 * MiB, access=False)
+        print(drv.cuMemsetD8_v2(ptr(va), 1, 4096))
     """)
     assert out == ["700"]
