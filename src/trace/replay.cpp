@@ -147,7 +147,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   const auto start = std::chrono::steady_clock::now();
   // Requests refused, counted here too: one of 1 EiB or more is refused
   // ahead of the allocator's statistics, as PyTorch refuses it.
-  std::uint64_t refused = 0;
+  std::int64_t refused = 0;
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
       case ReplayOp::Kind::alloc:
@@ -204,7 +204,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   result.device_allocs = s.num_device_alloc;
   result.device_frees = s.num_device_free;
   result.num_alloc_retries = s.num_alloc_retries;
-  result.num_ooms = std::max<std::uint64_t>(s.num_ooms, refused);
+  result.num_ooms = std::max(s.num_ooms, refused);
   result.device_call_seconds = device.estimated_ns() / 1e9;
   for (CallKind kind : kMemoryCallKinds) result.device_calls += device.calls(kind);
   if (observer != nullptr) observer->on_finish(allocator);

@@ -359,8 +359,8 @@ TEST(FailedRelease, TheStatisticsSayWhatTheDeviceHolds) {
         EXPECT_EQ(static_cast<std::size_t>(reserved(a)), device.used_bytes());
         a.validate();
       };
-      std::vector<void*> live;
-      for (int i = 0; i < 5; ++i) live.push_back(a.allocate(20 * kMiB));
+      std::vector<void*> live(5);
+      for (void*& p : live) p = a.allocate(20 * kMiB);
       holds();
       for (void* p : live) a.deallocate(p);
       device.fail_nth(CallKind::release_physical, 2, Status::device_error);
