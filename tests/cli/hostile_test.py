@@ -110,7 +110,7 @@ for name, size in [("pib.pickle", 2**50), ("beyond.pickle", 2**59)]:
     for config in ("", "expandable_segments:True", "policy:paging", "policy:native_paged"):
         r = run("replay", path, "-c", config)
         if r is not None:
-            if r.returncode != 4 or "1 out-of-memory errors" not in r.stdout + r.stderr:
+            if r.returncode != 4 or "1 out-of-memory errors" not in " ".join((r.stdout + r.stderr).split()):
                 failures.append(f"{name} [{config}]: exit {r.returncode}: {r.stdout}{r.stderr}")
             if r.seconds > 10:
                 failures.append(f"{name} [{config}]: took {r.seconds:.1f} s")
