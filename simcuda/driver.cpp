@@ -406,35 +406,25 @@ SIMCUDA_API CUresult cuEventSynchronize(CUevent event) {
 }
 SIMCUDA_API CUresult cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
   ENTER("cuMemcpyDtoH_v2", false);
-  if (const int fault = Sim::get().touch(reinterpret_cast<const void*>(src), bytes)) return code(fault);
-  if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
-  return CUDA_SUCCESS;
+  return code(Sim::get().copy(dst, reinterpret_cast<const void*>(src), bytes));
 }
 SIMCUDA_API CUresult cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
   ENTER("cuMemcpyHtoD_v2", false);
-  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), bytes)) return code(fault);
-  if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
-  return CUDA_SUCCESS;
+  return code(Sim::get().copy(reinterpret_cast<void*>(dst), src, bytes));
 }
 SIMCUDA_API CUresult cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t count) {
   ENTER("cuMemsetD8_v2", false);
-  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), count)) return code(fault);
-  if (count != 0) std::memset(reinterpret_cast<void*>(dst), value, count);
-  return CUDA_SUCCESS;
+  return code(Sim::get().fill(reinterpret_cast<void*>(dst), value, count));
 }
 SIMCUDA_API CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoHAsync_v2", false);
   (void)stream;
-  if (const int fault = Sim::get().touch(reinterpret_cast<const void*>(src), bytes)) return code(fault);
-  if (bytes != 0) std::memmove(dst, reinterpret_cast<const void*>(src), bytes);
-  return CUDA_SUCCESS;
+  return code(Sim::get().copy(dst, reinterpret_cast<const void*>(src), bytes));
 }
 SIMCUDA_API CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyHtoDAsync_v2", false);
   (void)stream;
-  if (const int fault = Sim::get().touch(reinterpret_cast<void*>(dst), bytes)) return code(fault);
-  if (bytes != 0) std::memmove(reinterpret_cast<void*>(dst), src, bytes);
-  return CUDA_SUCCESS;
+  return code(Sim::get().copy(reinterpret_cast<void*>(dst), src, bytes));
 }
 
 // The driver's log messages: the simulation writes none, so a callback

@@ -48,20 +48,6 @@ struct LaunchConfig {
 };
 thread_local LaunchConfig pushed;
 
-// A copy as the device makes it: an address it cannot reach faults (and the
-// error is sticky) instead of touching the memory.
-int copy(void* dst, const void* src, size_t count) {
-  if (const int fault = Sim::get().touch(src, count)) return fault;
-  if (const int fault = Sim::get().touch(dst, count)) return fault;
-  if (count != 0 && dst != src) std::memmove(dst, src, count);
-  return reservoir::simcuda::kSuccess;
-}
-int fill(void* ptr, int value, size_t count) {
-  if (const int fault = Sim::get().touch(ptr, count)) return fault;
-  std::memset(ptr, value, count);
-  return reservoir::simcuda::kSuccess;
-}
-
 }  // namespace
 
 extern "C" {
@@ -442,13 +428,13 @@ SIMCUDA_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cud
   ENTER("cudaMemcpy", false);
   (void)kind;
   Sim::get().stream_synchronize(nullptr, device());
-  return result(copy(dst, src, count));
+  return result(Sim::get().copy(dst, src, count));
 }
 SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                                         cudaStream_t stream) {
   ENTER("cudaMemcpyAsync", false);
   (void)kind;
-  if (const int fault = copy(dst, src, count)) return result(fault);
+  if (const int fault = Sim::get().copy(dst, src, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }
@@ -456,26 +442,26 @@ SIMCUDA_API cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const voi
                                             size_t count, cudaStream_t stream) {
   ENTER("cudaMemcpyPeerAsync", false);
   (void)dst_device, (void)src_device, (void)stream;
-  return result(copy(dst, src, count));
+  return result(Sim::get().copy(dst, src, count));
 }
 SIMCUDA_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                           size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
   ENTER("cudaMemcpy2DAsync", false);
   (void)kind, (void)stream;
   for (size_t row = 0; row < height; ++row) {
-    const int fault =
-        copy(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
-    if (fault != reservoir::simcuda::kSuccess) return result(fault);
+    const int fault = Sim::get().copy(static_cast<char*>(dst) + row * dpitch,
+                                      static_cast<const char*>(src) + row * spitch, width);
+    if (fault != 0) return result(fault);
   }
   return cudaSuccess;
 }
 SIMCUDA_API cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   ENTER("cudaMemset", false);
-  return result(fill(ptr, value, count));
+  return result(Sim::get().fill(ptr, value, count));
 }
 SIMCUDA_API cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
   ENTER("cudaMemsetAsync", false);
-  if (const int fault = fill(ptr, value, count)) return result(fault);
+  if (const int fault = Sim::get().fill(ptr, value, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }

@@ -628,6 +628,19 @@ int Sim::set_access(std::uintptr_t va, std::size_t size, bool read_write) {
   return kSuccess;
 }
 
+int Sim::copy(void* dst, const void* src, std::size_t n) {
+  if (const int fault = touch(src, n)) return fault;
+  if (const int fault = touch(dst, n)) return fault;
+  if (n != 0 && dst != src) std::memmove(dst, src, n);
+  return kSuccess;
+}
+
+int Sim::fill(void* p, int value, std::size_t n) {
+  if (const int fault = touch(p, n)) return fault;
+  if (n != 0) std::memset(p, value, n);
+  return kSuccess;
+}
+
 int Sim::touch(const void* p, std::size_t n) {
   if (n == 0) return kSuccess;
   const auto begin = reinterpret_cast<std::uintptr_t>(p);

@@ -175,6 +175,11 @@ class SIMCUDA_API Sim {
   // every later call of the process answers it (CUDA's context is lost).
   // Memory outside reserved ranges (cudaMalloc's, the host's) is not checked.
   int touch(const void* p, std::size_t n);
+  // A copy and a fill as the device makes them (the runtime's and the
+  // driver's): kIllegalAddress without touching anything when either side
+  // is out of reach (touch), else done and kSuccess.
+  int copy(void* dst, const void* src, std::size_t n);
+  int fill(void* p, int value, std::size_t n);
   int export_fd(std::uint64_t handle, int* fd);
   int import_fd(int fd, int device, std::uint64_t* handle);
   int retain(const void* ptr, std::uint64_t* handle);

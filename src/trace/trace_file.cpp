@@ -220,31 +220,19 @@ Trace read_trace_file(const std::string& path, int device) {
     throw TraceError(fmt::format("trace {}: a {} trace holds one device; device {} was asked for",
                                  path, format.name, device));
   }
-  std::vector<Trace> devices = format.read(as_span(bytes), path, {});
-  if (devices.empty()) throw TraceError(fmt::format("{}: the file holds no trace", path));
-  return std::move(devices.front());
+  return std::move(format.read(as_span(bytes), path, {}).front());
 }
 
+// Never empty: a snapshot of no device is the snapshot reader's TraceError.
 std::vector<Trace> read_trace_devices(const std::string& path, const ReadOptions& options) {
-  std::vector<Trace> devices;
   if (auto t = read_mapped_pickle(path, options, [&](std::span<const std::uint8_t> bytes,
                                                      const ReadOptions& mapped) {
         return read_pytorch_snapshot_devices(bytes, path, mapped);
       })) {
-    devices = std::move(*t);
-  } else {
-    const std::string bytes = read_bytes(path);
-    devices = trace_format(detect_trace_format(bytes)).read(as_span(bytes), path, options);
+    return std::move(*t);
   }
-  if (devices.empty()) {
-    // A snapshot of no device ({'segments': [], 'device_traces': []}) is not
-    // a recording of anything: no tool has a device to work on.
-    throw TraceError(fmt::format(
-        "{}: the file holds no device: no segments and no device_traces entries, so there is "
-        "nothing to work on (was memory history recording when the snapshot was taken?)",
-        path));
-  }
-  return devices;
+  const std::string bytes = read_bytes(path);
+  return trace_format(detect_trace_format(bytes)).read(as_span(bytes), path, options);
 }
 
 std::vector<Trace> select_devices(std::vector<Trace> devices, std::optional<int> device) {

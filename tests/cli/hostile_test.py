@@ -44,11 +44,16 @@ def run(*args, stdin=None):
     return r
 
 
+def said(r):
+    """What a run printed, its lines wrapped at 100 columns rejoined."""
+    return " ".join((r.stdout + r.stderr).split())
+
+
 def expect(args, status, *words):
     r = run(*args)
     if r is None:
         return
-    text = " ".join((r.stdout + r.stderr).split())  # lines wrapped at 100 columns rejoined
+    text = said(r)
     if r.returncode != status:
         failures.append(f"{args}: exit {r.returncode}, expected {status}: {text[-1500:]}")
     for w in words:
@@ -110,7 +115,7 @@ for name, size in [("pib.pickle", 2**50), ("beyond.pickle", 2**59)]:
     for config in ("", "expandable_segments:True", "policy:paging", "policy:native_paged"):
         r = run("replay", path, "-c", config)
         if r is not None:
-            if r.returncode != 4 or "1 out-of-memory errors" not in " ".join((r.stdout + r.stderr).split()):
+            if r.returncode != 4 or "1 out-of-memory errors" not in said(r):
                 failures.append(f"{name} [{config}]: exit {r.returncode}: {r.stdout}{r.stderr}")
             if r.seconds > 10:
                 failures.append(f"{name} [{config}]: took {r.seconds:.1f} s")
