@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "graphs.hpp"
 #include "sim.hpp"
 
 using reservoir::simcuda::Event;
@@ -16,6 +17,8 @@ using reservoir::simcuda::Sim;
 using reservoir::simcuda::Stream;
 
 extern "C" void* reservoir_simcuda_driver_symbol(const char* symbol);
+
+namespace capture = reservoir::simcuda::capture;
 
 namespace {
 
@@ -49,6 +52,9 @@ struct LaunchConfig {
 thread_local LaunchConfig pushed;
 
 }  // namespace
+
+// The same, for the runtime's other sources (graphs.cpp).
+cudaError_t reservoir_simcudart_result(int code) { return result(code); }
 
 extern "C" {
 
@@ -105,7 +111,11 @@ SIMCUDA_API cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* func) 
 // that spins for its first argument's cycles (torch.cuda._sleep's
 // spin_kernel), which keeps the stream busy that long (Sim::run).
 cudaError_t launch(const char* name, const void* f, void** args, cudaStream_t stream) {
-  if (!Sim::get().allow_kernels()) return result(Sim::get().refuse(name));
+  if (!Sim::get().allow_kernels()) {
+    // Refused; in a capture, the capture is invalidated too.
+    const int refused = capture::capture_refuses(stream, name);
+    return result(refused != capture::kNotCapturing ? refused : Sim::get().refuse(name));
+  }
   ENTER(name, false);
   double ms = 0.0;
   if (f != nullptr && args != nullptr && args[0] != nullptr &&
@@ -114,7 +124,10 @@ cudaError_t launch(const char* name, const void* f, void** args, cudaStream_t st
     std::memcpy(&cycles, args[0], sizeof cycles);
     if (cycles > 0) ms = static_cast<double>(cycles) / reservoir::simcuda::kSimulatedCyclesPerMs;
   }
-  Sim::get().run(stream, device(), ms);
+  if (const int implicit = capture::legacy_use(stream, stream_device(stream))) return result(implicit);
+  const int captured = capture::capture_kernel(stream, f, ms);
+  if (captured != capture::kNotCapturing) return result(captured);
+  Sim::get().run(stream, stream_device(stream), ms);
   return cudaSuccess;
 }
 
@@ -153,6 +166,17 @@ SIMCUDA_API const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+    case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
+    case cudaErrorGraphExecUpdateFailure: return "cudaErrorGraphExecUpdateFailure";
     default: return "cudaErrorUnknown";
   }
 }
@@ -169,6 +193,22 @@ SIMCUDA_API const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorNotSupported: return Sim::get().refused_text();
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureMerge: return "operation would result in a merge of separate capture sequences";
+    case cudaErrorStreamCaptureUnmatched: return "capture was not ended in the same stream as it began";
+    case cudaErrorStreamCaptureUnjoined: return "capturing stream has unjoined work";
+    case cudaErrorStreamCaptureIsolation:
+      return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureImplicit:
+      return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureWrongThread:
+      return "attempt to terminate a thread-local capture sequence from another thread";
+    case cudaErrorGraphExecUpdateFailure:
+      return "the graph update was not performed because it included changes which violated constraints "
+             "specific to instantiated graph update";
     default: return "unknown error";
   }
 }
@@ -222,6 +262,7 @@ SIMCUDA_API cudaError_t cudaSetDevice(int d) {
 }
 SIMCUDA_API cudaError_t cudaDeviceSynchronize(void) {
   ENTER("cudaDeviceSynchronize", false);
+  if (const int refused = capture::device_sync(device())) return result(refused);
   Sim::get().device_synchronize(device());
   return cudaSuccess;
 }
@@ -318,10 +359,12 @@ SIMCUDA_API cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const vo
 
 SIMCUDA_API cudaError_t cudaMalloc(void** ptr, size_t size) {
   ENTER("cudaMalloc", true);
+  if (const int refused = capture::unsafe_call()) return result(refused);
   return result(Sim::get().malloc_device(device(), size, ptr));
 }
 SIMCUDA_API cudaError_t cudaFree(void* ptr) {
   ENTER("cudaFree", false);
+  if (const int refused = capture::unsafe_call()) return result(refused);
   return result(Sim::get().free_device(ptr));
 }
 // Stream-ordered allocation: work on a stream is done when issued here, so
@@ -329,12 +372,14 @@ SIMCUDA_API cudaError_t cudaFree(void* ptr) {
 // at once.
 SIMCUDA_API cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
   ENTER("cudaMallocAsync", true);
-  (void)stream;
+  const int captured = capture::capture_refuses(stream, "cudaMallocAsync (during stream capture)");
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().malloc_device(device(), size, ptr));
 }
 SIMCUDA_API cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
   ENTER("cudaFreeAsync", false);
-  (void)stream;
+  const int captured = capture::capture_refuses(stream, "cudaFreeAsync (during stream capture)");
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().free_device(ptr));
 }
 SIMCUDA_API cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
@@ -377,6 +422,7 @@ SIMCUDA_API cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int flag
 }
 SIMCUDA_API cudaError_t cudaFreeHost(void* ptr) {
   ENTER("cudaFreeHost", false);
+  if (const int refused = capture::unsafe_call()) return result(refused);
   return result(Sim::get().host_free(ptr));
 }
 // Host memory is the device's memory here: registering a range only makes
@@ -427,6 +473,8 @@ SIMCUDA_API cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const
 SIMCUDA_API cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   ENTER("cudaMemcpy", false);
   (void)kind;
+  if (const int implicit = capture::legacy_use(nullptr, device())) return result(implicit);
+  if (const int refused = capture::unsafe_call()) return result(refused);
   Sim::get().stream_synchronize(nullptr, device());
   return result(Sim::get().copy(dst, src, count));
 }
@@ -434,6 +482,9 @@ SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count
                                         cudaStream_t stream) {
   ENTER("cudaMemcpyAsync", false);
   (void)kind;
+  if (const int implicit = capture::legacy_use(stream, stream_device(stream))) return result(implicit);
+  const int captured = capture::capture_copy(stream, dst, src, count);
+  if (captured != capture::kNotCapturing) return result(captured);
   if (const int fault = Sim::get().copy(dst, src, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
@@ -441,13 +492,19 @@ SIMCUDA_API cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count
 SIMCUDA_API cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                             size_t count, cudaStream_t stream) {
   ENTER("cudaMemcpyPeerAsync", false);
-  (void)dst_device, (void)src_device, (void)stream;
+  (void)dst_device, (void)src_device;
+  if (const int implicit = capture::legacy_use(stream, stream_device(stream))) return result(implicit);
+  const int captured = capture::capture_copy(stream, dst, src, count);
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().copy(dst, src, count));
 }
 SIMCUDA_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                           size_t height, cudaMemcpyKind kind, cudaStream_t stream) {
   ENTER("cudaMemcpy2DAsync", false);
-  (void)kind, (void)stream;
+  (void)kind;
+  if (const int implicit = capture::legacy_use(stream, stream_device(stream))) return result(implicit);
+  const int captured = capture::capture_copy_2d(stream, dst, dpitch, src, spitch, width, height);
+  if (captured != capture::kNotCapturing) return result(captured);
   for (size_t row = 0; row < height; ++row) {
     const int fault = Sim::get().copy(static_cast<char*>(dst) + row * dpitch,
                                       static_cast<const char*>(src) + row * spitch, width);
@@ -457,10 +514,15 @@ SIMCUDA_API cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* 
 }
 SIMCUDA_API cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   ENTER("cudaMemset", false);
+  if (const int implicit = capture::legacy_use(nullptr, device())) return result(implicit);
+  if (const int refused = capture::unsafe_call()) return result(refused);
   return result(Sim::get().fill(ptr, value, count));
 }
 SIMCUDA_API cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
   ENTER("cudaMemsetAsync", false);
+  if (const int implicit = capture::legacy_use(stream, stream_device(stream))) return result(implicit);
+  const int captured = capture::capture_fill(stream, ptr, value, count);
+  if (captured != capture::kNotCapturing) return result(captured);
   if (const int fault = Sim::get().fill(ptr, value, count)) return result(fault);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
@@ -480,6 +542,7 @@ SIMCUDA_API cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int 
 SIMCUDA_API cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithPriority(s, 0, 0); }
 SIMCUDA_API cudaError_t cudaStreamDestroy(cudaStream_t s) {
   ENTER("cudaStreamDestroy", false);
+  capture::forget_stream(s);
   return result(Sim::get().destroy_stream(reinterpret_cast<Stream*>(s)));
 }
 SIMCUDA_API cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
@@ -491,49 +554,22 @@ SIMCUDA_API cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
 // A stream is busy while the work queued on it has not ended (Sim::run).
 SIMCUDA_API cudaError_t cudaStreamQuery(cudaStream_t s) {
   ENTER("cudaStreamQuery", false);
+  if (const int refused = capture::stream_sync(s, stream_device(s))) return result(refused);
   return result(Sim::get().stream_query(s, stream_device(s)));
 }
 SIMCUDA_API cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   ENTER("cudaStreamSynchronize", false);
+  if (const int refused = capture::stream_sync(s, stream_device(s))) return result(refused);
   return result(Sim::get().stream_synchronize(s, stream_device(s)));
 }
 SIMCUDA_API cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   ENTER("cudaStreamWaitEvent", false);
   (void)flags;
+  if (e == nullptr) return result(cudaErrorInvalidResourceHandle);
+  const int captured = capture::capture_wait(s, e);
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().stream_wait_event(s, stream_device(s), reinterpret_cast<Event*>(e)));
 }
-SIMCUDA_API cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
-  ENTER("cudaStreamIsCapturing", false);
-  (void)s;
-  if (status == nullptr) return result(cudaErrorInvalidValue);
-  *status = cudaStreamCaptureStatusNone;
-  return cudaSuccess;
-}
-SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* status,
-                                                 unsigned long long* id, cudaGraph_t* graph,
-                                                 const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges,
-                                                 size_t* count) {
-  ENTER("cudaStreamGetCaptureInfo", false);
-  (void)s;
-  if (status == nullptr) return result(cudaErrorInvalidValue);
-  *status = cudaStreamCaptureStatusNone;
-  if (id != nullptr) *id = 0;
-  if (graph != nullptr) *graph = nullptr;
-  if (deps != nullptr) *deps = nullptr;
-  if (edges != nullptr) *edges = nullptr;
-  if (count != nullptr) *count = 0;
-  return cudaSuccess;
-}
-SIMCUDA_API cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
-  ENTER("cudaThreadExchangeStreamCaptureMode", false);
-  if (mode == nullptr) return result(cudaErrorInvalidValue);
-  thread_local cudaStreamCaptureMode current = cudaStreamCaptureModeGlobal;
-  const cudaStreamCaptureMode was = current;
-  current = *mode;
-  *mode = was;
-  return cudaSuccess;
-}
-
 SIMCUDA_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   ENTER("cudaEventCreateWithFlags", false);
   if (e == nullptr) return result(cudaErrorInvalidValue);
@@ -594,23 +630,36 @@ SIMCUDA_API cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* e, cudaIpcEventHandl
 }
 SIMCUDA_API cudaError_t cudaEventDestroy(cudaEvent_t e) {
   ENTER("cudaEventDestroy", false);
+  capture::forget_event(e);
   return result(Sim::get().destroy_event(reinterpret_cast<Event*>(e)));
 }
 SIMCUDA_API cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   ENTER("cudaEventRecord", false);
+  if (e == nullptr) return result(cudaErrorInvalidResourceHandle);
+  if (const int implicit = capture::legacy_use(s, stream_device(s))) return result(implicit);
+  const int captured = capture::capture_record(e, s);
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().record(reinterpret_cast<Event*>(e), s));
 }
 SIMCUDA_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int flags) {
   ENTER("cudaEventRecordWithFlags", false);
   (void)flags;
+  if (e == nullptr) return result(cudaErrorInvalidResourceHandle);
+  if (const int implicit = capture::legacy_use(s, stream_device(s))) return result(implicit);
+  const int captured = capture::capture_record(e, s);
+  if (captured != capture::kNotCapturing) return result(captured);
   return result(Sim::get().record(reinterpret_cast<Event*>(e), s));
 }
 SIMCUDA_API cudaError_t cudaEventQuery(cudaEvent_t e) {
   ENTER("cudaEventQuery", false);
+  if (e == nullptr) return result(cudaErrorInvalidResourceHandle);
+  if (const int refused = capture::event_sync(e)) return result(refused);
   return result(Sim::get().query(reinterpret_cast<Event*>(e)));
 }
 SIMCUDA_API cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   ENTER("cudaEventSynchronize", false);
+  if (e == nullptr) return result(cudaErrorInvalidResourceHandle);
+  if (const int refused = capture::event_sync(e)) return result(refused);
   return result(Sim::get().synchronize(reinterpret_cast<Event*>(e)));
 }
 SIMCUDA_API cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {

@@ -109,7 +109,7 @@ class Probe:
 
 
 PROBES = ("init", "malloc_edges", "malloc_layout", "malloc_sequence", "mem_info", "malloc_async", "pointer_attributes",
-          "streams_events", "vmm", "timings", "call_costs", "vmm_bad_handles")
+          "streams_events", "vmm", "timings", "call_costs", "vmm_bad_handles", "stream_capture")
 
 
 def probes(p, save, only):
@@ -503,12 +503,287 @@ def probes(p, save, only):
             p.timed(f"reserve+create+map+access+unmap+release+free {label}", vm, 21)
         return {"median_us": p.times}
 
+    def stream_capture():
+        # Stream capture and graphs: what a capture records, what CUDA refuses
+        # during one (and the invalidated capture after), and graph launches.
+        out = {}
+        cudaStreamNonBlocking, GLOBAL, THREAD_LOCAL, RELAXED = 1, 0, 1, 2
+        D2H, H2D = 2, 1
+
+        def stream(flags=cudaStreamNonBlocking):
+            s = c_ptr()
+            r("cudaStreamCreateWithFlags", ctypes.byref(s), flags)
+            return s
+
+        def event():
+            e = c_ptr()
+            r("cudaEventCreateWithFlags", ctypes.byref(e), 2)  # cudaEventDisableTiming
+            return e
+
+        def status(s):
+            st = ctypes.c_int(-1)
+            code = r("cudaStreamIsCapturing", s, ctypes.byref(st))
+            return [code, st.value]
+
+        def info(s):
+            st, ident, n = ctypes.c_int(-1), ctypes.c_ulonglong(), c_size()
+            deps = c_ptr()
+            code = r("cudaStreamGetCaptureInfo", s, ctypes.byref(st), ctypes.byref(ident), c_ptr(0),
+                     ctypes.byref(deps), c_ptr(0), ctypes.byref(n))
+            return code, st.value, ident.value, n.value
+
+        def end(s):
+            g = c_ptr()
+            code = r("cudaStreamEndCapture", s, ctypes.byref(g))
+            return code, g
+
+        def nodes(g):
+            n = c_size()
+            r("cudaGraphGetNodes", g, c_ptr(0), ctypes.byref(n))
+            return n.value
+
+        def mode(m):
+            v = ctypes.c_int(m)
+            r("cudaThreadExchangeStreamCaptureMode", ctypes.byref(v))
+            return v.value
+
+        def read(ptr, n=16):
+            buf = (ctypes.c_ubyte * n)()
+            r("cudaMemcpy", buf, c_ptr(ptr), c_size(n), D2H)
+            return bytes(buf).hex()
+
+        code, buf = p.malloc(MiB)
+        out["cudaMalloc before"] = code
+        r("cudaMemset", c_ptr(buf), 0, c_size(MiB))
+        s1, s2, s3 = stream(), stream(), stream()
+        # The legacy stream cannot capture; a bad mode is refused.
+        out["begin(legacy stream)"] = r("cudaStreamBeginCapture", c_ptr(0), GLOBAL)
+        r("cudaGetLastError")
+        out["begin(mode 7)"] = r("cudaStreamBeginCapture", s1, 7)
+        r("cudaGetLastError")
+        out["not capturing: status"] = status(s1)
+        # A captured memset runs at launch, not at capture.
+        out["begin global"] = r("cudaStreamBeginCapture", s1, GLOBAL)
+        code, st, id1, n = info(s1)
+        out["info while capturing"] = [code, st, id1 > 0, n]
+        out["begin again"] = r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaGetLastError")
+        out["memset in capture"] = r("cudaMemsetAsync", c_ptr(buf), 0x5A, c_size(16), s1)
+        code, st, _, n = info(s1)
+        out["info after a node"] = [code, st, n]
+        code, g = end(s1)
+        out["end"] = [code, g.value is not None, nodes(g)]
+        out["memory after capture"] = read(buf)
+        ex = c_ptr()
+        out["instantiate(bad flags)"] = r("cudaGraphInstantiateWithFlags", ctypes.byref(ex), g, c_u64(1 << 20))
+        r("cudaGetLastError")
+        out["instantiate(AutoFreeOnLaunch|UseNodePriority)"] = r("cudaGraphInstantiateWithFlags", ctypes.byref(ex),
+                                                                 g, c_u64(1 | 8))
+        out["launch"] = r("cudaGraphLaunch", ex, s1)
+        out["synchronize"] = r("cudaStreamSynchronize", s1)
+        out["memory after launch"] = read(buf)
+        out["upload"] = r("cudaGraphUpload", ex, s1)
+        out["end when not capturing"] = end(s1)[0]
+        r("cudaGetLastError")
+        # Update: the same topology with another value.
+        r("cudaMemset", c_ptr(buf), 0, c_size(16))
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        code, _, id2, _ = info(s1)
+        out["capture ids grow"] = id2 > id1
+        r("cudaMemsetAsync", c_ptr(buf), 0x33, c_size(16), s1)
+        _, g2 = end(s1)
+        res = (ctypes.c_int * 6)()
+        out["exec update(same shape)"] = r("cudaGraphExecUpdate", ex, g2, ctypes.byref(res))
+        r("cudaGraphLaunch", ex, s1)
+        r("cudaStreamSynchronize", s1)
+        out["memory after updated launch"] = read(buf)
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaMemsetAsync", c_ptr(buf), 0x11, c_size(16), s1)
+        r("cudaMemsetAsync", c_ptr(buf), 0x22, c_size(16), s1)
+        _, g3 = end(s1)
+        out["exec update(other shape)"] = [r("cudaGraphExecUpdate", ex, g3, ctypes.byref(res)), res[0]]
+        r("cudaGetLastError")
+        # A graph launched in a capture is a child graph node.
+        r("cudaStreamBeginCapture", s2, GLOBAL)
+        out["launch in capture"] = r("cudaGraphLaunch", ex, s2)
+        code, g4 = end(s2)
+        out["end with a child graph"] = [code, nodes(g4)]
+        for x in (g, g2, g3, g4):
+            r("cudaGraphDestroy", x)
+        out["exec destroy"] = r("cudaGraphExecDestroy", ex)
+
+        # Potentially unsafe calls in a global capture, and the invalidated capture after.
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        code, extra = p.malloc(4096)
+        out["global: cudaMalloc"] = code
+        r("cudaGetLastError")
+        out["global: status after"] = status(s1)
+        out["global: work after"] = r("cudaMemsetAsync", c_ptr(buf), 1, c_size(16), s1)
+        r("cudaGetLastError")
+        code, g = end(s1)
+        out["global: end after"] = [code, g.value is None]
+        r("cudaGetLastError")
+        out["status after the invalidated end"] = status(s1)
+        if extra:
+            r("cudaFree", c_ptr(extra))
+        # The same call with the thread in relaxed mode, as PyTorch's allocator makes it.
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        was = mode(RELAXED)
+        code, extra = p.malloc(4096)
+        out["global, thread relaxed: cudaMalloc"] = code
+        out["mode swapped back"] = [mode(was), was]
+        code, g = end(s1)
+        out["global, thread relaxed: end"] = code
+        if g.value:
+            r("cudaGraphDestroy", g)
+        r("cudaFree", c_ptr(extra))
+        r("cudaStreamBeginCapture", s1, RELAXED)
+        code, extra = p.malloc(4096)
+        out["relaxed: cudaMalloc"] = code
+        out["relaxed: cudaFree"] = r("cudaFree", c_ptr(extra))
+        code, g = end(s1)
+        out["relaxed: end"] = code
+        if g.value:
+            r("cudaGraphDestroy", g)
+        e = event()
+        for label, call in (("cudaStreamSynchronize(capturing)", lambda: r("cudaStreamSynchronize", s1)),
+                            ("cudaStreamQuery(capturing)", lambda: r("cudaStreamQuery", s1)),
+                            ("cudaDeviceSynchronize", lambda: r("cudaDeviceSynchronize")),
+                            ("cudaEventQuery(recorded in capture)",
+                             lambda: (r("cudaEventRecord", e, s1), r("cudaEventQuery", e))[1]),
+                            ("cudaStreamQuery(other stream)", lambda: r("cudaStreamQuery", s3))):
+            r("cudaStreamBeginCapture", s1, GLOBAL)
+            first = call()
+            r("cudaGetLastError")
+            code, g = end(s1)
+            r("cudaGetLastError")
+            out[f"global: {label}"] = [first, code]
+            if g.value:
+                r("cudaGraphDestroy", g)
+        r("cudaEventRecord", e, s3)  # recorded outside any capture again
+        # Fork and join through events.
+        e1, e2 = event(), event()
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaMemsetAsync", c_ptr(buf), 1, c_size(16), s1)
+        r("cudaEventRecord", e1, s1)
+        out["fork: wait"] = r("cudaStreamWaitEvent", s2, e1, 0)
+        code, st, ident, n = info(s2)
+        _, _, origin_id, _ = info(s1)
+        out["fork: joined stream info"] = [code, st, ident == origin_id, n]
+        r("cudaMemsetAsync", c_ptr(buf + 4096), 2, c_size(16), s2)
+        code, g = end(s1)
+        out["fork: end unjoined"] = [code, g.value is None]
+        r("cudaGetLastError")
+        out["fork: joined stream after"] = status(s2)
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaEventRecord", e1, s1)
+        r("cudaStreamWaitEvent", s2, e1, 0)
+        out["fork: end on the joined stream"] = end(s2)[0]
+        r("cudaGetLastError")
+        out["fork: end on the origin after"] = end(s1)[0]
+        r("cudaGetLastError")
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaMemsetAsync", c_ptr(buf), 1, c_size(16), s1)
+        r("cudaEventRecord", e1, s1)
+        r("cudaStreamWaitEvent", s2, e1, 0)
+        r("cudaMemsetAsync", c_ptr(buf + 4096), 2, c_size(16), s2)
+        r("cudaEventRecord", e2, s2)
+        r("cudaStreamWaitEvent", s1, e2, 0)
+        code, g = end(s1)
+        out["fork: end joined"] = [code, nodes(g)]
+        dep_count = c_size()
+        all_nodes = (c_ptr * 2)()
+        n = c_size(2)
+        r("cudaGraphGetNodes", g, all_nodes, ctypes.byref(n))
+        r("cudaGraphNodeGetDependencies", c_ptr(all_nodes[1]), c_ptr(0), c_ptr(0), ctypes.byref(dep_count))
+        out["fork: second node's dependencies"] = dep_count.value
+        r("cudaGraphDestroy", g)
+        # Waiting on an event recorded outside the capture.
+        r("cudaEventRecord", e1, s3)
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        out["wait on an uncaptured event"] = r("cudaStreamWaitEvent", s1, e1, 0)
+        r("cudaGetLastError")
+        code, g = end(s1)
+        out["wait on an uncaptured event: end"] = code
+        r("cudaGetLastError")
+        if g.value:
+            r("cudaGraphDestroy", g)
+        # Two captures merged by an event.
+        r("cudaStreamBeginCapture", s1, GLOBAL)
+        r("cudaStreamBeginCapture", s2, GLOBAL)
+        r("cudaEventRecord", e1, s1)
+        out["merge: wait"] = r("cudaStreamWaitEvent", s2, e1, 0)
+        r("cudaGetLastError")
+        for s in (s1, s2):
+            code, g = end(s)
+            r("cudaGetLastError")
+            if g.value:
+                r("cudaGraphDestroy", g)
+        # A blocking stream's capture and the legacy stream.
+        sb = stream(0)
+        r("cudaStreamBeginCapture", sb, GLOBAL)
+        out["legacy stream work while a blocking stream captures"] = r("cudaMemsetAsync", c_ptr(buf), 3,
+                                                                        c_size(16), c_ptr(0))
+        r("cudaGetLastError")
+        code, g = end(sb)
+        out["blocking capture end after"] = code
+        r("cudaGetLastError")
+        if g.value:
+            r("cudaGraphDestroy", g)
+        r("cudaStreamDestroy", sb)
+
+        # Other threads: global capture forbids their unsafe calls, thread-local does not; a
+        # global capture ends only on the thread that began it.
+        import threading
+
+        def on_thread(fn):
+            box = {}
+            t = threading.Thread(target=lambda: box.update(v=fn()))
+            t.start()
+            t.join()
+            return box["v"]
+
+        def malloc_free():
+            code, q = p.malloc(4096)
+            if q:
+                r("cudaFree", c_ptr(q))
+            r("cudaGetLastError")
+            return code
+        for label, m in (("global", GLOBAL), ("thread_local", THREAD_LOCAL), ("relaxed", RELAXED)):
+            r("cudaStreamBeginCapture", s1, m)
+            other = on_thread(malloc_free)
+            code, g = end(s1)
+            r("cudaGetLastError")
+            out[f"{label}: cudaMalloc on another thread, end"] = [other, code]
+            if g.value:
+                r("cudaGraphDestroy", g)
+        for label, m in (("global", GLOBAL), ("relaxed", RELAXED)):
+            r("cudaStreamBeginCapture", s1, m)
+            code = on_thread(lambda: (lambda g: (r("cudaStreamEndCapture", s1, ctypes.byref(g)), g))(c_ptr()))
+            r("cudaGetLastError")
+            out[f"{label}: end on another thread"] = code[0]
+            if code[0] != 0:
+                code2, g = end(s1)
+                r("cudaGetLastError")
+                out[f"{label}: end on its own thread after"] = code2
+            else:
+                g = code[1]
+            if g.value:
+                r("cudaGraphDestroy", g)
+        for x in (e, e1, e2):
+            r("cudaEventDestroy", x)
+        for s in (s1, s2, s3):
+            r("cudaStreamDestroy", s)
+        r("cudaFree", c_ptr(buf))
+        out["last error at the end"] = r("cudaGetLastError")
+        return out
+
     for name, body in (("init", init), ("malloc_edges", malloc_edges), ("malloc_layout", malloc_layout),
                        ("malloc_sequence", malloc_sequence),
                        ("mem_info", mem_info), ("malloc_async", malloc_async),
                        ("pointer_attributes", pointer_attributes), ("streams_events", streams_events),
                        ("vmm", vmm), ("timings", timings), ("call_costs", call_costs),
-                       ("vmm_bad_handles", vmm_bad_handles)):
+                       ("vmm_bad_handles", vmm_bad_handles), ("stream_capture", stream_capture)):
         if only and name not in only:
             continue
         p.run(name, body)

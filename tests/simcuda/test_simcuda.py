@@ -419,3 +419,153 @@ def test_mapped_memory_without_access_faults_too():
         print(drv.cuMemsetD8_v2(ptr(va), 1, 4096))
     """)
     assert out == ["700"]
+
+
+# What the simulated device answers to tests/gpu/cuda_behaviour.py's
+# stream_capture probe: CUDA's codes as documented (401 illegal state, 900
+# not permitted while capturing, 901 invalidated, 902 merge, 903 unmatched,
+# 904 unjoined, 906 implicit legacy-stream dependency, 907 captured event,
+# 908 wrong thread, 910 exec update failure). A GPU's record of the same
+# probe is compared with the simulation by simcuda_matches_gpu.
+STREAM_CAPTURE = {
+    "cudaMalloc before": 0, "begin(legacy stream)": 900, "begin(mode 7)": 1, "not capturing: status": [0, 0],
+    "begin global": 0, "info while capturing": [0, 1, True, 0], "begin again": 401, "memset in capture": 0,
+    "info after a node": [0, 1, 1], "end": [0, True, 1],
+    "memory after capture": "00" * 16, "instantiate(bad flags)": 1,
+    "instantiate(AutoFreeOnLaunch|UseNodePriority)": 0, "launch": 0, "synchronize": 0,
+    "memory after launch": "5a" * 16, "upload": 0, "end when not capturing": 401, "capture ids grow": True,
+    "exec update(same shape)": 0, "memory after updated launch": "33" * 16, "exec update(other shape)": [910, 2],
+    "launch in capture": 0, "end with a child graph": [0, 1], "exec destroy": 0,
+    "global: cudaMalloc": 900, "global: status after": [0, 2], "global: work after": 901,
+    "global: end after": [901, True], "status after the invalidated end": [0, 0],
+    "global, thread relaxed: cudaMalloc": 0, "mode swapped back": [2, 0], "global, thread relaxed: end": 0,
+    "relaxed: cudaMalloc": 0, "relaxed: cudaFree": 0, "relaxed: end": 0,
+    "global: cudaStreamSynchronize(capturing)": [900, 901], "global: cudaStreamQuery(capturing)": [900, 901],
+    "global: cudaDeviceSynchronize": [900, 901], "global: cudaEventQuery(recorded in capture)": [907, 901],
+    "global: cudaStreamQuery(other stream)": [900, 901],
+    "fork: wait": 0, "fork: joined stream info": [0, 1, True, 1], "fork: end unjoined": [904, True],
+    "fork: joined stream after": [0, 0], "fork: end on the joined stream": 903, "fork: end on the origin after": 0,
+    "fork: end joined": [0, 2], "fork: second node's dependencies": 1,
+    "wait on an uncaptured event": 0, "wait on an uncaptured event: end": 0, "merge: wait": 902,
+    "legacy stream work while a blocking stream captures": 906, "blocking capture end after": 901,
+    "global: cudaMalloc on another thread, end": [900, 901], "thread_local: cudaMalloc on another thread, end": [0, 0],
+    "relaxed: cudaMalloc on another thread, end": [0, 0], "global: end on another thread": 908,
+    "global: end on its own thread after": 0, "relaxed: end on another thread": 0, "last error at the end": 0,
+}
+
+
+def test_stream_capture_answers_as_cuda_documents_them():
+    probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "cuda_behaviour.py")
+    r = subprocess.run([sys.executable, probe, "--only", "init,stream_capture",
+                        "--cudart", os.path.join(SIMCUDA, "libcudart.so.13"),
+                        "--cuda", os.path.join(SIMCUDA, "libcuda.so.1")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+    got = json.loads(r.stdout)["probes"]["stream_capture"]
+    assert got == STREAM_CAPTURE
+
+
+CAPTURE_PRELUDE = """
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+def stream():
+    s = ctypes.c_void_p()
+    assert rt.cudaStreamCreateWithFlags(ctypes.byref(s), 1) == 0
+    return s
+def end(s):
+    g = ctypes.c_void_p()
+    code = rt.cudaStreamEndCapture(s, ctypes.byref(g))
+    return code, g
+def count(g):
+    n = ctypes.c_size_t()
+    assert rt.cudaGraphGetNodes(g, None, ctypes.byref(n)) == 0
+    return n.value
+stub = ctypes.create_string_buffer(8)
+rt.__cudaRegisterFunction(None, stub, b"k", b"_Z6kernelv", -1, None, None, None, None, None)
+def kernel(s):
+    return rt.cudaLaunchKernel(stub, Dim3(1, 1, 1), Dim3(1, 1, 1), None, ctypes.c_size_t(0), s)
+"""
+
+
+def run_captured(body, **env):
+    return run(CAPTURE_PRELUDE + textwrap.dedent(body), **env)
+
+
+def test_captured_kernels_follow_the_kernel_setting():
+    # Refused kernels refuse in a capture too, and invalidate it; skipped
+    # ones become nodes that a launch runs (in the stream's order).
+    out, err = run_captured("""
+        s = stream()
+        assert rt.cudaStreamBeginCapture(s, 0) == 0
+        print(kernel(s))
+        code, g = end(s)
+        print(code, g.value is None)
+        drv.reservoirSimCudaAllowKernels(1)
+        assert rt.cudaStreamBeginCapture(s, 0) == 0
+        print(kernel(s), kernel(s))
+        code, g = end(s)
+        ex = ctypes.c_void_p()
+        assert rt.cudaGraphInstantiate(ctypes.byref(ex), g, ctypes.c_ulonglong(0)) == 0
+        print(code, count(g), rt.cudaGraphLaunch(ex, s), rt.cudaStreamSynchronize(s))
+        drv.reservoirSimCudaAllowKernels(0)
+        print(rt.cudaGraphLaunch(ex, s))
+    """)
+    assert out == ["801", "901", "True", "0", "0", "0", "2", "0", "0", "801"]
+    assert "is not served by the simulated device" in err
+
+
+def test_a_graph_holds_host_nodes_and_user_objects():
+    # A host function launched in a capture runs at each launch, not at the
+    # capture; a user object retained by the graph lives until the graph and
+    # every executable graph made from it are destroyed.
+    out, _ = run_captured("""
+        calls = []
+        HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        host = HostFn(lambda data: calls.append("host"))
+        gone = HostFn(lambda data: calls.append("destroyed"))
+        s = stream()
+        assert rt.cudaLaunchHostFunc(s, host, None) == 0  # outside a capture: at once
+        assert rt.cudaStreamBeginCapture(s, 0) == 0
+        assert rt.cudaLaunchHostFunc(s, host, None) == 0
+        graph, status, ident = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_ulonglong()
+        assert rt.cudaStreamGetCaptureInfo(s, ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                                           None, None, None) == 0
+        obj = ctypes.c_void_p()
+        print(rt.cudaUserObjectCreate(ctypes.byref(obj), None, gone, 1, 0))  # flags must be NoDestructorSync
+        assert rt.cudaUserObjectCreate(ctypes.byref(obj), None, gone, 1, 1) == 0
+        assert rt.cudaGraphRetainUserObject(graph, obj, 1, 1) == 0  # moves the caller's reference
+        code, g = end(s)
+        print(len(calls), g.value == graph.value)
+        ex = ctypes.c_void_p()
+        assert rt.cudaGraphInstantiate(ctypes.byref(ex), g, ctypes.c_ulonglong(0)) == 0
+        assert rt.cudaGraphLaunch(ex, s) == 0 and rt.cudaGraphLaunch(ex, s) == 0
+        assert rt.cudaGraphDestroy(g) == 0
+        print(",".join(calls))
+        assert rt.cudaGraphExecDestroy(ex) == 0
+        print(",".join(calls), rt.cudaGraphExecDestroy(ex))
+    """, RESERVOIR_SIMCUDA_KERNELS="skip")
+    assert out == ["1", "1", "True", "host,host,host", "host,host,host,destroyed", "1"]
+
+
+def test_graph_calls_take_injected_faults():
+    # Each graph call answers an injected failure (an unknown error) and
+    # leaves no capture behind.
+    out, _ = run_captured("""
+        s = stream()
+        print(rt.cudaStreamBeginCapture(s, 0))
+        st = ctypes.c_int()
+        assert rt.cudaStreamIsCapturing(s, ctypes.byref(st)) == 0
+        print(st.value)
+        assert rt.cudaStreamBeginCapture(s, 0) == 0
+        code, g = end(s)
+        print(code, g.value is None)
+        code, g = end(s)
+        ex = ctypes.c_void_p()
+        print(code, rt.cudaGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_ulonglong(1)))
+        assert rt.cudaGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_ulonglong(1)) == 0
+        print(rt.cudaGraphLaunch(ex, s), rt.cudaGraphLaunch(ex, s))
+    """, RESERVOIR_SIMCUDA_KERNELS="skip",
+        RESERVOIR_SIMCUDA_FAIL="cudaStreamBeginCapture:1,cudaStreamEndCapture:1,"
+                               "cudaGraphInstantiateWithFlags:1,cudaGraphLaunch:1")
+    assert out == ["999", "0", "999", "True", "0", "999", "999", "0"]
