@@ -72,6 +72,10 @@ CachingAllocator::Impl::~Impl() {
 
 void CachingAllocator::Impl::empty_cache() {
   detail::LockGuard lock(mutex_);
+  if (!routes_.empty() && config_.empty_cache_spares_default_pools_while_routed()) {
+    for (auto it = freeable_pools_.begin(); it != freeable_pools_.end();) it = release_freeable_pool(it);
+    return;
+  }
   release_cached_blocks();
   release_idle_address_arena();
   if (traits_.observes) source_->cache_emptied();

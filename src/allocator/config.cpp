@@ -551,6 +551,10 @@ const Entry kTable[] = {
 
 }  // namespace
 
+bool AllocatorConfig::empty_cache_spares_default_pools_while_routed() const {
+  return pytorch_version.empty() || compare_versions(pytorch_version, "2.15") < 0;
+}
+
 bool AllocatorConfig::oldest_segment_first() const {
   return !pytorch_version.empty() && compare_versions(pytorch_version, "2.12") >= 0;
 }

@@ -144,7 +144,7 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
 bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   const std::size_t size = p.alloc_size;
   DevicePtr ptr = 0;
-  const Status status = device_.allocate_segment(size, &ptr);
+  const Status status = device_.allocate_segment_on(size, p.stream, &ptr);
   if (status == Status::out_of_memory) return false;
   if (status != Status::ok) {
     throw DeviceError(CallKind::allocate_segment, status,

@@ -113,7 +113,9 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
                   sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
                   sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&
-                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w);
+                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w) &&
+                  sym(lib, t.cudaStreamIsCapturing, "cudaStreamIsCapturing", w) &&
+                  sym(lib, t.cudaThreadExchangeStreamCaptureMode, "cudaThreadExchangeStreamCaptureMode", w);
          });
   });
   if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;

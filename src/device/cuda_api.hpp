@@ -73,6 +73,8 @@ struct CudaRuntimeApi {
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
   cudaError_t (*cudaHostAlloc)(void**, size_t, unsigned int);
   cudaError_t (*cudaFreeHost)(void*);
+  cudaError_t (*cudaStreamIsCapturing)(cudaStream_t, cudaStreamCaptureStatus*);
+  cudaError_t (*cudaThreadExchangeStreamCaptureMode)(cudaStreamCaptureMode*);
 };
 
 // The process's tables, loaded once; null with *why set when CUDA cannot be

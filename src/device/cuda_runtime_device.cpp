@@ -75,6 +75,23 @@ Status CudaRuntimeDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) n
   return Status::ok;
 }
 
+// While `stream` captures, cudaMalloc is made in the relaxed capture mode
+// (PyTorch's cudaMallocMaybeCapturing): in the global mode CUDA refuses it
+// and invalidates the capture. The thread's own mode comes back after.
+Status CudaRuntimeDevice::allocate_segment_on(std::size_t bytes, StreamId stream, DevicePtr* addr) noexcept {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (Status s = status_of(api_.cudaStreamIsCapturing(stream_of(stream), &capturing)); s != Status::ok) {
+    (void)api_.cudaGetLastError();
+    return s;
+  }
+  if (capturing == cudaStreamCaptureStatusNone) return allocate_segment(bytes, addr);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (Status s = status_of(api_.cudaThreadExchangeStreamCaptureMode(&mode)); s != Status::ok) return s;
+  const Status s = allocate_segment(bytes, addr);
+  (void)api_.cudaThreadExchangeStreamCaptureMode(&mode);
+  return s;
+}
+
 Status CudaRuntimeDevice::free_segment(DevicePtr addr) noexcept {
   {
     std::lock_guard lock(mutex_);

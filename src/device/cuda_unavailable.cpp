@@ -48,6 +48,9 @@ Status CudaPinnedMemory::free(void*) noexcept { return Status::not_supported; }
   }
 
 RESERVOIR_UNAVAILABLE_DEVICE(CudaRuntimeDevice)
+Status CudaRuntimeDevice::allocate_segment_on(std::size_t, StreamId, DevicePtr*) noexcept {
+  return Status::not_supported;
+}
 RESERVOIR_UNAVAILABLE_DEVICE(CudaVmmDevice)
 #undef RESERVOIR_UNAVAILABLE_DEVICE
 

@@ -147,6 +147,31 @@ TEST(CudaRuntime, OutOfMemoryClearsTheStickyErrorAndFreesAreChecked) {
   EXPECT_TRUE(fake().allocations.empty());
 }
 
+// A segment for a request on a stream that captures a CUDA graph is made in
+// CUDA's relaxed capture mode (the global mode refuses cudaMalloc and
+// invalidates the capture), and the thread's mode comes back; on any other
+// stream the mode is left alone. A failing capture query allocates nothing.
+TEST(CudaRuntime, ASegmentForACapturingStreamIsMadeInTheRelaxedMode) {
+  fake().reset(64 * kMiB);
+  CudaRuntimeDevice d(runtime(), 0);
+  const StreamId capturing = 0x9000;
+  fake().capturing.insert(capturing);
+  DevicePtr p = 0, q = 0;
+  ASSERT_EQ(d.allocate_segment_on(2 * kMiB, capturing, &p), Status::ok);
+  ASSERT_EQ(d.allocate_segment_on(2 * kMiB, 0x9100, &q), Status::ok);
+  EXPECT_EQ(fake().malloc_modes, (std::vector<int>{cudaStreamCaptureModeRelaxed, cudaStreamCaptureModeGlobal}));
+  EXPECT_EQ(fake().capture_mode, cudaStreamCaptureModeGlobal);
+  fake().fail("cudaStreamIsCapturing", 1, cudaErrorStreamCaptureImplicit);
+  DevicePtr r = 0;
+  EXPECT_EQ(d.allocate_segment_on(2 * kMiB, 0, &r), Status::device_error);
+  fake().fail("cudaThreadExchangeStreamCaptureMode", 1, cudaErrorInvalidValue);
+  EXPECT_EQ(d.allocate_segment_on(2 * kMiB, capturing, &r), Status::invalid_argument);
+  EXPECT_EQ(fake().allocations.size(), 2u);
+  EXPECT_EQ(fake().capture_mode, cudaStreamCaptureModeGlobal);
+  ASSERT_EQ(d.free_segment(p), Status::ok);
+  ASSERT_EQ(d.free_segment(q), Status::ok);
+}
+
 TEST(CudaRuntime, CallsRunOnItsDeviceAndRestoreTheCallers) {
   fake().reset(64 * kMiB);
   fake().runtime_device = 0;

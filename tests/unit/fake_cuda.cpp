@@ -198,6 +198,7 @@ cudaError_t cudaGetLastError() {
 }
 const char* cudaGetErrorName(cudaError_t) { return "cudaError"; }
 cudaError_t cudaMalloc(void** p, size_t bytes) {
+  f().malloc_modes.push_back(f().capture_mode);
   FAIL_IF_INJECTED("cudaMalloc", cudaError_t);
   if (bytes > f().capacity - f().used) {
     f().sticky_error = cudaErrorMemoryAllocation;
@@ -256,6 +257,21 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int flags) {
   f().next_address = align_up(f().next_address + bytes, 2 << 20);
   return cudaSuccess;
 }
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  FAIL_IF_INJECTED("cudaStreamIsCapturing", cudaError_t);
+  *status = f().capturing.count(reinterpret_cast<std::uintptr_t>(s)) != 0 ? cudaStreamCaptureStatusActive
+                                                                          : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  FAIL_IF_INJECTED("cudaThreadExchangeStreamCaptureMode", cudaError_t);
+  const int was = f().capture_mode;
+  f().capture_mode = *mode;
+  *mode = static_cast<cudaStreamCaptureMode>(was);
+  return cudaSuccess;
+}
+
 cudaError_t cudaFreeHost(void* p) {
   auto it = f().allocations.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == f().allocations.end()) return cudaErrorInvalidValue;
@@ -312,7 +328,8 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaEventRecord, cudaEventQuery,          cudaEventSynchronize,
                         cudaStreamSynchronize, cudaStreamCreateWithFlags, cudaStreamDestroy,
                         cudaDeviceSynchronize, cudaMemcpyAsync,
-                        cudaHostAlloc,   cudaFreeHost};
+                        cudaHostAlloc,   cudaFreeHost, cudaStreamIsCapturing,
+                        cudaThreadExchangeStreamCaptureMode};
 }
 
 }  // namespace reservoir::testing

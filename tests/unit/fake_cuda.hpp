@@ -61,6 +61,9 @@ struct FakeCuda {
   std::map<CUmemGenericAllocationHandle, Handle> handles;
   std::map<std::uintptr_t, Mapping> mappings;
   std::set<std::uintptr_t> events;
+  std::set<std::uintptr_t> capturing;  // streams under graph capture
+  int capture_mode = 0;                // the thread's (cudaStreamCaptureModeGlobal)
+  std::vector<int> malloc_modes;       // the capture mode at each cudaMalloc
   std::vector<std::string> calls;
   std::map<std::string, int> counts;
   std::map<std::string, std::pair<int, int>> failures;

@@ -47,6 +47,7 @@ class CudaRuntimeDevice final : public Device {
   int device() const noexcept { return device_; }
 
   Status allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept override;
+  Status allocate_segment_on(std::size_t bytes, StreamId stream, DevicePtr* addr) noexcept override;
   Status free_segment(DevicePtr addr) noexcept override;
   bool supports_virtual_memory() const noexcept override { return false; }
   std::size_t granularity() const noexcept override { return 0; }

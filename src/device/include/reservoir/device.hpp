@@ -41,6 +41,15 @@ class Device {
   // and the range [*addr, *addr + bytes) overlaps no other live memory of this
   // device. out_of_memory when the device cannot hold bytes more.
   virtual Status allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept = 0;
+  // allocate_segment_on: the same, for a request made on `stream`. A device
+  // whose allocation call CUDA refuses while that stream captures a graph
+  // (cudaMalloc, in the global and thread-local capture modes) makes it in
+  // the relaxed mode then, as PyTorch's allocator does: the graph's private
+  // pool gets the memory and the capture goes on. Others ignore the stream.
+  virtual Status allocate_segment_on(std::size_t bytes, StreamId stream, DevicePtr* addr) noexcept {
+    (void)stream;
+    return allocate_segment(bytes, addr);
+  }
   // free_segment: addr was returned by allocate_segment and not freed since.
   virtual Status free_segment(DevicePtr addr) noexcept = 0;
 
