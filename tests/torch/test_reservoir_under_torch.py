@@ -243,34 +243,44 @@ def test_without_a_hooks_library_install_says_what_does_not_reach_reservoir():
 
 
 def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
-    # torch_memory_saver.cuda_graph's order: the capture begins a pool route
-    # (here through PyTorch's own binding, as capture does; the simulated
-    # device does not capture graphs), then the region opens. The pool's
-    # memory is the tag's: pause releases it, resume brings back its bytes.
-    out = hooks("", textwrap.dedent("""
-        from reservoir.memory_saver import torch_memory_saver as tms
-        pool = (0, 91)
-        torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
-        with tms.region(tag="graph", enable_cpu_backup=True):
-            x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
-        torch._C._cuda_endAllocateToPool(0, pool)
-        y = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")  # after: no pool, no tag
-        x.copy_(torch.full((8 * MiB,), 5, dtype=torch.uint8))
+    # A graph captured with a region of reservoir's open inside the capture
+    # (torch_memory_saver.cuda_graph's order): the graph's private pool is
+    # the tag's memory. pause gives it back to the device, resume maps it at
+    # the same addresses with its bytes, and the replayed copy reads the new
+    # input. Deleting the graph and emptying the cache hands the pool back.
+    out = hooks("", """
+        side = torch.cuda.Stream()
+        inp = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            with reservoir.region("graph", cpu_backup=True):
+                x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+                x.copy_(inp)
         def pools():
             return sorted(tuple(s["segment_pool_id"]) for s in reservoir.snapshot(0)["segments"])
-        print(pools() == [(0, 0), pool], [t["tag"] for t in reservoir.tags(0)])
+        print(pools() == [(0, 0), tuple(g.pool())], [t["tag"] for t in reservoir.tags(0)])
+        inp.copy_(torch.full((8 * MiB,), 5, dtype=torch.uint8))
+        g.replay()
+        torch.cuda.synchronize()
+        where = x.data_ptr()
         free0 = torch.cuda.mem_get_info()[0]
-        tms.pause("graph")
+        reservoir.pause("graph")
         print((torch.cuda.mem_get_info()[0] - free0) // MiB)
-        tms.resume("graph")
-        print(torch.equal(x.cpu(), torch.full((8 * MiB,), 5, dtype=torch.uint8)))
-    """) + textwrap.dedent(RELEASE_THE_POOL))
-    assert out == ["True", "['graph']", "20", "True", "True", "True"]
+        reservoir.resume("graph")
+        print(torch.equal(x.cpu(), torch.full((8 * MiB,), 5, dtype=torch.uint8)), x.data_ptr() == where)
+        inp.copy_(torch.full((8 * MiB,), 6, dtype=torch.uint8))
+        g.replay()
+        print(torch.equal(x.cpu(), torch.full((8 * MiB,), 6, dtype=torch.uint8)))
+        del g, x
+        torch.cuda.empty_cache()
+        print(pools() == [(0, 0)])
+    """, env={"RESERVOIR_SIMCUDA_KERNELS": "skip"})
+    assert out == ["True", "['graph']", "20", "True", "True", "True", "True"]
 
 
 def test_the_drop_ins_cuda_graph_takes_torch_memory_savers_arguments():
-    # Capture needs a GPU (the GPU bundle's torch_pause step captures and
-    # replays one); here: the same signature, and its argument checks.
+    # The same signature as torch_memory_saver 0.0.10's, and its argument
+    # checks (the graph itself: test_torch_memory_saver.py's RL loop).
     out = hooks("", """
         import inspect
         from reservoir.memory_saver import torch_memory_saver as tms
