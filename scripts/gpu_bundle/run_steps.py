@@ -725,8 +725,42 @@ def step_own_allocator(run):
         f"{k} {v:.2f}" for k, v in per.items() if isinstance(v, (int, float)))
 
 
+def step_graphs(run):
+    """CUDA graphs with real kernels: the stream-capture probe's answers beside
+    the simulated device's, the same graph pools under PyTorch's allocator and
+    reservoir's two ways in, a captured forward equal to eager before and
+    after its tag is paused, under every policy, and the RL loop of the drop-in
+    beside the real torch_memory_saver's preload mode."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    argv = [os.path.join(TESTS, "graphs_check.py")]
+    try:
+        argv += ["--tms", thirdparty_site(run, ["torch_memory_saver-"])]
+    except (StepSkipped, StepFailed):
+        pass  # the drop-in alone; graphs_check says which ran
+    rc, text = run.cmd([run.torch_python] + argv, env={**run.env_torch, "PYTHONPATH": run.python_path()},
+                       timeout=280, cwd=run.scratch)
+    checks = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"check"' in line:
+            try:
+                checks.append(json.loads(line))
+            except ValueError:
+                pass
+    run.results["figures"]["graphs"] = checks
+    failed = [c["check"] for c in checks if not c.get("ok")]
+    if rc != 0 or failed or len(checks) != 4:
+        raise StepFailed("failed: " + (", ".join(failed) or first_error(text)))
+    differ = next((c for c in checks if c["check"] == "stream_capture"), {}).get("differ", {})
+    return (f"pools as PyTorch's; replays equal eager after pause under 4 policies; "
+            f"{len(differ)} stream-capture answers differ from the simulated device's")
+
+
 STEPS = [
     ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
+    ("graphs", "CUDA graphs: capture answers, pools as PyTorch's, replays equal eager after a pause",
+     step_graphs, 300),
     ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
     ("torch_training", "PyTorch training, native vs reservoir: identical losses and stats",
      step_torch_training, 300),

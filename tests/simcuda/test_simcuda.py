@@ -421,40 +421,16 @@ def test_mapped_memory_without_access_faults_too():
     assert out == ["700"]
 
 
-# What the simulated device answers to tests/gpu/cuda_behaviour.py's
-# stream_capture probe: CUDA's codes as documented (401 illegal state, 900
-# not permitted while capturing, 901 invalidated, 902 merge, 903 unmatched,
-# 904 unjoined, 906 implicit legacy-stream dependency, 907 captured event,
-# 908 wrong thread, 910 exec update failure). A GPU's record of the same
-# probe is compared with the simulation by simcuda_matches_gpu.
-STREAM_CAPTURE = {
-    "cudaMalloc before": 0, "begin(legacy stream)": 900, "begin(mode 7)": 1, "not capturing: status": [0, 0],
-    "begin global": 0, "info while capturing": [0, 1, True, 0], "begin again": 401, "memset in capture": 0,
-    "info after a node": [0, 1, 1], "end": [0, True, 1],
-    "memory after capture": "00" * 16, "instantiate(bad flags)": 1,
-    "instantiate(AutoFreeOnLaunch|UseNodePriority)": 0, "launch": 0, "synchronize": 0,
-    "memory after launch": "5a" * 16, "upload": 0, "end when not capturing": 401, "capture ids grow": True,
-    "exec update(same shape)": 0, "memory after updated launch": "33" * 16, "exec update(other shape)": [910, 2],
-    "launch in capture": 0, "end with a child graph": [0, 1], "exec destroy": 0,
-    "global: cudaMalloc": 900, "global: status after": [0, 2], "global: work after": 901,
-    "global: end after": [901, True], "status after the invalidated end": [0, 0],
-    "global, thread relaxed: cudaMalloc": 0, "mode swapped back": [2, 0], "global, thread relaxed: end": 0,
-    "relaxed: cudaMalloc": 0, "relaxed: cudaFree": 0, "relaxed: end": 0,
-    "global: cudaStreamSynchronize(capturing)": [900, 901], "global: cudaStreamQuery(capturing)": [900, 901],
-    "global: cudaDeviceSynchronize": [900, 901], "global: cudaEventQuery(recorded in capture)": [907, 901],
-    "global: cudaStreamQuery(other stream)": [900, 901],
-    "fork: wait": 0, "fork: joined stream info": [0, 1, True, 1], "fork: end unjoined": [904, True],
-    "fork: joined stream after": [0, 0], "fork: end on the joined stream": 903, "fork: end on the origin after": 0,
-    "fork: end joined": [0, 2], "fork: second node's dependencies": 1,
-    "wait on an uncaptured event": 0, "wait on an uncaptured event: end": 0, "merge: wait": 902,
-    "legacy stream work while a blocking stream captures": 906, "blocking capture end after": 901,
-    "global: cudaMalloc on another thread, end": [900, 901], "thread_local: cudaMalloc on another thread, end": [0, 0],
-    "relaxed: cudaMalloc on another thread, end": [0, 0], "global: end on another thread": 908,
-    "global: end on its own thread after": 0, "relaxed: end on another thread": 0, "last error at the end": 0,
-}
 
 
 def test_stream_capture_answers_as_cuda_documents_them():
+    # tests/gpu/stream_capture_sim.json: what the simulated device answers to
+    # tests/gpu/cuda_behaviour.py's stream_capture probe, CUDA's codes as
+    # documented (401 illegal state, 900 not permitted while capturing, 901
+    # invalidated, 902 merge, 903 unmatched, 904 unjoined, 906 implicit
+    # legacy-stream dependency, 907 captured event, 908 wrong thread, 910
+    # exec update failure). The GPU bundle's graphs step records a GPU's
+    # answers beside it; simcuda_matches_gpu compares a kept GPU record.
     probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "cuda_behaviour.py")
     r = subprocess.run([sys.executable, probe, "--only", "init,stream_capture",
                         "--cudart", os.path.join(SIMCUDA, "libcudart.so.13"),
@@ -463,7 +439,8 @@ def test_stream_capture_answers_as_cuda_documents_them():
     assert r.returncode == 0, r.stderr
     import json
     got = json.loads(r.stdout)["probes"]["stream_capture"]
-    assert got == STREAM_CAPTURE
+    with open(os.path.join(os.path.dirname(probe), "stream_capture_sim.json")) as f:
+        assert got == json.load(f)
 
 
 CAPTURE_PRELUDE = """

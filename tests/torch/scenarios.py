@@ -91,3 +91,104 @@ GRAPH_RL_LOOP = """
     import os
     os._exit(0)
 """
+
+# CUDA graphs under one of three allocators (argv[1]: native, own: reservoir
+# as PyTorch's own allocator, pluggable: reservoir's pluggable allocator),
+# with the settings of PYTORCH_CUDA_ALLOC_CONF; record(name) keeps the pools'
+# layout (pool ids, segment sizes and kinds, block sizes and states) and the
+# statistics, emit() prints them as one RESULT line.
+GRAPHS_PRELUDE = """
+import gc, json, os, sys
+import torch
+mode = sys.argv[1]
+if mode == "own":
+    import reservoir
+    reservoir.use_as_allocator(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+elif mode == "pluggable":
+    import reservoir
+    reservoir.install_torch(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+MiB = 1 << 20
+out = {}
+
+def stats():
+    s = reservoir.stats(0) if mode == "pluggable" else torch.cuda.memory_stats()
+    kept = ("allocated_bytes", "reserved_bytes", "active_bytes", "segment", "allocation", "active",
+            "inactive_split", "inactive_split_bytes", "requested_bytes")
+    return {k: v for k, v in s.items() if k.split(".")[0] in kept}
+
+def layout():
+    segs = reservoir.snapshot(0)["segments"] if mode == "pluggable" else torch.cuda.memory_snapshot()
+    segs = sorted(segs, key=lambda s: s["address"])
+    return [[list(s["segment_pool_id"]), s["total_size"], s["segment_type"],
+             [[b["size"], b["state"]] for b in s["blocks"]]] for s in segs]
+
+def record(name):
+    torch.cuda.synchronize()
+    out[name] = {"layout": layout(), "stats": stats()}
+
+def emit():
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+# Capture, replay, a second graph in the first one's pool, a capture CUDA
+# invalidates (a synchronize inside it), the graphs deleted, a graph of
+# copies replayed with new input, make_graphed_callables.
+GRAPHS = """
+static_in = torch.ones(256 * 1024, device="cuda")
+g1 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1):
+    a = static_in * 2
+    b = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    tmp = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+    del tmp
+    c = torch.empty(700, dtype=torch.uint8, device="cuda")
+record("captured")
+g1.replay()
+record("replayed")
+g2 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g2, pool=g1.pool()):
+    d = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+    e = a + 1
+record("a second graph in the first one's pool")
+g2.replay()
+g1.replay()
+g3 = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(g3):
+        f = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+    out["a synchronize in a capture"] = "no error"
+except RuntimeError as err:
+    out["a synchronize in a capture"] = str(err).splitlines()[0]
+record("after the invalidated capture")
+del g3, f
+gc.collect()
+del g1, g2, a, b, c, d, e
+gc.collect()
+torch.cuda.empty_cache()
+record("graphs deleted")
+# A graph of copies: the captured copy runs at each replay, not at capture.
+src = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
+dst = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
+g4 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g4):
+    dst.copy_(src)
+    scratch = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+    scratch.fill_(0)
+src.copy_(torch.full((4 * MiB,), 7, dtype=torch.uint8))
+out["before replay"] = int(dst.cpu()[123])
+g4.replay()
+out["after replay"] = int(dst.cpu()[123])
+src.copy_(torch.full((4 * MiB,), 9, dtype=torch.uint8))
+g4.replay()
+out["after a second replay"] = int(dst.cpu()[123])
+record("a graph of copies")
+# make_graphed_callables: its warm-up, forward and backward graphs in one pool.
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+x = torch.randn(32, 64, device="cuda", requires_grad=True)
+graphed = torch.cuda.make_graphed_callables(model, (x,))
+y = graphed(x)
+y.sum().backward()
+record("make_graphed_callables")
+emit()
+"""

@@ -156,6 +156,16 @@ print("identical losses under 3 reservoir policies and native (own allocator)")
 '''
 
 
+GRAPHS = '''import json
+print(json.dumps({"check": "stream_capture", "ok": True, "answers": 61, "differ": {"merge: wait": {"gpu": 905,
+                  "simulated": 902}}}))
+print(json.dumps({"check": "pools", "ok": True, "differ": [], "errors": {}}))
+print(json.dumps({"check": "eager_vs_graph", "ok": True, "policies": {}}))
+print(json.dumps({"check": "rl_loop", "ok": True, "runs": {}}))
+print(json.dumps({"checks": {"stream_capture": True, "pools": True, "eager_vs_graph": True, "rl_loop": True}}))
+'''
+
+
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
     shutil.copytree(bundle, fake)
@@ -165,7 +175,7 @@ def make_fake(top, fail_gpu_test):
     for name, text in (("torch_training_test.py", TRAINING), ("torch_pause_test.py", PAUSE),
                        ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
-                       ("own_allocator_check.py", OWN)):
+                       ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -253,7 +263,12 @@ check(len(own) == 4 and own[1]["graph_same_as_eager"], f"own_allocator figures: 
 check(steps["own_allocator"]["note"] == "identical losses; seconds per 10 steps: native 2.00, "
       "reservoir native 1.90, expandable_segments:True 2.10, policy:paging 2.00",
       f"own_allocator note: {steps['own_allocator']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (12)" in summary, "verdict and summary")
+graphs = fig.get("graphs", [])
+check([c["check"] for c in graphs] == ["stream_capture", "pools", "eager_vs_graph", "rl_loop"],
+      f"graphs figures: {graphs}")
+check(steps["graphs"]["note"] == "pools as PyTorch's; replays equal eager after pause under 4 policies; "
+      "1 stream-capture answers differ from the simulated device's", f"graphs note: {steps['graphs']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (13)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -262,11 +277,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 12, "every step reported")
+check(len(steps) == 13, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 12 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 13 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")
