@@ -537,6 +537,14 @@ def probes(p, save, only):
             code = r("cudaStreamEndCapture", s, ctypes.byref(g))
             return code, g
 
+        def close(s):
+            # Ends a capture that may fail: its code, the error cleared, any graph destroyed.
+            code, g = end(s)
+            r("cudaGetLastError")
+            if g.value:
+                r("cudaGraphDestroy", g)
+            return code
+
         def nodes(g):
             n = c_size()
             r("cudaGraphGetNodes", g, c_ptr(0), ctypes.byref(n))
@@ -655,11 +663,7 @@ def probes(p, save, only):
             r("cudaStreamBeginCapture", s1, GLOBAL)
             first = call()
             r("cudaGetLastError")
-            code, g = end(s1)
-            r("cudaGetLastError")
-            out[f"global: {label}"] = [first, code]
-            if g.value:
-                r("cudaGraphDestroy", g)
+            out[f"global: {label}"] = [first, close(s1)]
         r("cudaEventRecord", e, s3)  # recorded outside any capture again
         # Fork and join through events.
         e1, e2 = event(), event()
@@ -703,11 +707,7 @@ def probes(p, save, only):
         r("cudaStreamBeginCapture", s1, GLOBAL)
         out["wait on an uncaptured event"] = r("cudaStreamWaitEvent", s1, e1, 0)
         r("cudaGetLastError")
-        code, g = end(s1)
-        out["wait on an uncaptured event: end"] = code
-        r("cudaGetLastError")
-        if g.value:
-            r("cudaGraphDestroy", g)
+        out["wait on an uncaptured event: end"] = close(s1)
         # Two captures merged by an event.
         r("cudaStreamBeginCapture", s1, GLOBAL)
         r("cudaStreamBeginCapture", s2, GLOBAL)
@@ -715,21 +715,14 @@ def probes(p, save, only):
         out["merge: wait"] = r("cudaStreamWaitEvent", s2, e1, 0)
         r("cudaGetLastError")
         for s in (s1, s2):
-            code, g = end(s)
-            r("cudaGetLastError")
-            if g.value:
-                r("cudaGraphDestroy", g)
+            close(s)
         # A blocking stream's capture and the legacy stream.
         sb = stream(0)
         r("cudaStreamBeginCapture", sb, GLOBAL)
         out["legacy stream work while a blocking stream captures"] = r("cudaMemsetAsync", c_ptr(buf), 3,
                                                                         c_size(16), c_ptr(0))
         r("cudaGetLastError")
-        code, g = end(sb)
-        out["blocking capture end after"] = code
-        r("cudaGetLastError")
-        if g.value:
-            r("cudaGraphDestroy", g)
+        out["blocking capture end after"] = close(sb)
         r("cudaStreamDestroy", sb)
 
         # Other threads: global capture forbids their unsafe calls, thread-local does not; a
@@ -752,24 +745,16 @@ def probes(p, save, only):
         for label, m in (("global", GLOBAL), ("thread_local", THREAD_LOCAL), ("relaxed", RELAXED)):
             r("cudaStreamBeginCapture", s1, m)
             other = on_thread(malloc_free)
-            code, g = end(s1)
-            r("cudaGetLastError")
-            out[f"{label}: cudaMalloc on another thread, end"] = [other, code]
-            if g.value:
-                r("cudaGraphDestroy", g)
+            out[f"{label}: cudaMalloc on another thread, end"] = [other, close(s1)]
         for label, m in (("global", GLOBAL), ("relaxed", RELAXED)):
             r("cudaStreamBeginCapture", s1, m)
             code = on_thread(lambda: (lambda g: (r("cudaStreamEndCapture", s1, ctypes.byref(g)), g))(c_ptr()))
             r("cudaGetLastError")
             out[f"{label}: end on another thread"] = code[0]
             if code[0] != 0:
-                code2, g = end(s1)
-                r("cudaGetLastError")
-                out[f"{label}: end on its own thread after"] = code2
-            else:
-                g = code[1]
-            if g.value:
-                r("cudaGraphDestroy", g)
+                out[f"{label}: end on its own thread after"] = close(s1)
+            elif code[1].value:
+                r("cudaGraphDestroy", code[1])
         for x in (e, e1, e2):
             r("cudaEventDestroy", x)
         for s in (s1, s2, s3):
