@@ -395,5 +395,30 @@ TEST_F(Ladder, PrivatePoolReservedBytesAreNotReportedBefore215) {
   release(p);
 }
 
+
+// Before PyTorch 2.15, empty_cache leaves the default pools' cache alone
+// while a pool route is open (a capture, use_mem_pool) and releases only the
+// private pools no longer in use; 2.15 releases both (measured under both
+// releases by tests/torch/test_graphs.py).
+TEST_F(Ladder, EmptyCacheWhileAPoolRouteIsOpenFollowsTheRelease) {
+  for (const std::string config : {"", "pytorch_version:2.15"}) {
+    make(config);
+    release(alloc(12 * kMiB, 0));
+    const PoolId done{1, 1};
+    const PoolId open{1, 2};
+    allocator_->begin_allocate_to_pool(done, [](StreamId s) { return s == 7; });
+    release(alloc(4096, 7));
+    allocator_->end_allocate_to_pool(done);
+    allocator_->release_pool(done);
+    allocator_->begin_allocate_to_pool(open, [](StreamId s) { return s == 9; });
+    EXPECT_EQ(stat("reserved_bytes.all.current"), 12 * kMiB + 2 * kMiB) << config;
+    allocator_->empty_cache();
+    EXPECT_EQ(stat("reserved_bytes.all.current"), config.empty() ? 12 * kMiB : 0) << config;
+    allocator_->end_allocate_to_pool(open);
+    allocator_->empty_cache();
+    EXPECT_EQ(stat("reserved_bytes.all.current"), 0) << config;
+  }
+}
+
 }  // namespace
 }  // namespace reservoir::testing
