@@ -37,6 +37,21 @@ void load(Loaded<Table>& l, std::initializer_list<const char*> names, Bind&& bin
   if (bind(lib, l.table, &l.why)) l.ok = &l.table;  // the library stays open for the process
 }
 
+// The stream-capture calls, where the runtime has them (a runtime without
+// them captures nothing, and allocate_segment_on needs none then): both or
+// neither.
+bool optional_capture_calls(void* lib, CudaRuntimeApi& t) {
+  t.cudaStreamIsCapturing =
+      reinterpret_cast<decltype(t.cudaStreamIsCapturing)>(dlsym(lib, "cudaStreamIsCapturing"));
+  t.cudaThreadExchangeStreamCaptureMode = reinterpret_cast<decltype(t.cudaThreadExchangeStreamCaptureMode)>(
+      dlsym(lib, "cudaThreadExchangeStreamCaptureMode"));
+  if (t.cudaStreamIsCapturing == nullptr || t.cudaThreadExchangeStreamCaptureMode == nullptr) {
+    t.cudaStreamIsCapturing = nullptr;
+    t.cudaThreadExchangeStreamCaptureMode = nullptr;
+  }
+  return true;
+}
+
 template <typename F>
 bool sym(void* lib, F*& out, const char* name, std::string* why) {
   out = reinterpret_cast<F*>(dlsym(lib, name));
@@ -113,9 +128,7 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
                   sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
                   sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&
-                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w) &&
-                  sym(lib, t.cudaStreamIsCapturing, "cudaStreamIsCapturing", w) &&
-                  sym(lib, t.cudaThreadExchangeStreamCaptureMode, "cudaThreadExchangeStreamCaptureMode", w);
+                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w) && optional_capture_calls(lib, t);
          });
   });
   if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;

@@ -73,6 +73,7 @@ struct CudaRuntimeApi {
   cudaError_t (*cudaMemcpyAsync)(void*, const void*, size_t, cudaMemcpyKind, cudaStream_t);
   cudaError_t (*cudaHostAlloc)(void**, size_t, unsigned int);
   cudaError_t (*cudaFreeHost)(void*);
+  // Null where the runtime lacks them (then nothing captures).
   cudaError_t (*cudaStreamIsCapturing)(cudaStream_t, cudaStreamCaptureStatus*);
   cudaError_t (*cudaThreadExchangeStreamCaptureMode)(cudaStreamCaptureMode*);
 };

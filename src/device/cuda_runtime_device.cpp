@@ -79,6 +79,7 @@ Status CudaRuntimeDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) n
 // (PyTorch's cudaMallocMaybeCapturing): in the global mode CUDA refuses it
 // and invalidates the capture. The thread's own mode comes back after.
 Status CudaRuntimeDevice::allocate_segment_on(std::size_t bytes, StreamId stream, DevicePtr* addr) noexcept {
+  if (api_.cudaStreamIsCapturing == nullptr) return allocate_segment(bytes, addr);
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (Status s = status_of(api_.cudaStreamIsCapturing(stream_of(stream), &capturing)); s != Status::ok) {
     (void)api_.cudaGetLastError();

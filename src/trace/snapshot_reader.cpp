@@ -126,6 +126,18 @@ class FlatEvents {
         case Key::forward_frames:
           if (it.kind != Kind::list && it.kind != Kind::none) return -1;
           break;
+        case Key::pool_id:
+          // The default pool's (0, 0) is taken here; a private pool's event,
+          // or anything else, is left to the reader, which keeps its pool.
+          if (it.kind == Kind::none) break;
+          if ((it.kind != Kind::tuple && it.kind != Kind::list) || it.ref == nullptr ||
+              it.ref->items.size() != 2 || it.ref->items[0]->kind != Kind::integer ||
+              it.ref->items[1]->kind != Kind::integer || it.ref->items[0]->integer != 0 ||
+              it.ref->items[1]->integer != 0) {
+            return -1;
+          }
+          saw_pool_ids_ = true;
+          break;
         case Key::other: return -1;
       }
     }
@@ -152,6 +164,8 @@ class FlatEvents {
   }
 
   std::size_t size() const { return size_; }
+  // Whether an event taken carried a pool id (PyTorch 2.15 and later).
+  bool saw_pool_ids() const { return saw_pool_ids_; }
   // Event i as taken; its context is its frames list's id + 1 (0: none).
   const TraceEvent& at(std::size_t i) const {
     return blocks_[i / kBlock].at(i % kBlock);
@@ -220,6 +234,7 @@ class FlatEvents {
   }
 
   std::vector<Block> blocks_;
+  bool saw_pool_ids_ = false;
   std::vector<std::size_t> moved_;  // per block: events moved out with hand_back
   std::size_t size_ = 0;
   std::vector<const Value*> lists_;
@@ -229,7 +244,7 @@ class FlatEvents {
 
   enum class Key : std::uint8_t {
     action, addr, size, stream, device_free, time_us, frames, compile_context, user_metadata,
-    forward_frames, other
+    forward_frames, pool_id, other
   };
 
   // Keys and action names are memoized strings: each distinct value is
@@ -243,7 +258,8 @@ class FlatEvents {
         {"size", Key::size},               {"stream", Key::stream},
         {"device_free", Key::device_free}, {"time_us", Key::time_us},
         {"frames", Key::frames},           {"compile_context", Key::compile_context},
-        {"user_metadata", Key::user_metadata}, {"forward_frames", Key::forward_frames}};
+        {"user_metadata", Key::user_metadata}, {"forward_frames", Key::forward_frames},
+        {"pool_id", Key::pool_id}};
     Key k = Key::other;
     for (const auto& [name, id] : kNames) {
       if (key->text == name) k = id;
@@ -712,8 +728,19 @@ class Reader {
       ev.stream = unsigned_int(e, "stream", path);
       ev.time_us = time_us;
       ev.context = context(e, path, trace);
+      if (const Value* pool = e.find("pool_id"); pool != nullptr && pool->kind != Kind::none) {
+        const auto& ids = list(*pool, path + ".pool_id");
+        if (ids.size() != 2 || ids[0]->kind != Kind::integer || ids[1]->kind != Kind::integer ||
+            ids[0]->integer < 0 || ids[1]->integer < 0) {
+          fail(path + ".pool_id", "expected two ints that are not negative");
+        }
+        trace.event_pools_recorded = true;
+        const PoolId id{static_cast<std::uint64_t>(ids[0]->integer), static_cast<std::uint64_t>(ids[1]->integer)};
+        if (id != PoolId{0, 0}) trace.event_pools[trace.events.size()] = id;
+      }
       trace.events.push_back(ev);
     }
+    if (flat_ != nullptr && flat_->saw_pool_ids()) trace.event_pools_recorded = true;
   }
 
   // A user_defined event's name: its "name" where written, else the

@@ -74,10 +74,19 @@ class Verifier {
 
   // ---- private pools ----------------------------------------------------------
 
-  // Allocations routed to a private pool (CUDA graph capture, MemPool) carry
-  // nothing in the recording that says so: verify stops, with the reason, at
-  // the first event of a private pool's segment.
+  // Allocations routed to a private pool (CUDA graph capture, MemPool):
+  // where the recording says which (PyTorch 2.15's pool_id on each event),
+  // verify follows them (following_pools_), routing each to its pool; where
+  // it does not, it stops, with the reason, at the first event of a private
+  // pool's segment.
   void find_private_pools();
+  // The private pool event i was recorded in; nullptr for the default pools.
+  const PoolId* pool_of(std::size_t i) const;
+  // An allocation of event i, routed to its pool when it has one. A pool is
+  // made by its first allocation and held (as the graph or MemPool holding
+  // it does) until the recording frees one of its segments.
+  void* allocate_routed(CachingAllocator& allocator, std::size_t i);
+  void release_held_pool(CachingAllocator& allocator, std::size_t i);
 
   // ---- device requests -----------------------------------------------------
 
@@ -171,6 +180,9 @@ class Verifier {
   bool pending_gc_ = false;
   std::size_t private_stop_ = static_cast<std::size_t>(-1);
   std::string private_reason_;
+  bool following_pools_ = false;
+  std::set<PoolId> held_pools_;      // private pools the replay holds in use
+  std::set<PoolId> released_pools_;  // ... and those it let go (empty_cache frees them)
   std::string assumption_;       // what verify assumed for the whole recording
   std::string step_assumption_;  // ... and for the request in hand
 };

@@ -17,6 +17,7 @@ void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t 
   switch (e.action) {
     case TraceAction::segment_alloc:
     case TraceAction::segment_free:
+      if (e.action == TraceAction::segment_free) release_held_pool(allocator, i);
       if (vm_) {
         settings_changed(i);
       } else if (e.action == TraceAction::segment_alloc) {
@@ -99,7 +100,10 @@ void Verifier::alloc(CachingAllocator& allocator, std::size_t i) {
   void* got = nullptr;
   try {
     if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
-    got = allocator.allocate(e.size, e.stream);
+    got = allocate_routed(allocator, i);
+  } catch (const UsageError& err) {
+    diverge(i, fmt::format("alloc of {} bytes in its private pool: {}", e.size, err.what()));
+    return;
   } catch (const OutOfMemoryError&) {
     diverge(i, expect_.problem.empty()
                    ? fmt::format("alloc of {} bytes: reservoir ran out of memory; the "
@@ -118,6 +122,50 @@ void Verifier::alloc(CachingAllocator& allocator, std::size_t i) {
     return;
   }
   ++result_.allocs_checked;
+}
+
+void* Verifier::allocate_routed(CachingAllocator& allocator, std::size_t i) {
+  const TraceEvent& e = trace_.events[i];
+  const PoolId* pool = pool_of(i);
+  if (pool == nullptr) return allocator.allocate(e.size, e.stream);
+  // The route PyTorch opened (a capture, use_mem_pool) for this request's
+  // stream; its first use makes the pool, which the replay then holds.
+  const bool made_here = held_pools_.insert(*pool).second;
+  if (made_here) released_pools_.erase(*pool);
+  allocator.begin_allocate_to_pool(*pool, [stream = e.stream](StreamId s) { return s == stream; });
+  class Route {
+   public:
+    Route(CachingAllocator& allocator, PoolId pool, bool drop_use)
+        : allocator_(allocator), pool_(pool), drop_use_(drop_use) {}
+    Route(const Route&) = delete;
+    Route& operator=(const Route&) = delete;
+    Route(Route&&) = delete;
+    Route& operator=(Route&&) = delete;
+    ~Route() {
+      try {
+        allocator_.end_allocate_to_pool(pool_);
+        if (drop_use_) allocator_.release_pool(pool_);  // back to the one use the replay holds
+      } catch (const Error&) {
+        // The route was opened by allocate_routed and is ours: nothing else ends it.
+      }
+    }
+
+   private:
+    CachingAllocator& allocator_;
+    PoolId pool_;
+    bool drop_use_;
+  } route(allocator, *pool, !made_here);
+  return allocator.allocate(e.size, e.stream);
+}
+
+// The recording frees a segment of a private pool: PyTorch had let the pool
+// go (its graph or MemPool deleted), so the replay lets it go too, and the
+// release that follows frees its unused segments.
+void Verifier::release_held_pool(CachingAllocator& allocator, std::size_t i) {
+  const PoolId* pool = pool_of(i);
+  if (pool == nullptr || held_pools_.erase(*pool) == 0) return;
+  allocator.release_pool(*pool);
+  released_pools_.insert(*pool);
 }
 
 void Verifier::oom(CachingAllocator& allocator, std::size_t i) {

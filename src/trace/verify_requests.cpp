@@ -187,7 +187,8 @@ bool Verifier::settle(std::size_t index) {
 bool Verifier::matches_empty_cache(const CachingAllocator& allocator) const {
   std::vector<SegmentRef> would;
   for (const SegmentInfo& s : allocator.snapshot().segments) {
-    if (s.pool_id != PoolId{0, 0}) continue;
+    // A private pool's unused segments go too once the replay let it go.
+    if (s.pool_id != PoolId{0, 0} && released_pools_.count(s.pool_id) == 0) continue;
     if (s.is_expandable) {
       // The whole pages inside each free block (a mapped range starts on a page).
       // Blocks pending free are free once empty_cache() synchronizes: a

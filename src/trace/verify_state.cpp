@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,7 @@ std::string Verifier::history_cut() const {
 }
 
 bool Verifier::private_segment_of(DevicePtr addr) const {
+  if (following_pools_) return false;  // replayed like every other segment
   for (const SegmentInfo& s : trace_.final_state.segments) {
     if (s.pool_id != PoolId{0, 0} && addr >= s.address && addr < s.address + s.total_size) {
       return true;
@@ -61,7 +64,36 @@ bool Verifier::private_segment_of(DevicePtr addr) const {
   return false;
 }
 
+const PoolId* Verifier::pool_of(std::size_t i) const {
+  if (!following_pools_) return nullptr;
+  const auto it = trace_.event_pools.find(i);
+  return it == trace_.event_pools.end() ? nullptr : &it->second;
+}
+
 void Verifier::find_private_pools() {
+  // A recording that names each event's pool is followed (classic segments:
+  // PyTorch makes a private pool's segments expandable where reservoir does
+  // not). Each private pool's allocation must fall in a segment the history
+  // made: a pool made before the recording began cannot be rebuilt.
+  if (following_pools_) {
+    std::map<DevicePtr, std::uint64_t> made;  // segments the history made so far
+    for (std::size_t i = 0; i < trace_.events.size(); ++i) {
+      const TraceEvent& e = trace_.events[i];
+      if (e.action == TraceAction::segment_alloc) made[e.addr] = e.size;
+      if (e.action == TraceAction::segment_free) made.erase(e.addr);
+      if (e.action != TraceAction::alloc || e.size == 0 || pool_of(i) == nullptr) continue;
+      auto it = made.upper_bound(e.addr);
+      if (it != made.begin() && e.addr < std::prev(it)->first + std::prev(it)->second) continue;
+      private_stop_ = i;
+      private_reason_ = fmt::format(
+          "cannot verify: this alloc at {:#x} is in private pool ({}, {}) (CUDA graph capture or "
+          "torch.cuda.MemPool), whose segment was made before the recording began; a pool's "
+          "segments cannot be rebuilt from the recorded state",
+          e.addr, pool_of(i)->first, pool_of(i)->second);
+      return;
+    }
+    return;
+  }
   for (const SegmentInfo& s : trace_.final_state.segments) {
     if (s.pool_id == PoolId{0, 0}) continue;
     ++result_.private_pool_segments;
@@ -87,6 +119,18 @@ void Verifier::find_private_pools() {
           to_string(trace_.events[first].action), trace_.events[first].addr, s.pool_id.first,
           s.pool_id.second);
     }
+  }
+  if (result_.private_pool_segments != 0) {
+    // Earlier allocations may have gone to pools released before the end,
+    // which the recording cannot show either: a difference before the stop
+    // may be theirs.
+    if (!assumption_.empty()) assumption_ += "; and ";
+    assumption_ += fmt::format(
+        "the program allocated in private pools (CUDA graphs or torch.cuda.MemPool: {} segments "
+        "at the end), and this recording does not say which allocations went to them (PyTorch "
+        "records each event's pool from 2.15 on); verify replays them in the default pools, so "
+        "one routed to a pool released before the end would look like this",
+        result_.private_pool_segments);
   }
 }
 
@@ -141,7 +185,7 @@ std::string Verifier::outside_history(const Snapshot& ours,
 void Verifier::compare_final_state(const Snapshot& ours) {
   std::vector<const SegmentInfo*> theirs;
   for (const SegmentInfo& s : trace_.final_state.segments) {
-    if (s.pool_id == PoolId{0, 0}) theirs.push_back(&s);
+    if (following_pools_ || s.pool_id == PoolId{0, 0}) theirs.push_back(&s);
   }
   if (const std::string why = outside_history(ours, theirs); !why.empty()) {
     cannot_verify(trace_.events.size(),

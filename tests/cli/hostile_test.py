@@ -177,6 +177,13 @@ expect(("export", trace, "-o", ""), 2, "an empty path")
 expect(("advise", trace, "--threads", "100000"), 2, "give 0 to 1024")
 expect(("compare", trace, trace, "--top", "-1"), 2, "-1 rows: give 1 to 100000")
 
+# A pool id on an event (PyTorch 2.15's pool_id) that is not two ints that are not negative.
+for name, pool in [("pool_text.pickle", "x"), ("pool_three.pickle", (0, 1, 2)), ("pool_negative.pickle", (1, -1))]:
+    ev = event("alloc", 4096)
+    ev["pool_id"] = pool
+    path = write(name, {"segments": [], "device_traces": [[ev]]})
+    expect(("verify", path), 2, "device_traces[0][0].pool_id")
+
 if failures:
     print(f"{len(failures)} failure(s):")
     for f in failures:

@@ -190,5 +190,11 @@ graphed = torch.cuda.make_graphed_callables(model, (x,))
 y = graphed(x)
 y.sum().backward()
 record("make_graphed_callables")
+# Autograd's thread frees in an order that varies from run to run: PyTorch's
+# own allocator counts 30 splits one run and 31 the next. Kept: the current
+# values and the layout.
+out["make_graphed_callables"]["stats"] = {
+    k: v for k, v in out["make_graphed_callables"]["stats"].items()
+    if not k.startswith("inactive_split") or k.endswith(".current")}
 emit()
 """

@@ -146,3 +146,53 @@ def test_empty_cache_while_a_pool_route_is_open_as_the_release_does():
     kept = got["empty_cache inside use_mem_pool"]["stats"]["reserved_bytes.all.current"]
     release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     assert kept == (20 * 2**20 + 2 * 2**20 if release < (2, 15) else 2 * 2**20)
+
+
+RECORDED = """
+torch.cuda.memory._record_memory_history(max_entries=1000000)
+static_in = torch.ones(256 * 1024, device="cuda")
+g1 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1):
+    a = static_in * 2
+    b = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    tmp = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+    del tmp
+    c = torch.empty(700, dtype=torch.uint8, device="cuda")
+g1.replay()
+g2 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g2, pool=g1.pool()):
+    d = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+x = torch.empty(7 * MiB, dtype=torch.uint8, device="cuda")
+del g1, g2, a, b, c, d
+gc.collect()
+torch.cuda.empty_cache()
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    m = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    n = torch.empty(100, dtype=torch.uint8, device="cuda")
+del m
+g3 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g3):
+    e = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._dump_snapshot(os.environ["SNAPSHOT"])
+emit()
+"""
+
+
+def test_verify_follows_the_private_pools_a_recording_names(tmp_path):
+    # PyTorch 2.15 records each event's pool (pool_id): reservoir verify
+    # routes those allocations to their pools and agrees, final state and
+    # all. 2.11 does not record them: where the replay then differs, verify
+    # says it cannot verify, and why.
+    snapshot = tmp_path / "graphs.pickle"
+    run("native", RECORDED, {"SNAPSHOT": str(snapshot)})
+    r = subprocess.run([os.environ["RESERVOIR"], "verify", str(snapshot)], capture_output=True, text=True,
+                       timeout=300)
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if release >= (2, 15):
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "agrees" in r.stdout and "private pools" not in r.stdout, r.stdout
+    else:
+        assert r.returncode != 0
+        assert "cannot verify" in r.stdout and "does not say which allocations went to them" in r.stdout, \
+            r.stdout + r.stderr

@@ -258,7 +258,7 @@ def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
                 x.copy_(inp)
         def pools():
             return sorted(tuple(s["segment_pool_id"]) for s in reservoir.snapshot(0)["segments"])
-        print(pools() == [(0, 0), tuple(g.pool())], [t["tag"] for t in reservoir.tags(0)])
+        print(set(pools()) == {(0, 0), tuple(g.pool())}, [t["tag"] for t in reservoir.tags(0)])
         inp.copy_(torch.full((8 * MiB,), 5, dtype=torch.uint8))
         g.replay()
         torch.cuda.synchronize()
@@ -273,7 +273,7 @@ def test_graph_pool_memory_made_in_a_region_pauses_with_its_tag():
         print(torch.equal(x.cpu(), torch.full((8 * MiB,), 6, dtype=torch.uint8)))
         del g, x
         torch.cuda.empty_cache()
-        print(pools() == [(0, 0)])
+        print(set(pools()) == {(0, 0)})
     """, env={"RESERVOIR_SIMCUDA_KERNELS": "skip"})
     assert out == ["True", "['graph']", "20", "True", "True", "True", "True"]
 

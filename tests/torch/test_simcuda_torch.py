@@ -84,11 +84,11 @@ def test_a_kernel_launch_is_refused_naming_the_call():
 
 def test_an_unserved_call_fails_naming_it():
     cudart = ctypes.CDLL("libcudart.so.13")
-    graph = ctypes.c_void_p()
-    assert cudart.cudaGraphCreate(ctypes.byref(graph), 0) == 801  # cudaErrorNotSupported
+    array = ctypes.c_void_p()
+    assert cudart.cudaMallocArray(ctypes.byref(array), None, 1, 1, 0) == 801  # cudaErrorNotSupported
     cudart.cudaGetErrorString.restype = ctypes.c_char_p
     assert cudart.cudaGetErrorString(801) == (
-        b"operation not supported: cudaGraphCreate is not served by reservoir's simulated CUDA device")
+        b"operation not supported: cudaMallocArray is not served by reservoir's simulated CUDA device")
     assert cudart.cudaGetLastError() == 801
     assert cudart.cudaGetLastError() == 0
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "reservoir/config.hpp"
@@ -49,6 +50,11 @@ struct Trace {
   // torch_npu, which writes the same format (told by its stack frames).
   std::string port = "cuda";
   std::vector<TraceEvent> events;
+  // PyTorch 2.15 and later record the pool of each event (pool_id): true
+  // when these events carry it. The events of private pools (a CUDA graph's,
+  // a MemPool's) by index; default-pool events are not listed.
+  bool event_pools_recorded = false;
+  std::unordered_map<std::size_t, PoolId> event_pools;
   // Events each device of the file holds (snapshots; one entry otherwise).
   std::vector<std::uint64_t> device_events;
   // The allocator settings text the program ran with, as recorded
