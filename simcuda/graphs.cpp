@@ -99,6 +99,7 @@ struct Capture {
 struct StreamState {
   Capture* capture = nullptr;
   std::vector<Node*> deps;
+  bool blocking = false;  // synchronizes with the legacy stream (set when it enters the capture)
 };
 
 struct CapturedEvent {
@@ -326,6 +327,7 @@ int begin(cudaStream_t s, Graph* into, const cudaGraphNode_t* deps, size_t count
   }
   c->graph->capturing = true;
   st.capture = c.get();
+  st.blocking = blocking(s);
   streams[key_of(s)] = st;
   captures.emplace(c->id, std::move(c));
   return cudaSuccess;
@@ -406,7 +408,7 @@ int capture_wait(cudaStream_t s, cudaEvent_t e) {
       c->invalidated = true;
       return cudaErrorStreamCaptureImplicit;
     }
-    streams[key_of(s)] = StreamState{c, ev->second.deps};  // joins the capture
+    streams[key_of(s)] = StreamState{c, ev->second.deps, blocking(s)};  // joins the capture
     return cudaSuccess;
   }
   if (st->capture != c) {
@@ -473,9 +475,7 @@ int legacy_use(cudaStream_t s, int device) {
   std::lock_guard<std::mutex> lock(mu);
   bool refused = false;
   for (auto& [key, st] : streams) {
-    auto* stream = reinterpret_cast<cudaStream_t>(key);
-    const bool per_thread = key == reinterpret_cast<std::uintptr_t>(&per_thread_key);
-    if (st.capture->device != device || (!per_thread && !blocking(stream))) continue;
+    if (st.capture->device != device || !st.blocking) continue;
     st.capture->invalidated = true;
     refused = true;
   }

@@ -546,3 +546,34 @@ def test_graph_calls_take_injected_faults():
         RESERVOIR_SIMCUDA_FAIL="cudaStreamBeginCapture:1,cudaStreamEndCapture:1,"
                                "cudaGraphInstantiateWithFlags:1,cudaGraphLaunch:1")
     assert out == ["999", "0", "999", "True", "0", "999", "999", "0"]
+
+
+def test_per_thread_default_streams_capture_apart():
+    # cudaStreamPerThread is each thread's own: a capture on another thread's
+    # does not make this thread's capturing, and, being a blocking stream, it
+    # refuses work on the legacy stream (906) from any thread.
+    out, _ = run_captured("""
+        import threading
+        per_thread = ctypes.c_void_p(2)
+        st = ctypes.c_int()
+        began, done = threading.Event(), threading.Event()
+        codes = {}
+        def other():
+            codes["begin"] = rt.cudaStreamBeginCapture(per_thread, 2)  # relaxed
+            began.set()
+            done.wait()
+            codes["end"] = end(per_thread)[0]
+        t = threading.Thread(target=other)
+        t.start()
+        began.wait()
+        assert rt.cudaStreamIsCapturing(per_thread, ctypes.byref(st)) == 0
+        mine = st.value
+        buf = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(buf), 4096) == 0
+        legacy = rt.cudaMemsetAsync(buf, 0, ctypes.c_size_t(16), None)
+        rt.cudaGetLastError()
+        done.set()
+        t.join()
+        print(codes["begin"], mine, legacy, codes["end"])
+    """)
+    assert out == ["0", "0", "906", "901"]
