@@ -133,7 +133,9 @@ def emit():
 # Capture, replay, a second graph in the first one's pool, a capture CUDA
 # invalidates (a synchronize inside it), the graphs deleted, a graph of
 # copies replayed with new input, make_graphed_callables.
-GRAPHS = """
+# The first graph both programs capture: a kernel's output, a large and a
+# small block, a temporary freed inside the capture.
+FIRST_GRAPH = """
 static_in = torch.ones(256 * 1024, device="cuda")
 g1 = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g1):
@@ -142,6 +144,9 @@ with torch.cuda.graph(g1):
     tmp = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
     del tmp
     c = torch.empty(700, dtype=torch.uint8, device="cuda")
+"""
+
+GRAPHS = FIRST_GRAPH + """
 record("captured")
 g1.replay()
 record("replayed")

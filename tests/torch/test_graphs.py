@@ -16,9 +16,11 @@ import sys
 import textwrap
 
 import pytest
-from scenarios import GRAPHS, GRAPHS_PRELUDE as PRELUDE
+from scenarios import FIRST_GRAPH, GRAPHS, GRAPHS_PRELUDE as PRELUDE
 
 torch = pytest.importorskip("torch")
+# The running release, (major, minor).
+RELEASE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 def run(mode, body, env=None):
     full = {**os.environ, "RESERVOIR_SIMCUDA_KERNELS": "skip", **(env or {})}
@@ -52,9 +54,8 @@ def test_graph_pools_are_laid_out_as_under_pytorchs_allocator():
         "CUDA error: operation failed due to a previous error during capture"
     # The invalidated capture's pool: PyTorch 2.11 never releases it (its
     # capture did not end), 2.15 does.
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     assert {tuple(s[0]) for s in got["graphs deleted"]["layout"]} == \
-        ({(0, 0), (2, 0)} if release < (2, 15) else {(0, 0)})
+        ({(0, 0), (2, 0)} if RELEASE < (2, 15) else {(0, 0)})
     assert (got["before replay"], got["after replay"], got["after a second replay"]) == (0, 7, 9)
 
 
@@ -150,20 +151,12 @@ def test_empty_cache_while_a_pool_route_is_open_as_the_release_does():
     # before 2.15 leaves the default pools' cache in place; 2.15 empties it.
     got = same_everywhere(ROUTED_EMPTY_CACHE, modes=("native", "own"))
     kept = got["empty_cache inside use_mem_pool"]["stats"]["reserved_bytes.all.current"]
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    assert kept == (20 * 2**20 + 2 * 2**20 if release < (2, 15) else 2 * 2**20)
+    assert kept == (20 * 2**20 + 2 * 2**20 if RELEASE < (2, 15) else 2 * 2**20)
 
 
 RECORDED = """
 torch.cuda.memory._record_memory_history(max_entries=1000000)
-static_in = torch.ones(256 * 1024, device="cuda")
-g1 = torch.cuda.CUDAGraph()
-with torch.cuda.graph(g1):
-    a = static_in * 2
-    b = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-    tmp = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
-    del tmp
-    c = torch.empty(700, dtype=torch.uint8, device="cuda")
+""" + FIRST_GRAPH + """
 g1.replay()
 g2 = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g2, pool=g1.pool()):
@@ -194,8 +187,7 @@ def test_verify_follows_the_private_pools_a_recording_names(tmp_path):
     run("native", RECORDED, {"SNAPSHOT": str(snapshot)})
     r = subprocess.run([os.environ["RESERVOIR"], "verify", str(snapshot)], capture_output=True, text=True,
                        timeout=300)
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if release >= (2, 15):
+    if RELEASE >= (2, 15):
         assert r.returncode == 0, r.stdout + r.stderr
         assert "agrees" in r.stdout and "private pools" not in r.stdout, r.stdout
     else:
