@@ -151,11 +151,14 @@ std::size_t Sim::used(int device) {
 
 bool Sim::open_range(Device& d) {
   if (d.base != 0) return true;
-  void* p = ::mmap(nullptr, d.capacity + kGranularity, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Addresses are not memory: a GPU's address space is far larger than its
+  // memory, so a request finds addresses wherever the pages in use lie, and
+  // only the memory (d.used against d.capacity) can run out.
+  const std::size_t span = kAddressSpanFactor * d.capacity;
+  void* p = ::mmap(nullptr, span + kGranularity, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return false;
   d.base = round_up(reinterpret_cast<std::uintptr_t>(p), kGranularity);
-  d.holes[0] = d.capacity;  // offset -> length
+  d.holes[0] = span;  // offset -> length
   return true;
 }
 
@@ -207,9 +210,10 @@ void Sim::give_range(Device& d, std::uintptr_t at, std::size_t bytes) {
 }
 
 // cudaMalloc as a GPU's allocator places memory (as measured on an H100,
-// tests/data/gpu): in the device's own address range (reserved once,
-// capacity bytes), first fit from its start, so that addresses ascend as a
-// program allocates. From 2 MiB up, whole 2 MiB pages, 2 MiB aligned;
+// tests/data/gpu): in the device's own address range (reserved once, four
+// times its capacity), first fit from its start, so that addresses ascend as
+// a program allocates; memory in use freed between live allocations leaves
+// addresses free there, never memory unusable. From 2 MiB up, whole 2 MiB pages, 2 MiB aligned;
 // below, 512-byte slots packed into shared 2 MiB pages (a 1-byte cudaMalloc
 // follows another by 512 bytes, and the device's free memory drops by the
 // page the first one opens).

@@ -106,7 +106,7 @@ struct Mapping {
 struct Device {
   std::size_t capacity = 0;
   std::size_t used = 0;                        // cudaMalloc'd and cuMemCreate'd bytes
-  std::uintptr_t base = 0;                     // its cudaMalloc address range (capacity bytes)
+  std::uintptr_t base = 0;                     // its cudaMalloc address range (kAddressSpanFactor x capacity)
   std::map<std::size_t, std::size_t> holes;    // free parts of that range: offset -> length
   // cudaMalloc below 2 MiB shares 2 MiB pages, 512-byte aligned, as a GPU's
   // does: page base -> its free slots (offset -> length) and live count.
@@ -159,6 +159,9 @@ class SIMCUDA_API Sim {
 
   // Virtual memory.
   static constexpr std::size_t kGranularity = std::size_t{2} << 20;
+  // cudaMalloc's address range per byte of memory: room to place a request
+  // however the memory in use is spread, as a GPU's address space gives.
+  static constexpr std::size_t kAddressSpanFactor = 4;
   static constexpr std::size_t kSmallAlignment = 512;
   // NVML's total minus CUDA's: what the driver keeps of an H100 80GB.
   static constexpr std::size_t kDriverReserved = std::size_t{480} << 20;
