@@ -50,8 +50,23 @@ VerifyResult Verifier::run() {
     return result_;
   }
   if (trace_.events.empty()) {
-    cannot_verify(0, "cannot verify: the snapshot holds no recorded events for this device "
+    cannot_verify(0, "nothing to check: the snapshot holds no recorded events for this device "
                      "(its state only: memory history was not recording here)");
+    return result_;
+  }
+  // Markers alone (snapshot marks, a lone oom with nothing before it) make
+  // no request to compare: nothing was checked, so nothing agrees.
+  const bool any_request = std::any_of(trace_.events.begin(), trace_.events.end(), [](const TraceEvent& e) {
+    return e.action != TraceAction::snapshot && e.action != TraceAction::oom &&
+           e.action != TraceAction::empty_cache;
+  });
+  if (!any_request) {
+    cannot_verify(trace_.events.size(),
+                  fmt::format("nothing to check: {} (no allocation, free or segment to replay)",
+                              trace_.events.size() == 1
+                                  ? std::string("the one recorded event is a marker")
+                                  : fmt::format("the {} recorded events are markers only",
+                                                trace_.events.size())));
     return result_;
   }
   if (const std::string cut = history_cut(); !cut.empty()) {

@@ -848,9 +848,29 @@ TEST(VerifyCases, ASnapshotWithoutHistoryCannotBeVerified) {
   ASSERT_TRUE(t.events.empty());
   const VerifyResult v = verify(t);
   EXPECT_TRUE(v.cannot_verify);
+  EXPECT_FALSE(v.agreed);
   EXPECT_EQ(v.divergence,
-            "cannot verify: the snapshot holds no recorded events for this device (its state "
+            "nothing to check: the snapshot holds no recorded events for this device (its state "
             "only: memory history was not recording here)");
+}
+
+// A history of markers only (a snapshot mark) has no request to compare:
+// "nothing to check", never "agrees".
+TEST(VerifyCases, AHistoryOfMarkersOnlyHasNothingToCheck) {
+  Recorder r("");
+  r.on = false;
+  (void)r.alloc(5 * kMiB);
+  Trace t = pickled(r.finish());
+  TraceEvent mark;
+  mark.action = TraceAction::snapshot;
+  t.events.push_back(mark);
+  const VerifyResult v = verify(t);
+  EXPECT_FALSE(v.agreed);
+  EXPECT_TRUE(v.cannot_verify);
+  EXPECT_EQ(v.allocs_checked, 0u);
+  EXPECT_EQ(v.divergence,
+            "nothing to check: the one recorded event is a marker (no allocation, free or segment "
+            "to replay)");
 }
 
 // Ascend's torch_npu writes the same format from its own allocator: read,
