@@ -240,9 +240,9 @@ namespace {
 
 // The smallest multiple of `step` in (lo, hi] for which fits() holds, given
 // fits(hi); assumes fits is monotone, which bisection needs.
-std::uint64_t bisect(std::uint64_t lo, std::uint64_t hi, std::uint64_t step,
-                     const std::function<bool(std::uint64_t)>& fits) {
-  while (hi - lo > step) {
+std::uint64_t bisect(std::uint64_t& lo, std::uint64_t hi, std::uint64_t step,
+                     const std::function<bool(std::uint64_t)>& fits, double tolerance = 0.0) {
+  while (hi - lo > step && static_cast<double>(hi - lo) > tolerance * static_cast<double>(hi)) {
     const std::uint64_t mid = lo + (hi - lo) / step / 2 * step;
     if (fits(mid)) {
       hi = mid;
@@ -256,7 +256,8 @@ std::uint64_t bisect(std::uint64_t lo, std::uint64_t hi, std::uint64_t step,
 }  // namespace
 
 MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
-                               const std::string& config_text, const ReplayOptions& options) {
+                               const std::string& config_text, const ReplayOptions& options,
+                               std::optional<std::uint64_t> at) {
   constexpr std::uint64_t kStep = std::uint64_t{2} << 20;  // the device granularity
   MinCapacityResult out;
   ReplayOptions probe = options;
@@ -275,12 +276,33 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   // retry ladder somehow needs more, doubling until the trace fits.
   ReplayOptions unlimited = probe;
   unlimited.capacity.reset();
-  const ReplayResult free_run = replay(program, config, config_text, unlimited);
+  out.unlimited = replay(program, config, config_text, unlimited);
+  const ReplayResult& free_run = out.unlimited;
   ++out.replays;
+  // Capacities below the peak of requested bytes cannot fit: start below it.
+  const std::uint64_t below = free_run.peak_requested_bytes / kStep * kStep;
+  std::uint64_t lo = below >= kStep ? below - kStep : 0;
   std::uint64_t hi = (free_run.peak_reserved_bytes + kStep - 1) / kStep * kStep;
   hi = std::max(hi, kStep);
+  bool hi_known = false;  // hi is known to fit
+  if (at) {
+    // The device's capacity as a probe (allocations are whole 2 MiB pages:
+    // what fits at it fits at it rounded down).
+    probe.capacity = *at;
+    ++out.replays;
+    out.at_capacity = replay(program, config, config_text, probe);
+    const std::uint64_t floor = *at / kStep * kStep;
+    if (out.at_capacity->num_ooms == 0 && floor >= kStep) {
+      hi = floor;
+      hi_known = true;
+    } else if (out.at_capacity->num_ooms != 0) {
+      last_oom = out.at_capacity->first_oom;
+      lo = std::max(lo, floor);
+      hi = std::max(hi, lo + kStep);
+    }
+  }
   constexpr std::uint64_t kLimit = kUnboundedCapacity;
-  while (!fits(hi)) {
+  while (!hi_known && !fits(hi)) {
     if (hi >= kLimit) {
       throw TraceError(fmt::format(
           "{}: no capacity up to {} (more than any GPU holds) runs without running out of "
@@ -290,11 +312,26 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
     hi *= 2;
   }
   if (free_run.peak_requested_bytes == 0) return out;  // nothing to hold
-  // Capacities below the peak of requested bytes cannot fit: start below it.
-  const std::uint64_t below = free_run.peak_requested_bytes / kStep * kStep;
-  const std::uint64_t lo = below >= kStep ? below - kStep : 0;
-  out.bytes = lo + kStep >= hi ? hi : bisect(lo, hi, kStep, fits);
+  out.bytes = lo + kStep >= hi ? hi : bisect(lo, hi, kStep, fits, options.min_capacity_tolerance);
+  out.below = lo;
   return out;
+}
+
+void refine_min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
+                         const std::string& config_text, const ReplayOptions& options,
+                         MinCapacityResult& result) {
+  constexpr std::uint64_t kStep = std::uint64_t{2} << 20;
+  if (result.bytes <= result.below + kStep) return;
+  ReplayOptions probe = options;
+  probe.validate_each_step = false;
+  probe.keep_reserved = false;
+  probe.native_reserved = nullptr;
+  auto fits = [&](std::uint64_t capacity) {
+    probe.capacity = capacity;
+    ++result.replays;
+    return replay(program, config, config_text, probe).num_ooms == 0;
+  };
+  result.bytes = bisect(result.below, result.bytes, kStep, fits);
 }
 
 }  // namespace reservoir

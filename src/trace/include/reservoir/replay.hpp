@@ -100,6 +100,9 @@ struct ReplayOptions {
   // policy: the result then says how far this one went above it at the same
   // op (ReplayResult::over_native). Not owned; min_capacity ignores it.
   const std::vector<std::uint64_t>* native_reserved = nullptr;
+  // min_capacity stops bisecting once the range is within this fraction of
+  // its upper end (0: to the 2 MiB step, exact); refine_min_capacity ends it.
+  double min_capacity_tolerance = 0.0;
 };
 
 // One device page per stream: the native bound's slack when a config names none.
@@ -150,6 +153,13 @@ inline constexpr CallKind kMemoryCallKinds[] = {
 struct MinCapacityResult {
   std::uint64_t bytes = 0;    // smallest capacity (a multiple of 2 MiB) with no out-of-memory
   std::uint64_t replays = 0;  // replays the search ran
+  ReplayResult unlimited;     // the replay with no limit the search starts from
+  // The replay at the capacity asked about (min_capacity's `at`), which the
+  // search used as one of its probes.
+  std::optional<ReplayResult> at_capacity;
+  // The largest capacity known not to fit: `bytes` is exact when it is one
+  // step below (a search with a tolerance may stop sooner).
+  std::uint64_t below = 0;
 };
 
 ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
@@ -159,7 +169,16 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
 // no out-of-memory error (the retry ladder included), found by bisection
 // between the peak of requested bytes and the peak reserved with no limit.
 // options.capacity is ignored; options.memory_fraction applies to each probe.
+// With `at` (a device's capacity), the replay at it is one of the probes, and
+// is returned (at_capacity): fitting or not, it halves the range searched.
 MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
-                               const std::string& config_text, const ReplayOptions& options = {});
+                               const std::string& config_text, const ReplayOptions& options = {},
+                               std::optional<std::uint64_t> at = std::nullopt);
+
+// Ends a search min_capacity stopped within its tolerance: the exact minimum
+// between result.below and result.bytes (result updated, its replays added).
+void refine_min_capacity(const ReplayProgram& program, const AllocatorConfig& config,
+                         const std::string& config_text, const ReplayOptions& options,
+                         MinCapacityResult& result);
 
 }  // namespace reservoir
