@@ -223,6 +223,10 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
   }
   const bool at_oom = oom_at < trace.events.size();
   d.moment = at_oom ? "oom" : "peak_reserved";
+  d.ends_at_error = at_oom && std::none_of(trace.events.begin() + static_cast<std::ptrdiff_t>(oom_at) + 1,
+                                           trace.events.end(), [](const TraceEvent& e) {
+                                             return e.action == TraceAction::alloc && e.size > 0;
+                                           });
   bool rose = true;
   d.event = at_oom ? oom_at : reserved_peak_event(trace, rose);
   d.at_recording_start = !at_oom && !rose;
@@ -405,6 +409,12 @@ std::vector<std::string> default_sweep(std::string_view pytorch_since) {
   return out;
 }
 
+std::string scope_text() {
+  return "These capacities cover the recording, which ends at the failed request: the rest of that "
+         "step (for a training step, the backward pass and the optimizer) was never recorded. To "
+         "check it, rerun with the setting and RESERVOIR_EXPLAIN_OOM=1, or record a whole step.";
+}
+
 std::string env_line(const Candidate& candidate, bool on_reservoir, std::string_view pytorch_env) {
   if (on_reservoir || candidate.reservoir_only) return "RESERVOIR_ALLOC_CONF=" + candidate.config;
   if (candidate.config.empty()) return fmt::format("{} unset (PyTorch's defaults)", pytorch_env);
@@ -472,6 +482,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   // Each setting replayed to its minimum capacity, then at the capacity, on
   // every core. Replays share nothing but the program.
   std::vector<std::uint64_t> peak_requested(texts.size(), 0);
+  std::vector<MinCapacityResult> searches(texts.size());
   std::atomic<std::size_t> next{0};
   std::mutex mutex;
   std::size_t done = 0;
@@ -482,13 +493,15 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
         Candidate& c = advice.candidates[i];
         ReplayOptions o;
         o.memory_fraction = c.memory_fraction;
-        const MinCapacityResult m = min_capacity(program, configs[i], texts[i], o);
-        const ReplayResult unlimited = replay(program, configs[i], texts[i], o);
-        o.capacity = advice.capacity_bytes;
-        const ReplayResult measured =
-            advice.capacity_bytes ? replay(program, configs[i], texts[i], o) : unlimited;
+        o.min_capacity_tolerance = options.tolerance;
+        // The replays with no limit and at the capacity are probes of the search.
+        searches[i] = min_capacity(program, configs[i], texts[i], o, advice.capacity_bytes);
+        const MinCapacityResult& m = searches[i];
+        const ReplayResult& unlimited = m.unlimited;
+        const ReplayResult& measured = m.at_capacity ? *m.at_capacity : unlimited;
         c.min_capacity_bytes = m.bytes;
-        c.replays = m.replays + (advice.capacity_bytes ? 2 : 1);
+        c.min_capacity_exact = m.bytes <= m.below + (std::uint64_t{2} << 20);
+        c.replays = m.replays;
         c.peak_reserved_bytes = unlimited.peak_reserved_bytes;
         peak_requested[i] = unlimited.peak_requested_bytes;
         c.min_capacity_over_requested =
@@ -521,20 +534,49 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   if (failure) std::rethrow_exception(failure);
 
   advice.peak_requested_bytes = *std::max_element(peak_requested.begin(), peak_requested.end());
-  for (const Candidate& c : advice.candidates) advice.replays += c.replays;
   // Smallest minimum capacity; ties to fewer device calls, then list order.
   auto better = [](const Candidate& a, const Candidate& b) {
     if (a.min_capacity_bytes != b.min_capacity_bytes) return a.min_capacity_bytes < b.min_capacity_bytes;
     return a.device_calls_per_1000_allocs < b.device_calls_per_1000_allocs;
   };
-  for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
-    const Candidate& c = advice.candidates[i];
-    if (!c.reservoir_only &&
-        (!advice.best_pytorch || better(c, advice.candidates[*advice.best_pytorch]))) {
-      advice.best_pytorch = i;
+  auto choose = [&] {
+    advice.best_pytorch.reset();
+    advice.best_reservoir = 0;
+    for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
+      const Candidate& c = advice.candidates[i];
+      if (!c.reservoir_only &&
+          (!advice.best_pytorch || better(c, advice.candidates[*advice.best_pytorch]))) {
+        advice.best_pytorch = i;
+      }
+      if (i == 0 || better(c, advice.candidates[advice.best_reservoir])) advice.best_reservoir = i;
     }
-    if (i == 0 || better(c, advice.candidates[advice.best_reservoir])) advice.best_reservoir = i;
+  };
+  choose();
+  if (options.tolerance > 0.0) {
+    // The searches stopped within the tolerance: the figures the answer
+    // gives (the recorded settings', the best ones') are made exact.
+    std::vector<std::size_t> named{advice.best_reservoir};
+    if (advice.best_pytorch) named.push_back(*advice.best_pytorch);
+    for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
+      if (advice.candidates[i].recorded) named.push_back(i);
+    }
+    for (const std::size_t i : named) {
+      Candidate& c = advice.candidates[i];
+      if (c.min_capacity_exact) continue;
+      ReplayOptions o;
+      o.memory_fraction = c.memory_fraction;
+      refine_min_capacity(program, configs[i], texts[i], o, searches[i]);
+      c.min_capacity_bytes = searches[i].bytes;
+      c.replays = searches[i].replays;
+      c.min_capacity_exact = true;
+      if (peak_requested[i] != 0) {
+        c.min_capacity_over_requested =
+            static_cast<double>(c.min_capacity_bytes) / static_cast<double>(peak_requested[i]);
+      }
+    }
+    choose();
   }
+  for (const Candidate& c : advice.candidates) advice.replays += c.replays;
   if (advice.capacity_bytes) {
     const Candidate& best = advice.candidates[advice.best_pytorch.value_or(advice.best_reservoir)];
     advice.fits = best.min_capacity_bytes <= *advice.capacity_bytes;

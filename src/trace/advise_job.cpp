@@ -75,6 +75,7 @@ RankAdvice summarize(const Trace& trace, const Advice& advice, const std::string
   const Diagnosis& d = advice.diagnosis;
   r.ran_out = d.moment == "oom";
   if (d.request) r.oom_request = d.request->size;
+  r.ends_at_error = advice.diagnosis.ends_at_error;
   r.moment = d.moment;
   r.peak_requested_bytes = advice.peak_requested_bytes;
   r.allocated_bytes = d.allocated_bytes;

@@ -266,9 +266,17 @@ check("the largest was 100.00 MiB, the request needs 160.00 MiB" in flat and
 check(not too_wide(text), f"advise: lines over 100 columns: {too_wide(text)[:3]}")
 # The answer first, in words: did it run out, the line to set, what it saves.
 lines = text.splitlines()
+# The recording ends at its failed request: the answer says what that covers.
+scope_at = next(i for i, x in enumerate(lines) if x.startswith("These capacities cover the recording"))
+check(" ".join(" ".join(lines[scope_at:lines.index("")]).split()) ==
+      "These capacities cover the recording, which ends at the failed request: the rest of that step "
+      "(for a training step, the backward pass and the optimizer) was never recorded. To check it, "
+      "rerun with the setting and RESERVOIR_EXPLAIN_OOM=1, or record a whole step.", text[:900])
+check(advice["answer"]["scope"] == " ".join(" ".join(lines[scope_at:lines.index("")]).split()) and
+      advice["diagnosis"]["ends_at_error"] is True, advice["answer"])
 check(lines[0] == "The job ran out of memory: a 160.00 MiB request found 44.00 MiB free on the device."
       and lines[1].startswith("Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128,")
-      and " ".join(" ".join(lines[1:lines.index("")]).split()) ==
+      and " ".join(" ".join(lines[1:scope_at]).split()) ==
       "Set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128, with "
       "torch.cuda.set_per_process_memory_fraction(1.0) (garbage collection runs only under a memory "
       "fraction): it needs 256.00 MiB, 0.16 GiB (38.5%) less than your settings (416.00 MiB); "

@@ -65,6 +65,10 @@ struct Diagnosis {
   // where reserved memory peaked (the recording has no oom event).
   std::string moment;
   std::uint64_t event = 0;  // index into the recorded events
+  // The recording ends at its error (no allocation after the failed one):
+  // it shows the program only up to the failed request, and every capacity
+  // found covers that part only (scope_text()).
+  bool ends_at_error = false;
   // The peak is where the recording started: reserved memory never rose
   // above what was already reserved then (segments cached before it).
   bool at_recording_start = false;
@@ -116,6 +120,8 @@ struct Candidate {
   // under one): the program must call set_per_process_memory_fraction too.
   std::optional<double> memory_fraction;
   std::uint64_t min_capacity_bytes = 0;
+  // To the 2 MiB step; false: within AdviseOptions::tolerance above it.
+  bool min_capacity_exact = true;
   double min_capacity_over_requested = 0.0;
   std::uint64_t peak_reserved_bytes = 0;  // with no capacity limit
   // Of the replay at the capacity when one is known, else with no limit.
@@ -162,6 +168,9 @@ struct AdviseOptions {
   // Settings to sweep; empty: default_sweep() plus the recorded settings.
   std::vector<std::string> configs;
   unsigned threads = 0;  // 0: every core
+  // Each minimum capacity within this fraction above the exact one (0:
+  // exact); the recorded settings' and the best ones' are made exact after.
+  double tolerance = 0.0;
   // Called after each candidate is done (from worker threads, serialized).
   std::function<void(std::size_t done, std::size_t total)> progress;
 };
@@ -184,6 +193,11 @@ std::string stream_name(std::uint64_t stream);
 // PYTORCH_ALLOC_CONF from 2.9 on, PYTORCH_CUDA_ALLOC_CONF before.
 std::string_view pytorch_env_var(std::string_view pytorch_since);
 
+// What a recording that ends at its error can say (Diagnosis::ends_at_error),
+// in one paragraph: the capacities cover the recorded part, and how to check
+// the rest. Every view of advice built on such a recording says it.
+std::string scope_text();
+
 // The state at the moment that matters, read from the recording.
 Diagnosis diagnose(const Trace& trace, std::optional<std::uint64_t> capacity = std::nullopt);
 
@@ -203,6 +217,7 @@ struct RankAdvice {
   bool ran_out = false;                       // it holds an oom entry
   std::optional<std::uint64_t> oom_request;   // the request that failed
   std::string moment;                         // the diagnosis's
+  bool ends_at_error = false;                 // the diagnosis's
   std::uint64_t peak_requested_bytes = 0;
   std::uint64_t allocated_bytes = 0;          // at the moment
   std::uint64_t reserved_bytes = 0;
