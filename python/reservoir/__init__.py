@@ -54,6 +54,7 @@ from ._core import (  # noqa: F401
     rss_bytes,
 )
 from . import _core
+from .oom import explain_oom  # noqa: F401
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

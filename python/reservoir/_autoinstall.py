@@ -1,5 +1,6 @@
-"""Makes reservoir PyTorch's CUDA allocator from the environment, for programs
-that cannot be changed: with RESERVOIR_TORCH_ALLOCATOR set, the moment
+"""Makes reservoir PyTorch's CUDA allocator from the environment, and explains
+out-of-memory errors (RESERVOIR_EXPLAIN_OOM=1: reservoir.explain_oom()), for
+programs that cannot be changed: with RESERVOIR_TORCH_ALLOCATOR set, the moment
 `import torch` finishes (before any CUDA tensor can exist), reservoir is
 installed as
 
@@ -26,6 +27,8 @@ import os
 import sys
 
 VARIABLE = "RESERVOIR_TORCH_ALLOCATOR"
+# reservoir.explain_oom() for a program that cannot be changed (docs/advise.md).
+EXPLAIN_VARIABLE = "RESERVOIR_EXPLAIN_OOM"
 CHOICES = ("own", "pluggable")
 
 
@@ -78,9 +81,30 @@ def _under_interposer():
 
 
 def install():
-    """Installs the allocator the variable names; torch must be imported.
-    Steps aside, with one line on stderr, where the process asked PyTorch for
-    another backend or runs under reservoir's interposer."""
+    """Installs the allocator the variable names, then the explanation of
+    out-of-memory errors where RESERVOIR_EXPLAIN_OOM asks for it; torch must
+    be imported."""
+    if os.environ.get(VARIABLE):
+        _install_allocator()
+    if _explain_requested():
+        import reservoir
+
+        reservoir.explain_oom()
+
+
+def _explain_requested():
+    value = os.environ.get(EXPLAIN_VARIABLE, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise RuntimeError(f"{EXPLAIN_VARIABLE}={os.environ.get(EXPLAIN_VARIABLE)!r}: expected 1 (on) or 0 (off)")
+
+
+def _install_allocator():
+    """Installs the allocator the variable names. Steps aside, with one line
+    on stderr, where the process asked PyTorch for another backend or runs
+    under reservoir's interposer."""
     import reservoir
 
     choice = _choice()
@@ -154,5 +178,5 @@ def arm():
         sys.meta_path.insert(0, _AfterTorch())
 
 
-if os.environ.get(VARIABLE):
+if os.environ.get(VARIABLE) or os.environ.get(EXPLAIN_VARIABLE):
     arm()

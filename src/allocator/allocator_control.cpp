@@ -272,6 +272,11 @@ void CachingAllocator::Impl::attach_oom_observer(OomObserver observer) {
   oom_observers_.push_back(std::move(observer));
 }
 
+void CachingAllocator::Impl::set_oom_explainer(OomExplainer explainer) {
+  detail::LockGuard lock(mutex_);
+  oom_explainer_ = std::move(explainer);
+}
+
 void CachingAllocator::Impl::add_free_memory_callback(FreeMemoryCallback callback) {
   detail::LockGuard lock(mutex_);
   free_memory_callbacks_.push_back(std::move(callback));

@@ -56,6 +56,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::size_t largest_cached_block() const;
   std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
   void attach_oom_observer(OomObserver observer);
+  void set_oom_explainer(OomExplainer explainer);
   void add_free_memory_callback(FreeMemoryCallback callback);
   void attach_trace_tracker(TraceTracker tracker);
   void record_history(const HistoryOptions& options);
@@ -422,7 +423,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     std::vector<OomObserver> observers;
     std::size_t limit;
     std::size_t free;
+    OomExplainer explainer;
   };
+  // The error of oom, with the explainer's answer appended where it gives one.
+  static OutOfMemoryError explained(Oom& oom);
   Oom out_of_memory(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   [[noreturn]] void throw_invalid_pointer(DevicePtr ptr, const char* operation) const
       RESERVOIR_REQUIRES(mutex_);
@@ -668,6 +672,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);
+  OomExplainer oom_explainer_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<FreeMemoryCallback> free_memory_callbacks_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<TraceTracker> trackers_ RESERVOIR_GUARDED_BY(mutex_);
   std::unique_ptr<detail::EventHistory> history_

@@ -77,6 +77,10 @@ std::size_t CachingAllocator::largest_cached_block() const {
 void CachingAllocator::attach_oom_observer(OomObserver observer) {
   impl_->attach_oom_observer(std::move(observer));
 }
+
+void CachingAllocator::set_oom_explainer(OomExplainer explainer) {
+  impl_->set_oom_explainer(std::move(explainer));
+}
 void CachingAllocator::add_free_memory_callback(FreeMemoryCallback callback) {
   impl_->add_free_memory_callback(std::move(callback));
 }

@@ -266,7 +266,7 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
     lock.unlock();  // LOCK RELEASED: observers may inspect or free memory
     for (const auto& observer : oom.observers)
       observer(device_index_, p.alloc_size, oom.limit, oom.free);
-    throw std::move(oom.error);
+    throw explained(oom);
   }
   return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
 }
@@ -330,7 +330,21 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
       allowed_info, format_size(allocated + in_private_pools), private_msg,
       format_size(reserved - allocated - in_private_pools));
   return Oom{OutOfMemoryError(message, p.alloc_size, info.free, info.total), oom_observers_,
-             set_fraction_ ? allowed_memory_maximum_ : info.total, info.free};
+             set_fraction_ ? allowed_memory_maximum_ : info.total, info.free, oom_explainer_};
+}
+
+OutOfMemoryError CachingAllocator::Impl::explained(Oom& oom) {
+  if (!oom.explainer) return std::move(oom.error);
+  std::string answer;
+  try {
+    answer = oom.explainer(oom.error);
+  } catch (...) {
+    // The answer is an addition: whatever went wrong in it, the error is thrown as it was.
+    return std::move(oom.error);
+  }
+  if (answer.empty()) return std::move(oom.error);
+  return OutOfMemoryError(std::string(oom.error.what()) + "\n" + answer, oom.error.requested_bytes(),
+                          oom.error.device_free(), oom.error.device_total());
 }
 
 // ---------------------------------------------------------------------------

@@ -14,7 +14,11 @@
 #include <optional>
 #include <string>
 
+#include "advice_view.hpp"
+#include "report_html.hpp"
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/explain.hpp"
+#include "reservoir/trace_formats.hpp"
 #include "reservoir/cuda_device.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/host_device.hpp"
@@ -29,6 +33,45 @@ namespace py = pybind11;
 using namespace reservoir;
 
 namespace {
+
+// The answer at an out-of-memory error (reservoir/explain.hpp), with the
+// page of the full advice beside the snapshot.
+ExplainOptions explain_options(const std::string& directory, int rank) {
+  ExplainOptions options;
+  options.directory = directory;
+  if (rank >= 0) options.rank = rank;
+  options.page = [](const Trace& trace, const Advice& advice) {
+    return tools::html_page(
+        "reservoir: out of memory",
+        fmt::format("<p class=\"note\">{}, {} recorded events, analysed at the error.</p>\n{}",
+                    tools::esc(trace.name), trace.events.size(), tools::advice_html(trace, advice, "advice")));
+  };
+  return options;
+}
+
+py::dict explain_snapshot(const py::bytes& data, int device, const std::string& directory, int rank,
+                          std::uint64_t device_total) {
+  const std::string_view bytes = data;
+  OomExplanation e;
+  {
+    py::gil_scoped_release release;
+    const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+    ExplainOptions options = explain_options(directory, rank);
+    if (device_total > 0) options.device_total = device_total;
+    try {
+      const Trace trace = read_pytorch_snapshot(span, "snapshot at the error", device);
+      e = explain_oom(trace, span, options);
+    } catch (const std::exception& err) {
+      e.lines.push_back(fmt::format("reservoir: could not read the snapshot taken at the error: {}", err.what()));
+    }
+  }
+  py::dict out;
+  out["lines"] = e.lines;
+  out["snapshot_path"] = e.snapshot_path;
+  out["page_path"] = e.page_path;
+  out["seconds"] = e.seconds;
+  return out;
+}
 
 // open_device's result as the concrete class a Python constructor returns.
 template <typename T>
@@ -275,5 +318,16 @@ PYBIND11_MODULE(_core, m) {
   m.def("default_saver", &torch_saver, py::arg("device") = 0, py::return_value_policy::reference,
         "The saver PyTorch's allocator uses for this GPU (created on first use from "
         "RESERVOIR_ALLOC_CONF and RESERVOIR_TORCH_DEVICE)");
+  m.def("_explain_snapshot", &explain_snapshot, py::arg("data"), py::arg("device"), py::arg("directory"),
+        py::arg("rank") = -1, py::arg("device_total") = 0,
+        "The answer to an out-of-memory error from PyTorch's snapshot (pickle bytes) of that moment: "
+        "{lines, snapshot_path, page_path, seconds}; the files go to directory ('' writes none)");
+  m.def(
+      "_explain_torch_allocator",
+      [](const std::string& directory, int rank, std::size_t max_entries) {
+        torch_explain_oom(explain_options(directory, rank), max_entries);
+      },
+      py::arg("directory"), py::arg("rank") = -1, py::arg("max_entries") = 100000,
+      "Under reservoir as PyTorch's allocator: every device's out-of-memory error carries the answer");
   m.def("rss_bytes", &current_rss_bytes, "Resident memory of this process, in bytes");
 }

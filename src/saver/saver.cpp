@@ -348,6 +348,10 @@ void Saver::record_history(const HistoryOptions& options) {
   impl_->record_history(options);
 }
 
+void Saver::set_oom_explainer(const OomExplainer& explainer) {
+  impl_->set_oom_explainer(explainer);
+}
+
 Snapshot Saver::snapshot() const {
   return impl_->snapshot();
 }

@@ -69,6 +69,7 @@ TagState& Saver::Impl::tag_state(std::string_view tag, const RegionOptions& opti
   auto state = std::make_unique<TagState>(key.first, options.cpu_backup, storage, tag_base_, index_,
                                           &memory_margin_, options_.config, options_.device_index);
   if (history_) state->allocator.record_history(*history_);
+  if (oom_explainer_) state->allocator.set_oom_explainer(oom_explainer_);
   if (options_.exact_peaks && !combined_) {
     // From the first tag on, the saver's peaks are those of the sum (the
     // untagged allocator's peaks were the saver's until now).
@@ -269,6 +270,13 @@ void Saver::Impl::record_history(const HistoryOptions& options) {
   detail::UniqueLock lock(tags_mutex_);
   history_ = options.enabled ? std::optional<HistoryOptions>(options) : std::nullopt;
   for (auto& [key, state] : tags_) state->allocator.record_history(options);
+}
+
+void Saver::Impl::set_oom_explainer(const OomExplainer& explainer) {
+  untagged_.set_oom_explainer(explainer);
+  detail::UniqueLock lock(tags_mutex_);
+  oom_explainer_ = explainer;
+  for (auto& [key, state] : tags_) state->allocator.set_oom_explainer(explainer);
 }
 
 Snapshot Saver::Impl::snapshot() const {

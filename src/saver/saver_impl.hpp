@@ -151,6 +151,7 @@ class Saver::Impl {
   // ---- observation ----
   TagInfo info(TagState& state) const;
   void record_history(const HistoryOptions& options);
+  void set_oom_explainer(const OomExplainer& explainer);
   Snapshot snapshot() const;
 
   // ---- validation mode: the saver's and every allocator's ----
@@ -188,6 +189,7 @@ class Saver::Impl {
   std::vector<StreamId> streams_ RESERVOIR_GUARDED_BY(streams_mutex_);
   mutable detail::SharedMutex tags_mutex_;
   std::optional<HistoryOptions> history_ RESERVOIR_GUARDED_BY(tags_mutex_);
+  OomExplainer oom_explainer_ RESERVOIR_GUARDED_BY(tags_mutex_);
   // Current values and peaks of all allocators together, from the first tag
   // on (before it the untagged allocator's are the saver's); guarded by
   // tags_mutex_.

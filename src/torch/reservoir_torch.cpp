@@ -116,6 +116,24 @@ reservoir::DeviceKind backend_kind(const AllocatorConfig& config) {
   return vm ? reservoir::DeviceKind::cuda_vmm : reservoir::DeviceKind::cuda_runtime;
 }
 
+// torch_explain_oom's settings, for the savers made after it.
+std::optional<std::pair<reservoir::ExplainOptions, std::size_t>> explaining;
+
+void explain_on(reservoir::Saver& saver, const std::string& settings) {
+  reservoir::HistoryOptions history;
+  history.max_entries = explaining->second;
+  history.stacks = false;
+  saver.record_history(history);
+  reservoir::OomExplainer explain =
+      reservoir::oom_explainer([&saver] { return saver.snapshot(); }, explaining->first, settings);
+  saver.set_oom_explainer([explain = std::move(explain)](const reservoir::OutOfMemoryError& e) {
+    std::string text = explain(e);
+    // Before the error, where a dying job's log shows it.
+    if (!text.empty()) std::fprintf(stderr, "%s\n", text.c_str());
+    return text;
+  });
+}
+
 // The saver of a device, created on first use. Throws on failure.
 reservoir::Saver& saver_for(int device) {
   if (device < 0 || device >= kMaxDevices) {
@@ -148,6 +166,7 @@ reservoir::Saver& saver_for(int device) {
     reservoir::read_saver_environment(options);
     d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
     for (EveryDeviceRegion& region : every_device_regions) enter_on(region, device, *d.saver);
+    if (explaining) explain_on(*d.saver, d.settings);
   }
   return *d.saver;
 }
@@ -163,6 +182,14 @@ std::string settings_of(int device) {
 
 namespace reservoir {
 Saver& torch_saver(int device) { return saver_for(device); }
+
+void torch_explain_oom(const ExplainOptions& options, std::size_t max_entries) {
+  std::lock_guard lock(mutex);
+  explaining.emplace(options, max_entries);
+  for (PerDevice& d : devices) {
+    if (d.saver) explain_on(*d.saver, d.settings);
+  }
+}
 
 std::vector<int> torch_saver_devices() {
   std::lock_guard lock(mutex);

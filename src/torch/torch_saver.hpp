@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "reservoir/explain.hpp"
 #include "reservoir/saver.hpp"
 
 namespace reservoir {
@@ -20,4 +21,8 @@ std::vector<int> torch_saver_devices();
 // first (UsageError otherwise).
 std::uint64_t torch_push_region_everywhere(std::optional<std::string> tag, RegionOptions options);
 void torch_pop_region_everywhere(std::uint64_t id);
+// Every device's saver (those created later too) records its latest
+// `max_entries` events and explains its out-of-memory errors from them
+// (reservoir/explain.hpp), the lines also printed on stderr.
+void torch_explain_oom(const ExplainOptions& options, std::size_t max_entries);
 }  // namespace reservoir

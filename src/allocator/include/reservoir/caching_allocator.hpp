@@ -27,6 +27,7 @@
 
 #include "reservoir/config.hpp"
 #include "reservoir/device.hpp"
+#include "reservoir/errors.hpp"
 #include "reservoir/history.hpp"
 #include "reservoir/snapshot.hpp"
 #include "reservoir/stats.hpp"
@@ -52,6 +53,12 @@ struct ExpandableReservation {
 // Called when an allocation is about to fail: (device, bytes tried, bytes
 // allowed or device total, device free bytes).
 using OomObserver = std::function<void(int, std::size_t, std::size_t, std::size_t)>;
+// Asked, after the observers and with the allocator unlocked, why an
+// allocation ran out of memory: what it returns is appended to the error's
+// message on a line of its own ("" adds nothing). The allocator is whole
+// and usable when it is called (snapshot(), stats()); an exception it throws
+// is dropped, and the error is thrown as it was.
+using OomExplainer = std::function<std::string(const OutOfMemoryError&)>;
 // Asked to free memory before the allocator goes to the device; returns true
 // when it freed something worth searching the cache again for.
 using FreeMemoryCallback = std::function<bool()>;
@@ -156,6 +163,8 @@ class CachingAllocator {
   std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
 
   void attach_oom_observer(OomObserver observer);
+  // The one explainer (reservoir/explain.hpp sets one); an empty function removes it.
+  void set_oom_explainer(OomExplainer explainer);
   void add_free_memory_callback(FreeMemoryCallback callback);
   void attach_trace_tracker(TraceTracker tracker);
   // Records events in a ring buffer of the latest options.max_entries, with

@@ -301,6 +301,9 @@ class Saver {
   // History of every allocator, tags created later included (see
   // CachingAllocator::record_history; UsageError for bad options).
   void record_history(const HistoryOptions& options);
+  // The explainer of every allocator's out-of-memory errors, tags created
+  // later included (CachingAllocator::set_oom_explainer).
+  void set_oom_explainer(const OomExplainer& explainer);
   // Segments of every allocator in address order, and the history of all of
   // them in time order; a tag's blocks and events carry the annotation
   // "reservoir.tag=<tag>" first in their context.

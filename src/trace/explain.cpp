@@ -1,0 +1,307 @@
+#include "reservoir/explain.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+
+#include "reservoir/errors.hpp"
+#include "reservoir/format.hpp"
+#include "reservoir/trace.hpp"
+
+namespace reservoir {
+namespace {
+
+std::string prefix(const std::optional<int>& rank) {
+  return rank ? fmt::format("reservoir [rank {}]: ", *rank) : std::string("reservoir: ");
+}
+
+std::string host_name(const ExplainOptions& options) {
+  if (!options.host.empty()) return options.host;
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "host";
+  return name;
+}
+
+// A name part for a file: letters, digits, '-', '_' and '.' kept, others '_'.
+std::string file_part(std::string s) {
+  for (char& c : s) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '-' || c == '_' || c == '.';
+    if (!keep) c = '_';
+  }
+  return s;
+}
+
+std::string utc_stamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char out[32];
+  std::strftime(out, sizeof out, "%Y%m%d-%H%M%S", &tm);
+  return out;
+}
+
+void write_bytes(const std::filesystem::path& path, std::span<const std::uint8_t> bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  f.close();
+  if (!f) throw UsageError(fmt::format("cannot write '{}'", path.string()));
+}
+
+// Why the request failed, in one sentence: the process's own limit, memory
+// held outside the allocator, fragmentation, or simply too little memory.
+std::string why(const Advice& a, const std::optional<std::uint64_t>& device_total) {
+  const Diagnosis& d = a.diagnosis;
+  const std::uint64_t unusable = d.reserved_bytes > d.allocated_bytes ? d.reserved_bytes - d.allocated_bytes : 0;
+  std::vector<std::string> causes;
+  if (d.limit_at_least) {
+    causes.push_back(fmt::format(
+        "the process's memory fraction (set_per_process_memory_fraction) refused it: the device "
+        "had {} free, the process was at its limit with {} reserved",
+        d.device_free_bytes ? format_size(*d.device_free_bytes) : "room", format_size(d.reserved_bytes)));
+  }
+  // Beyond a twentieth of the device (a GPU's own context and libraries
+  // take a few hundred MiB of 80 GiB).
+  if (!d.limit_at_least && device_total && d.device_free_bytes &&
+      *device_total > d.reserved_bytes + *d.device_free_bytes) {
+    const std::uint64_t outside = *device_total - d.reserved_bytes - *d.device_free_bytes;
+    if (outside * 20 > *device_total) {
+      causes.push_back(fmt::format("{} of the device's {} was held outside this allocator (another "
+                                   "process, or other libraries of this one)",
+                                   format_size(outside), format_size(*device_total)));
+    }
+  }
+  // Fragmentation: what was in use and the request would have fit in what
+  // the allocator held and the device had free, but the held memory sat in
+  // pieces too small for it.
+  if (d.request && unusable > 0 && d.device_free_bytes &&
+      unusable + *d.device_free_bytes >= d.request->rounded) {
+    causes.push_back(fmt::format(
+        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), "
+        "and the device had {} free",
+        format_size(unusable),
+        format_size(std::max(d.request->largest_same_stream, d.request->largest_other_stream)),
+        format_size(*d.device_free_bytes)));
+  }
+  if (a.shrink_bytes) {
+    causes.push_back(fmt::format("too little memory: the recorded part alone needs {} at its peak, {} "
+                                 "more than the {} there is",
+                                 format_size(a.peak_requested_bytes), format_size(*a.shrink_bytes),
+                                 format_size(*a.capacity_bytes)));
+  }
+  if (causes.empty()) {
+    causes.push_back(fmt::format("too little memory: {} was in use and {} reserved",
+                                 format_size(d.allocated_bytes), format_size(d.reserved_bytes)));
+  }
+  std::string out = causes.front();
+  for (std::size_t i = 1; i < causes.size(); ++i) out += "; and " + causes[i];
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> live_sweep(std::string_view pytorch_since) {
+  static const char* const kLive[] = {"",
+                                      "expandable_segments:True",
+                                      "expandable_segments:True,large_segment_size_mb:12",
+                                      "large_segment_size_mb:40",
+                                      "max_split_size_mb:128",
+                                      "roundup_power2_divisions:4",
+                                      "garbage_collection_threshold:0.6,max_split_size_mb:128",
+                                      "policy:native_paged"};
+  const std::vector<std::string> all = default_sweep(pytorch_since);
+  std::vector<std::string> out;
+  for (const char* c : kLive) {
+    if (std::find(all.begin(), all.end(), c) != all.end()) out.emplace_back(c);
+  }
+  return out;
+}
+
+Advice advise_at_error(const Trace& trace, unsigned threads) {
+  AdviseOptions options;
+  options.threads = threads;
+  // The other settings' minimum capacities within 1/32 (the page shows them
+  // so); the recorded and the best ones exact, as the lines give them.
+  options.tolerance = 1.0 / 32;
+  options.configs = live_sweep(trace.pytorch_since);
+  const AllocatorConfig recorded = AllocatorConfig::parse(trace.recorded_config);
+  bool have_recorded = false;
+  for (const std::string& c : options.configs) have_recorded |= AllocatorConfig::parse(c) == recorded;
+  if (!have_recorded) options.configs.push_back(trace.recorded_config);
+  return advise(trace, options);
+}
+
+std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const std::optional<int>& rank,
+                                          const std::optional<std::uint64_t>& device_total,
+                                          const std::string& snapshot_path, const std::string& page_path,
+                                          const std::string& directory) {
+  const std::string p = prefix(rank);
+  const Diagnosis& d = a.diagnosis;
+  std::vector<std::string> lines;
+  if (d.moment == "oom" && d.request) {
+    lines.push_back(fmt::format("{}out of memory on a {} request: {}.", p, format_size(d.request->size), why(a, device_total)));
+  } else {
+    lines.push_back(fmt::format("{}the recording shows no failed request to explain ({} events).", p,
+                                trace.events.size()));
+  }
+  const Candidate* recorded = nullptr;
+  for (const Candidate& c : a.candidates) {
+    if (c.recorded) recorded = &c;
+  }
+  const Candidate* best = a.best_pytorch ? &a.candidates[*a.best_pytorch] : nullptr;
+  const Candidate& best_any = a.candidates[a.best_reservoir];
+  const bool fits = a.fits.value_or(false);
+  if (a.shrink_bytes) {
+    lines.push_back(fmt::format("{}no setting helps: the program must need {} less (smaller batches, "
+                                "activation checkpointing, lower precision).",
+                                p, format_size(*a.shrink_bytes)));
+  } else if (best != nullptr && recorded != nullptr && best != recorded &&
+             best->min_capacity_bytes < recorded->min_capacity_bytes) {
+    lines.push_back(fmt::format(
+        "{}set {}{}: the recorded part needs {} under it, {} less than under your settings{}.", p,
+        env_line(*best, false, a.pytorch_env),
+        best->memory_fraction ? fmt::format(" and call torch.cuda.set_per_process_memory_fraction({}) "
+                                            "(garbage collection runs only under one)",
+                                            *best->memory_fraction)
+                              : std::string(),
+        format_size(best->min_capacity_bytes),
+        format_size(recorded->min_capacity_bytes - best->min_capacity_bytes),
+        a.capacity_bytes ? fmt::format(", and the device had {}", format_size(*a.capacity_bytes)) : ""));
+    if (!fits && best_any.reservoir_only && best_any.min_capacity_bytes < best->min_capacity_bytes) {
+      lines.push_back(fmt::format("{}reservoir's {} needs {} (RESERVOIR_ALLOC_CONF={}).", p, best_any.config,
+                                  format_size(best_any.min_capacity_bytes), best_any.config));
+    }
+  } else if (best_any.reservoir_only && recorded != nullptr &&
+             best_any.min_capacity_bytes < recorded->min_capacity_bytes) {
+    lines.push_back(fmt::format("{}no PyTorch setting does better than yours; reservoir's {} needs {}, {} "
+                                "less (RESERVOIR_ALLOC_CONF={}).",
+                                p, best_any.config, format_size(best_any.min_capacity_bytes),
+                                format_size(recorded->min_capacity_bytes - best_any.min_capacity_bytes),
+                                best_any.config));
+  } else {
+    lines.push_back(fmt::format("{}no setting does better than yours: the recorded part needs {} at its "
+                                "peak; less live memory is what helps.",
+                                p, format_size(a.peak_requested_bytes)));
+  }
+  if (d.ends_at_error) {
+    lines.push_back(fmt::format(
+        "{}this covers the program up to the failed request; the rest of the step was never recorded: "
+        "rerun with the setting and RESERVOIR_EXPLAIN_OOM=1 to check it.",
+        p));
+  }
+  if (!snapshot_path.empty()) {
+    lines.push_back(page_path.empty()
+                        ? fmt::format("{}snapshot: {}", p, snapshot_path)
+                        : fmt::format("{}snapshot: {}; the full answer: {}", p, snapshot_path, page_path));
+  }
+  if (!directory.empty()) {
+    lines.push_back(fmt::format("{}{}: reservoir advise {}", p, rank ? "for the whole job" : "next",
+                                directory));
+  }
+  if (lines.size() > 8) lines.resize(8);
+  return lines;
+}
+
+std::optional<int> explain_rank(const ExplainOptions& options) {
+  if (options.rank) return options.rank;
+  const char* r = std::getenv("RANK");
+  if (r == nullptr || *r == '\0') return std::nullopt;
+  char* end = nullptr;
+  const long v = std::strtol(r, &end, 10);
+  if (*end != '\0' || v < 0 || v > 1'000'000) return std::nullopt;
+  return static_cast<int>(v);
+}
+
+OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> snapshot_bytes,
+                           const ExplainOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  OomExplanation out;
+  const std::optional<int> rank = explain_rank(options);
+  std::vector<std::string> problems;
+  std::filesystem::path stem;
+  if (!options.directory.empty()) {
+    try {
+      std::filesystem::create_directories(options.directory);
+      stem = std::filesystem::path(options.directory) /
+             fmt::format("{}{}-{}", file_part(host_name(options)),
+                         rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp());
+      // Two errors in one second: the second's files get "-2", and so on.
+      for (int n = 2; std::filesystem::exists(stem.string() + ".pickle"); ++n) {
+        stem = std::filesystem::path(options.directory) /
+               fmt::format("{}{}-{}-{}", file_part(host_name(options)),
+                           rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp(), n);
+      }
+      const std::filesystem::path snap = stem.string() + ".pickle";
+      if (snapshot_bytes.empty()) {
+        const std::string written = write_pytorch_snapshot(trace);
+        write_bytes(snap, std::span(reinterpret_cast<const std::uint8_t*>(written.data()), written.size()));
+      } else {
+        write_bytes(snap, snapshot_bytes);
+      }
+      out.snapshot_path = snap.string();
+    } catch (const std::exception& e) {
+      problems.push_back(fmt::format("the snapshot could not be written: {}", e.what()));
+    }
+  }
+  try {
+    out.advice = advise_at_error(trace, options.threads);
+    if (!stem.empty() && options.page) {
+      try {
+        const std::string html = options.page(trace, *out.advice);
+        const std::filesystem::path page = stem.string() + "-advice.html";
+        write_bytes(page, std::span(reinterpret_cast<const std::uint8_t*>(html.data()), html.size()));
+        out.page_path = page.string();
+      } catch (const std::exception& e) {
+        problems.push_back(fmt::format("the page could not be written: {}", e.what()));
+      }
+    }
+    out.lines = oom_answer_lines(trace, *out.advice, rank, options.device_total, out.snapshot_path, out.page_path,
+                                 out.snapshot_path.empty() ? "" : options.directory);
+  } catch (const std::exception& e) {
+    out.advice.reset();
+    out.lines.push_back(fmt::format("{}could not analyse the recording: {}", prefix(rank), e.what()));
+    if (!out.snapshot_path.empty()) {
+      out.lines.push_back(fmt::format("{}snapshot: {} (reservoir advise {})", prefix(rank), out.snapshot_path,
+                                      out.snapshot_path));
+    }
+  }
+  for (const std::string& problem : problems) {
+    if (out.lines.size() < 8) out.lines.push_back(prefix(rank) + problem);
+  }
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+OomExplainer oom_explainer(std::function<Snapshot()> state, ExplainOptions options, std::string recorded_config) {
+  return [state = std::move(state), options = std::move(options),
+          recorded_config = std::move(recorded_config)](const OutOfMemoryError& error) {
+    const Trace trace = to_trace(state(), "this process", recorded_config);
+    ExplainOptions with_total = options;
+    if (!with_total.device_total && error.device_total() > 0) with_total.device_total = error.device_total();
+    const OomExplanation e = explain_oom(trace, {}, with_total);
+    std::string text;
+    for (const std::string& line : e.lines) {
+      if (!text.empty()) text += "\n";
+      text += line;
+    }
+    return text;
+  };
+}
+
+void explain_oom_errors(CachingAllocator& allocator, ExplainOptions options, std::size_t max_entries) {
+  HistoryOptions history;
+  history.max_entries = max_entries;
+  history.stacks = false;
+  allocator.record_history(history);
+  allocator.set_oom_explainer(
+      oom_explainer([&allocator] { return allocator.snapshot(); }, std::move(options),
+                    allocator.config().to_string()));
+}
+
+}  // namespace reservoir

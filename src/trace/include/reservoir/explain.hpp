@@ -1,0 +1,88 @@
+// The answer at the moment of an out-of-memory error, inside the program
+// that met it: the recording of the allocator's events up to the failed
+// request (PyTorch's snapshot, or a reservoir allocator's own history) is
+// analysed in the process, on a simulated device, and the answer is a few
+// lines for the error message and stderr: what failed and why, the setting
+// that fits what was recorded, where the snapshot (and the full page) went.
+//
+// Python: reservoir.explain_oom() and RESERVOIR_EXPLAIN_OOM=1 (docs/advise.md).
+// C++: explain_oom_errors() on an allocator appends the answer to its
+// OutOfMemoryError.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reservoir/advise.hpp"
+#include "reservoir/caching_allocator.hpp"
+
+namespace reservoir {
+
+struct ExplainOptions {
+  // Where the snapshot and the page are written ("" writes nothing). The
+  // files are named by host, rank and time: HOST-rankR-YYYYmmdd-HHMMSS.pickle.
+  std::string directory;
+  std::string host;           // "": this machine's name
+  std::optional<int> rank;    // none: RANK from the environment, when set (torchrun)
+  unsigned threads = 1;       // replays in parallel (1: the analysis keeps to one core)
+  // The device's whole memory, as the error saw it (CUDA's total): what the
+  // device held beyond this allocator's reserved memory and its free memory
+  // was held outside it (another process, CUDA's context, other libraries).
+  std::optional<std::uint64_t> device_total;
+  // The HTML page of the advice, written beside the snapshot when given
+  // (the command-line tool's and the Python module's views provide it).
+  std::function<std::string(const Trace&, const Advice&)> page;
+};
+
+struct OomExplanation {
+  std::vector<std::string> lines;  // at most eight, each "reservoir: ..." (or "reservoir [rank R]: ...")
+  std::string snapshot_path;       // "" when none was written
+  std::string page_path;
+  std::optional<Advice> advice;    // none when the analysis failed (lines say why)
+  double seconds = 0.0;            // the analysis, writing included
+};
+
+// The settings the analysis at the error replays: the recorded ones, PyTorch's
+// defaults, the few that most often make a fragmented job fit (each only where
+// the release knows its keys), and reservoir's own policy.
+std::vector<std::string> live_sweep(std::string_view pytorch_since);
+
+// Advice within about a second at 100,000 recorded events on one core.
+Advice advise_at_error(const Trace& trace, unsigned threads = 1);
+
+// The lines of the answer (at most eight). `rank` names the rank in each;
+// `device_total` (ExplainOptions) tells memory held outside the allocator;
+// `snapshot_path`, `page_path` and `directory` are named where given.
+std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advice,
+                                          const std::optional<int>& rank,
+                                          const std::optional<std::uint64_t>& device_total,
+                                          const std::string& snapshot_path,
+                                          const std::string& page_path,
+                                          const std::string& directory);
+
+// The whole answer: analysis, files, lines. `snapshot_bytes` is the
+// recording as the program took it (PyTorch's pickle), written as it is;
+// empty: the trace is written as a PyTorch snapshot. Never throws for a
+// failed analysis or write: the lines then say what went wrong.
+OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> snapshot_bytes,
+                           const ExplainOptions& options);
+
+// The rank of this process: options.rank, else RANK from the environment.
+std::optional<int> explain_rank(const ExplainOptions& options);
+
+// An explainer for a reservoir allocator (CachingAllocator::set_oom_explainer,
+// Saver::set_oom_explainer): `state` returns the allocator's snapshot with its
+// history, from which the answer is made; nothing else is needed.
+OomExplainer oom_explainer(std::function<Snapshot()> state, ExplainOptions options,
+                           std::string recorded_config = "");
+
+// Turns on the allocator's history (the latest `max_entries` events, no
+// stacks) and explains its out-of-memory errors from it.
+void explain_oom_errors(CachingAllocator& allocator, ExplainOptions options = {},
+                        std::size_t max_entries = 100'000);
+
+}  // namespace reservoir

@@ -1,0 +1,224 @@
+"""The answer at the moment of an out-of-memory error (reservoir.explain_oom,
+RESERVOIR_EXPLAIN_OOM=1) under the real PyTorch on the simulated device,
+each program in its own process on a 1 GiB device: fragmentation answered
+with a setting that the same program then runs under; a program that needs
+more than the device answered with how much more; a memory fraction below 1;
+memory held outside PyTorch's allocator; the switch off changes nothing; a
+failure inside the analysis leaves PyTorch's error whole; every rank writes
+its own files, which `reservoir advise DIR` reads for the job; reservoir as
+PyTorch's own allocator answers from its own state.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("reservoir")
+
+DEVICE = "1GiB"
+MiB = 1 << 20
+
+PRELUDE = """
+import json, os, sys
+import torch
+MiB = 1 << 20
+def report(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+def fail_big(nbytes, **more):
+    try:
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        report(message=str(e), **more)
+        return
+    report(message=None, **more)
+"""
+
+# Two 400 MiB segments, cached, then carved into 60 MiB tensors of which every
+# other one is freed: 440 MiB reserved and unusable (holes of 60 MiB, the
+# largest 100 MiB with a segment's tail), and a 500 MiB request finds no
+# room, though 360 MiB is all that is in use. FRACTION: the memory fraction a
+# recommended setting asks for.
+FRAGMENTED = """
+if os.environ.get("FRACTION"):
+    torch.cuda.set_per_process_memory_fraction(float(os.environ["FRACTION"]))
+a = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+b = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+del a, b
+ts = [torch.empty(60 * MiB, dtype=torch.uint8, device="cuda") for _ in range(12)]
+keep = ts[::2]
+del ts
+fail_big(500 * MiB)
+"""
+FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
+                      "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
+                      "224.00 MiB free.")
+
+
+def format_size(n):  # reservoir's format_size
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1 << 20:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def run(body, tmp_path, env=None, code_change=True, setting=None):
+    full = {**os.environ, "RESERVOIR_SIMCUDA_KERNELS": "skip", "RESERVOIR_SIMCUDA_MEMORY": DEVICE,
+            "RESERVOIR_OOM_DIR": str(tmp_path / "oom")}
+    for name in ("RESERVOIR_EXPLAIN_OOM", "RANK", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                 "RESERVOIR_TORCH_ALLOCATOR"):
+        full.pop(name, None)
+    if setting is not None:
+        full["PYTORCH_ALLOC_CONF"] = setting
+        full["PYTORCH_CUDA_ALLOC_CONF"] = setting
+    full.update(env or {})
+    # Without a code change, the .pth installed beside the package is what
+    # reads the switch (read here by site.addsitedir, as Python's start-up
+    # reads site-packages).
+    site_dir = os.path.dirname(os.path.dirname(os.path.abspath(__import__("reservoir").__file__)))
+    script = (f"import site; site.addsitedir({site_dir!r})\n" if not code_change else "") + PRELUDE + \
+        ("import reservoir\nreservoir.explain_oom()\n" if code_change else "") + textwrap.dedent(body)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True,
+                       timeout=300, env=full)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["stderr"] = r.stderr
+    return out
+
+
+def answer_of(message):
+    """PyTorch's message, then reservoir's lines."""
+    assert message is not None, "the request did not fail"
+    pytorch, _, ours = message.partition("\nreservoir")
+    return pytorch, ("reservoir" + ours).splitlines() if ours else []
+
+
+def test_fragmentation_names_a_setting_and_the_program_runs_under_it(tmp_path):
+    got = run(FRAGMENTED, tmp_path)
+    pytorch, lines = answer_of(got["message"])
+    assert pytorch.startswith("CUDA out of memory. Tried to allocate 500.00 MiB.")
+    assert 3 <= len(lines) <= 8, lines
+    assert lines[0] == FRAGMENTATION_LINE
+    # The same lines on stderr, before the error.
+    assert "\n".join(lines) in got["stderr"]
+    m = re.match(r"reservoir: set PYTORCH_ALLOC_CONF=(\S+?)(?: and call torch.cuda."
+                 r"set_per_process_memory_fraction\(([0-9.]+)\) \(garbage collection runs only under one\))?"
+                 r": the recorded part needs (\S+ \S+) under it, ", lines[1])
+    assert m, lines
+    setting, fraction = m.group(1), m.group(2)
+    assert m.group(3) == "860.00 MiB"  # what is in use and the request: no setting needs less
+    assert lines[2].startswith("reservoir: this covers the program up to the failed request")
+    # The files, named by host and time, and the line that names them.
+    snaps = glob.glob(str(tmp_path / "oom" / "*.pickle"))
+    pages = glob.glob(str(tmp_path / "oom" / "*-advice.html"))
+    assert len(snaps) == 1 and len(pages) == 1
+    assert f"reservoir: snapshot: {snaps[0]}; the full answer: {pages[0]}" in lines
+    assert lines[-1] == f"reservoir: next: reservoir advise {tmp_path / 'oom'}"
+    assert "<svg" in open(pages[0]).read()
+    # The program runs to its end under the setting named.
+    again = run(FRAGMENTED, tmp_path / "again", setting=setting, env={"FRACTION": fraction} if fraction else None)
+    assert again["message"] is None
+
+
+def test_too_little_memory_says_no_setting_helps_and_by_how_much(tmp_path):
+    got = run("""
+    a = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    fail_big(600 * MiB, free=free, reserved=torch.cuda.memory_reserved())
+    """, tmp_path)
+    pytorch, lines = answer_of(got["message"])
+    assert pytorch.startswith("CUDA out of memory. Tried to allocate 600.00 MiB.")
+    assert lines[0].startswith("reservoir: out of memory on a 600.00 MiB request: too little memory: "
+                               "the recorded part alone needs 1.17 GiB at its peak, ")
+    capacity = got["free"] + got["reserved"]  # what the device had at the error
+    assert lines[1] == (f"reservoir: no setting helps: the program must need {format_size(1200 * MiB - capacity)} "
+                        "less (smaller batches, activation checkpointing, lower precision).")
+
+
+def test_a_memory_fraction_below_one_is_named(tmp_path):
+    got = run("""
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    a = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+    fail_big(300 * MiB)
+    """, tmp_path)
+    _, lines = answer_of(got["message"])
+    assert lines[0].startswith("reservoir: out of memory on a 300.00 MiB request: the process's memory "
+                               "fraction (set_per_process_memory_fraction) refused it: the device had "), lines
+
+
+def test_memory_held_outside_the_allocator_is_named(tmp_path):
+    # 500 MiB taken from CUDA directly (as another process or library would).
+    got = run("""
+    import ctypes
+    cudart = ctypes.CDLL("libcudart.so.13")
+    p = ctypes.c_void_p()
+    assert cudart.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(500 * MiB)) == 0
+    a = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+    fail_big(300 * MiB)
+    """, tmp_path)
+    _, lines = answer_of(got["message"])
+    assert lines[0].startswith("reservoir: out of memory on a 300.00 MiB request: 500.00 MiB of the "
+                               "device's 1024.00 MiB was held outside this allocator"), lines
+
+
+def test_the_switch_off_changes_nothing(tmp_path):
+    got = run(FRAGMENTED, tmp_path, code_change=False)
+    pytorch, lines = answer_of(got["message"])
+    assert lines == [] and "reservoir" not in got["stderr"]
+    assert not (tmp_path / "oom").exists()
+    # ... and on, through the environment alone, the same error carries the answer.
+    on = run(FRAGMENTED, tmp_path / "on", code_change=False, env={"RESERVOIR_EXPLAIN_OOM": "1"})
+    on_pytorch, on_lines = answer_of(on["message"])
+    assert on_pytorch == pytorch
+    assert on_lines[0] == FRAGMENTATION_LINE
+
+
+def test_a_failure_inside_the_analysis_leaves_pytorchs_error_whole(tmp_path):
+    got = run(textwrap.dedent("""
+    import reservoir._core
+    def broken(*args, **kwargs):
+        raise RuntimeError("the analysis broke")
+    reservoir._core._explain_snapshot = broken
+    """) + FRAGMENTED, tmp_path)
+    clean = run(FRAGMENTED, tmp_path / "clean", code_change=False)
+    pytorch, lines = answer_of(got["message"])
+    assert pytorch == answer_of(clean["message"])[0]
+    assert lines == ["reservoir: could not explain this out-of-memory error: RuntimeError: the analysis broke"]
+
+
+def test_each_rank_writes_its_own_files_and_advise_reads_the_job(tmp_path):
+    ranks = {}
+    for rank in (0, 1):
+        ranks[rank] = run(FRAGMENTED, tmp_path, code_change=False,
+                          env={"RESERVOIR_EXPLAIN_OOM": "1", "RANK": str(rank)})
+    for rank, got in ranks.items():
+        _, lines = answer_of(got["message"])
+        assert all(x.startswith(f"reservoir [rank {rank}]: ") for x in lines), lines
+        assert lines[-1] == f"reservoir [rank {rank}]: for the whole job: reservoir advise {tmp_path / 'oom'}"
+    snaps = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "oom" / "*.pickle")))
+    assert len(snaps) == 2 and "-rank0-" in snaps[0] and "-rank1-" in snaps[1]
+    r = subprocess.run([os.environ["RESERVOIR"], "advise", str(tmp_path / "oom"), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    job = json.loads(r.stdout)
+    assert sorted(x["name"] for x in job["ranks"]) == ["rank 0", "rank 1"]
+    assert all(x["ran_out"] for x in job["ranks"])
+
+
+def test_reservoir_as_pytorchs_allocator_answers_from_its_own_state(tmp_path):
+    got = run(FRAGMENTED, tmp_path, code_change=False,
+              env={"RESERVOIR_EXPLAIN_OOM": "1", "RESERVOIR_TORCH_ALLOCATOR": "own"})
+    pytorch, lines = answer_of(got["message"])
+    assert pytorch.startswith("CUDA out of memory. Tried to allocate 500.00 MiB.")
+    assert lines[0] == FRAGMENTATION_LINE, lines
+    assert "\n".join(lines) in got["stderr"]
+    assert len(glob.glob(str(tmp_path / "oom" / "*.pickle"))) == 1

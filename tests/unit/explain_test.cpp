@@ -1,0 +1,185 @@
+// The answer at an out-of-memory error (reservoir/explain.hpp): a reservoir
+// allocator's own error carries it, made from its own history; the lines
+// for each cause; the files; and a failing explainer or an unwritable folder
+// never hides the allocator's error.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/errors.hpp"
+#include "reservoir/explain.hpp"
+#include "reservoir/sim_device.hpp"
+#include "reservoir/trace.hpp"
+#include "trace_fixture.hpp"
+
+namespace reservoir {
+namespace {
+
+SimDeviceOptions capacity(std::size_t bytes) {
+  SimDeviceOptions o;
+  o.capacity = bytes;
+  return o;
+}
+
+// Two 100 MiB holes pinned between live blocks of one 256 MiB segment, and a
+// 160 MiB request on a 300 MiB device (trace_fixture.hpp's fragmented_oom).
+std::string fragment_and_fail(CachingAllocator& a) {
+  a.deallocate(a.allocate(256 * kMiB, 0));
+  void* x = a.allocate(28 * kMiB, 0);
+  void* hole1 = a.allocate(100 * kMiB, 0);
+  void* y = a.allocate(28 * kMiB, 0);
+  void* hole2 = a.allocate(100 * kMiB, 0);
+  a.deallocate(hole1);
+  a.deallocate(hole2);
+  std::string message;
+  try {
+    (void)a.allocate(160 * kMiB, 0);
+  } catch (const OutOfMemoryError& e) {
+    message = e.what();
+    EXPECT_EQ(e.requested_bytes(), 160 * kMiB);
+  }
+  a.deallocate(x);
+  a.deallocate(y);
+  return message;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t nl = text.find('\n', at);
+    out.push_back(text.substr(at, nl == std::string::npos ? std::string::npos : nl - at));
+    if (nl == std::string::npos) break;
+    at = nl + 1;
+  }
+  return out;
+}
+
+std::string plain_message() {
+  SimDevice device(capacity(300 * kMiB));
+  CachingAllocator a(device, AllocatorConfig{});
+  return fragment_and_fail(a);
+}
+
+TEST(Explain, TheAllocatorsOwnErrorCarriesTheAnswerAfterItsMessage) {
+  SimDevice device(capacity(300 * kMiB));
+  CachingAllocator a(device, AllocatorConfig{});
+  explain_oom_errors(a);
+  const std::vector<std::string> lines = lines_of(fragment_and_fail(a));
+  const std::string plain = plain_message();
+  ASSERT_GE(lines.size(), 4u);
+  EXPECT_EQ(lines[0], plain);  // PyTorch's message first, whole
+  EXPECT_EQ(lines[1],
+            "reservoir: out of memory on a 160.00 MiB request: fragmentation: 200.00 MiB sat reserved "
+            "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
+            "44.00 MiB free.");
+  EXPECT_EQ(lines[2].rfind("reservoir: set PYTORCH_CUDA_ALLOC_CONF=", 0), 0u) << lines[2];
+  EXPECT_EQ(lines[3],
+            "reservoir: this covers the program up to the failed request; the rest of the step was "
+            "never recorded: rerun with the setting and RESERVOIR_EXPLAIN_OOM=1 to check it.");
+  EXPECT_EQ(lines.size(), 4u);  // no folder: no files named
+  a.validate();
+}
+
+TEST(Explain, AnExplainerThatThrowsLeavesTheErrorAsItWas) {
+  SimDevice device(capacity(300 * kMiB));
+  CachingAllocator a(device, AllocatorConfig{});
+  a.set_oom_explainer([](const OutOfMemoryError&) -> std::string { throw std::runtime_error("broken"); });
+  EXPECT_EQ(fragment_and_fail(a), plain_message());
+  a.validate();
+  a.set_oom_explainer([](const OutOfMemoryError&) { return std::string(); });  // "" adds nothing
+  EXPECT_EQ(fragment_and_fail(a), plain_message());
+}
+
+TEST(Explain, TooLittleMemorySaysNoSettingHelpsAndByHowMuch) {
+  Recorder r("", 300 * kMiB);
+  void* a = r.alloc(200 * kMiB);
+  EXPECT_THROW(r.alloc(200 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(a);
+  const Trace t = pickled(r.finish());
+  const Advice advice = advise_at_error(t);
+  const std::vector<std::string> lines = oom_answer_lines(t, advice, 3, std::nullopt, "", "", "");
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0],
+            "reservoir [rank 3]: out of memory on a 200.00 MiB request: too little memory: the "
+            "recorded part alone needs 400.00 MiB at its peak, 100.00 MiB more than the 300.00 MiB "
+            "there is.");
+  EXPECT_EQ(lines[1],
+            "reservoir [rank 3]: no setting helps: the program must need 100.00 MiB less (smaller "
+            "batches, activation checkpointing, lower precision).");
+}
+
+TEST(Explain, MemoryHeldOutsideTheAllocatorIsNamed) {
+  // 100 MiB of a 400 MiB device taken by someone else: the allocator sees 300.
+  Recorder r("", 300 * kMiB);
+  void* a = r.alloc(200 * kMiB);
+  EXPECT_THROW(r.alloc(150 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(a);
+  const Trace t = pickled(r.finish());
+  const std::vector<std::string> lines =
+      oom_answer_lines(t, advise_at_error(t), std::nullopt, 400 * kMiB, "", "", "");
+  EXPECT_EQ(lines[0],
+            "reservoir: out of memory on a 150.00 MiB request: 100.00 MiB of the device's 400.00 MiB "
+            "was held outside this allocator (another process, or other libraries of this one); and "
+            "too little memory: the recorded part alone needs 350.00 MiB at its peak, 50.00 MiB more "
+            "than the 300.00 MiB there is.");
+}
+
+TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_files";
+  std::filesystem::remove_all(dir);
+  const Trace t = fragmented_oom();
+  ExplainOptions options;
+  options.directory = dir.string();
+  options.host = "node/7";
+  options.rank = 5;
+  options.page = [](const Trace&, const Advice&) { return std::string("<html>page</html>"); };
+  const OomExplanation e = explain_oom(t, {}, options);
+  ASSERT_TRUE(e.advice.has_value());
+  const std::string name = std::filesystem::path(e.snapshot_path).filename().string();
+  EXPECT_EQ(name.rfind("node_7-rank5-", 0), 0u) << name;
+  EXPECT_EQ(std::filesystem::path(e.page_path).filename().string(),
+            name.substr(0, name.size() - 7) + "-advice.html");
+  // The snapshot reads back as the same recording.
+  const Trace back = read_trace_file(e.snapshot_path);
+  EXPECT_EQ(back.events.size(), t.events.size());
+  EXPECT_EQ(e.lines[e.lines.size() - 2],
+            fmt::format("reservoir [rank 5]: snapshot: {}; the full answer: {}", e.snapshot_path, e.page_path));
+  EXPECT_EQ(e.lines.back(), fmt::format("reservoir [rank 5]: for the whole job: reservoir advise {}", dir.string()));
+  // A second error in the same second gets files of its own.
+  const OomExplanation again = explain_oom(t, {}, options);
+  EXPECT_NE(again.snapshot_path, e.snapshot_path);
+  EXPECT_TRUE(std::filesystem::exists(again.snapshot_path));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Explain, AFolderThatCannotBeWrittenIsSaidAndTheAnswerStands) {
+  const std::filesystem::path file = std::filesystem::path(::testing::TempDir()) / "explain_not_a_dir";
+  std::ofstream(file) << "x";
+  ExplainOptions options;
+  options.directory = (file / "sub").string();
+  const OomExplanation e = explain_oom(fragmented_oom(), {}, options);
+  ASSERT_TRUE(e.advice.has_value());
+  EXPECT_TRUE(e.snapshot_path.empty());
+  EXPECT_EQ(e.lines.front().rfind("reservoir: out of memory on a 160.00 MiB request: fragmentation", 0), 0u);
+  EXPECT_EQ(e.lines.back().rfind("reservoir: the snapshot could not be written: ", 0), 0u) << e.lines.back();
+  std::filesystem::remove(file);
+}
+
+TEST(Explain, ARecordingWithNothingToReplayIsSaidNotThrown) {
+  Trace t;
+  t.name = "empty";
+  t.format = "pytorch-snapshot";
+  t.has_addresses = true;
+  const OomExplanation e = explain_oom(t, {}, ExplainOptions{});
+  EXPECT_FALSE(e.advice.has_value());
+  ASSERT_EQ(e.lines.size(), 1u);
+  EXPECT_EQ(e.lines[0].rfind("reservoir: could not analyse the recording: ", 0), 0u) << e.lines[0];
+}
+
+}  // namespace
+}  // namespace reservoir
