@@ -117,7 +117,9 @@ tsan: deps
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && ctest --output-on-failure --no-tests=error -j $(JOBS) -L concurrency
 
-# libFuzzer targets, each run briefly from its seed corpus.
+# libFuzzer targets, each run briefly from its seed corpus. A failure prints
+# the sanitizer's report and the input (base64) into the log, so that a CI
+# run that found one says what it was.
 FUZZ_SECONDS ?= 20
 fuzz: deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -128,8 +130,12 @@ fuzz: deps
 	printf '%s\n' config pickle text_trace snapshot_json rmm_csv verify hostile_snapshot | \
 	  xargs -P $(JOBS) -I{} sh -c 'mkdir -p build-fuzz/corpus-{} && \
 	    build-fuzz/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
-	      build-fuzz/corpus-{} tests/fuzz/corpus/{} > build-fuzz/fuzz-{}.log 2>&1 || \
-	    { tail -40 build-fuzz/fuzz-{}.log; echo "fuzz_{} failed (build-fuzz/fuzz-{}.log)"; exit 255; }; \
+	      -artifact_prefix=build-fuzz/{}- build-fuzz/corpus-{} tests/fuzz/corpus/{} \
+	      > build-fuzz/fuzz-{}.log 2>&1 || \
+	    { for f in build-fuzz/{}-crash-* build-fuzz/{}-timeout-* build-fuzz/{}-oom-*; do \
+	        [ -f "$$f" ] && { echo "$$f, gzip | base64:"; gzip -9c "$$f" | base64 -w 120; }; done; \
+	      grep -m1 -A16 "ERROR: \|ALARM\|out-of-memory (" build-fuzz/fuzz-{}.log; \
+	      echo "fuzz_{} failed (build-fuzz/fuzz-{}.log)"; exit 255; }; \
 	    tail -1 build-fuzz/fuzz-{}.log'
 
 bench: build

@@ -757,10 +757,41 @@ def step_graphs(run):
             f"{len(differ)} stream-capture answers differ from the simulated device's")
 
 
+def step_explain_oom(run):
+    """The answer at an out-of-memory error with real CUDA (reservoir.explain_oom):
+    a fragmenting program under a 2 GiB memory fraction gets PyTorch's message
+    then reservoir's lines, with the snapshot and the page written; and the
+    cost of its recording per allocate/free pair and per training step."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "explain_oom_check.py"),
+                        "--bench", os.path.join(TESTS, "torch_recording_bench.py")],
+                       env={**run.env_torch, "PYTHONPATH": run.python_path()}, timeout=280, cwd=run.scratch)
+    checks = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"check"' in line:
+            try:
+                checks.append(json.loads(line))
+            except ValueError:
+                pass
+    run.results["figures"]["explain_oom"] = checks
+    failed = [c["check"] for c in checks if not c.get("ok")]
+    if rc != 0 or failed or len(checks) != 2:
+        raise StepFailed("failed: " + (", ".join(failed) or first_error(text)))
+    cost = next(c for c in checks if c["check"] == "recording_cost")
+    at = next(c for c in checks if c["check"] == "answer")
+    return (f"answered in {at['seconds_at_error']:.2f} s; recording: pair "
+            f"{cost['pair']['explain'] / cost['pair']['off']:.2f}x, step "
+            f"{cost['step']['explain'] / cost['step']['off']:.2f}x of none")
+
+
 STEPS = [
     ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
     ("graphs", "CUDA graphs: capture answers, pools as PyTorch's, replays equal eager after a pause",
      step_graphs, 300),
+    ("explain_oom", "the answer at an out-of-memory error, and its recording's cost",
+     step_explain_oom, 300),
     ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
     ("torch_training", "PyTorch training, native vs reservoir: identical losses and stats",
      step_torch_training, 300),

@@ -165,6 +165,14 @@ print(json.dumps({"check": "rl_loop", "ok": True, "runs": {}}))
 print(json.dumps({"checks": {"stream_capture": True, "pools": True, "eager_vs_graph": True, "rl_loop": True}}))
 '''
 
+EXPLAIN = '''import json
+print(json.dumps({"check": "answer", "ok": True, "lines": ["reservoir: out of memory on a 1000.00 MiB request: x"],
+                  "files": ["h-1.pickle", "h-1-advice.html"], "seconds_at_error": 0.4}))
+print(json.dumps({"check": "recording_cost", "ok": True, "pair": {"off": 10.0, "explain": 12.0, "stacks": 30.0},
+                  "step": {"off": 2.0, "explain": 2.1, "stacks": 3.0}}))
+print(json.dumps({"checks": {"answer": True, "recording_cost": True}}))
+'''
+
 
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
@@ -175,7 +183,8 @@ def make_fake(top, fail_gpu_test):
     for name, text in (("torch_training_test.py", TRAINING), ("torch_pause_test.py", PAUSE),
                        ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
-                       ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS)):
+                       ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS),
+                       ("explain_oom_check.py", EXPLAIN)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -268,7 +277,11 @@ check([c["check"] for c in graphs] == ["stream_capture", "pools", "eager_vs_grap
       f"graphs figures: {graphs}")
 check(steps["graphs"]["note"] == "pools as PyTorch's; replays equal eager after pause under 4 policies; "
       "1 stream-capture answers differ from the simulated device's", f"graphs note: {steps['graphs']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (13)" in summary, "verdict and summary")
+explain = fig.get("explain_oom", [])
+check([c["check"] for c in explain] == ["answer", "recording_cost"], f"explain_oom figures: {explain}")
+check(steps["explain_oom"]["note"] == "answered in 0.40 s; recording: pair 1.20x, step 1.05x of none",
+      f"explain_oom note: {steps['explain_oom']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (14)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -277,11 +290,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 13, "every step reported")
+check(len(steps) == 14, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 13 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 14 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")
