@@ -113,6 +113,22 @@ void read_and_diagnose(benchmark::State& state) {
   }
 }
 
+// Beside it: the whole of advise (every default setting, exact) on one core.
+void advise_whole_sweep(benchmark::State& state) {
+  const std::string& bytes = recording_of(static_cast<std::size_t>(state.range(0)));
+  const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+  reservoir::AdviseOptions options;
+  options.threads = 1;
+  std::uint64_t replays = 0;
+  for (auto _ : state) {
+    reservoir::Trace trace = reservoir::read_pytorch_snapshot(span, "bench");
+    trace.pytorch_since = "2.15";
+    replays = reservoir::advise(trace, options).replays;
+  }
+  state.counters["replays"] = static_cast<double>(replays);
+}
+
+BENCHMARK(advise_whole_sweep)->Arg(100'000)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
 BENCHMARK(read_and_diagnose)->Args({100'000, 0})->Args({100'000, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(explain_at_error)->Arg(25'000)->Arg(50'000)->Arg(100'000)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -725,6 +725,18 @@ def step_own_allocator(run):
         f"{k} {v:.2f}" for k, v in per.items() if isinstance(v, (int, float)))
 
 
+def check_lines(text):
+    """The JSON lines {"check": ...} a check script prints, one per check."""
+    checks = []
+    for line in text.splitlines():
+        if line.startswith("{") and '"check"' in line:
+            try:
+                checks.append(json.loads(line))
+            except ValueError:
+                pass
+    return checks
+
+
 def step_graphs(run):
     """CUDA graphs with real kernels: the stream-capture probe's answers beside
     the simulated device's, the same graph pools under PyTorch's allocator and
@@ -741,13 +753,7 @@ def step_graphs(run):
         pass  # the drop-in alone; graphs_check says which ran
     rc, text = run.cmd([run.torch_python] + argv, env={**run.env_torch, "PYTHONPATH": run.python_path()},
                        timeout=280, cwd=run.scratch)
-    checks = []
-    for line in text.splitlines():
-        if line.startswith("{") and '"check"' in line:
-            try:
-                checks.append(json.loads(line))
-            except ValueError:
-                pass
+    checks = check_lines(text)
     run.results["figures"]["graphs"] = checks
     failed = [c["check"] for c in checks if not c.get("ok")]
     if rc != 0 or failed or len(checks) != 4:
@@ -768,13 +774,7 @@ def step_explain_oom(run):
     rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "explain_oom_check.py"),
                         "--bench", os.path.join(TESTS, "torch_recording_bench.py")],
                        env={**run.env_torch, "PYTHONPATH": run.python_path()}, timeout=280, cwd=run.scratch)
-    checks = []
-    for line in text.splitlines():
-        if line.startswith("{") and '"check"' in line:
-            try:
-                checks.append(json.loads(line))
-            except ValueError:
-                pass
+    checks = check_lines(text)
     run.results["figures"]["explain_oom"] = checks
     failed = [c["check"] for c in checks if not c.get("ok")]
     if rc != 0 or failed or len(checks) != 2:

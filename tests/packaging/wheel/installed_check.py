@@ -77,10 +77,14 @@ import site as site_module  # noqa: E402
 reads_pth = site in {os.path.realpath(p) for p in site_module.getsitepackages()}
 prefix = "" if reads_pth else f"import site; site.addsitedir({site!r}); "
 probe = prefix + "import sys; print(sorted(type(f).__name__ for f in sys.meta_path if 'After' in type(f).__name__))"
-env = {k: v for k, v in os.environ.items() if k != "RESERVOIR_TORCH_ALLOCATOR"}
+env = {k: v for k, v in os.environ.items() if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_EXPLAIN_OOM")}
 out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
 assert out.returncode == 0 and out.stdout.strip() == "[]", out
 out = subprocess.run([sys.executable, "-c", probe], env=dict(env, RESERVOIR_TORCH_ALLOCATOR="own"),
+                     capture_output=True, text=True)
+assert out.returncode == 0 and out.stdout.strip() == "['_AfterTorch']", out
+# RESERVOIR_EXPLAIN_OOM (reservoir.explain_oom() without a code change) arms it too.
+out = subprocess.run([sys.executable, "-c", probe], env=dict(env, RESERVOIR_EXPLAIN_OOM="1"),
                      capture_output=True, text=True)
 assert out.returncode == 0 and out.stdout.strip() == "['_AfterTorch']", out
 import tempfile  # noqa: E402
@@ -92,5 +96,8 @@ with tempfile.TemporaryDirectory() as fake:
                          env=dict(env, RESERVOIR_TORCH_ALLOCATOR="yes please", PYTHONPATH=fake))
     assert out.returncode != 0 and "RESERVOIR_TORCH_ALLOCATOR='yes please': expected one of own, pluggable" \
         in out.stderr, out
+    out = subprocess.run([sys.executable, "-c", prefix + "import torch"], capture_output=True, text=True,
+                         env=dict(env, RESERVOIR_EXPLAIN_OOM="maybe", PYTHONPATH=fake))
+    assert out.returncode != 0 and "RESERVOIR_EXPLAIN_OOM='maybe': expected 1 (on) or 0 (off)" in out.stderr, out
 
 print(f"installed package checks passed: reservoir {version} at {package}")

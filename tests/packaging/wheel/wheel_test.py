@@ -256,7 +256,7 @@ def install_and_test(wheel, python, args, release):
         info = f"reservoir-{args.version}.dist-info"
         expected = {"reservoir_torch.py", "reservoir_autoinstall.pth", "reservoir/__init__.py",
                     "reservoir/__main__.py", "reservoir/_autoinstall.py",
-                    "reservoir/memory_saver.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
+                    "reservoir/memory_saver.py", "reservoir/oom.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
                     "reservoir/lib/libreservoir_torch.so"}
         # Folders' own entries (auditwheel writes them) are not files.
         payload = {n for n in members if not n.startswith(info + "/") and not n.endswith("/")}
