@@ -139,7 +139,7 @@ Advice advise_at_error(const Trace& trace, unsigned threads) {
 
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const std::optional<int>& rank,
                                           const std::optional<std::uint64_t>& device_total,
-                                          const std::string& snapshot_path, const std::string& page_path,
+                                          bool on_reservoir, const std::string& snapshot_path, const std::string& page_path,
                                           const std::string& directory) {
   const std::string p = prefix(rank);
   const Diagnosis& d = a.diagnosis;
@@ -165,8 +165,8 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
              best->min_capacity_bytes < recorded->min_capacity_bytes) {
     lines.push_back(fmt::format(
         "{}set {}{}: the recorded part needs {} under it, {} less than under your settings{}.", p,
-        env_line(*best, false, a.pytorch_env),
-        best->memory_fraction ? fmt::format(" and call torch.cuda.set_per_process_memory_fraction({}) "
+        env_line(*best, on_reservoir, a.pytorch_env),
+        best->memory_fraction ? fmt::format(" and call torch.cuda.set_per_process_memory_fraction({:.1f}) "
                                             "(garbage collection runs only under one)",
                                             *best->memory_fraction)
                               : std::string(),
@@ -261,7 +261,8 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
         problems.push_back(fmt::format("the page could not be written: {}", e.what()));
       }
     }
-    out.lines = oom_answer_lines(trace, *out.advice, rank, options.device_total, out.snapshot_path, out.page_path,
+    out.lines = oom_answer_lines(trace, *out.advice, rank, options.device_total, options.on_reservoir,
+                                 out.snapshot_path, out.page_path,
                                  out.snapshot_path.empty() ? "" : options.directory);
   } catch (const std::exception& e) {
     out.advice.reset();
@@ -283,6 +284,7 @@ OomExplainer oom_explainer(std::function<Snapshot()> state, ExplainOptions optio
           recorded_config = std::move(recorded_config)](const OutOfMemoryError& error) {
     const Trace trace = to_trace(state(), "this process", recorded_config);
     ExplainOptions with_total = options;
+    with_total.on_reservoir = true;
     if (!with_total.device_total && error.device_total() > 0) with_total.device_total = error.device_total();
     const OomExplanation e = explain_oom(trace, {}, with_total);
     std::string text;

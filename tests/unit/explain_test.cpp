@@ -77,7 +77,8 @@ TEST(Explain, TheAllocatorsOwnErrorCarriesTheAnswerAfterItsMessage) {
             "reservoir: out of memory on a 160.00 MiB request: fragmentation: 200.00 MiB sat reserved "
             "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
             "44.00 MiB free.");
-  EXPECT_EQ(lines[2].rfind("reservoir: set PYTORCH_CUDA_ALLOC_CONF=", 0), 0u) << lines[2];
+  // On reservoir's allocator, in the variable it reads first.
+  EXPECT_EQ(lines[2].rfind("reservoir: set RESERVOIR_ALLOC_CONF=", 0), 0u) << lines[2];
   EXPECT_EQ(lines[3],
             "reservoir: this covers the program up to the failed request; the rest of the step was "
             "never recorded: rerun with the setting and RESERVOIR_EXPLAIN_OOM=1 to check it.");
@@ -102,7 +103,7 @@ TEST(Explain, TooLittleMemorySaysNoSettingHelpsAndByHowMuch) {
   r.allocator.deallocate(a);
   const Trace t = pickled(r.finish());
   const Advice advice = advise_at_error(t);
-  const std::vector<std::string> lines = oom_answer_lines(t, advice, 3, std::nullopt, "", "", "");
+  const std::vector<std::string> lines = oom_answer_lines(t, advice, 3, std::nullopt, false, "", "", "");
   ASSERT_EQ(lines.size(), 3u);
   EXPECT_EQ(lines[0],
             "reservoir [rank 3]: out of memory on a 200.00 MiB request: too little memory: the "
@@ -121,7 +122,7 @@ TEST(Explain, MemoryHeldOutsideTheAllocatorIsNamed) {
   r.allocator.deallocate(a);
   const Trace t = pickled(r.finish());
   const std::vector<std::string> lines =
-      oom_answer_lines(t, advise_at_error(t), std::nullopt, 400 * kMiB, "", "", "");
+      oom_answer_lines(t, advise_at_error(t), std::nullopt, 400 * kMiB, false, "", "", "");
   EXPECT_EQ(lines[0],
             "reservoir: out of memory on a 150.00 MiB request: 100.00 MiB of the device's 400.00 MiB "
             "was held outside this allocator (another process, or other libraries of this one); and "

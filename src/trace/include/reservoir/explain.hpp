@@ -33,6 +33,9 @@ struct ExplainOptions {
   // device held beyond this allocator's reserved memory and its free memory
   // was held outside it (another process, CUDA's context, other libraries).
   std::optional<std::uint64_t> device_total;
+  // The program runs on a reservoir allocator: settings are named as
+  // RESERVOIR_ALLOC_CONF=..., which it reads first (oom_explainer sets it).
+  bool on_reservoir = false;
   // The HTML page of the advice, written beside the snapshot when given
   // (the command-line tool's and the Python module's views provide it).
   std::function<std::string(const Trace&, const Advice&)> page;
@@ -60,7 +63,7 @@ Advice advise_at_error(const Trace& trace, unsigned threads = 1);
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advice,
                                           const std::optional<int>& rank,
                                           const std::optional<std::uint64_t>& device_total,
-                                          const std::string& snapshot_path,
+                                          bool on_reservoir, const std::string& snapshot_path,
                                           const std::string& page_path,
                                           const std::string& directory);
 
