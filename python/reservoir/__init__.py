@@ -21,6 +21,11 @@ With PyTorch (CUDA)::
 The module-level functions act on default_saver(device), the saver PyTorch
 allocates from. reservoir.memory_saver is a drop-in for torch_memory_saver.
 
+An out-of-memory error that explains itself, with PyTorch's own allocator or
+reservoir's (reservoir.oom; RESERVOIR_EXPLAIN_OOM=1 without a code change)::
+
+    reservoir.explain_oom()   # the next torch.OutOfMemoryError says why, and what fits
+
 The package holds its native files itself (pip install . puts them there, and
 the CMake build tree's build/python/reservoir has the same layout):
 torch_library_path() is PyTorch's pluggable allocator for ctypes users
