@@ -322,8 +322,10 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
     } else {
       const ReplayResult first = replay(program, config, trace.recorded_config);
       before = first.peak_reserved_op + 1;
-      if (first.peak_reserved_op >= program.initial.size()) {
-        d.event = program.op_events[first.peak_reserved_op - program.initial.size()];
+      // (A program with no segment at all peaks at op 0, which may be none.)
+      const std::uint64_t at = first.peak_reserved_op - program.initial.size();
+      if (first.peak_reserved_op >= program.initial.size() && at < program.op_events.size()) {
+        d.event = program.op_events[at];
       }
     }
     ReplayStateCapture capture(before);
