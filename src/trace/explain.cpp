@@ -228,14 +228,12 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
   if (!options.directory.empty()) {
     try {
       std::filesystem::create_directories(options.directory);
-      stem = std::filesystem::path(options.directory) /
-             fmt::format("{}{}-{}", file_part(host_name(options)),
-                         rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp());
+      const std::string name = fmt::format("{}{}-{}", file_part(host_name(options)),
+                                           rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp());
+      stem = std::filesystem::path(options.directory) / name;
       // Two errors in one second: the second's files get "-2", and so on.
       for (int n = 2; std::filesystem::exists(stem.string() + ".pickle"); ++n) {
-        stem = std::filesystem::path(options.directory) /
-               fmt::format("{}{}-{}-{}", file_part(host_name(options)),
-                           rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp(), n);
+        stem = std::filesystem::path(options.directory) / fmt::format("{}-{}", name, n);
       }
       const std::filesystem::path snap = stem.string() + ".pickle";
       if (snapshot_bytes.empty()) {

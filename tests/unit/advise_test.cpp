@@ -372,23 +372,10 @@ TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
   }
 }
 
-}  // namespace
-}  // namespace reservoir
-
-namespace reservoir {
-namespace {
-
 // A recording of markers only (verify: nothing to check) is diagnosed from a
 // replay of its state, whose peak is at the start: no event to index.
 TEST(Advise, ARecordingOfMarkersOnlyIsDiagnosedFromItsState) {
-  Recorder r("");
-  r.on = false;
-  (void)r.alloc(5 * kMiB);
-  Trace t = pickled(r.finish());
-  TraceEvent mark;
-  mark.action = TraceAction::snapshot;
-  t.events.push_back(mark);
-  const Diagnosis d = diagnose(t);
+  const Diagnosis d = diagnose(markers_only());
   EXPECT_EQ(d.moment, "peak_reserved");
   EXPECT_EQ(d.source, "replayed");
   EXPECT_EQ(d.event, 0u);

@@ -195,6 +195,19 @@ inline Trace pickled(const Trace& t) {
 // The classic fragmentation case: a 256 MiB segment holding 28 MiB
 // allocated, 100 MiB free, 28 MiB allocated, 100 MiB free; then a 160 MiB
 // request on a 300 MiB device runs out of memory.
+// A recording of markers only: one snapshot mark after a 5 MiB block made
+// before the history began (its state holds the block).
+inline Trace markers_only() {
+  Recorder r("");
+  r.on = false;
+  (void)r.alloc(5 * kMiB);
+  Trace t = pickled(r.finish());
+  TraceEvent mark;
+  mark.action = TraceAction::snapshot;
+  t.events.push_back(mark);
+  return t;
+}
+
 inline Trace fragmented_oom() {
   Recorder r("", 300 * kMiB);
   r.allocator.deallocate(r.alloc(256 * kMiB));

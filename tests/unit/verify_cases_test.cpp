@@ -857,14 +857,7 @@ TEST(VerifyCases, ASnapshotWithoutHistoryCannotBeVerified) {
 // A history of markers only (a snapshot mark) has no request to compare:
 // "nothing to check", never "agrees".
 TEST(VerifyCases, AHistoryOfMarkersOnlyHasNothingToCheck) {
-  Recorder r("");
-  r.on = false;
-  (void)r.alloc(5 * kMiB);
-  Trace t = pickled(r.finish());
-  TraceEvent mark;
-  mark.action = TraceAction::snapshot;
-  t.events.push_back(mark);
-  const VerifyResult v = verify(t);
+  const VerifyResult v = verify(markers_only());
   EXPECT_FALSE(v.agreed);
   EXPECT_TRUE(v.cannot_verify);
   EXPECT_EQ(v.allocs_checked, 0u);
