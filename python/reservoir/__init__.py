@@ -221,8 +221,8 @@ def use_as_allocator(config=None, device_kind=None):
     the out-of-memory observers all reach reservoir. Needs this package's
     library for the running PyTorch release (torch_hook_releases()); a
     RuntimeError names what is missing otherwise (install_torch() then).
-    What reservoir does not implement yet (checkpointed pool state, ...)
-    raises PyTorch's error naming the method. Without changing
+    What reservoir does not implement raises PyTorch's error naming the
+    method (docs/integrations.md lists it). Without changing
     the program: RESERVOIR_TORCH_ALLOCATOR=own (docs/integrations.md).
 
     config uses PYTORCH_CUDA_ALLOC_CONF's syntax (and reservoir's policies).

@@ -103,7 +103,17 @@ std::vector<PoolId>::iterator CachingAllocator::Impl::release_freeable_pool(
   PrivatePool& pool = *pool_it->second;
   release_blocks(pool.small);
   release_blocks(pool.large);
-  if (pool.device_alloc_count != 0) return std::next(it);
+  // Address space of the pool's with nothing mapped goes too (a reservation
+  // none of whose pages was ever mapped, a mapping having failed): the
+  // pool's blocks must not outlive it.
+  for (BlockPool* bp : {&pool.small, &pool.large}) {
+    std::vector<Block*> bare;
+    for (Block* b : bp->unmapped) {
+      if (b->prev == nullptr && b->next == nullptr) bare.push_back(b);
+    }
+    for (Block* b : bare) release_vm_segment(b);
+  }
+  if (pool.device_alloc_count != 0 || !pool_segments(pool).empty()) return std::next(it);
   private_pools_.erase(pool_it);
   return freeable_pools_.erase(it);
 }

@@ -530,7 +530,8 @@ const Entry kTable[] = {
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
       "the release whose decisions the native policy takes where releases differ: from 2.12, of "
       "cached blocks of equal size the one whose segment was made first (before: the lowest "
-      "address). Replay, verify and advise take it from a snapshot that shows its release; "
+      "address); from 2.5, a private pool's memory is expandable segments of its own under "
+      "expandable_segments:True (before: ordinary segments). Replay, verify and advise take it from a snapshot that shows its release; "
       "installed into PyTorch (own or pluggable allocator), the running release",
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
@@ -553,6 +554,10 @@ const Entry kTable[] = {
 
 bool AllocatorConfig::empty_cache_spares_default_pools_while_routed() const {
   return pytorch_version.empty() || compare_versions(pytorch_version, "2.15") < 0;
+}
+
+bool AllocatorConfig::private_pools_expandable() const {
+  return pytorch_version.empty() || compare_versions(pytorch_version, "2.5") >= 0;
 }
 
 bool AllocatorConfig::oldest_segment_first() const {

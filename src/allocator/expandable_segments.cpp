@@ -1,5 +1,5 @@
 // PyTorch's expandable segments: one address reservation per stream and
-// pool, pages of 2 MiB (small pool) or large_segment_size (large pool), one
+// pool (private pools' too, from PyTorch 2.5), pages of 2 MiB (small pool) or large_segment_size (large pool), one
 // physical handle per page; a request grows the lowest-address free range
 // it fits in, and pages are mapped only as far as it needs.
 #include "allocator_impl.hpp"
@@ -13,9 +13,10 @@ class ExpandableSegments final : public VmSegments {
  public:
   using VmSegments::VmSegments;
   Policy policy() const noexcept override { return Policy::expandable; }
-  SourceTraits traits(const AllocatorConfig& /*config*/) const noexcept override {
+  SourceTraits traits(const AllocatorConfig& config) const noexcept override {
     SourceTraits t;
     t.virtual_memory = true;
+    t.private_pools = config.private_pools_expandable();
     return t;
   }
   bool obtain(AllocParams& p) override RESERVOIR_REQUIRES(core_.source_lock()) {

@@ -131,14 +131,21 @@ void CachingAllocator::Impl::count_segment_alloc(const BlockPool& pool, std::siz
 
 bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   if (is_retry) ++stats_.num_alloc_retries;
-  // Private pools keep classic segments (as PyTorch's CUDA-graph pools);
-  // the default pool's memory comes from the policy's source.
-  const bool from_source = p.pool->owner == nullptr;
+  // The default pool's memory comes from the policy's source; private pools
+  // keep classic segments unless the source serves them too (PyTorch's
+  // expandable segments from 2.5).
+  PrivatePool* const owner = p.pool->owner;
+  const bool from_source = owner == nullptr || traits_.private_pools;
   if (set_fraction_ && !(from_source && traits_.checks_fraction) &&
       total_reserved_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }
-  return from_source ? source_->obtain(p) : new_segment(p);
+  if (!from_source) return new_segment(p);
+  if (!source_->obtain(p)) return false;
+  // PyTorch counts one device allocation of a private pool per request
+  // served by mapping, and one release per unmapping (unmap_pages).
+  if (owner != nullptr) ++owner->device_alloc_count;
+  return true;
 }
 
 bool CachingAllocator::Impl::new_segment(AllocParams& p) {
@@ -541,12 +548,19 @@ void CachingAllocator::Impl::free_allocations(const std::vector<DevicePtr>& ptrs
 
 void CachingAllocator::Impl::lay_out_segment(Segment& seg, const PoolCheckpoint::SegmentState& state,
                                              PoolRestore& out) {
-  // Every block allocated in turn from the segment's one free block, split
-  // where the checkpoint has more blocks after it (PyTorch splits whatever
-  // max_split_size says now), with the block's size as requested size.
+  // Every block allocated in turn from the segment's free block (one per
+  // mapped run of a virtual-memory segment; its unmapped ranges are left as
+  // they are), split where the checkpoint has more blocks after it (PyTorch
+  // splits whatever max_split_size says now), with the block's size as
+  // requested size.
   Block* block = seg.head;
   for (const PoolCheckpoint::BlockState& b : state.blocks) {
-    RESERVOIR_DEBUG_ASSERT(block != nullptr && block->cached && block->ptr == b.ptr);
+    RESERVOIR_DEBUG_ASSERT(block != nullptr && block->ptr == b.ptr);
+    if (!b.mapped) {
+      block = block->next;
+      continue;
+    }
+    RESERVOIR_DEBUG_ASSERT(block->cached);
     AllocParams p{b.size, 0, b.stream, block->pool, block, true};
     block = alloc_found_block(p, b.size, block->size > b.size)->next;
   }
@@ -554,6 +568,7 @@ void CachingAllocator::Impl::lay_out_segment(Segment& seg, const PoolCheckpoint:
   // restore_pool checked it, so none merges before its turn).
   std::vector<DevicePtr> to_free;
   for (const PoolCheckpoint::BlockState& b : state.blocks) {
+    if (!b.mapped) continue;
     if (b.allocated) {
       out.allocated.push_back(b.ptr);
     } else {

@@ -128,6 +128,9 @@ PoolCheckpoint CachingAllocator::Impl::checkpoint_pool(PoolId id) {
   PoolCheckpoint out;
   out.pool = id;
   for (const Segment* seg : pool_segments(pool)) {
+    // A virtual-memory segment with nothing mapped at its start is left
+    // out, as PyTorch's checkpoint (it starts from blocks in use or cached).
+    if (!seg->head->mapped) continue;
     PoolCheckpoint::SegmentState state;
     state.is_small = seg->pool->is_small;
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
@@ -137,7 +140,7 @@ PoolCheckpoint CachingAllocator::Impl::checkpoint_pool(PoolId id) {
             "synchronize its streams first",
             b->ptr, id.first, id.second, b->event_count));
       }
-      state.blocks.push_back({b->ptr, b->size, b->stream, b->allocated});
+      state.blocks.push_back({b->ptr, b->size, b->stream, b->allocated, b->mapped});
     }
     out.segments.push_back(std::move(state));
   }
@@ -167,9 +170,6 @@ PoolRestore CachingAllocator::Impl::restore_pool(const PoolCheckpoint& checkpoin
                                    id.first, id.second, base));
     }
     Segment& seg = *it->second;
-    if (seg.vm) {
-      throw UsageError(fmt::format("{}: the segment at {:#x} is a virtual-memory one", where(s), base));
-    }
     if (seg.pool->is_small != state.is_small) {
       throw UsageError(fmt::format("{}: the segment at {:#x} is in the {} pool, the checkpoint says {}",
                                    where(s), base, seg.pool->is_small ? "small" : "large",
@@ -178,6 +178,14 @@ PoolRestore CachingAllocator::Impl::restore_pool(const PoolCheckpoint& checkpoin
     if (std::find(laid_out.begin(), laid_out.end(), &seg) != laid_out.end()) {
       throw UsageError(fmt::format("{}: the segment at {:#x} is given twice", where(s), base));
     }
+    // A virtual-memory segment's unmapped ranges are restored as they are:
+    // the checkpoint's must be the segment's now (PyTorch takes the
+    // reservation's unmapped end as it finds it).
+    std::vector<std::pair<DevicePtr, std::size_t>> unmapped_now;
+    for (const Block* b = seg.head; b != nullptr; b = b->next) {
+      if (!b->mapped) unmapped_now.emplace_back(b->ptr, b->size);
+    }
+    std::vector<std::pair<DevicePtr, std::size_t>> unmapped_then;
     DevicePtr at = base;
     for (std::size_t i = 0; i < state.blocks.size(); ++i) {
       const PoolCheckpoint::BlockState& b = state.blocks[i];
@@ -185,11 +193,22 @@ PoolRestore CachingAllocator::Impl::restore_pool(const PoolCheckpoint& checkpoin
         throw UsageError(fmt::format("{}: block {} ({:#x}, {} bytes) does not follow the one before it",
                                      where(s), i, b.ptr, b.size));
       }
-      if (!b.allocated && i > 0 && !state.blocks[i - 1].allocated) {
+      if (!b.mapped) {
+        if (b.allocated) {
+          throw UsageError(fmt::format("{}: block {} ({:#x}) is allocated and unmapped", where(s), i, b.ptr));
+        }
+        unmapped_then.emplace_back(b.ptr, b.size);
+      } else if (!b.allocated && i > 0 && state.blocks[i - 1].mapped && !state.blocks[i - 1].allocated) {
         throw UsageError(fmt::format("{}: blocks {} and {} are both free (the allocator merges them)",
                                      where(s), i - 1, i));
       }
       at += b.size;
+    }
+    if (unmapped_then != unmapped_now) {
+      throw UsageError(fmt::format(
+          "{}: the segment at {:#x} has {} unmapped range(s) now and {} in the checkpoint, or at other "
+          "addresses (its pages were mapped or unmapped since)",
+          where(s), base, unmapped_now.size(), unmapped_then.size()));
     }
     if (at != base + seg.size) {
       throw UsageError(fmt::format("{}: its blocks cover {} bytes of a segment of {}", where(s),
@@ -197,7 +216,7 @@ PoolRestore CachingAllocator::Impl::restore_pool(const PoolCheckpoint& checkpoin
     }
     for (const Block* b = seg.head; b != nullptr; b = b->next) {
       if (b->event_count > 0 || (b->allocated && !b->stream_uses.empty()) ||
-          (!b->allocated && !b->cached)) {
+          (b->mapped && !b->allocated && !b->cached)) {
         throw UsageError(fmt::format(
             "{}: the block at {:#x} is still in use on another stream; synchronize first", where(s),
             b->ptr));

@@ -53,9 +53,12 @@ struct SourceTraits {
   // The default pool's memory is pages of virtual-memory segments: a block
   // splits whenever the rest is a block (pages merge back on free), cached
   // blocks count with the unmapped space after them, and empty_cache unmaps
-  // pages rather than freeing segments. (Private pools keep classic
-  // segments under every policy, as PyTorch's CUDA-graph pools.)
+  // pages rather than freeing segments.
   bool virtual_memory = false;
+  // Private pools' memory comes from the source too (PyTorch's expandable
+  // segments from 2.5: a reservation per stream and private pool); without
+  // it they keep classic segments, as under reservoir's own policies.
+  bool private_pools = false;
   // obtain() checks the memory fraction itself (against what it maps), so
   // the core does not check the size of a whole segment first.
   bool checks_fraction = false;
@@ -76,8 +79,8 @@ class SegmentSource {
 
   virtual Policy policy() const noexcept = 0;
   virtual SourceTraits traits(const AllocatorConfig& config) const noexcept = 0;
-  // Memory for p (a request of the default pool that no cached block
-  // serves, p.alloc_size set): a free block in p.block (in its pool when
+  // Memory for p (a request of the default pool, or of a private pool with
+  // traits().private_pools, that no cached block serves, p.alloc_size set): a free block in p.block (in its pool when
   // p.block_in_pool says so). False when the device has none to give:
   // the core's retry ladder follows. Throws DeviceError on other failures,
   // having undone what it did.

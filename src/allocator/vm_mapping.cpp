@@ -121,6 +121,11 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
 
   total_reserved_ += mapped_bytes;
   add_stats(stats_.reserved_bytes, stat_index(pool), mapped_bytes);
+  if (pool.owner != nullptr) {
+    StatArray& reserved = pool_reserved_[pool.owner->id];
+    reserved[0].increase(mapped_bytes);
+    reserved[stat_index(pool)].increase(mapped_bytes);
+  }
   ++stats_.num_device_alloc;
   trace(TraceAction::segment_map, va, mapped_bytes, seg.stream);
   return true;
@@ -218,6 +223,14 @@ void CachingAllocator::Impl::unmap_pages(Block* block, std::size_t first, std::s
     pool.unmapped.insert(block);
     total_reserved_ -= usize;
     sub_stats(stats_.reserved_bytes, stat_index(pool), usize);
+    if (pool.owner != nullptr) {
+      StatArray& reserved = pool_reserved_[pool.owner->id];
+      reserved[0].decrease(usize);
+      reserved[stat_index(pool)].decrease(usize);
+      // PyTorch's count of a private pool's device allocations falls by one
+      // per unmapping (it rose by one per request served by mapping).
+      if (pool.owner->device_alloc_count > 0) --pool.owner->device_alloc_count;
+    }
     ++stats_.num_device_free;
     trace(TraceAction::segment_unmap, uptr, usize, seg.stream);
   }

@@ -444,7 +444,7 @@ __attribute__((visibility("default"))) int reservoir_torch_empty_pool_cache(int 
 }
 
 // PyTorch's getCheckpointState: the layout of a private pool, as JSON
-// {"segments": [{"is_small": b, "blocks": [[ptr, size, stream, allocated], ...]}, ...]};
+// {"segments": [{"is_small": b, "blocks": [[ptr, size, stream, allocated, mapped], ...]}, ...]};
 // free with free(). Null on error.
 __attribute__((visibility("default"))) char* reservoir_torch_checkpoint_pool(int device,
                                                                            unsigned long long pool_first,
@@ -455,7 +455,7 @@ __attribute__((visibility("default"))) char* reservoir_torch_checkpoint_pool(int
     nlohmann::json segments = nlohmann::json::array();
     for (const auto& seg : cp.segments) {
       nlohmann::json blocks = nlohmann::json::array();
-      for (const auto& b : seg.blocks) blocks.push_back({b.ptr, b.size, b.stream, b.allocated});
+      for (const auto& b : seg.blocks) blocks.push_back({b.ptr, b.size, b.stream, b.allocated, b.mapped});
       segments.push_back({{"is_small", seg.is_small}, {"blocks", std::move(blocks)}});
     }
     out = copy_string(nlohmann::json{{"segments", std::move(segments)}}.dump());
@@ -481,7 +481,8 @@ __attribute__((visibility("default"))) char* reservoir_torch_restore_pool(int de
         state.is_small = seg.at("is_small").get<bool>();
         for (const nlohmann::json& b : seg.at("blocks")) {
           state.blocks.push_back({b.at(0).get<reservoir::DevicePtr>(), b.at(1).get<std::size_t>(),
-                                  b.at(2).get<reservoir::StreamId>(), b.at(3).get<bool>()});
+                                  b.at(2).get<reservoir::StreamId>(), b.at(3).get<bool>(),
+                                  b.size() < 5 || b.at(4).get<bool>()});
         }
         cp.segments.push_back(std::move(state));
       }

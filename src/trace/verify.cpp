@@ -32,7 +32,7 @@ VerifyResult Verifier::run() {
   }
   config_ = trace_.settings;
   if (config_.pytorch_version.empty()) config_.pytorch_version = pytorch_rules_;
-  following_pools_ = trace_.event_pools_recorded && !config_.expandable_segments;
+  following_pools_ = trace_.event_pools_recorded;
   result_.pytorch_rules = config_.pytorch_version;
   if (!trace_.settings_recorded) {
     assumption_ =

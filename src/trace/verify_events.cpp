@@ -28,6 +28,8 @@ void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t 
       return;
     case TraceAction::segment_map:
     case TraceAction::segment_unmap:
+      // (A private pool's pages unmapped: the pool was let go, as a segment freed.)
+      if (e.action == TraceAction::segment_unmap) release_held_pool(allocator, i);
       if (!vm_) {
         settings_changed(i);
       } else if (e.action == TraceAction::segment_map) {
@@ -158,9 +160,9 @@ void* Verifier::allocate_routed(CachingAllocator& allocator, std::size_t i) {
   return allocator.allocate(e.size, e.stream);
 }
 
-// The recording frees a segment of a private pool: PyTorch had let the pool
-// go (its graph or MemPool deleted), so the replay lets it go too, and the
-// release that follows frees its unused segments.
+// The recording frees a segment of a private pool (or unmaps its pages):
+// PyTorch had let the pool go (its graph or MemPool deleted), so the replay
+// lets it go too, and the release that follows frees its unused memory.
 void Verifier::release_held_pool(CachingAllocator& allocator, std::size_t i) {
   const PoolId* pool = pool_of(i);
   if (pool == nullptr || held_pools_.erase(*pool) == 0) return;

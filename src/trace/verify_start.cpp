@@ -222,6 +222,7 @@ struct Range {
   DevicePtr end = 0;
   StreamId stream = 0;
   int large = -1;  // 1 large pool, 0 small, -1 not known yet
+  bool private_pool = false;  // a private pool's pages (PyTorch 2.5 and later)
 };
 using Ranges = std::map<DevicePtr, Range>;
 
@@ -235,8 +236,8 @@ bool remove_range(Ranges& ranges, DevicePtr lo, DevicePtr hi) {
   while (it != ranges.end() && it->first < hi) {
     if (it->first > cursor) return false;  // a hole
     const Range r = it->second;
-    if (it->first < lo) keep.emplace_back(it->first, Range{lo, r.stream, r.large});
-    if (r.end > hi) keep.emplace_back(hi, Range{r.end, r.stream, r.large});
+    if (it->first < lo) keep.emplace_back(it->first, Range{lo, r.stream, r.large, r.private_pool});
+    if (r.end > hi) keep.emplace_back(hi, Range{r.end, r.stream, r.large, r.private_pool});
     cursor = r.end;
     it = ranges.erase(it);
   }
@@ -246,11 +247,12 @@ bool remove_range(Ranges& ranges, DevicePtr lo, DevicePtr hi) {
 }
 
 // Adds [lo, hi); false when part of it is there already.
-bool add_range(Ranges& ranges, DevicePtr lo, DevicePtr hi, StreamId stream, int large) {
+bool add_range(Ranges& ranges, DevicePtr lo, DevicePtr hi, StreamId stream, int large,
+               bool private_pool = false) {
   auto it = ranges.lower_bound(lo);
   if (it != ranges.end() && it->first < hi) return false;
   if (it != ranges.begin() && std::prev(it)->second.end > lo) return false;
-  ranges[lo] = Range{hi, stream, large};
+  ranges[lo] = Range{hi, stream, large, private_pool};
   return true;
 }
 
@@ -277,14 +279,21 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
   auto fail = [&](const std::string& what) {
     throw TraceError(fmt::format("verify {}: {}", trace.name, what));
   };
-  // Mapped at the end, then each map and unmap undone, last first.
+  // Mapped at the end, then each map and unmap undone, last first. A
+  // private pool's pages (expandable from PyTorch 2.5) are undone too; any
+  // of them mapped before the recording began cannot be rebuilt.
   Ranges mapped;
   for (const SegmentInfo& s : trace.final_state.segments) {
-    if (s.pool_id != PoolId{0, 0} || !s.is_expandable) continue;
-    if (!add_range(mapped, s.address, s.address + s.total_size, s.stream, s.is_large ? 1 : 0)) {
+    if (!s.is_expandable) continue;
+    if (!add_range(mapped, s.address, s.address + s.total_size, s.stream, s.is_large ? 1 : 0,
+                   s.pool_id != PoolId{0, 0})) {
       fail(fmt::format("the final segments overlap at {:#x}", s.address));
     }
   }
+  const auto in_private_pool = [&](std::size_t i) {
+    const auto it = trace.event_pools.find(i);
+    return it != trace.event_pools.end() && it->second != PoolId{0, 0};
+  };
   for (std::size_t i = events.size(); i-- > 0;) {
     const TraceEvent& e = events[i];
     if (e.action == TraceAction::segment_map) {
@@ -295,12 +304,21 @@ StartingState expandable_starting_state(const Trace& trace, const AllocatorConfi
                         i, e.addr, e.size));
       }
     } else if (e.action == TraceAction::segment_unmap) {
-      if (!add_range(mapped, e.addr, e.addr + e.size, e.stream, pool_of_mapping(e.size, config))) {
+      if (!add_range(mapped, e.addr, e.addr + e.size, e.stream, pool_of_mapping(e.size, config),
+                     in_private_pool(i))) {
         fail(
             fmt::format("event {}: segment_unmap at {:#x} ({} bytes) unmaps pages that are "
                         "mapped again later without an unmap",
                         i, e.addr, e.size));
       }
+    }
+  }
+  for (const auto& [at, r] : mapped) {
+    if (r.private_pool) {
+      fail(fmt::format("{} bytes at {:#x} of a private pool (CUDA graph capture or torch.cuda.MemPool) "
+                       "were mapped before the recording began; a pool's memory cannot be rebuilt "
+                       "from the recorded state",
+                       r.end - at, at));
     }
   }
   if (mapped.empty()) return out;

@@ -71,16 +71,37 @@ const PoolId* Verifier::pool_of(std::size_t i) const {
 }
 
 void Verifier::find_private_pools() {
-  // A recording that names each event's pool is followed (classic segments:
-  // PyTorch makes a private pool's segments expandable where reservoir does
-  // not). Each private pool's allocation must fall in a segment the history
-  // made: a pool made before the recording began cannot be rebuilt.
+  // A recording that names each event's pool is followed. Each private
+  // pool's allocation must fall in a segment (or pages, under expandable
+  // segments) the history made: a pool made before the recording began
+  // cannot be rebuilt.
   if (following_pools_) {
-    std::map<DevicePtr, std::uint64_t> made;  // segments the history made so far
+    std::map<DevicePtr, std::uint64_t> made;  // segments and mappings the history made so far
     for (std::size_t i = 0; i < trace_.events.size(); ++i) {
       const TraceEvent& e = trace_.events[i];
-      if (e.action == TraceAction::segment_alloc) made[e.addr] = e.size;
+      if (e.action == TraceAction::segment_alloc || e.action == TraceAction::segment_map) {
+        made[e.addr] = e.size;
+      }
       if (e.action == TraceAction::segment_free) made.erase(e.addr);
+      if (e.action == TraceAction::segment_unmap) {
+        // Pages unmapped go from the mappings they were part of.
+        const DevicePtr lo = e.addr;
+        const DevicePtr hi = e.addr + e.size;
+        auto it = made.upper_bound(lo);
+        if (it != made.begin()) --it;
+        std::vector<std::pair<DevicePtr, std::uint64_t>> keep;
+        while (it != made.end() && it->first < hi) {
+          const DevicePtr end = it->first + it->second;
+          if (end <= lo) {
+            ++it;
+            continue;
+          }
+          if (it->first < lo) keep.emplace_back(it->first, lo - it->first);
+          if (end > hi) keep.emplace_back(hi, end - hi);
+          it = made.erase(it);
+        }
+        for (const auto& [at, size] : keep) made[at] = size;
+      }
       if (e.action != TraceAction::alloc || e.size == 0 || pool_of(i) == nullptr) continue;
       auto it = made.upper_bound(e.addr);
       if (it != made.begin() && e.addr < std::prev(it)->first + std::prev(it)->second) continue;

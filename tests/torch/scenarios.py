@@ -95,7 +95,8 @@ GRAPH_RL_LOOP = """
 # CUDA graphs under one of three allocators (argv[1]: native, own: reservoir
 # as PyTorch's own allocator, pluggable: reservoir's pluggable allocator),
 # with the settings of PYTORCH_CUDA_ALLOC_CONF; record(name) keeps the pools'
-# layout (pool ids, segment sizes and kinds, block sizes and states) and the
+# layout (pool ids, segment sizes and pools, block sizes and states, whether
+# expandable) and the
 # statistics, emit() prints them as one RESULT line.
 GRAPHS_PRELUDE = """
 import gc, json, os, sys
@@ -120,7 +121,7 @@ def layout():
     segs = reservoir.snapshot(0)["segments"] if mode == "pluggable" else torch.cuda.memory_snapshot()
     segs = sorted(segs, key=lambda s: s["address"])
     return [[list(s["segment_pool_id"]), s["total_size"], s["segment_type"],
-             [[b["size"], b["state"]] for b in s["blocks"]]] for s in segs]
+             [[b["size"], b["state"]] for b in s["blocks"]], s["is_expandable"]] for s in segs]
 
 def record(name):
     torch.cuda.synchronize()

@@ -41,9 +41,10 @@ def same_everywhere(body, modes=("native", "own", "pluggable"), env=None):
     return native
 
 
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def test_graph_pools_are_laid_out_as_under_pytorchs_allocator():
-    # Under expandable_segments:True PyTorch 2.11 and 2.15 make a private
-    # pool's segments expandable; reservoir's stay classic (docs/integrations.md).
     got = same_everywhere(GRAPHS)
     # The steps did what they say (a check of the program, the same everywhere).
     pools = {tuple(s[0]) for s in got["captured"]["layout"]}
@@ -57,6 +58,18 @@ def test_graph_pools_are_laid_out_as_under_pytorchs_allocator():
     assert {tuple(s[0]) for s in got["graphs deleted"]["layout"]} == \
         ({(0, 0), (2, 0)} if RELEASE < (2, 15) else {(0, 0)})
     assert (got["before replay"], got["after replay"], got["after a second replay"]) == (0, 7, 9)
+
+
+def test_graph_pools_under_expandable_segments():
+    # PyTorch makes a private pool's memory expandable too (from 2.5): a
+    # reservation per stream and pool, pages mapped as the capture asks.
+    got = same_everywhere(GRAPHS, env=EXPANDABLE)
+    captured = got["captured"]["layout"]
+    assert {s[4] for s in captured} == {True}
+    assert {tuple(s[0]) for s in captured} == {(0, 0), (1, 0)}
+    assert sorted(s[1] for s in captured if tuple(s[0]) == (1, 0)) == [2 * 1024 * 1024, 20 * 1024 * 1024]
+    assert {tuple(s[0]) for s in got["graphs deleted"]["layout"]} == \
+        ({(0, 0), (2, 0)} if RELEASE < (2, 15) else {(0, 0)})
 
 
 MEMPOOL = """
@@ -88,6 +101,14 @@ def test_a_graph_captured_into_a_mempool():
     # allocator is current: reservoir as PyTorch's own allocator only.
     got = same_everywhere(MEMPOOL, modes=("native", "own"))
     assert got["pool id"][0] == 0 and got["pool id"][1] > 0
+    assert [s[0] for s in got["pool deleted"]["layout"]] == []
+
+
+def test_a_mempool_under_expandable_segments():
+    got = same_everywhere(MEMPOOL, modes=("native", "own"), env=EXPANDABLE)
+    pool = got["pool id"]
+    # The capture's stream and the eager one each have a reservation of the pool.
+    assert [s[4] for s in got["the same pool used eagerly"]["layout"] if s[0] == pool] == [True] * 3
     assert [s[0] for s in got["pool deleted"]["layout"]] == []
 
 
@@ -194,3 +215,19 @@ def test_verify_follows_the_private_pools_a_recording_names(tmp_path):
         assert r.returncode != 0
         assert "cannot verify" in r.stdout and "does not say which allocations went to them" in r.stdout, \
             r.stdout + r.stderr
+
+
+def test_verify_follows_expandable_private_pools(tmp_path):
+    # Under expandable segments a pool's memory is pages mapped into its own
+    # reservation: verify follows 2.15's pool ids there too, the replay
+    # mapping the pool's pages where PyTorch did.
+    snapshot = tmp_path / "graphs.pickle"
+    run("native", RECORDED, {"SNAPSHOT": str(snapshot), **EXPANDABLE})
+    r = subprocess.run([os.environ["RESERVOIR"], "verify", str(snapshot)], capture_output=True, text=True,
+                       timeout=300)
+    if RELEASE >= (2, 15):
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "agrees" in r.stdout and "private pools" not in r.stdout, r.stdout
+    else:
+        assert r.returncode != 0
+        assert "cannot verify" in r.stdout, r.stdout + r.stderr

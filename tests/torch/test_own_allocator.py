@@ -675,7 +675,7 @@ b_ptr, b_bytes = b.data_ptr(), b.untyped_storage().nbytes()
 del b
 with torch.cuda.use_mem_pool(pool):
     d = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
-    e = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+    e = torch.empty(int(os.environ.get("E_MIB", "30")) * MiB, dtype=torch.uint8, device="cuda")
 seen = [d.data_ptr() - base, e.data_ptr() - base]
 # d and e die with the restore: their storages let go without freeing.
 b_again = torch._C._construct_storage_from_data_pointer(b_ptr, torch.device("cuda", 0), b_bytes)
@@ -727,6 +727,24 @@ def test_a_pools_checkpoint_is_laid_out_again_as_under_the_native_allocator():
                                   [5 * MiB, 5 * MiB, "active_allocated"], [8 * MiB, 8 * MiB, "inactive"]]],
                                 [20 * MiB, 30 * MiB, 0, 0, [[30 * MiB, 30 * MiB, "inactive"]]]]
     assert ours["after_stale"] == 12 * MiB and ours["freed_b"] == 8 * MiB
+    assert ours["again"] == "" and ours["end"]["reserved_bytes.all.current"] == 0
+
+
+def test_a_checkpoint_of_an_expandable_pool_as_under_the_native_allocator():
+    # Under expandable segments (PyTorch 2.5 and later) the pool's memory is
+    # a reservation of its own; e takes the checkpoint's free room, so the
+    # restore finds the reservation mapped as it was (PyTorch takes an
+    # unmapped end as it finds it).
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "E_MIB": "6"}
+    native = run("native", CHECKPOINT, env)
+    ours = run("expandable_segments:True", CHECKPOINT, env)
+    assert sorted(ours["trace"]) == sorted(native["trace"])
+    assert {k: v for k, v in ours.items() if k != "trace"} == {k: v for k, v in native.items() if k != "trace"}
+    assert ours["seen"] == [3 * MiB, 12 * MiB]
+    # (The default pool's small reservation lies above the pool's.)
+    assert ours["restored"][0] == [0, 20 * MiB, 12 * MiB, 12 * MiB,
+                                   [[3 * MiB, 3 * MiB, "active_allocated"], [4 * MiB, 4 * MiB, "active_allocated"],
+                                    [5 * MiB, 5 * MiB, "active_allocated"], [8 * MiB, 8 * MiB, "inactive"]]]
     assert ours["again"] == "" and ours["end"]["reserved_bytes.all.current"] == 0
 
 

@@ -16,7 +16,8 @@ using CheckpointBlock = PoolCheckpoint::BlockState;
 constexpr PoolId kPool{0, 7};
 
 bool same(const CheckpointBlock& a, const CheckpointBlock& b) {
-  return a.ptr == b.ptr && a.size == b.size && a.stream == b.stream && a.allocated == b.allocated;
+  return a.ptr == b.ptr && a.size == b.size && a.stream == b.stream && a.allocated == b.allocated &&
+         a.mapped == b.mapped;
 }
 
 // The pool's blocks now, as a checkpoint would list them.
@@ -252,6 +253,69 @@ TEST_F(PoolCheckpointTest, PendingStreamEventsRefuseACheckpoint) {
   allocator_->process_completed_frees();
   EXPECT_EQ(allocator_->checkpoint_pool(kPool).segments[0].blocks.size(), 4u);
   finish({a_, c_});
+}
+
+// Under expandable segments (PyTorch 2.5 and later) the pool's memory is
+// pages of a reservation of its own: the checkpoint lists the mapped blocks
+// and the unmapped rest, and restoring lays the mapped part out again.
+class ExpandablePoolCheckpoint : public PoolCheckpointTest {
+ protected:
+  void SetUp() override { make("expandable_segments:True"); }
+};
+
+TEST_F(ExpandablePoolCheckpoint, TheUnmappedRestOfTheReservationIsListedAndKept) {
+  fill_pool();
+  const PoolCheckpoint cp = allocator_->checkpoint_pool(kPool);
+  ASSERT_EQ(cp.segments.size(), 1u);
+  const std::vector<CheckpointBlock>& blocks = cp.segments[0].blocks;
+  ASSERT_EQ(blocks.size(), 5u);
+  EXPECT_TRUE(same(blocks[0], {a_, 3 * kMiB, 0, true, true}));
+  EXPECT_TRUE(same(blocks[1], {a_ + 3 * kMiB, 4 * kMiB, 0, true, true}));
+  EXPECT_TRUE(same(blocks[2], {a_ + 7 * kMiB, 5 * kMiB, 0, true, true}));
+  EXPECT_TRUE(same(blocks[3], {a_ + 12 * kMiB, 8 * kMiB, 0, false, true}));
+  EXPECT_EQ(blocks[4].ptr, a_ + 20 * kMiB);
+  EXPECT_FALSE(blocks[4].mapped);
+  EXPECT_FALSE(blocks[4].allocated);
+
+  release(b_);
+  route();
+  const DevicePtr d = alloc(2 * kMiB);
+  allocator_->end_allocate_to_pool(kPool);
+  EXPECT_EQ(d, b_);
+  const std::int64_t maps = stat("num_device_alloc");
+  const PoolRestore r = allocator_->restore_pool(cp);
+  allocator_->validate();
+  EXPECT_EQ(r.freed, (std::vector<DevicePtr>{a_, d, c_}));
+  EXPECT_EQ(r.allocated, (std::vector<DevicePtr>{a_, b_, c_}));
+  const PoolCheckpoint again = allocator_->checkpoint_pool(kPool);
+  ASSERT_EQ(again.segments.size(), 1u);
+  ASSERT_EQ(again.segments[0].blocks.size(), blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) EXPECT_TRUE(same(again.segments[0].blocks[i], blocks[i])) << i;
+  EXPECT_EQ(stat("num_device_alloc"), maps);  // nothing mapped or unmapped
+  EXPECT_EQ(stat("allocated_bytes.all.current"), static_cast<std::int64_t>(12 * kMiB));
+  EXPECT_EQ(stat("reserved_bytes.all.current"), static_cast<std::int64_t>(20 * kMiB));
+  finish({a_, b_, c_});
+}
+
+TEST_F(ExpandablePoolCheckpoint, PagesMappedSinceTheCheckpointRefuseIt) {
+  fill_pool();
+  const PoolCheckpoint cp = allocator_->checkpoint_pool(kPool);
+  route();
+  const DevicePtr big = alloc(30 * kMiB);  // maps 20 MiB more of the pool's reservation
+  allocator_->end_allocate_to_pool(kPool);
+  const auto stats = allocator_->stats_map();
+  try {
+    (void)allocator_->restore_pool(cp);
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("has 1 unmapped range(s) now and 1 in the checkpoint, or at "
+                                         "other addresses"),
+              std::string::npos)
+        << e.what();
+  }
+  allocator_->validate();
+  EXPECT_EQ(allocator_->stats_map(), stats);
+  finish({a_, b_, c_, big});
 }
 
 }  // namespace

@@ -721,6 +721,69 @@ TEST(VerifyExpandable, AContradictoryRecordingCannotBeVerified) {
       << v.divergence;
 }
 
+// A private pool under expandable segments (PyTorch 2.5 and later): its
+// pages mapped into a reservation of its own, unmapped when the pool is let
+// go and the cache emptied. With each event's pool recorded (PyTorch 2.15)
+// verify follows it; pages of a pool mapped before the recording began
+// cannot be rebuilt, and verify says so.
+TEST(VerifyExpandable, PrivatePoolsAreFollowedByTheirEventsPoolIds) {
+  Recorder r("expandable_segments:True");
+  const PoolId pool{1, 0};
+  void* a = r.alloc(5 * kMiB);
+  r.allocator.begin_allocate_to_pool(pool, [](StreamId) { return true; });
+  void* g = r.alloc(3 * kMiB);
+  void* h = r.alloc(100);
+  void* k = r.alloc(30 * kMiB);
+  r.allocator.end_allocate_to_pool(pool);
+  void* b = r.alloc(6 * kMiB);
+  std::vector<std::pair<DevicePtr, DevicePtr>> pages;  // the pool's mapped ranges
+  for (const SegmentInfo& seg : r.allocator.snapshot().segments) {
+    if (seg.pool_id == pool) pages.emplace_back(seg.address, seg.address + seg.total_size);
+  }
+  ASSERT_EQ(pages.size(), 2u);  // small and large
+  for (void* p : {g, h, k}) r.allocator.deallocate(p);
+  r.allocator.release_pool(pool);
+  r.allocator.empty_cache();
+  r.allocator.deallocate(a);
+  Trace t = pickled(r.finish());
+  t.event_pools_recorded = true;
+  std::size_t in_pool = 0;
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    for (const auto& [lo, hi] : pages) {
+      if (t.events[i].addr >= lo && t.events[i].addr < hi) {
+        t.event_pools[i] = pool;
+        ++in_pool;
+      }
+    }
+  }
+  EXPECT_EQ(in_pool, 14u);  // 3 maps, 3 allocs, 3 frees (requested, completed), 2 unmaps
+  const VerifyResult v = verify(t);
+  EXPECT_TRUE(v.agreed) << v.divergence;
+  EXPECT_EQ(v.allocs_checked, count(t, TraceAction::alloc));
+  EXPECT_EQ(v.segment_maps_checked, count(t, TraceAction::segment_map));
+  EXPECT_EQ(v.segment_unmaps_checked, count(t, TraceAction::segment_unmap));
+  EXPECT_TRUE(v.final_state_checked);
+
+  // Cut after the pool's first mapping: its pages were mapped before the
+  // recording began.
+  const std::size_t first_map = first_of(t, TraceAction::segment_map, 1);
+  ASSERT_EQ(t.event_pools.count(first_map), 1u);
+  Trace cut = t;
+  cut.events.erase(cut.events.begin(), cut.events.begin() + static_cast<std::ptrdiff_t>(first_map) + 1);
+  cut.event_pools.clear();
+  for (const auto& [i, id] : t.event_pools) {
+    if (i > first_map) cut.event_pools[i - first_map - 1] = id;
+  }
+  const VerifyResult c = verify(cut);
+  EXPECT_FALSE(c.agreed);
+  EXPECT_TRUE(c.cannot_verify);
+  EXPECT_NE(c.divergence.find(fmt::format("{} bytes at {:#x} of a private pool", 20 * kMiB,
+                                          t.events[first_map].addr)),
+            std::string::npos)
+      << c.divergence;
+  (void)b;
+}
+
 using pickle::Document;
 using pickle::Kind;
 using pickle::Value;

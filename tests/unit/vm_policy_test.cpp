@@ -164,6 +164,68 @@ TEST_F(Expandable, SwitchingBackToNativeKeepsServingFromClassicSegmentsOnly) {
   release(b);
 }
 
+// From PyTorch 2.5 a private pool (a CUDA graph's, a MemPool's) has
+// expandable segments of its own: one reservation per stream and pool,
+// pages counted in the pool's reserved bytes, unmapped when the pool is
+// released and the cache emptied, the reservation given back.
+TEST_F(Expandable, APrivatePoolHasAReservationOfItsOwn) {
+  const PoolId pool{0, 3};
+  const DevicePtr outside = alloc(3 * kMiB);
+  allocator_->begin_allocate_to_pool(pool, [](StreamId) { return true; });
+  const DevicePtr a = alloc(3 * kMiB);
+  const DevicePtr b = alloc(30 * kMiB);  // grows the pool's reservation: 20 MiB more
+  const DevicePtr c = alloc(1000);       // the pool's small reservation
+  allocator_->end_allocate_to_pool(pool);
+  EXPECT_EQ(b, a + 3 * kMiB);
+  EXPECT_EQ(calls(CallKind::reserve), 3u);
+  EXPECT_EQ(calls(CallKind::allocate_segment), 0u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 62 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.large_pool.current"), 60 * kMiB);
+  EXPECT_EQ(stat("num_device_alloc"), 4);
+  const auto by_pool = allocator_->private_pool_reserved();
+  ASSERT_EQ(by_pool.count(pool), 1u);
+  EXPECT_EQ(by_pool.at(pool)[0].current, static_cast<std::int64_t>(42 * kMiB));
+  EXPECT_EQ(by_pool.at(pool)[1].current, static_cast<std::int64_t>(2 * kMiB));
+  EXPECT_EQ(by_pool.at(pool)[2].current, static_cast<std::int64_t>(40 * kMiB));
+  std::vector<std::pair<DevicePtr, PoolId>> segments;
+  for (const SegmentInfo& seg : allocator_->snapshot().segments) {
+    EXPECT_TRUE(seg.is_expandable);
+    segments.emplace_back(seg.address, seg.pool_id);
+  }
+  EXPECT_EQ(segments, (std::vector<std::pair<DevicePtr, PoolId>>{
+                          {outside, {0, 0}}, {a, pool}, {c, pool}}));
+  // A pool in use keeps its pages through empty_cache.
+  release(a);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 62 * kMiB);
+  release(b);
+  release(c);
+  allocator_->release_pool(pool);
+  allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 20 * kMiB);  // outside's page
+  EXPECT_EQ(allocator_->private_pool_reserved().at(pool)[0].current, 0);
+  EXPECT_EQ(device_->live_reservations(), 1u);  // the default pool's stays, as PyTorch's
+  release_all({outside});
+}
+
+// Before PyTorch 2.5 private pools kept ordinary segments.
+TEST_F(Expandable, BeforePyTorch25APrivatePoolHasOrdinarySegments) {
+  make("expandable_segments:True,pytorch_version:2.4");
+  const PoolId pool{0, 3};
+  allocator_->begin_allocate_to_pool(pool, [](StreamId) { return true; });
+  const DevicePtr a = alloc(3 * kMiB);
+  allocator_->end_allocate_to_pool(pool);
+  EXPECT_EQ(calls(CallKind::allocate_segment), 1u);
+  EXPECT_EQ(calls(CallKind::reserve), 0u);
+  const Snapshot snap = allocator_->snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_FALSE(snap.segments[0].is_expandable);
+  EXPECT_EQ(snap.segments[0].total_size, 20 * kMiB);
+  release(a);
+  allocator_->release_pool(pool);
+  release_all({});
+}
+
 TEST_F(Expandable, ConflictingPoliciesAreRefused) {
   SimDevice device;
   EXPECT_THROW(

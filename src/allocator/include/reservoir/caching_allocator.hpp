@@ -75,6 +75,9 @@ struct PoolCheckpoint {
     std::size_t size = 0;
     StreamId stream = 0;
     bool allocated = false;
+    // False for address space with no memory behind it (an expandable
+    // segment's unmapped pages: the end of its reservation).
+    bool mapped = true;
   };
   struct SegmentState {
     std::vector<BlockState> blocks;

@@ -84,6 +84,11 @@ struct AllocatorConfig {
   // private pools no longer in use; 2.15 releases both. Measured on 2.11
   // and 2.15 (tests/torch/test_graphs.py); 2.12 to 2.14 are taken as 2.11.
   bool empty_cache_spares_default_pools_while_routed() const;
+  // From PyTorch 2.5 (pytorch/pytorch#128068) a private pool's memory (a CUDA
+  // graph's, a MemPool's) comes from expandable segments too when they are
+  // on, one reservation per stream and pool; before, private pools kept
+  // ordinary segments. Measured on 2.11 and 2.15 (tests/torch/test_graphs.py).
+  bool private_pools_expandable() const;
 
   // The division count for a (rounded) request size.
   std::size_t divisions_for(std::size_t size) const noexcept;
