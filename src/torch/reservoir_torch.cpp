@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "reservoir/caching_allocator.hpp"
+#include "reservoir/combined_device.hpp"
 #include "reservoir/cuda_device.hpp"
 #include "reservoir/host_caching_allocator.hpp"
 #include "reservoir/saver.hpp"
@@ -55,8 +56,11 @@ using reservoir::CachingAllocator;
 constexpr int kMaxDevices = 64;
 
 struct PerDevice {
-  std::unique_ptr<reservoir::Device> device;
+  std::unique_ptr<reservoir::Device> runtime;     // cuda-runtime's ordinary segments, under device
   std::unique_ptr<reservoir::Device> tag_device;  // cuda-vmm beside cuda-runtime
+  // The allocators' device: cuda-runtime and cuda-vmm combined where both
+  // open (so the kind of segments can change at run time), else the one.
+  std::unique_ptr<reservoir::Device> device;
   std::unique_ptr<reservoir::PinnedMemorySource> pinned;
   std::unique_ptr<reservoir::Saver> saver;
   std::string settings;  // the configuration as given (PyTorch's allocator settings show it so)
@@ -151,10 +155,13 @@ reservoir::Saver& saver_for(int device) {
     const DeviceKind kind = backend_kind(options.config);
     d.device = reservoir::open_device(kind, {.index = device});
     if (kind == DeviceKind::cuda_runtime) {
-      // Tagged regions need virtual memory management beside cudaMalloc.
+      // Tagged regions need virtual memory management beside cudaMalloc, and
+      // so does expandable_segments turned on at run time.
       try {
         d.tag_device = reservoir::open_device(DeviceKind::cuda_vmm, {.index = device});
         options.tag_device = d.tag_device.get();
+        d.runtime = std::move(d.device);
+        d.device = std::make_unique<reservoir::CombinedDevice>(*d.runtime, *d.tag_device);
       } catch (const reservoir::DeviceUnavailableError&) {
         // No virtual memory management here: regions will say so when opened.
       }
@@ -511,9 +518,10 @@ __attribute__((visibility("default"))) int reservoir_torch_configured_memory_fra
 // roundup_power2_divisions and garbage_collection_threshold fall back to
 // their defaults when `text` leaves them out, every other key keeps its
 // value unless `text` gives it. Segments made already stay as they are. A
-// change of the segment kind (expandable_segments, policy) is not made:
-// *ignored (free with free()) then names what was left, and the rest still
-// applies. 0, or -1 with last_error (nothing changed).
+// change of the segment kind (expandable_segments, policy) is made where
+// the devices have virtual memory; where not, *ignored (free with free())
+// names what was left, and the rest still applies. 0, or -1 with
+// last_error (nothing changed).
 __attribute__((visibility("default"))) int reservoir_torch_apply_settings(const char* text, char** ignored) {
   if (ignored != nullptr) *ignored = nullptr;
   return guarded([&] {
@@ -528,12 +536,26 @@ __attribute__((visibility("default"))) int reservoir_torch_apply_settings(const 
     std::string merged = settings_without(before.to_string(), keys);
     if (!given.empty()) merged += (merged.empty() ? "" : ",") + given;
     AllocatorConfig after = AllocatorConfig::parse(merged);
+    // A change of segment kind applies as PyTorch's does (segments made
+    // already stay and serve as before) where every device has the virtual
+    // memory the new kind needs; else it is left, and *ignored says so.
     std::string left;
     if (after.expandable_segments != before.expandable_segments || after.policy != before.policy) {
-      left = fmt::format("expandable_segments:{}", after.expandable_segments ? "True" : "False");
-      after.expandable_segments = before.expandable_segments;
-      after.policy = before.policy;
-      merged = after.to_string();
+      const reservoir::Policy kind = after.expandable_segments ? reservoir::Policy::expandable : after.policy;
+      bool needs_vm = false;
+      for (const reservoir::PolicyInfo& p : reservoir::policies()) {
+        if (p.policy == kind) needs_vm = p.needs_virtual_memory;
+      }
+      bool can = true;
+      for (PerDevice& d : devices) {
+        if (d.saver && needs_vm && !d.device->supports_virtual_memory()) can = false;
+      }
+      if (!can) {
+        left = fmt::format("expandable_segments:{}", after.expandable_segments ? "True" : "False");
+        after.expandable_segments = before.expandable_segments;
+        after.policy = before.policy;
+        merged = after.to_string();
+      }
     }
     for (PerDevice& d : devices) {
       if (!d.saver) continue;

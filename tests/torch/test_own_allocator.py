@@ -849,9 +849,30 @@ for settings in (None, "roundup_power2_divisions:4", "garbage_collection_thresho
     sizes.append(n)
     split = torch.cuda.memory_stats()["max_split_size"]
     sizes.append(split)
+def layout():
+    return [[s["total_size"], s["is_expandable"], [[b["size"], b["state"]] for b in s["blocks"]]]
+            for s in sorted(torch.cuda.memory_snapshot(), key=lambda s: s["address"])]
+kinds = []
+# The kind of segments changes at run time too: new memory is expandable,
+# the ordinary segments made before stay and serve as before; and back.
 torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-emit(sizes=sizes, backend=torch.cuda.get_allocator_backend())
+y = torch.empty(100, dtype=torch.uint8, device="cuda")
+kinds.append(layout())
+del keep[0]
+z = torch.empty(50 * MiB, dtype=torch.uint8, device="cuda")
+kinds.append(layout())
+torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+w = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+v = torch.empty(70 * MiB, dtype=torch.uint8, device="cuda")
+kinds.append(layout())
+del x, y, z, w, v, keep
+torch.cuda.empty_cache()
+kinds.append(layout())
+s = torch.cuda.memory_stats()
+emit(sizes=sizes, backend=torch.cuda.get_allocator_backend(), kinds=kinds,
+     stats=[s["reserved_bytes.all.current"], s["num_device_alloc"], s["num_device_free"],
+            s["segment.all.current"]])
 """
 
 
@@ -864,10 +885,13 @@ def test_settings_changed_at_run_time_apply_to_the_next_allocation():
     # The max_split_size statistic stays as the allocator was made (-1: no
     # limit), though the limit itself applied, as under PyTorch's.
     assert set(ours["sizes"][1::2]) == {-1}
-    # A change of segment kind is not made at run time, and reservoir says so
-    # (PyTorch's warning, on stderr).
-    said = [line for line in run_both.stderr.splitlines() if "is not applied at run time" in line]
-    assert len(said) == 1 and "expandable_segments:True is not applied at run time" in said[0], run_both.stderr
+    # A change of segment kind applies from the next device request, as under
+    # PyTorch's: segments, blocks and counts the same at every step.
+    assert ours["kinds"] == native["kinds"] and ours["stats"] == native["stats"]
+    assert "is not applied at run time" not in run_both.stderr, run_both.stderr
+    assert {s[1] for s in ours["kinds"][0]} == {False, True}
+    # Emptied: only the ordinary segment of the last tensor kept (t) stays.
+    assert [s[:2] for s in ours["kinds"][3]] == [[84 * MiB, False]]
 
 
 # torch.cuda.memory.caching_allocator_enable(False): every request is a
