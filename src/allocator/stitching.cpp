@@ -1,8 +1,10 @@
 // Stitching, the paging policy's last resort: when no segment has a free run
-// for a request, a new address range is mapped onto the free pages of this
-// stream's segments (their physical handles, lent), plus fresh memory for the
-// rest. A stitched block is never split; when it is freed and cached memory
-// is released, it is dissolved and its pages go back to their lenders.
+// for a request, a new address range is mapped onto the free physical
+// handles of this stream's segments (lent, each whole: CUDA maps a handle
+// from its start only, so a handle some of whose pages are in use cannot be
+// lent), plus fresh memory for the rest. A stitched block is never split;
+// when it is freed and cached memory is released, it is dissolved and its
+// handles go back to their lenders.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -26,8 +28,8 @@ Block* CachingAllocator::Impl::block_at(Segment& seg, DevicePtr addr) {
 bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   const std::size_t page = std::max<std::size_t>(device_.granularity(), 1);
   const std::size_t needed = (p.size + page - 1) / page;
-  // Whole free pages of this stream's paging segments, each span within one
-  // handle, in address order.
+  // Free handles of this stream's paging segments, each whole (all its pages
+  // inside a free block), in address order.
   struct Span {
     Segment* seg;
     std::size_t first;
@@ -53,9 +55,11 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
         auto [i, end] = inner_pages(seg, b);
         while (i < end && have < needed) {
           const auto& h = vm.handles[vm.at(i)];
-          const std::size_t e = std::min({end, h.first_page + h.pages, i + (needed - have)});
-          spans.push_back({&seg, i, e});
-          have += e - i;
+          const std::size_t e = h.first_page + h.pages;
+          if (h.first_page == i && e <= end) {
+            spans.push_back({&seg, i, e});
+            have += e - i;
+          }
           i = e;
         }
       }
@@ -67,7 +71,9 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
     }
   }
   if (spans.empty()) return false;
-  const std::size_t fresh_pages = needed - have;
+  // The last handle may hold more pages than the request still needed.
+  const std::size_t fresh_pages = needed > have ? needed - have : 0;
+  const std::size_t total = needed > have ? needed : have;
   if (set_fraction_ && total_reserved_ + fresh_pages * page > allowed_memory_maximum_) {
     return false;
   }
@@ -78,7 +84,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
                         fmt::format("synchronizing stream {} to borrow its free pages", other));
     }
   }
-  const std::size_t bytes = needed * page;
+  const std::size_t bytes = total * page;
   DevicePtr va = 0;
   const Status reserved = device_.reserve(bytes, 0, &va);
   if (reserved == Status::out_of_memory) return false;
@@ -120,8 +126,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   for (const Span& span : spans) {
     const VmState& vm = *span.seg->vm;
     const auto& h = vm.handles[vm.at(span.first)];
-    const VmState::Piece pc{va + cursor * page, (span.end - span.first) * page, h.handle,
-                            (span.first - h.first_page) * page, false};
+    const VmState::Piece pc{va + cursor * page, (span.end - span.first) * page, h.handle, 0, false};
     const Status st = device_.map(pc.va, pc.bytes, pc.handle, pc.offset);
     if (st != Status::ok) {
       undo();
@@ -152,7 +157,7 @@ bool CachingAllocator::Impl::stitch_block(AllocParams& p) {
   vm->paging = true;
   vm->stitched = true;
   vm->page = page;
-  vm->pages = needed;
+  vm->pages = total;
   vm->pieces = std::move(pieces);
   for (const Span& span : spans) {
     const DevicePtr start = span.seg->base + span.first * page;

@@ -100,7 +100,10 @@ TEST(Advise, ClassicFragmentationNamesTheTwoHolesAndFits) {
   EXPECT_EQ(find(a, "max_split_size_mb:512").min_capacity_bytes, 416 * kMiB);
   // Expandable segments map the large pool in 20 MiB pages: 256 MiB takes 13.
   EXPECT_EQ(find(a, "expandable_segments:True").min_capacity_bytes, 260 * kMiB);
-  EXPECT_EQ(find(a, "policy:paging").min_capacity_bytes, 256 * kMiB);
+  // Paging maps the 256 MiB block as one handle; the two 28 MiB blocks left
+  // inside it pin it whole (CUDA maps and unmaps a handle whole), so the
+  // 160 MiB request needs memory of its own beside them: 316 MiB.
+  EXPECT_EQ(find(a, "policy:paging").min_capacity_bytes, 316 * kMiB);
   ASSERT_TRUE(a.best_pytorch.has_value());
   const Candidate& best = a.candidates[*a.best_pytorch];
   EXPECT_FALSE(best.reservoir_only);

@@ -172,36 +172,34 @@ TEST(HostVm, AMovedHandleServesTheGrowingArenaAndTheNeighboursKeepTheirBytes) {
   EXPECT_EQ(d.used_bytes(), 0u);
 }
 
-TEST(HostVm, AStitchedBlockIsTheLendersMemoryAndReleasedPagesLeaveRss) {
+// Under pressure, free handles scattered between live memory serve a
+// request, each mapped whole from its start (as CUDA maps a handle): the
+// memory is real, the live block beside them untouched, and released pages
+// leave the process's memory.
+TEST(HostVm, FreeHandlesServeARequestOnAFullDeviceAndReleasedPagesLeaveRss) {
   HostDeviceOptions options;
-  options.capacity = 100 * kMiB;
+  options.capacity = 60 * kMiB;
   HostDevice d(options);
   CachingAllocator allocator(d, AllocatorConfig::parse("policy:paging"));
-  void* whole = allocator.allocate(100 * kMiB);
-  allocator.deallocate(whole);
   std::vector<unsigned char*> part;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < 3; ++i) {
     part.push_back(static_cast<unsigned char*>(allocator.allocate(20 * kMiB)));
     std::memset(part.back(), 0x10 + i, 20 * kMiB);
   }
-  allocator.deallocate(part[1]);
-  allocator.deallocate(part[3]);
-  auto* s = static_cast<unsigned char*>(allocator.allocate(40 * kMiB));  // stitched
+  allocator.deallocate(part[0]);
+  allocator.deallocate(part[2]);
+  auto* s = static_cast<unsigned char*>(allocator.allocate(40 * kMiB));
   std::memset(s, 0xee, 40 * kMiB);
-  // The stitched range is the freed parts' memory, seen at a new address.
-  EXPECT_EQ(part[1][0], 0xee);
-  EXPECT_EQ(part[3][20 * kMiB - 1], 0xee);
-  for (int i : {0, 2, 4}) {
-    for (std::size_t k = 0; k < 20 * kMiB; k += 4096) ASSERT_EQ(part[i][k], 0x10 + i);
-  }
-  EXPECT_EQ(d.used_bytes(), 100 * kMiB);
+  for (std::size_t k = 0; k < 20 * kMiB; k += 4096) ASSERT_EQ(part[1][k], 0x11);
+  EXPECT_EQ(s[40 * kMiB - 1], 0xee);
+  EXPECT_EQ(d.used_bytes(), 60 * kMiB);
   allocator.validate();
   allocator.deallocate(s);
-  for (int i : {0, 2, 4}) allocator.deallocate(part[i]);
+  allocator.deallocate(part[1]);
   const std::size_t rss = current_rss_bytes();
   allocator.empty_cache();
   EXPECT_EQ(d.used_bytes(), 0u);
-  EXPECT_LE(current_rss_bytes(), rss - 90 * kMiB);
+  EXPECT_LE(current_rss_bytes(), rss - 50 * kMiB);
 }
 
 }  // namespace

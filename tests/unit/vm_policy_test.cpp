@@ -333,7 +333,12 @@ TEST_F(Paging, AFreeHandleMovesWhereTheArenaGrowsWhileItsNeighboursStayInUse) {
   release_all({a, c, d});  // freed and the cache emptied, everything goes back
 }
 
-TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
+// Stitching lends free physical handles whole: CUDA maps a handle from its
+// start only (cuMemMap refuses any other offset), so free pages inside a
+// handle that also holds live blocks cannot be lent. With the device full,
+// such a request runs out of memory, as it would under PyTorch's allocator,
+// and no device call fails.
+TEST_F(Paging, FreePagesInsideAHandleStillInUseAreNotLent) {
   make("policy:paging", 100 * kMiB);
   const DevicePtr whole = alloc(100 * kMiB);  // one handle of 50 pages
   release(whole);
@@ -343,27 +348,48 @@ TEST_F(Paging, ScatteredFreePagesAreStitchedIntoANewRange) {
   EXPECT_EQ(part[4], whole + 80 * kMiB);
   release(part[1]);
   release(part[3]);
-  // 40 MiB free in two holes of one pinned handle, and the device is full.
-  const DevicePtr s = alloc(40 * kMiB);
-  EXPECT_GE(s, whole + 100 * kMiB);            // a new range...
-  EXPECT_EQ(device_->live_physical(), 1u);     // ...over the one handle there is
-  EXPECT_EQ(device_->used_bytes(), 100 * kMiB);
-  EXPECT_EQ(calls(CallKind::map), 3u);  // the handle once, then two pieces of it
-  EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * kMiB);
-  EXPECT_EQ(stat("allocated_bytes.all.current"), 100 * kMiB);
-  // Freed, it stays cached: the same request gets it back with no device call.
-  release(s);
   const std::uint64_t maps = calls(CallKind::map);
-  EXPECT_EQ(alloc(40 * kMiB), s);
-  EXPECT_EQ(calls(CallKind::map), maps);
-  release(s);
-  // empty_cache unstitches; the handle stays while parts 0, 2 and 4 live.
-  allocator_->empty_cache();
+  EXPECT_THROW((void)alloc(40 * kMiB), OutOfMemoryError);
   allocator_->validate();
-  EXPECT_EQ(calls(CallKind::unmap), 2u);
+  EXPECT_EQ(calls(CallKind::map), maps);
+  EXPECT_EQ(device_->live_physical(), 1u);
   EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * kMiB);
   for (int i : {0, 2, 4}) release(part[i]);
   allocator_->empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  EXPECT_EQ(device_->used_bytes(), 0u);
+}
+
+// Whole free handles scattered between live ones serve a request the
+// device has no memory left for: each moves whole, mapped from its start,
+// into the range that serves it.
+TEST_F(Paging, ScatteredFreeHandlesServeARequestOnAFullDevice) {
+  make("policy:paging", 60 * kMiB);
+  const DevicePtr a = alloc(20 * kMiB);
+  const DevicePtr b = alloc(20 * kMiB);
+  const DevicePtr c = alloc(20 * kMiB);
+  ASSERT_EQ(device_->live_physical(), 3u);  // near the limit: one handle each
+  EXPECT_EQ(b, a + 20 * kMiB);
+  EXPECT_EQ(c, b + 20 * kMiB);
+  release(a);
+  release(c);
+  // 40 MiB free in two handles on either side of b's, and the device is full.
+  const std::uint64_t maps = calls(CallKind::map);
+  const DevicePtr s = alloc(40 * kMiB);
+  EXPECT_GE(s, c + 20 * kMiB);                 // a new range...
+  EXPECT_EQ(device_->live_physical(), 3u);     // ...over the handles there are
+  EXPECT_EQ(calls(CallKind::map), maps + 2);   // a's handle and c's, each whole
+  EXPECT_EQ(device_->used_bytes(), 60 * kMiB);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 60 * kMiB);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 60 * kMiB);
+  // Freed, it stays cached: the same request gets it back with no device call.
+  release(s);
+  EXPECT_EQ(alloc(40 * kMiB), s);
+  EXPECT_EQ(calls(CallKind::map), maps + 2);
+  release(s);
+  release(b);
+  allocator_->empty_cache();
+  allocator_->validate();
   EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
   EXPECT_EQ(device_->used_bytes(), 0u);
 }
@@ -509,12 +535,14 @@ TEST_F(Paging, AtAZeroThresholdAHandleGoesWhenItsLastBlockIsFreed) {
 
 TEST_F(Paging, StitchingBorrowsFromAnotherStreamAfterSynchronizingIt) {
   make("policy:paging", 60 * kMiB);
-  const DevicePtr a = alloc(60 * kMiB, 1);  // one handle on stream 1
+  const DevicePtr a = alloc(20 * kMiB, 1);  // three handles on stream 1
+  const DevicePtr keep = alloc(20 * kMiB, 1);
+  const DevicePtr c = alloc(20 * kMiB, 1);
+  ASSERT_EQ(device_->live_physical(), 3u);
   release(a);
-  const DevicePtr keep = alloc(20 * kMiB, 1);  // pins the handle
-  EXPECT_EQ(keep, a);
+  release(c);
   const std::uint64_t syncs = calls(CallKind::synchronize_stream);
-  const DevicePtr b = alloc(40 * kMiB, 0);  // stream 0: only stream 1's free pages remain
+  const DevicePtr b = alloc(40 * kMiB, 0);  // stream 0: only stream 1's free handles remain
   EXPECT_GT(calls(CallKind::synchronize_stream), syncs);
   EXPECT_EQ(stat("reserved_bytes.all.current"), 60 * kMiB);
   release(b);

@@ -69,7 +69,9 @@ class Device {
   // the handle remains (as with cuMemRelease).
   virtual Status release_physical(PhysicalHandle handle) noexcept = 0;
   // map: va and bytes are multiples of granularity(), [va, va + bytes) lies in
-  // one reservation and is not mapped, offset + bytes <= size of handle.
+  // one reservation and is not mapped (else invalid_argument); offset is 0
+  // and bytes <= size of handle (else not_supported, as CUDA's cuMemMap:
+  // a handle is mapped from its start, never from a page inside it).
   virtual Status map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                      std::size_t offset) noexcept = 0;
   // unmap: [va, va + bytes) is the union of whole earlier mappings.

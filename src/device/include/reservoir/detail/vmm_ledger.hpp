@@ -105,7 +105,8 @@ class VmmLedger {
   Status check_release(PhysicalHandle handle) const noexcept;
   bool release(PhysicalHandle handle);
 
-  // map: aligned, inside one reservation, unmapped, within the handle.
+  // map: aligned, inside one reservation, unmapped, from the handle's start
+  // (offset 0: CUDA refuses any other with not_supported) and within it.
   Status check_map(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                    std::size_t offset) const noexcept;
   void add_mapping(DevicePtr va, std::size_t bytes, PhysicalHandle handle);
