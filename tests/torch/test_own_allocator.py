@@ -748,6 +748,40 @@ def test_a_checkpoint_of_an_expandable_pool_as_under_the_native_allocator():
     assert ours["again"] == "" and ours["end"]["reserved_bytes.all.current"] == 0
 
 
+# policy:paging on a small device, its memory in one handle pinned by the
+# blocks carved from it: CUDA maps a handle from its start only, so the free
+# pages between the live blocks cannot be lent to a request the device has
+# no memory left for. The request runs out of memory, as under PyTorch's
+# allocator, and the allocator serves what fits afterwards; no device call
+# fails (before, paging's stitching mapped part of the handle and the
+# simulated CUDA device refused it: "device call map failed with
+# not_supported").
+PINNED_HANDLE = """
+big = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+del big
+parts = [torch.empty(20 * MiB, dtype=torch.uint8, device="cuda") for _ in range(10)]
+for i in range(0, 10, 2):
+    parts[i] = None
+try:
+    x = torch.empty(60 * MiB, dtype=torch.uint8, device="cuda")
+    got = "served"
+except torch.OutOfMemoryError as err:
+    got = "out of memory" if "CUDA out of memory" in str(err) else str(err)
+except RuntimeError as err:
+    got = "error: " + str(err).splitlines()[0]
+y = torch.empty(15 * MiB, dtype=torch.uint8, device="cuda")
+emit(got=got, after=y.data_ptr() != 0)
+"""
+
+
+def test_paging_under_pressure_runs_out_of_memory_as_the_device_allows():
+    env = {"RESERVOIR_SIMCUDA_MEMORY": "256MiB"}
+    native = run("native", PINNED_HANDLE, env)
+    ours = run("policy:paging", PINNED_HANDLE, env)
+    assert native == {"got": "out of memory", "after": True}
+    assert ours == native
+
+
 # A MemPool used by several `with use_mem_pool` blocks gives its memory back
 # when the pool goes (its destructor empties the pool's cache at once), a
 # segment still holding a live tensor when that tensor goes and the cache is
