@@ -103,9 +103,8 @@ std::vector<PoolId>::iterator CachingAllocator::Impl::release_freeable_pool(
   PrivatePool& pool = *pool_it->second;
   release_blocks(pool.small);
   release_blocks(pool.large);
-  // Address space of the pool's with nothing mapped goes too (a reservation
-  // none of whose pages was ever mapped, a mapping having failed): the
-  // pool's blocks must not outlive it.
+  // The pool's reservations with nothing mapped go too (one whose first
+  // mapping failed): no block may outlive its pool.
   for (BlockPool* bp : {&pool.small, &pool.large}) {
     std::vector<Block*> bare;
     for (Block* b : bp->unmapped) {

@@ -208,6 +208,25 @@ TEST_F(Expandable, APrivatePoolHasAReservationOfItsOwn) {
   release_all({outside});
 }
 
+// A private pool whose first mapping fails holds a reservation with nothing
+// mapped: the failure is the caller's (a DeviceError for map), and the
+// reservation goes back with the pool.
+TEST_F(Expandable, AFailedFirstMappingOfAPrivatePoolLeavesNothingWhenThePoolGoes) {
+  const PoolId pool{0, 4};
+  allocator_->begin_allocate_to_pool(pool, [](StreamId) { return true; });
+  device_->fail_nth(CallKind::map, 1, Status::device_error);
+  EXPECT_THROW((void)alloc(3 * kMiB), DeviceError);
+  allocator_->end_allocate_to_pool(pool);
+  allocator_->validate();
+  EXPECT_EQ(device_->live_reservations(), 1u);
+  EXPECT_EQ(device_->live_physical(), 0u);
+  allocator_->release_pool(pool);
+  allocator_->empty_cache();
+  allocator_->validate();
+  EXPECT_EQ(device_->live_reservations(), 0u);
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+}
+
 // Before PyTorch 2.5 private pools kept ordinary segments.
 TEST_F(Expandable, BeforePyTorch25APrivatePoolHasOrdinarySegments) {
   make("expandable_segments:True,pytorch_version:2.4");
