@@ -10,6 +10,7 @@
 
 #include "reservoir/advise.hpp"
 #include "reservoir/errors.hpp"
+#include "per_call_validation.hpp"
 #include "shared_traces.hpp"
 #include "trace_fixture.hpp"
 #include "source_dir.hpp"
@@ -336,9 +337,7 @@ TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
   // Thousands of replays of real traces: the allocator's full validation
   // after every call (RESERVOIR_VALIDATE, set in the sanitizer builds) would
   // take an hour here; the replay and verify tests run the same traces under it.
-  const char* validate = std::getenv("RESERVOIR_VALIDATE");
-  const std::string saved = validate != nullptr ? validate : "";
-  ::setenv("RESERVOIR_VALIDATE", "0", 1);
+  const testing::WithoutPerCallValidation unvalidated;
   const std::filesystem::path dir = std::filesystem::path(RESERVOIR_SOURCE_DIR) / "examples" / "traces";
   for (const char* name : {"gpt_training.pickle", "resnet_training.pickle", "unet_training.pickle",
                            "transformer_training.trace", "inference_varying_batch.trace"}) {
@@ -367,11 +366,6 @@ TEST(Advise, MinimumCapacitiesHoldOnRealTraces) {
       EXPECT_EQ(d.device_free_bytes, oom->addr) << path;  // device_free, as recorded
       check_claim(t);
     }
-  }
-  if (validate != nullptr) {
-    ::setenv("RESERVOIR_VALIDATE", saved.c_str(), 1);
-  } else {
-    ::unsetenv("RESERVOIR_VALIDATE");
   }
 }
 

@@ -12,6 +12,7 @@
 #include "reservoir/history.hpp"
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
+#include "per_call_validation.hpp"
 #include "shared_traces.hpp"
 #include "trace_fixture.hpp"
 
@@ -87,6 +88,9 @@ TEST(Export, SharedTracesRoundTrip) {
   if (!std::filesystem::exists(testing::shared_trace_dir())) {
     GTEST_SKIP() << "no real traces at " << testing::shared_trace_dir();
   }
+  // The formats are under test; SharedTraces.EveryRealSnapshotVerifies runs
+  // the same traces with the allocator validated after every call.
+  const testing::WithoutPerCallValidation unvalidated;
   const auto paths = testing::shared_traces();
   EXPECT_FALSE(paths.empty()) << "no .pickle in " << testing::shared_trace_dir();
   for (const auto& path : paths) {

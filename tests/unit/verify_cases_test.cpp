@@ -18,6 +18,7 @@
 #include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "trace_fixture.hpp"
+#include "per_call_validation.hpp"
 #include "source_dir.hpp"
 
 namespace reservoir {
@@ -555,7 +556,8 @@ TEST(VerifyCases, RandomRecordingsCutAnywhereAllVerify) {
   const char* configs[] = {"", "max_split_size_mb:64", "roundup_power2_divisions:4",
                            "max_split_size_mb:32,roundup_power2_divisions:2",
                            "expandable_segments:True"};
-  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+  const auto seeds = static_cast<std::uint64_t>(testing::scaled_for_validation(60));
+  for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
     const std::string config = configs[seed % 5];
     Recorder r(config);
     r.device.set_auto_complete_events(false);
