@@ -35,7 +35,7 @@ POLICIES = ("native", "expandable", "paging", "native_paged")
 def target_failures(measured):
     failures = []
     for policy in POLICIES:
-        for shape in ("one_size", "mixed_sizes"):
+        for shape in ("one_size", "mixed_sizes", "two_streams"):
             case = f"{policy}/{shape}"
             if case in measured and measured[case] > PAIR_LIMIT:
                 failures.append(f"{case}: {measured[case]:.1f} instructions, over the pair's "

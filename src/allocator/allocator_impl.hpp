@@ -669,6 +669,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool uses_divisions_ RESERVOIR_GUARDED_BY(mutex_) = true;
   bool recycling_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // paging growth under pressure: move all it takes
+  // Paging arena growths so far (map_block calls), counting from 1: when a
+  // moved handle may move again outside pressure (kMoveCooldown).
+  std::uint64_t growths_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   bool max_split_changed_ RESERVOIR_GUARDED_BY(mutex_) =
       false;  // oversize stats are not recountable after a change
   std::vector<OomObserver> oom_observers_ RESERVOIR_GUARDED_BY(mutex_);

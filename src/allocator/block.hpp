@@ -182,6 +182,9 @@ struct VmState {
     std::size_t first_page = 0;
     std::size_t pages = 0;
     bool live = false;
+    // paging: the arena growth (the allocator's count) that moved this
+    // handle here from a free block elsewhere; 0: created here.
+    std::uint64_t moved_at = 0;
   };
   bool paging = false;  // policy:paging; false: expandable_segments
   // A stitched segment (paging under pressure) holds one block made of free
@@ -221,7 +224,7 @@ struct VmState {
       slot = free_slots.back();
       free_slots.pop_back();
     }
-    handles[slot] = Handle{h, first, pages, true};
+    handles[slot] = Handle{h, first, pages, true, 0};
     mapped_pages += pages;
     whole = first == 0 && pages == this->pages && pages != 0;
     if (page_handle.size() < first + pages) page_handle.resize(first + pages, kNone);

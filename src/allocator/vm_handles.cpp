@@ -17,6 +17,14 @@ using detail::BlockPool;
 using detail::Segment;
 using detail::VmState;
 
+namespace {
+// Arena growths after a move before the same handle moves again outside
+// pressure: long enough that streams taking turns each keep memory of their
+// own, short enough that memory still follows a workload from one stream to
+// another between its phases.
+constexpr std::uint64_t kMoveCooldown = 16;
+}  // namespace
+
 std::size_t CachingAllocator::Impl::cached_bytes() const {
   const auto allocated = static_cast<std::size_t>(all_current(stats_.allocated_bytes));
   return total_reserved_ > allocated ? total_reserved_ - allocated : 0;
@@ -77,8 +85,11 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
   // mapping planned and at most twice it: moving it costs the same three
   // calls as creating one (unmap, map, set access), so no workload pays in
   // calls for the memory it saves, and caches are not stripped for small
-  // needs. The blocks next to `to_map` stay (their unmapping would merge
-  // into it).
+  // needs; nor is a handle moved within the last kMoveCooldown growths:
+  // streams that take turns would otherwise move one handle back and forth
+  // on every request (sync, unmap, map, set access each time), where
+  // memory of each stream's own, created once, costs no call after. The
+  // blocks next to `to_map` stay (their unmapping would merge into it).
   std::vector<Recycled> taken;
   // Outside pressure a handle must hold `bytes`: with less cached, none does
   // (and the scan of every arena is spared on each growth).
@@ -95,6 +106,10 @@ std::vector<CachingAllocator::Impl::Recycled> CachingAllocator::Impl::recycle_fr
     const std::size_t size = (v.end - v.first) * page;
     if (covered + size > room || (!recycling_ && size < bytes)) continue;
     Segment& seg = *v.seg;
+    if (!recycling_) {
+      const std::uint64_t moved_at = seg.vm->handles[seg.vm->at(v.first)].moved_at;
+      if (moved_at != 0 && growths_ - moved_at < kMoveCooldown) continue;
+    }
     // Unmapping a handle may have split its block: find it again by address.
     Block* b = block_at(seg, seg.base + v.first * page);
     if (b == nullptr || !b->is_free()) continue;

@@ -29,7 +29,11 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
   // elsewhere first (paging), then fresh memory for the rest (paging: one
   // handle; expandable segments: one per page).
   std::vector<Recycled> pieces;
-  if (vm.paging) pieces = recycle_free_handles(to_map, mapped_bytes);
+  if (vm.paging) {
+    ++growths_;
+    pieces = recycle_free_handles(to_map, mapped_bytes);
+  }
+  const std::size_t moved = pieces.size();
   std::size_t recycled_bytes = 0;
   for (const Recycled& r : pieces) recycled_bytes += r.bytes;
   mapped_bytes = std::max(mapped_bytes, recycled_bytes);
@@ -98,9 +102,10 @@ bool CachingAllocator::Impl::map_block(Block* to_map, std::size_t bytes) {
                       fmt::format("setting access to {} bytes at {:#x}", mapped_bytes, va));
   }
   std::size_t page_at = first;
-  for (const Recycled& r : pieces) {
-    vm.add(r.handle, page_at, r.bytes / page);
-    page_at += r.bytes / page;
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const std::uint32_t slot = vm.add(pieces[k].handle, page_at, pieces[k].bytes / page);
+    if (k < moved) vm.handles[slot].moved_at = growths_;
+    page_at += pieces[k].bytes / page;
   }
 
   pool.unmapped.erase(to_map);

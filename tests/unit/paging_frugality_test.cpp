@@ -10,6 +10,8 @@
 #include <random>
 #include <string>
 
+#include "reservoir/caching_allocator.hpp"
+#include "reservoir/sim_device.hpp"
 #include "reservoir/trace.hpp"
 #include "shared_traces.hpp"
 #include "source_dir.hpp"
@@ -142,6 +144,37 @@ TEST(PagingFrugality, TenStreamsShareTheirFreeMemory) {
   // less still on this program (7.1 ms against paging's 13.3 ms).
   EXPECT_LT(paging.device_call_seconds, expandable.device_call_seconds);
   EXPECT_GT(paging.device_frees, 0);  // handles did move between streams
+}
+
+// Two streams allocating in turn, with one free handle between them after
+// warming up: each stream used to take the other's handle (synchronize,
+// unmap, map, set access) on every request. A handle moved outside pressure
+// stays for the next 16 growths, so the second stream creates memory of its
+// own once, and from then on no request makes a device call.
+TEST(PagingFrugality, StreamsTakingTurnsEachKeepMemoryOfTheirOwn) {
+  SimDevice device;
+  CachingAllocator a(device, AllocatorConfig::parse("policy:paging"));
+  for (const std::size_t size : {std::size_t{512}, std::size_t{65536}, kMiB, 5 * kMiB, 8 * kMiB}) {
+    a.deallocate(a.allocate(size, 0));
+    a.deallocate(a.allocate(size, 1));
+  }
+  auto calls = [&device] {
+    std::uint64_t n = 0;
+    for (const CallKind k : {CallKind::create_physical, CallKind::release_physical, CallKind::map,
+                             CallKind::unmap, CallKind::set_access, CallKind::synchronize_stream}) {
+      n += device.calls(k);
+    }
+    return n;
+  };
+  for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(4096, static_cast<StreamId>(i % 2)));
+  const std::uint64_t settled = calls();
+  for (int i = 0; i < 1000; ++i) a.deallocate(a.allocate(4096, static_cast<StreamId>(i % 2)));
+  EXPECT_EQ(calls(), settled);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, std::int64_t{40} << 20);  // 20 MiB a stream
+  const Snapshot snap = a.snapshot();
+  ASSERT_EQ(snap.segments.size(), 2u);
+  EXPECT_NE(snap.segments[0].stream, snap.segments[1].stream);
+  a.validate();
 }
 
 }  // namespace
