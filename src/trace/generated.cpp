@@ -141,6 +141,38 @@ void streams(Builder& b, Rng& r) {
   }
 }
 
+// Streams taking turns: weights on the default stream, then each step runs
+// on the next stream and allocates buffers of the program's few sizes, freed
+// at the step's end (a block now and then lives on into the next step, used
+// there by its stream).
+void turns(Builder& b, Rng& r) {
+  b.alloc(big_size(r));  // weights
+  const auto nstreams = 2 + r.below(2);
+  std::vector<std::size_t> sizes(1 + r.below(4));
+  for (auto& size : sizes) size = r.chance(40) ? small_size(r) : (r.chance(85) ? mid_size(r) : big_size(r));
+  const auto steps = 20 + r.below(100);
+  std::uint32_t carried = 0;
+  bool carrying = false;
+  for (std::size_t i = 0; i < steps; ++i) {
+    const auto s = static_cast<StreamId>(i % nstreams);
+    std::vector<std::uint32_t> mine;
+    for (std::size_t size : sizes) mine.push_back(b.alloc(size, s));
+    if (carrying) {
+      b.use(carried, s);
+      b.free(carried);
+      carrying = false;
+    }
+    if (r.chance(15)) {
+      carried = mine.back();
+      mine.pop_back();
+      carrying = true;
+    }
+    for (std::uint32_t id : mine) b.free(id);
+    b.maybe_empty(1);
+  }
+  if (carrying) b.free(carried);
+}
+
 }  // namespace
 
 ReplayProgram generated_program(std::uint64_t seed) {
@@ -164,8 +196,13 @@ ReplayProgram generated_program(std::uint64_t seed) {
         families.emplace_back("huge");
         break;
       default:
-        streams(b, r);
-        families.emplace_back("streams");
+        if (r.chance(35)) {
+          turns(b, r);
+          families.emplace_back("turns");
+        } else {
+          streams(b, r);
+          families.emplace_back("streams");
+        }
         break;
     }
   }
