@@ -352,6 +352,9 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // serves mapped (the whole block when it is not split); false when the
   // device has no memory for them, even after free pages went back.
   bool back_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // native_paged where the native policy's choice found no memory: among the
+  // free blocks that could serve p, the one whose pages are mapped the most.
+  bool rescue_paged(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // The bytes at the front of p.block that serving p hands its caller to
   // touch: the request, not the rounding or an unsplit rest after it.
   std::size_t served_bytes(const AllocParams& p, const detail::Block* b) const

@@ -71,6 +71,10 @@ class Parser {
       fail("key 'paging_slack_mb' applies to policy:paging only; add policy:paging or leave the "
            "key out");
     }
+    if (!config.native_paged_rescue && config.policy != Policy::native_paged) {
+      fail("key 'native_paged_rescue' applies to policy:native_paged only; add "
+           "policy:native_paged or leave the key out");
+    }
     if (config.max_split_size < config.large_segment_size) {
       fail(fmt::format("key 'max_split_size_mb': value '{}' is too small; accepted: a whole "
                        "number of MiB >= {} (large_segment_size_mb)",
@@ -526,6 +530,19 @@ const Entry kTable[] = {
      },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.paging_slack != kNoPagingBound) out.push_back("paging_slack_mb:" + mib(c.paging_slack));
+     }},
+    {{"native_paged_rescue", kBool, "True", "reservoir", "", "",
+      "`policy:native_paged` only: where the native policy's choice finds no memory (after "
+      "free pages went back and the retry ladder ran), the request is served from the free "
+      "block, of either default pool and any stream (after synchronizing it), whose pages are "
+      "mapped the most, before out-of-memory is raised; False keeps the native policy's "
+      "decisions even then",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.native_paged_rescue, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (!c.native_paged_rescue) out.emplace_back("native_paged_rescue:False");
      }},
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
       "the release whose decisions the native policy takes where releases differ: from 2.12, of "

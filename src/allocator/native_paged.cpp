@@ -40,9 +40,10 @@ class NativePagedSegments final : public SegmentSource {
  public:
   using SegmentSource::SegmentSource;
   Policy policy() const noexcept override { return Policy::native_paged; }
-  SourceTraits traits(const AllocatorConfig& /*config*/) const noexcept override {
+  SourceTraits traits(const AllocatorConfig& config) const noexcept override {
     SourceTraits t;
     t.checks_fraction = true;  // against the pages mapped, not the segment's size
+    t.rescues = config.native_paged_rescue;
     return t;
   }
   bool obtain(AllocParams& p) override RESERVOIR_REQUIRES(core_.source_lock()) {
@@ -290,6 +291,51 @@ bool CachingAllocator::Impl::back_block(AllocParams& p) {
     }
     i += run;
   }
+  return true;
+}
+
+bool CachingAllocator::Impl::rescue_paged(AllocParams& p) {
+  // Every free block of the request's pool and, for the default pools, of
+  // the other default pool, on every stream, that could serve it under the
+  // native policy's limits on oversize blocks; the one with the fewest pages
+  // still to map wins (the request's stream, then its own pool, on ties).
+  const std::size_t max_split = config_.max_split_size;
+  Block* best = nullptr;
+  std::size_t best_missing = std::numeric_limits<std::size_t>::max();
+  auto consider = [&](Block* b) {
+    if (!b->segment->paged || b->size < p.size) return;
+    if (p.size < max_split && b->size >= max_split) return;
+    if (p.size >= max_split && b->size >= p.size + config_.max_non_split_rounding_size) return;
+    if (in_stitched(b)) return;
+    const VmState& pg = *b->segment->paged;
+    const std::size_t offset = b->ptr - b->segment->base;
+    const std::size_t first = offset / pg.page;
+    const std::size_t end = (offset + served_bytes(p, b) + pg.page - 1) / pg.page;
+    std::size_t missing = 0;
+    for (std::size_t i = first; i < end && missing < best_missing; ++i) {
+      missing += pg.at(i) == VmState::kNone ? 1 : 0;
+    }
+    const bool better = missing < best_missing ||
+                        (missing == best_missing && best->stream != p.stream && b->stream == p.stream);
+    if (better) {
+      best_missing = missing;
+      best = b;
+    }
+  };
+  BlockPool* const other = p.pool == &small_ ? &large_ : p.pool == &large_ ? &small_ : nullptr;
+  for (BlockPool* pool : {p.pool, other}) {
+    if (pool == nullptr) continue;
+    for (Block* b : pool->blocks) consider(b);
+  }
+  if (best == nullptr) return false;
+  AllocParams q{p.size, p.alloc_size, best->stream, best->pool};
+  q.requested = p.requested;
+  q.block = best;
+  q.block_in_pool = true;
+  // Another stream's free block may still be read by work queued there.
+  if (best->stream != p.stream) synchronize_segment_stream(*best->segment, "lending a free block of", best->ptr);
+  if (!back_block(q)) return false;
+  p = q;
   return true;
 }
 

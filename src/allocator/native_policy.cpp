@@ -266,7 +266,8 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
     found = alloc_block(p, false) ||
             (!use_on_oom_pools_.empty() && p.pool->owner == nullptr && borrow_from_use_on_oom_pools(p)) ||
             (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-            (routes_.empty() && release_cached_blocks() && alloc_block(p, true));
+            (routes_.empty() && release_cached_blocks() && alloc_block(p, true)) ||
+            (traits_.rescues && rescue_paged(p));
   }
   if (!found) {
     Oom oom = out_of_memory(p);
@@ -275,7 +276,11 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
       observer(device_index_, p.alloc_size, oom.limit, oom.free);
     throw explained(oom);
   }
-  return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
+  Block* block = alloc_found_block(p, requested);
+  // A block lent by another stream's segment (native_paged's rescue) stays
+  // that stream's; the caller's stream is a use of it, as by record_stream.
+  if (block->stream != stream) block->stream_uses.push_back(stream);
+  return reinterpret_cast<void*>(block->ptr);
 }
 
 void CachingAllocator::Impl::refuse_impossible(std::size_t requested) {

@@ -62,6 +62,9 @@ struct SourceTraits {
   // obtain() checks the memory fraction itself (against what it maps), so
   // the core does not check the size of a whole segment first.
   bool checks_fraction = false;
+  // Where the native policy's choice finds no memory, the core tries the
+  // free block whose pages are mapped the most (native_paged's rescue).
+  bool rescues = false;
   // after_free() is called after each free that returns a block to the cache.
   bool after_free = false;
   // observe() hears every allocation and free request (and out-of-memory

@@ -142,7 +142,7 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "pinned_num_register_threads, pinned_use_background_threads, "
             "pinned_reserve_segment_size_mb, pinned_free_catch_all, "
             "pinned_max_round_threshold_mb, pinned_max_cached_size_mb, backend, policy, "
-            "paging_release_threshold_mb, paging_slack_mb, pytorch_version");
+            "paging_release_threshold_mb, paging_slack_mb, native_paged_rescue, pytorch_version");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
@@ -189,6 +189,22 @@ TEST(Config, PagingSlackIsTheNativeBound) {
   EXPECT_EQ(error_of("policy:paging,paging_slack_mb:on"),
             "allocator config \"policy:paging,paging_slack_mb:on\": key 'paging_slack_mb': "
             "value 'on' is not a whole number; accepted: a whole number of MiB, or off");
+}
+
+TEST(Config, NativePagedRescue) {
+  EXPECT_TRUE(AllocatorConfig::parse("policy:native_paged").native_paged_rescue);
+  const AllocatorConfig c = AllocatorConfig::parse("policy:native_paged,native_paged_rescue:False");
+  EXPECT_FALSE(c.native_paged_rescue);
+  EXPECT_EQ(c.to_string(), "policy:native_paged,native_paged_rescue:False");
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+  EXPECT_EQ(AllocatorConfig::parse("policy:native_paged,native_paged_rescue:True").to_string(),
+            "policy:native_paged");
+  EXPECT_EQ(error_of("native_paged_rescue:False"),
+            "allocator config \"native_paged_rescue:False\": key 'native_paged_rescue' applies to "
+            "policy:native_paged only; add policy:native_paged or leave the key out");
+  EXPECT_EQ(error_of("policy:native_paged,native_paged_rescue:no"),
+            "allocator config \"policy:native_paged,native_paged_rescue:no\": key "
+            "'native_paged_rescue': value 'no' is not accepted; accepted: True or False");
 }
 
 // The keys of newer PyTorch releases: parsed, printed back, and checked.
@@ -252,7 +268,7 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 24u);
+  EXPECT_EQ(keys.size(), 25u);
 }
 
 TEST(Config, VersionsCompareByNumber) {

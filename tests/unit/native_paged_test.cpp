@@ -217,6 +217,130 @@ TEST(NativePaged, FitsWhereNativeRunsOutOfMemory) {
   native.deallocate(b);
 }
 
+// A 6 MiB device, full: a 20 MiB segment of the large pool (on `stream`)
+// holds 2.5 MiB at 0 and 2 MiB at 2.5 MiB, three pages mapped; the last
+// page's upper 1.5 MiB is free. A request for a new small segment finds no
+// page to map.
+struct FullWithAFreeTail {
+  SimDevice device = tight_device(6 * kMiB);
+  CachingAllocator a;
+  void* l1 = nullptr;
+  void* l2 = nullptr;
+  explicit FullWithAFreeTail(const std::string& settings, StreamId stream = 0)
+      : a(device, AllocatorConfig::parse(settings)) {
+    l1 = a.allocate(5 * kMiB / 2, stream);
+    l2 = a.allocate(2 * kMiB, stream);
+  }
+  ~FullWithAFreeTail() {
+    a.deallocate(l2);
+    a.deallocate(l1);
+  }
+  FullWithAFreeTail(const FullWithAFreeTail&) = delete;
+  FullWithAFreeTail& operator=(const FullWithAFreeTail&) = delete;
+};
+
+TEST(NativePaged, WhereNativesChoiceFindsNoMemoryAFreeBlockOnMappedPagesServes) {
+  FullWithAFreeTail t("policy:native_paged");
+  ASSERT_EQ(reserved(t.a), std::int64_t{6} << 20);
+  void* s = t.a.allocate(512 * 1024);  // native: a new small segment, no page for it
+  EXPECT_EQ(s, static_cast<char*>(t.l1) + 9 * kMiB / 2);  // just above l2, on its page
+  EXPECT_EQ(reserved(t.a), std::int64_t{6} << 20);
+  const DeviceStats st = t.a.stats();
+  EXPECT_EQ(st.num_ooms, 0);
+  EXPECT_EQ(st.segment[0].current, 1);  // the small segment tried was given back
+  EXPECT_EQ(st.allocated_bytes[2].current, std::int64_t{5} << 20);  // in the large pool
+  EXPECT_EQ(st.allocated_bytes[1].current, 0);
+  EXPECT_EQ(t.device.live_physical(), 2u);
+  t.a.validate();
+  t.a.deallocate(s);
+  t.a.validate();
+  // Freed, it merges back into the large segment's free rest.
+  const Snapshot snap = t.a.snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 3u);
+  EXPECT_EQ(snap.segments[0].blocks[2].size, 31 * kMiB / 2);
+}
+
+TEST(NativePaged, WithoutTheRescueTheNativeChoiceRunsOutOfMemory) {
+  FullWithAFreeTail t("policy:native_paged,native_paged_rescue:False");
+  EXPECT_THROW((void)t.a.allocate(512 * 1024), OutOfMemoryError);
+  EXPECT_EQ(reserved(t.a), std::int64_t{6} << 20);
+  EXPECT_EQ(t.a.stats().num_ooms, 1);
+  EXPECT_EQ(t.a.stats().segment[0].current, 1);
+  t.a.validate();
+}
+
+TEST(NativePaged, TheRescueLendsAnotherStreamsFreeBlockAfterSynchronizingIt) {
+  // The large segment is stream 1's; the request is stream 0's. The block
+  // stays stream 1's, with stream 0 as a use of it (as by record_stream):
+  // freed, it waits for stream 0's work before stream 1 may reuse it.
+  FullWithAFreeTail t("policy:native_paged", 1);
+  const std::uint64_t syncs = t.device.calls(CallKind::synchronize_stream);
+  const std::uint64_t records = t.device.calls(CallKind::record_event);
+  void* s = t.a.allocate(512 * 1024, 0);
+  EXPECT_EQ(s, static_cast<char*>(t.l1) + 9 * kMiB / 2);
+  EXPECT_EQ(t.device.calls(CallKind::synchronize_stream), syncs + 1);
+  const Snapshot snap = t.a.snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].stream, 1);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 4u);
+  EXPECT_EQ(snap.segments[0].blocks[2].size, 512u * 1024);
+  EXPECT_EQ(snap.segments[0].blocks[2].state, BlockState::active_allocated);
+  t.a.deallocate(s);
+  EXPECT_EQ(t.device.calls(CallKind::record_event), records + 1);  // on stream 0
+  EXPECT_EQ(t.a.snapshot().segments[0].blocks[2].state, BlockState::active_pending_free);
+  t.a.empty_cache();  // its event has completed: the block is cached, merged
+  EXPECT_EQ(t.a.snapshot().segments[0].blocks.size(), 3u);
+  EXPECT_EQ(t.a.stats().allocated_bytes[0].current, std::int64_t{9} << 19);
+  t.a.validate();
+}
+
+// The op of a replay's first out-of-memory error ("op N: ..."), or the
+// program's length when it had none.
+std::size_t first_oom_op(const ReplayResult& r, const ReplayProgram& prog) {
+  if (r.num_ooms == 0) return prog.ops.size();
+  EXPECT_TRUE(r.first_oom.starts_with("op ")) << r.first_oom;
+  return static_cast<std::size_t>(std::stoull(r.first_oom.substr(3)));
+}
+
+TEST(NativePaged, TheRescueServesOnlyWhereTheNativeChoiceWouldRunOutOfMemory) {
+  // Generated programs at capacities just above their peaks, with and
+  // without the rescue, every step validated: up to the first call the
+  // native choice cannot serve, both take the same decisions (the same
+  // reserved memory after every call); there the rescue serves the request
+  // or runs out of memory too. Under three settings.
+  int rescued = 0;
+  for (const auto& [settings, programs] : {std::tuple<std::string, int>{"", 1400},
+                                           {"roundup_power2_divisions:4", 300},
+                                           {"max_split_size_mb:64", 300}}) {
+    const std::string with = settings.empty() ? "policy:native_paged" : settings + ",policy:native_paged";
+    const AllocatorConfig rescue = AllocatorConfig::parse(with);
+    const AllocatorConfig plain = AllocatorConfig::parse(with + ",native_paged_rescue:False");
+    const int count = scaled_for_validation(programs);
+    for (int seed = 0; seed < count; ++seed) {
+      const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed) + 9000);
+      const std::uint64_t peak = replay(prog, plain, "").peak_requested_bytes;
+      ReplayOptions o;
+      o.validate_each_step = true;
+      o.keep_reserved = true;
+      o.capacity = (peak / (2 * kMiB) + 1 + static_cast<std::uint64_t>(seed % 4)) * (2 * kMiB);
+      const ReplayResult a = replay(prog, plain, "plain", o);
+      const ReplayResult b = replay(prog, rescue, "rescue", o);
+      const std::size_t first_oom = first_oom_op(a, prog);
+      ASSERT_EQ(a.reserved_after_op.size(), b.reserved_after_op.size());
+      for (std::size_t i = 0; i < first_oom; ++i) {
+        ASSERT_EQ(a.reserved_after_op[i], b.reserved_after_op[i])
+            << prog.name << " [" << settings << "] call " << i;
+      }
+      const std::size_t rescued_to = first_oom_op(b, prog);
+      ASSERT_GE(rescued_to, first_oom) << prog.name << " [" << settings << "]";
+      rescued += rescued_to > first_oom ? 1 : 0;
+    }
+  }
+  EXPECT_GT(rescued, 0);  // the capacities were tight enough for rescues
+  RecordProperty("programs_rescued", rescued);
+}
+
 TEST(NativePaged, EmptyCacheGivesBackFreePagesOfSegmentsInUse) {
   OneOfTwoFreed t;
   EXPECT_EQ(reserved(t.a), std::int64_t{8} << 20);

@@ -71,6 +71,11 @@ struct AllocatorConfig {
   // that go back to the device. kNoPagingBound (the default): no bound, and
   // no model of the native policy kept beside the allocator.
   std::size_t paging_slack = kNoPagingBound;
+  // policy:native_paged: where the native policy's choice finds no memory,
+  // serve the request from the free block (of either default pool, any
+  // stream's) with the fewest pages still to map before raising
+  // out-of-memory. False: the native policy's decisions even then.
+  bool native_paged_rescue = true;
   // The PyTorch release whose decisions the native policy takes where
   // releases differ ("2.15"); empty: those of 2.11 and before.
   std::string pytorch_version;
