@@ -52,7 +52,9 @@ void run(const ReplayArgs& args) {
           "--memory-fraction it never runs here\n", c)));
     }
   }
-  if (configs.empty()) configs.emplace_back("", AllocatorConfig{});
+  if (configs.empty()) {
+    for (const std::string& c : default_configs()) configs.emplace_back(c, AllocatorConfig::parse(c));
+  }
   std::vector<Row> rows;
   Progress progress;
   options.observer = &progress;
@@ -118,7 +120,8 @@ void add_replay(CLI::App& app) {
                 "also replay each under the native policy and report how far each config's "
                 "reserved memory went above it at the same call");
   cmd->add_option("--config,-c", args->configs,
-                  "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults)");
+                  "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults; "
+                  "none named: '' and policy:native_paged)");
   add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_option("--memory-fraction", args->fraction,
                   "set_per_process_memory_fraction before replaying (enables garbage collection)")

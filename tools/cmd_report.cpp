@@ -38,7 +38,7 @@ void run(const ReportArgs& args) {
   ReplayOptions options;
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
   std::vector<std::string> configs = args.configs;
-  if (configs.empty()) configs.emplace_back("");
+  if (configs.empty()) configs = default_configs();
   for (const std::string& c : configs) (void)AllocatorConfig::parse(c);  // fail before replaying
   Progress progress;
   std::string summary;
@@ -160,7 +160,8 @@ void add_report(CLI::App& app) {
   cmd->add_option("traces", args->traces, "traces (pickle, JSON, RMM CSV, text)")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--config,-c", args->configs, "allocator config (repeatable; '' = defaults)");
+  cmd->add_option("--config,-c", args->configs,
+                  "allocator config (repeatable; '' = defaults; none named: '' and policy:native_paged)");
   add_size_option(*cmd, "--capacity", args->capacity, "device capacity, e.g. 24GiB (default: unlimited)");
   cmd->add_flag("--min-capacity", args->min_capacity, "also find each config's minimum capacity");
   cmd->add_flag("!--no-advice", args->advice,

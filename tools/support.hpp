@@ -59,6 +59,14 @@ void write_file(const std::string& path, const std::string& content, const std::
 // A config string for people: "native defaults" for the empty one.
 std::string config_label(const std::string& config);
 
+// The configs replay and report run when none is named: PyTorch's defaults,
+// and policy:native_paged (never more reserved than them at any call, less
+// where memory runs short: the policy to leave on, docs/config.md).
+inline const std::vector<std::string>& default_configs() {
+  static const std::vector<std::string> configs{"", "policy:native_paged"};
+  return configs;
+}
+
 // The width text output keeps to: lines of at most 100 columns.
 inline constexpr std::size_t kTextWidth = 100;
 

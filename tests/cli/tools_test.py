@@ -61,9 +61,15 @@ def run_on_terminal(*args, env=None):
 
 # Progress: drawn on a terminal, erased at the end; silent in a pipe or when disabled.
 tty = run_on_terminal("replay", transformer, "--min-capacity")
-check("\r\x1b[K[1/1] transformer_training.trace [native defaults], finding the minimum capacity"
-      in tty, f"no progress line on the terminal: {tty!r}")
+check("\r\x1b[K[1/2] transformer_training.trace [native defaults], finding the minimum capacity"
+      in tty and "\r\x1b[K[2/2] transformer_training.trace [policy:native_paged], finding the "
+      "minimum capacity" in tty, f"no progress line on the terminal: {tty!r}")
 check(tty.endswith("\r\x1b[K"), f"the progress line is not erased at the end: {tty[-40:]!r}")
+# With no config named, replay runs PyTorch's defaults and policy:native_paged.
+unnamed = json.loads(run("replay", transformer, "--json").stdout)
+check([r["config"] for r in unnamed] == ["", "policy:native_paged"]
+      and unnamed[1]["peak_reserved_bytes"] <= unnamed[0]["peak_reserved_bytes"],
+      f"replay's default configs: {[(r['config'], r['peak_reserved_bytes']) for r in unnamed]}")
 piped = run("replay", transformer, "--min-capacity")
 check(piped.stderr == "", f"progress written to a pipe: {piped.stderr!r}")
 quiet = run_on_terminal("replay", transformer, env={"RESERVOIR_PROGRESS": "0"})
