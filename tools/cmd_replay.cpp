@@ -30,6 +30,7 @@ struct ReplayArgs {
   bool min_capacity = false;
   bool wide = false;
   bool vs_native = false;
+  bool reuse_addresses = false;
   std::uint64_t generated = 0;
   std::uint64_t first_seed = 0;
   std::optional<int> device;
@@ -40,6 +41,7 @@ void run(const ReplayArgs& args) {
   if (!args.capacity.empty()) options.capacity = parse_size(args.capacity);
   options.validate_each_step = args.validate;
   options.memory_fraction = args.fraction;
+  options.reuse_freed_addresses = args.reuse_addresses;
   std::vector<std::pair<std::string, AllocatorConfig>> configs;
   for (const std::string& c : args.configs) {
     configs.emplace_back(c, AllocatorConfig::parse(c));
@@ -119,6 +121,9 @@ void add_replay(CLI::App& app) {
   cmd->add_flag("--vs-native", args->vs_native,
                 "also replay each under the native policy and report how far each config's "
                 "reserved memory went above it at the same call");
+  cmd->add_flag("--reuse-addresses", args->reuse_addresses,
+                "the simulated device gives a new segment the lowest freed range it fits, as a real "
+                "driver can (default: always above the last)");
   cmd->add_option("--config,-c", args->configs,
                   "allocator config in PYTORCH_CUDA_ALLOC_CONF syntax (repeatable; '' = defaults; "
                   "none named: '' and policy:native_paged)");

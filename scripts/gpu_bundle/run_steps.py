@@ -725,6 +725,30 @@ def step_own_allocator(run):
         f"{k} {v:.2f}" for k, v in per.items() if isinstance(v, (int, float)))
 
 
+def step_native_paged(run):
+    """policy:native_paged beside reservoir's native policy on the real
+    driver (own allocator, a training loop of varying sequence length):
+    reserved memory after every allocation and free compared call by call,
+    losses, steps per second; under 2.15's rules never above native."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "native_paged_check.py"), "--steps", "20"],
+                       env={**run.env_torch, "PYTHONPATH": run.python_path()}, timeout=280, cwd=run.scratch)
+    checks = check_lines(text)
+    run.results["figures"]["native_paged"] = checks
+    if rc != 0 or len(checks) != 1 or not checks[0].get("ok"):
+        raise StepFailed(first_error(text) if not checks else "failed: " + json.dumps(checks[0])[:600])
+    parts = []
+    for rules, p in checks[0]["pairs"].items():
+        sps = p["steps_per_second"]
+        parts.append(f"{rules}: {p['calls_above_native']} of {p['calls']} calls above native "
+                     f"(most {p['most_above_native_bytes'] / 2**20:.0f} MiB), peak "
+                     f"{p['peak_reserved']['native_paged'] / 2**20:.0f} vs {p['peak_reserved']['native'] / 2**20:.0f} MiB, "
+                     f"steps/s {sps['native_paged']:.1f} vs {sps['native']:.1f}")
+    return "; ".join(parts)
+
+
 def check_lines(text):
     """The JSON lines {"check": ...} a check script prints, one per check."""
     checks = []
@@ -811,6 +835,8 @@ STEPS = [
      step_rmm_beside_reservoir, 300),
     ("own_allocator", "reservoir as PyTorch's own allocator: training, stats, a CUDA graph, a verified snapshot",
      step_own_allocator, 300),
+    ("native_paged", "policy:native_paged vs native on the real driver: reserved at every call, steps/s",
+     step_native_paged, 300),
 ]
 
 

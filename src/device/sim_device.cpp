@@ -1,6 +1,7 @@
 #include "reservoir/sim_device.hpp"
 
 #include <algorithm>
+#include <iterator>
 
 namespace reservoir {
 namespace {
@@ -73,7 +74,7 @@ Status SimDevice::allocate_segment(std::size_t bytes, DevicePtr* addr) noexcept 
   if (address_source_) {
     if (Status s = address_source_(bytes, &result); s != Status::ok) return s;
     if (segments_.count(result) != 0) return Status::invalid_argument;
-  } else {
+  } else if (!options_.reuse_freed_addresses || !reuse_freed_range(bytes, &result)) {
     result = next_address(bytes, options_.segment_alignment);
   }
   segments_.emplace(result, bytes);
@@ -91,8 +92,42 @@ Status SimDevice::free_segment(DevicePtr addr) noexcept {
   }
   if (it == segments_.end()) return Status::invalid_argument;
   segment_bytes_ -= it->second;
+  if (options_.reuse_freed_addresses && !address_source_) give_back_range(it->first, it->second);
   segments_.erase(it);
   return Status::ok;
+}
+
+bool SimDevice::reuse_freed_range(std::size_t bytes, DevicePtr* addr) {
+  const std::size_t alignment = std::max<std::size_t>(options_.segment_alignment, 512);
+  for (auto it = freed_ranges_.begin(); it != freed_ranges_.end(); ++it) {
+    const DevicePtr start = it->first;
+    const DevicePtr end = start + it->second;
+    const DevicePtr at = (start + alignment - 1) & ~(DevicePtr{alignment} - 1);
+    if (at < start || at + bytes > end) continue;
+    freed_ranges_.erase(it);
+    if (at > start) freed_ranges_.emplace(start, at - start);
+    if (at + bytes < end) freed_ranges_.emplace(at + bytes, end - at - bytes);
+    *addr = at;
+    return true;
+  }
+  return false;
+}
+
+void SimDevice::give_back_range(DevicePtr start, std::size_t bytes) {
+  DevicePtr end = start + bytes;
+  auto next = freed_ranges_.lower_bound(start);
+  if (next != freed_ranges_.end() && next->first == end) {
+    end += next->second;
+    next = freed_ranges_.erase(next);
+  }
+  if (next != freed_ranges_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      freed_ranges_.erase(prev);
+    }
+  }
+  freed_ranges_.emplace(start, end - start);
 }
 
 Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {

@@ -105,6 +105,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
                     const std::string& config_text, const ReplayOptions& options) {
   SimDeviceOptions device_options;
   device_options.capacity = options.capacity.value_or(kUnboundedCapacity);
+  device_options.reuse_freed_addresses = options.reuse_freed_addresses;
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
   AllocatorConfig rules = config;

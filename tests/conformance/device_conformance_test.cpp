@@ -262,5 +262,37 @@ TEST(SimDevice, AddressesComeFromTheSourceWhenSet) {
   EXPECT_EQ(d.allocate_segment(4096, &a), Status::invalid_argument);  // would overlap
 }
 
+TEST(SimDevice, ReusingFreedAddressesGivesTheLowestRangeThatFits) {
+  SimDeviceOptions o;
+  o.reuse_freed_addresses = true;
+  SimDevice d(o);
+  DevicePtr a = 0;
+  DevicePtr b = 0;
+  DevicePtr c = 0;
+  DevicePtr e = 0;
+  ASSERT_EQ(d.allocate_segment(20 * kMiB, &a), Status::ok);
+  ASSERT_EQ(d.allocate_segment(4 * kMiB, &b), Status::ok);
+  ASSERT_EQ(d.allocate_segment(20 * kMiB, &c), Status::ok);
+  EXPECT_EQ(a, o.base_address);
+  EXPECT_EQ(b, a + 20 * kMiB);
+  EXPECT_EQ(c, b + 4 * kMiB);
+  ASSERT_EQ(d.free_segment(b), Status::ok);
+  ASSERT_EQ(d.free_segment(a), Status::ok);  // merges with b's range: 24 MiB free at a
+  ASSERT_EQ(d.allocate_segment(22 * kMiB, &e), Status::ok);
+  EXPECT_EQ(e, a);  // below c, which a device always allocating upwards would not give
+  DevicePtr f = 0;
+  ASSERT_EQ(d.allocate_segment(4 * kMiB, &f), Status::ok);  // 2 MiB left at a + 22: too small
+  EXPECT_EQ(f, c + 20 * kMiB);
+  DevicePtr g = 0;
+  ASSERT_EQ(d.allocate_segment(2 * kMiB, &g), Status::ok);
+  EXPECT_EQ(g, a + 22 * kMiB);
+  // Without the option, the freed range stays unused.
+  SimDevice plain;
+  ASSERT_EQ(plain.allocate_segment(20 * kMiB, &a), Status::ok);
+  ASSERT_EQ(plain.free_segment(a), Status::ok);
+  ASSERT_EQ(plain.allocate_segment(20 * kMiB, &b), Status::ok);
+  EXPECT_EQ(b, a + 20 * kMiB);
+}
+
 }  // namespace
 }  // namespace reservoir

@@ -118,6 +118,23 @@ def test_policy_native_paged_takes_pytorchs_decisions_and_never_reserves_more():
     assert paged["reserved"] <= native["reserved"], (paged, native)
 
 
+def test_the_gpu_bundles_native_paged_check_runs_and_holds_the_bound_here():
+    # tests/gpu/native_paged_check.py (the GPU bundle's native_paged step),
+    # its allocations without kernels on the simulated device: both pairs of
+    # runs make the same program, native_paged never above native at a call.
+    script = os.path.join(os.path.dirname(__file__), "..", "gpu", "native_paged_check.py")
+    r = subprocess.run([sys.executable, script, "--steps", "10", "--program", "allocations"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["check"] == "native_paged" and out["ok"] is True
+    assert len(out["pairs"]) == 2
+    for rules, pair in out["pairs"].items():
+        assert pair["same_program"] and pair["calls"] == 404, (rules, pair)
+        assert pair["calls_above_native"] == 0 and pair["most_above_native_bytes"] == 0, (rules, pair)
+        assert 0 < pair["peak_reserved"]["native_paged"] <= pair["peak_reserved"]["native"], (rules, pair)
+
+
 OOM = """
 seen = []
 torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(list(args)))

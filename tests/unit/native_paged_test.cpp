@@ -80,6 +80,40 @@ TEST(NativePaged, NeverReservesMoreThanNativeAtAnyCallOfAnyProgram) {
   }
 }
 
+// The bound on a device that gives a segment the lowest freed range (as a
+// real driver can): from PyTorch 2.12, ties among cached blocks of one size
+// go to the oldest segment, so addresses decide nothing and the bound holds
+// exactly; before, the lowest address wins, the native policy's layout
+// follows the driver's order and native_paged's (its arena, ascending) can
+// differ either way: measured, not promised.
+TEST(NativePaged, WhereTheDriverReusesAddressesTheBoundHoldsFromPyTorch212) {
+  auto over = [](const ReplayProgram& prog, const std::string& settings) {
+    ReplayOptions keep;
+    keep.keep_reserved = true;
+    keep.reuse_freed_addresses = true;
+    const std::vector<std::uint64_t> native =
+        replay(prog, AllocatorConfig::parse(settings), settings, keep).reserved_after_op;
+    ReplayOptions compare;
+    compare.native_reserved = &native;
+    compare.reuse_freed_addresses = true;
+    const std::string config = settings + ",policy:native_paged";
+    return replay(prog, AllocatorConfig::parse(config), config, compare).over_native.value();
+  };
+  int above_before_212 = 0;
+  std::uint64_t worst_before_212 = 0;
+  const int programs = scaled_for_validation(600);
+  for (int seed = 0; seed < programs; ++seed) {
+    const ReplayProgram prog = generated_program(static_cast<std::uint64_t>(seed));
+    const OverNative now = over(prog, "pytorch_version:2.15");
+    ASSERT_EQ(now.worst_bytes, 0u) << prog.name << " at call " << now.worst_op;
+    const OverNative before = over(prog, "pytorch_version:2.11");
+    above_before_212 += before.worst_bytes > 0 ? 1 : 0;
+    worst_before_212 = std::max(worst_before_212, before.worst_bytes);
+  }
+  RecordProperty("programs_above_native_before_2_12", above_before_212);
+  RecordProperty("worst_mib_before_2_12", static_cast<int>(worst_before_212 >> 20));
+}
+
 // A segment as the snapshot shows it, apart from where it lies.
 using Shape = std::tuple<StreamId, bool, std::size_t, std::vector<std::tuple<std::size_t, std::size_t, int>>>;
 std::vector<Shape> shapes(const CachingAllocator& a) {

@@ -173,6 +173,15 @@ print(json.dumps({"check": "recording_cost", "ok": True, "pair": {"off": 10.0, "
 print(json.dumps({"checks": {"answer": True, "recording_cost": True}}))
 '''
 
+NATIVE_PAGED = '''import json
+pair = {"calls": 4000, "same_program": True, "identical_losses": True, "calls_above_native": 0,
+        "most_above_native_bytes": 0, "first_call_above": None,
+        "peak_reserved": {"native": 600 << 20, "native_paged": 580 << 20}, "reserved_below_native_calls": 3000,
+        "steps_per_second": {"native": 20.0, "native_paged": 19.5}}
+print(json.dumps({"check": "native_paged", "torch": "2.11.0", "ok": True,
+                  "pairs": {"2.11 (running)": pair, "pytorch_version:2.15": pair}}))
+'''
+
 
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
@@ -184,7 +193,7 @@ def make_fake(top, fail_gpu_test):
                        ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
                        ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS),
-                       ("explain_oom_check.py", EXPLAIN)):
+                       ("explain_oom_check.py", EXPLAIN), ("native_paged_check.py", NATIVE_PAGED)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -281,7 +290,13 @@ explain = fig.get("explain_oom", [])
 check([c["check"] for c in explain] == ["answer", "recording_cost"], f"explain_oom figures: {explain}")
 check(steps["explain_oom"]["note"] == "answered in 0.40 s; recording: pair 1.20x, step 1.05x of none",
       f"explain_oom note: {steps['explain_oom']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (14)" in summary, "verdict and summary")
+np_fig = fig.get("native_paged", [])
+check(len(np_fig) == 1 and sorted(np_fig[0]["pairs"]) == ["2.11 (running)", "pytorch_version:2.15"],
+      f"native_paged figures: {np_fig}")
+check(steps["native_paged"]["note"].startswith("2.11 (running): 0 of 4000 calls above native (most 0 MiB), "
+                                               "peak 580 vs 600 MiB, steps/s 19.5 vs 20.0; pytorch_version:2.15:"),
+      f"native_paged note: {steps['native_paged']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (15)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -290,11 +305,11 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 14, "every step reported")
+check(len(steps) == 15, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 14 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 15 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 finish("driver checks")

@@ -15,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -43,6 +44,12 @@ struct SimDeviceOptions {
   std::size_t segment_alignment = std::size_t{2} << 20;
   bool auto_complete_events = false;
   LatencyModel latency = LatencyModel::defaults();
+  // Segments (allocate_segment) take the lowest freed range they fit, as a
+  // real driver can give cudaMalloc a lower address after a cudaFree (an
+  // H100 on driver 580 did: tests/data/gpu/h100-2026-11-25, malloc_sequence);
+  // false: every segment lies above the last, as PyTorch's tie rule before
+  // 2.12 is usually pictured.
+  bool reuse_freed_addresses = false;
 };
 
 class SimDevice final : public Device {
@@ -127,6 +134,10 @@ class SimDevice final : public Device {
   // Counts the call and applies injected faults. Returns ok or the fault.
   Status enter(CallKind kind, std::size_t bytes = 0);
   DevicePtr next_address(std::size_t bytes, std::size_t alignment);
+  // reuse_freed_addresses: the lowest freed range `bytes` fits (aligned as
+  // segments are), taken out of freed_ranges_; false when none.
+  bool reuse_freed_range(std::size_t bytes, DevicePtr* addr);
+  void give_back_range(DevicePtr start, std::size_t bytes);
   // Marks complete the events recorded on *stream, or all when stream is null.
   void complete_locked(const StreamId* stream);
   std::size_t used() const noexcept { return segment_bytes_ + ledger_.physical_bytes(); }
@@ -139,6 +150,8 @@ class SimDevice final : public Device {
   DevicePtr next_address_;
   std::size_t segment_bytes_ = 0;
   std::unordered_map<DevicePtr, std::size_t> segments_;
+  // reuse_freed_addresses: freed segments' ranges, merged, by start.
+  std::map<DevicePtr, std::size_t> freed_ranges_;
   detail::VmmLedger ledger_;
   std::unordered_map<EventId, EventState> events_;
   EventId next_event_ = 1;

@@ -103,6 +103,9 @@ struct ReplayOptions {
   // min_capacity stops bisecting once the range is within this fraction of
   // its upper end (0: to the 2 MiB step, exact); refine_min_capacity ends it.
   double min_capacity_tolerance = 0.0;
+  // The simulated device gives a segment the lowest freed range it fits
+  // (SimDeviceOptions::reuse_freed_addresses), as a real driver can.
+  bool reuse_freed_addresses = false;
 };
 
 // One device page per stream: the native bound's slack when a config names none.
