@@ -19,10 +19,11 @@ using detail::VmState;
 
 namespace {
 // Arena growths after a move before the same handle moves again outside
-// pressure: long enough that streams taking turns each keep memory of their
-// own, short enough that memory still follows a workload from one stream to
-// another between its phases.
-constexpr std::uint64_t kMoveCooldown = 16;
+// pressure: long enough that up to eight streams taking turns each keep
+// memory of their own, short enough that memory still follows a workload
+// from one stream to another between its phases (measured at 4, 8 and 16:
+// docs/benchmarks.md).
+constexpr std::uint64_t kMoveCooldown = 8;
 }  // namespace
 
 std::size_t CachingAllocator::Impl::cached_bytes() const {

@@ -149,7 +149,7 @@ TEST(PagingFrugality, TenStreamsShareTheirFreeMemory) {
 // Two streams allocating in turn, with one free handle between them after
 // warming up: each stream used to take the other's handle (synchronize,
 // unmap, map, set access) on every request. A handle moved outside pressure
-// stays for the next 16 growths, so the second stream creates memory of its
+// stays for the next 8 growths, so the second stream creates memory of its
 // own once, and from then on no request makes a device call.
 TEST(PagingFrugality, StreamsTakingTurnsEachKeepMemoryOfTheirOwn) {
   SimDevice device;
