@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "control.h"
+#include "reservoir/detail/free_list.hpp"
 
 namespace reservoir::simcuda {
 namespace {
@@ -164,36 +165,11 @@ bool Sim::open_range(Device& d) {
 
 namespace {
 
-// A free list (offset -> length): takes `bytes` first fit, or says none fits.
+// Free lists (offset -> length), taken first fit and merged on return.
 bool take_first_fit(std::map<std::size_t, std::size_t>& holes, std::size_t bytes, std::size_t* offset) {
-  for (auto it = holes.begin(); it != holes.end(); ++it) {
-    if (it->second < bytes) continue;
-    *offset = it->first;
-    const std::size_t left = it->second - bytes;
-    holes.erase(it);
-    if (left != 0) holes[*offset + bytes] = left;
-    return true;
-  }
-  return false;
+  return reservoir::detail::take_first_fit(holes, bytes, std::size_t{1}, offset);
 }
-
-// Gives a range back to a free list, merged with its neighbours.
-void give_back(std::map<std::size_t, std::size_t>& holes, std::size_t offset, std::size_t length) {
-  auto next = holes.lower_bound(offset);
-  if (next != holes.end() && next->first == offset + length) {
-    length += next->second;
-    next = holes.erase(next);
-  }
-  if (next != holes.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      length += prev->second;
-      holes.erase(prev);
-    }
-  }
-  holes[offset] = length;
-}
+using reservoir::detail::give_back;
 
 }  // namespace
 

@@ -63,8 +63,8 @@ std::string config_label(const std::string& config);
 // and policy:native_paged (never more reserved than them at any call, less
 // where memory runs short: the policy to leave on, docs/config.md).
 inline const std::vector<std::string>& default_configs() {
-  static const std::vector<std::string> configs{"", "policy:native_paged"};
-  return configs;
+  static const std::vector<std::string> kConfigs{"", "policy:native_paged"};
+  return kConfigs;
 }
 
 // The width text output keeps to: lines of at most 100 columns.

@@ -1,7 +1,8 @@
 #include "reservoir/sim_device.hpp"
 
 #include <algorithm>
-#include <iterator>
+
+#include "reservoir/detail/free_list.hpp"
 
 namespace reservoir {
 namespace {
@@ -92,42 +93,14 @@ Status SimDevice::free_segment(DevicePtr addr) noexcept {
   }
   if (it == segments_.end()) return Status::invalid_argument;
   segment_bytes_ -= it->second;
-  if (options_.reuse_freed_addresses && !address_source_) give_back_range(it->first, it->second);
+  if (options_.reuse_freed_addresses && !address_source_) detail::give_back(freed_ranges_, it->first, it->second);
   segments_.erase(it);
   return Status::ok;
 }
 
 bool SimDevice::reuse_freed_range(std::size_t bytes, DevicePtr* addr) {
   const std::size_t alignment = std::max<std::size_t>(options_.segment_alignment, 512);
-  for (auto it = freed_ranges_.begin(); it != freed_ranges_.end(); ++it) {
-    const DevicePtr start = it->first;
-    const DevicePtr end = start + it->second;
-    const DevicePtr at = (start + alignment - 1) & ~(DevicePtr{alignment} - 1);
-    if (at < start || at + bytes > end) continue;
-    freed_ranges_.erase(it);
-    if (at > start) freed_ranges_.emplace(start, at - start);
-    if (at + bytes < end) freed_ranges_.emplace(at + bytes, end - at - bytes);
-    *addr = at;
-    return true;
-  }
-  return false;
-}
-
-void SimDevice::give_back_range(DevicePtr start, std::size_t bytes) {
-  DevicePtr end = start + bytes;
-  auto next = freed_ranges_.lower_bound(start);
-  if (next != freed_ranges_.end() && next->first == end) {
-    end += next->second;
-    next = freed_ranges_.erase(next);
-  }
-  if (next != freed_ranges_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == start) {
-      start = prev->first;
-      freed_ranges_.erase(prev);
-    }
-  }
-  freed_ranges_.emplace(start, end - start);
+  return detail::take_first_fit(freed_ranges_, bytes, alignment, addr);
 }
 
 Status SimDevice::reserve(std::size_t bytes, std::size_t alignment, DevicePtr* va) noexcept {

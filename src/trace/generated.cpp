@@ -156,6 +156,7 @@ void turns(Builder& b, Rng& r) {
   for (std::size_t i = 0; i < steps; ++i) {
     const auto s = static_cast<StreamId>(i % nstreams);
     std::vector<std::uint32_t> mine;
+    mine.reserve(sizes.size());
     for (std::size_t size : sizes) mine.push_back(b.alloc(size, s));
     if (carrying) {
       b.use(carried, s);

@@ -276,7 +276,7 @@ struct FullWithAFreeTail {
 TEST(NativePaged, WhereNativesChoiceFindsNoMemoryAFreeBlockOnMappedPagesServes) {
   FullWithAFreeTail t("policy:native_paged");
   ASSERT_EQ(reserved(t.a), std::int64_t{6} << 20);
-  void* s = t.a.allocate(512 * 1024);  // native: a new small segment, no page for it
+  void* s = t.a.allocate(std::size_t{512} * 1024);  // native: a new small segment, no page for it
   EXPECT_EQ(s, static_cast<char*>(t.l1) + 9 * kMiB / 2);  // just above l2, on its page
   EXPECT_EQ(reserved(t.a), std::int64_t{6} << 20);
   const DeviceStats st = t.a.stats();
@@ -297,7 +297,7 @@ TEST(NativePaged, WhereNativesChoiceFindsNoMemoryAFreeBlockOnMappedPagesServes) 
 
 TEST(NativePaged, WithoutTheRescueTheNativeChoiceRunsOutOfMemory) {
   FullWithAFreeTail t("policy:native_paged,native_paged_rescue:False");
-  EXPECT_THROW((void)t.a.allocate(512 * 1024), OutOfMemoryError);
+  EXPECT_THROW((void)t.a.allocate(std::size_t{512} * 1024), OutOfMemoryError);
   EXPECT_EQ(reserved(t.a), std::int64_t{6} << 20);
   EXPECT_EQ(t.a.stats().num_ooms, 1);
   EXPECT_EQ(t.a.stats().segment[0].current, 1);
@@ -311,7 +311,7 @@ TEST(NativePaged, TheRescueLendsAnotherStreamsFreeBlockAfterSynchronizingIt) {
   FullWithAFreeTail t("policy:native_paged", 1);
   const std::uint64_t syncs = t.device.calls(CallKind::synchronize_stream);
   const std::uint64_t records = t.device.calls(CallKind::record_event);
-  void* s = t.a.allocate(512 * 1024, 0);
+  void* s = t.a.allocate(std::size_t{512} * 1024, 0);
   EXPECT_EQ(s, static_cast<char*>(t.l1) + 9 * kMiB / 2);
   EXPECT_EQ(t.device.calls(CallKind::synchronize_stream), syncs + 1);
   const Snapshot snap = t.a.snapshot();

@@ -57,6 +57,11 @@ struct AllocatorConfig {
   // private pools of CUDA graphs, nor fail before the device would.
   bool graph_capture_record_stream_reuse = false;
   bool throw_on_cudamalloc_oom = false;
+  // policy:native_paged: where the native policy's choice finds no memory,
+  // serve the request from the free block (of either default pool, any
+  // stream's) with the fewest pages still to map before raising
+  // out-of-memory. False: the native policy's decisions even then.
+  bool native_paged_rescue = true;
   // set_per_process_memory_fraction from the config string (1.0: none).
   double per_process_memory_fraction = 1.0;
   Policy policy = Policy::native;
@@ -71,11 +76,6 @@ struct AllocatorConfig {
   // that go back to the device. kNoPagingBound (the default): no bound, and
   // no model of the native policy kept beside the allocator.
   std::size_t paging_slack = kNoPagingBound;
-  // policy:native_paged: where the native policy's choice finds no memory,
-  // serve the request from the free block (of either default pool, any
-  // stream's) with the fewest pages still to map before raising
-  // out-of-memory. False: the native policy's decisions even then.
-  bool native_paged_rescue = true;
   // The PyTorch release whose decisions the native policy takes where
   // releases differ ("2.15"); empty: those of 2.11 and before.
   std::string pytorch_version;

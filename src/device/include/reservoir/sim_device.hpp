@@ -137,7 +137,6 @@ class SimDevice final : public Device {
   // reuse_freed_addresses: the lowest freed range `bytes` fits (aligned as
   // segments are), taken out of freed_ranges_; false when none.
   bool reuse_freed_range(std::size_t bytes, DevicePtr* addr);
-  void give_back_range(DevicePtr start, std::size_t bytes);
   // Marks complete the events recorded on *stream, or all when stream is null.
   void complete_locked(const StreamId* stream);
   std::size_t used() const noexcept { return segment_bytes_ + ledger_.physical_bytes(); }
