@@ -302,7 +302,7 @@ bool CachingAllocator::Impl::rescue_paged(AllocParams& p) {
   const std::size_t max_split = config_.max_split_size;
   Block* best = nullptr;
   std::size_t best_missing = std::numeric_limits<std::size_t>::max();
-  auto consider = [&](Block* b) {
+  auto consider = [&](Block* b) RESERVOIR_REQUIRES(mutex_) {
     if (!b->segment->paged || b->size < p.size) return;
     if (p.size < max_split && b->size >= max_split) return;
     if (p.size >= max_split && b->size >= p.size + config_.max_non_split_rounding_size) return;
