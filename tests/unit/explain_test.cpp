@@ -114,6 +114,37 @@ TEST(Explain, TooLittleMemorySaysNoSettingHelpsAndByHowMuch) {
             "batches, activation checkpointing, lower precision).");
 }
 
+TEST(Explain, WhereNoStockSettingFitsButNativePagedDoesTheAnswerNamesIt) {
+  // Five 20 MiB segments filled (100 MiB, the device), then in each the two
+  // 8 MiB blocks freed around 2 MiB kept at 0 and at 10 MiB, then 60 MiB.
+  // Every block is below the smallest max_split_size, and every 20 MiB page
+  // of expandable segments holds two live blocks: no stock setting needs
+  // less than 160 MiB. native_paged keeps only the live blocks' 2 MiB pages
+  // (20 MiB) and maps 60, so it needs no more than the 100 MiB peak before
+  // the frees: the live answer names it.
+  Recorder r("", 100 * kMiB);
+  std::vector<void*> live;
+  std::vector<void*> holes;
+  for (int i = 0; i < 5; ++i) {
+    live.push_back(r.alloc(2 * kMiB));
+    holes.push_back(r.alloc(8 * kMiB));
+    live.push_back(r.alloc(2 * kMiB));
+    holes.push_back(r.alloc(8 * kMiB));
+  }
+  for (void* p : holes) r.allocator.deallocate(p);
+  EXPECT_THROW(r.alloc(60 * kMiB), OutOfMemoryError);
+  for (void* p : live) r.allocator.deallocate(p);
+  const Trace t = pickled(r.finish());
+  const Advice advice = advise_at_error(t);
+  const std::vector<std::string> lines = oom_answer_lines(t, advice, std::nullopt, std::nullopt, false, "", "", "");
+  std::string all;
+  for (const std::string& l : lines) all += l + "\n";
+  ASSERT_EQ(lines.size(), 3u) << all;
+  EXPECT_EQ(lines[1],
+            "reservoir: no PyTorch setting does better than yours; reservoir's policy:native_paged needs "
+            "100.00 MiB, 60.00 MiB less (RESERVOIR_ALLOC_CONF=policy:native_paged).");
+}
+
 TEST(Explain, MemoryHeldOutsideTheAllocatorIsNamed) {
   // 100 MiB of a 400 MiB device taken by someone else: the allocator sees 300.
   Recorder r("", 300 * kMiB);
