@@ -141,7 +141,9 @@ void CachingAllocator::Impl::apply_block_order() {
   uses_divisions_ =
       std::any_of(config_.roundup_power2_divisions.begin(), config_.roundup_power2_divisions.end(),
                   [](std::size_t d) { return d > 1; });
-  const bool by_age = config_.oldest_segment_first();
+  const detail::TieOrder ties = tie_order();
+  block_age_ = ties == detail::TieOrder::block_age;
+  const bool by_age = ties != detail::TieOrder::address;
   large_.set_order(by_age);
   small_.set_order(by_age);
   for (auto& [id, pool] : private_pools_) {

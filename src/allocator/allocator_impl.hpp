@@ -459,12 +459,24 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool in_stitched(const detail::Block* b) const noexcept RESERVOIR_REQUIRES(mutex_) {
     return in_vm(b) && b->segment->vm->stitched;
   }
-  // A fresh, unlinked, mapped and free block.
+  // How the release being modelled orders cached blocks of equal size.
+  detail::TieOrder tie_order() const RESERVOIR_REQUIRES(mutex_) {
+    if (config_.oldest_segment_first()) return detail::TieOrder::segment_age;
+    if (config_.oldest_block_first()) return detail::TieOrder::block_age;
+    return detail::TieOrder::address;
+  }
+  // A fresh, unlinked, mapped and free block, aged by the release's rule
+  // (Block::order). Blocks made before the rule changes at run time keep
+  // the age they had.
   detail::Block* make_block(DevicePtr ptr, std::size_t size, StreamId stream,
                             detail::BlockPool* pool, detail::Segment* segment)
       RESERVOIR_REQUIRES(mutex_) {
-    return arena_.make(ptr, size, stream, pool, segment, segment != nullptr ? segment->order : 0);
+    detail::Block* b = arena_.make(ptr, size, stream, pool, segment, segment != nullptr ? segment->order : 0);
+    if (block_age_) [[unlikely]] b->order = ++blocks_made_;
+    return b;
   }
+  bool block_age_ RESERVOIR_GUARDED_BY(mutex_) = false;       // PyTorch 2.12's rule in force
+  std::uint64_t blocks_made_ RESERVOIR_GUARDED_BY(mutex_) = 0;  // under it
   // A new segment in segments_ (a VM segment with vm), with a head block
   // spanning it unless the caller lays out its blocks (restore).
   detail::Segment* add_segment(DevicePtr base, std::size_t size, StreamId stream,
@@ -623,7 +635,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
   std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
   // Bytes reserved per private pool, from its first segment on (PyTorch
-  // 2.15's reserved_bytes_by_private_pools).
+  // 2.13's reserved_bytes_by_private_pools and later).
   std::map<PoolId, StatArray> pool_reserved_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<std::pair<PoolId, PoolFilter>> routes_
       RESERVOIR_GUARDED_BY(mutex_);  // PyTorch's captures_underway

@@ -39,9 +39,14 @@ struct PrivatePool;
 
 struct Block;
 
-// Best fit order: stream, then size, then address; with `by_age` (the
-// rules of PyTorch 2.12 and later), stream, size, then the order in which
-// the blocks' segments were made (the oldest first), then address.
+// How cached blocks of one stream and size are ordered (PyTorch's
+// BlockComparatorSize after stream and size): by address (2.11 and before),
+// by the order the blocks were made in (2.12: the oldest first), or by the
+// order their segments were made in, then address (2.13 and later).
+enum class TieOrder : std::uint8_t { address, block_age, segment_age };
+
+// Best fit order: stream, then size, then address; with `by_age` (2.12 and
+// later), stream, size, then Block::order (the oldest first), then address.
 // A search key: the first place a block of `size` on `stream` could sit
 // (before every block of that stream and size).
 struct SizeKey {
@@ -77,7 +82,11 @@ struct Block {
   std::uint32_t context = 0;          // history context of its allocation
   std::vector<StreamId> stream_uses;  // streams recorded with record_stream
   std::int64_t gc_count_base = 0;     // pool's free-block search count when cached
-  std::uint64_t order = 0;        // its segment's creation order (1 = the first); 0: a search key
+  // Its age: its segment's creation order (1 = the first), or under
+  // PyTorch 2.12's rule its own, as PyTorch makes Block objects (a
+  // segment's first block, the front of a split; a merge keeps the freed
+  // block's). 0: a search key.
+  std::uint64_t order = 0;
   BlockSet::iterator pool_pos{};  // where it sits in pool->blocks, while free
 
   bool is_split() const noexcept { return prev != nullptr || next != nullptr; }
@@ -138,7 +147,7 @@ struct BlockPool {
     blocks.erase(block->pool_pos);
     block->cached = false;
   }
-  // Orders the cached blocks by PyTorch 2.12's rule (by_age) or before it.
+  // Orders the cached blocks by age (by_age: 2.12 and later) or address.
   void set_order(bool by_age) {
     if (blocks.key_comp().by_age == by_age) return;
     BlockSet ordered(BlockBySize{by_age}, blocks.get_allocator());

@@ -578,7 +578,12 @@ bool AllocatorConfig::private_pools_expandable() const {
 }
 
 bool AllocatorConfig::oldest_segment_first() const {
-  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.12") >= 0;
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.13") >= 0;
+}
+
+bool AllocatorConfig::oldest_block_first() const {
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.12") >= 0 &&
+         compare_versions(pytorch_version, "2.13") < 0;
 }
 
 namespace {

@@ -442,8 +442,16 @@ void CachingAllocator::Impl::throw_invalid_pointer(DevicePtr ptr, const char* op
       merged->segment->head = merged;
     }
     if (new_next != nullptr) new_next->prev = merged;
+    if (block_age_) [[unlikely]] {
+      // PyTorch keeps the freed block, and with it its age: under 2.12's
+      // rule a key of its own (within a segment ages are equal otherwise).
+      pool.erase(merged);
+      merged->order = block->order;
+      pool.insert(merged);
+    } else {
+      pool.reposition_grown(merged);
+    }
     arena_.recycle(block);
-    pool.reposition_grown(merged);
   } else {
     pool.insert(block);
   }

@@ -41,8 +41,8 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
   if (it == private_pools_.end()) {
     auto pool = std::make_unique<PrivatePool>(id, &node_resource_);
     pool->no_split = std::find(no_split_pools_.begin(), no_split_pools_.end(), id) != no_split_pools_.end();
-    pool->large.set_order(config_.oldest_segment_first());
-    pool->small.set_order(config_.oldest_segment_first());
+    pool->large.set_order(tie_order() != detail::TieOrder::address);
+    pool->small.set_order(tie_order() != detail::TieOrder::address);
     private_pools_.emplace(id, std::move(pool));
   } else {
     if (it->second->use_count == 0) {

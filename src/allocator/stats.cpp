@@ -84,9 +84,8 @@ void put_private_pools(std::map<std::string, std::int64_t>& out,
 }
 
 bool reports_private_pools(const std::string& pytorch_version) {
-  // PyTorch 2.15's memory_stats has them and 2.11's does not; the releases
-  // between are taken as 2.11 until seen.
-  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.15") >= 0;
+  // From PyTorch 2.13 (read off 2.11 to 2.15's memory_stats: test_release.py).
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.13") >= 0;
 }
 
 std::string memory_summary(const std::map<std::string, std::int64_t>& stats, int device,

@@ -351,7 +351,7 @@ TEST_F(Ladder, NoSplitPoolsHandOutWholeBlocks) {
   allocator_->validate();
 }
 
-// PyTorch 2.15's reserved_bytes_by_private_pools: from a pool's first
+// reserved_bytes_by_private_pools (PyTorch 2.13 and later): from a pool's first
 // segment on, kept once the pool is gone, reset with the rest; not reported
 // under earlier releases' rules.
 TEST_F(Ladder, PrivatePoolReservedBytesUnderTheRulesOf215) {
@@ -383,7 +383,7 @@ TEST_F(Ladder, PrivatePoolReservedBytesUnderTheRulesOf215) {
   EXPECT_EQ(stats.at(key + "all.freed"), 0);
 }
 
-TEST_F(Ladder, PrivatePoolReservedBytesAreNotReportedBefore215) {
+TEST_F(Ladder, PrivatePoolReservedBytesAreNotReportedBefore213) {
   make("pytorch_version:2.12");
   allocator_->begin_allocate_current_thread_to_pool({0, 5});
   const DevicePtr p = alloc(3 * kMiB);

@@ -274,18 +274,52 @@ TEST_F(Rules, EqualSizeTiesByAddressBefore212AndOldestSegmentFrom212) {
     EXPECT_EQ(a, high);
     EXPECT_EQ(b, low);
     const DevicePtr c = alloc(kMiB + 44);
-    const bool oldest_first = AllocatorConfig::parse(version).oldest_segment_first();
+    // Here the older segment's tail is also the older block (2.12's rule).
+    const AllocatorConfig parsed = AllocatorConfig::parse(version);
+    const bool oldest_first = parsed.oldest_segment_first() || parsed.oldest_block_first();
     EXPECT_EQ(oldest_first, std::string_view(version).ends_with("2.12") ||
                                 std::string_view(version).ends_with("2.15"));
     EXPECT_EQ(c, (oldest_first ? a : b) + 300 * kMiB + 512);
     // The order holds as blocks are cached again and the setting changes.
     release(c);
     AllocatorConfig flipped = allocator_->config();
-    flipped.pytorch_version = oldest_first ? "2.11" : "2.12";
+    flipped.pytorch_version = oldest_first ? "2.11" : "2.13";
     allocator_->set_config(flipped);
     const DevicePtr d = alloc(kMiB + 44);
     EXPECT_EQ(d, (oldest_first ? b : a) + 300 * kMiB + 512);
     release_all({a, b, d});
+  }
+}
+
+// Within one segment, PyTorch 2.12 takes the cached block made first (a
+// split's front is a new block, the rest keeps the old one's age), where
+// 2.11 and 2.13 on take the lower address (read off the real 2.12.1 and
+// 2.13.0 wheels: tests/torch/test_oracle.py). Here the older block lies
+// higher: what is left of a freed block after two splits.
+TEST_F(Rules, WithinASegmentPyTorch212TakesTheOlderOfEqualBlocks) {
+  for (const char* version : {"pytorch_version:2.11", "pytorch_version:2.12", "pytorch_version:2.13",
+                              "pytorch_version:2.15"}) {
+    SCOPED_TRACE(version);
+    make(version);
+    const DevicePtr a = alloc(512);
+    const DevicePtr big = alloc(1536);
+    const DevicePtr c = alloc(512);
+    EXPECT_EQ(big, a + 512);
+    EXPECT_EQ(c, a + 2048);
+    release(big);
+    const DevicePtr p1 = alloc(512);  // the front of big's block: a new block
+    const DevicePtr p2 = alloc(512);  // the front of what is left: another
+    EXPECT_EQ(p1, a + 512);
+    EXPECT_EQ(p2, a + 1024);
+    release(p1);  // 512 bytes at a + 512, newer than big's 512 at a + 1536
+    const DevicePtr q = alloc(100);
+    const bool block_age = std::string_view(version).ends_with("2.12");
+    EXPECT_EQ(AllocatorConfig::parse(version).oldest_block_first(), block_age);
+    EXPECT_EQ(q, block_age ? a + 1536 : a + 512);
+    // A merge keeps the freed block's age: freeing p2 joins it with its
+    // free neighbour (and, under 2.12, with big's old rest too when q took
+    // the other).
+    release_all({a, c, p2, q});
   }
 }
 

@@ -31,8 +31,13 @@ std::string error_of(const std::string& text) {
 // The PyTorch release whose rules the native policy follows.
 TEST(Config, PyTorchVersion) {
   EXPECT_FALSE(AllocatorConfig{}.oldest_segment_first());
+  EXPECT_FALSE(AllocatorConfig{}.oldest_block_first());
   EXPECT_FALSE(AllocatorConfig::parse("pytorch_version:2.11").oldest_segment_first());
-  EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.12").oldest_segment_first());
+  EXPECT_FALSE(AllocatorConfig::parse("pytorch_version:2.11").oldest_block_first());
+  EXPECT_FALSE(AllocatorConfig::parse("pytorch_version:2.12").oldest_segment_first());
+  EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.12").oldest_block_first());
+  EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.13").oldest_segment_first());
+  EXPECT_FALSE(AllocatorConfig::parse("pytorch_version:2.13").oldest_block_first());
   EXPECT_TRUE(AllocatorConfig::parse("pytorch_version:2.15").oldest_segment_first());
   EXPECT_EQ(AllocatorConfig::parse("pytorch_version:2.15").to_string(), "pytorch_version:2.15");
   EXPECT_EQ(error_of("pytorch_version:3.1"),

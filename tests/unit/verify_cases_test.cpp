@@ -979,10 +979,7 @@ TEST(VerifyCases, EachPyTorchReleaseTakesEqualSizeBlocksByItsRule) {
     EXPECT_EQ(r.empty_cache_calls, 1u);
     // Under the other rule the request lands in the other tail.
     Trace other = t;
-    other.settings.pytorch_version = AllocatorConfig::parse("pytorch_version:" + std::string(rules))
-                                             .oldest_segment_first()
-                                         ? "2.11"
-                                         : "2.12";
+    other.settings.pytorch_version = compare_versions(rules, "2.12") >= 0 ? "2.11" : "2.12";
     const VerifyResult wrong = verify(other);
     EXPECT_FALSE(wrong.agreed);
     EXPECT_EQ(wrong.divergence_event, 9u);

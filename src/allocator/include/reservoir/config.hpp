@@ -80,9 +80,13 @@ struct AllocatorConfig {
   // releases differ ("2.15"); empty: those of 2.11 and before.
   std::string pytorch_version;
 
-  // PyTorch 2.12 and later take, of cached blocks of equal size, the one
-  // whose segment was made first; before, the one at the lowest address.
+  // Of cached blocks of equal size, PyTorch 2.13 and later take the one
+  // whose segment was made first (then the lowest address); 2.12 the block
+  // made first (a split's front is a new block, a merge keeps the freed
+  // one's age); before, the one at the lowest address. Measured on the
+  // real releases (tests/torch/test_oracle.py, under each).
   bool oldest_segment_first() const;
+  bool oldest_block_first() const;
   // Before PyTorch 2.15, empty_cache leaves the default pools' cached blocks
   // (and their pending events) alone while a pool route is open (a graph
   // capture or use_mem_pool: its captures_underway), and releases only the

@@ -163,11 +163,11 @@ class CombinedStats {
 // "allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
 // "num_alloc_retries", "oversize_segments.freed", ...
 std::map<std::string, std::int64_t> to_map(const DeviceStats& stats);
-// PyTorch 2.15's reserved_bytes_by_private_pools.<first>_<second>.<type>.<stat>
+// reserved_bytes_by_private_pools.<first>_<second>.<type>.<stat> (PyTorch 2.13 and later)
 // keys, added to `out`.
 void put_private_pools(std::map<std::string, std::int64_t>& out,
                        const std::map<std::pair<std::uint64_t, std::uint64_t>, StatArray>& pools);
-// Whether a release reports them (pytorch_version: "2.15" and later).
+// Whether a release reports them (pytorch_version: "2.13" and later).
 bool reports_private_pools(const std::string& pytorch_version);
 
 // The table torch.cuda.memory_summary() prints, from a stats map.
