@@ -125,13 +125,26 @@ SIMCUDA_API int nvmlDeviceGetHandleByPciBusId(const char* bus_id, void** device)
   return nvmlDeviceGetHandleByPciBusId_v2(bus_id, device);
 }
 
-// What the simulated device has no answer for (NVLink, fabric, P2P status).
+// The device's place in an NVLink fabric (nvmlGpuFabricInfo_v2/v3: the
+// version word holds the record's size): none, as on a GPU outside one,
+// which NVML answers with success and the state NOT_SUPPORTED (0). PyTorch
+// 2.13 and later ask it before choosing IPC handles for expandable
+// segments, and stop at any other answer.
+SIMCUDA_API int nvmlDeviceGetGpuFabricInfoV(void* device, unsigned int* info) {
+  if (device == nullptr || info == nullptr) return kInvalidArgument;
+  const unsigned int size = *info & 0xFFFFFFu;
+  constexpr unsigned int kV2Size = 36;  // version, uuid[16], status, cliqueId, state, healthMask
+  if (size < kV2Size) return kInvalidArgument;
+  std::memset(reinterpret_cast<unsigned char*>(info) + sizeof(unsigned int), 0, size - sizeof(unsigned int));
+  return kSuccess;  // status 0 (success), state 0 (not supported), healthMask 0
+}
+
+// What the simulated device has no answer for (NVLink, P2P status).
 #define SIMCUDA_NVML_REFUSED(name)       \
   SIMCUDA_API int name(void) {           \
     Sim::get().refuse(#name);            \
     return kNotSupported;                \
   }
-SIMCUDA_NVML_REFUSED(nvmlDeviceGetGpuFabricInfoV)
 SIMCUDA_NVML_REFUSED(nvmlDeviceGetHandleByUUID)
 SIMCUDA_NVML_REFUSED(nvmlDeviceGetNvLinkRemoteDeviceType)
 SIMCUDA_NVML_REFUSED(nvmlDeviceGetNvLinkRemotePciInfo_v2)
