@@ -9,6 +9,14 @@ isolated build's requirements, a test environment's tools). They are
 pure-Python wheels unless the file has a line "# pip download: OPTIONS"
 (the Python version and platforms of another machine, say).
 
+A file named headers-torch.txt lists PyTorch releases (torch==2.6.0, one a
+line) whose C++ headers reservoir builds a library against: for each, the
+folder torch-headers-RELEASE holds the wheel's torch/include, interface
+stubs of the three libraries the build links (libtorch_cuda.so, libc10_cuda.so,
+libc10.so: their dynamic symbols and sonames, made by llvm-ifs, a few MB in
+place of a GB) and the wheel's METADATA (the CUDA it was built for). The
+wheel itself (about 1 GB) is downloaded into a temporary folder and deleted.
+
 usage: pypi_cache.py REQUIREMENTS...    (prints the folders, one a line)
 
 The cache is $RESERVOIR_PYPI_CACHE, else ~/.cache/reservoir/pypi. A folder
@@ -20,8 +28,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
+
+# The libraries reservoir's PyTorch hooks link, by soname.
+TORCH_LINKED = ("libtorch_cuda.so", "libc10_cuda.so", "libc10.so")
+LLVM_IFS = "llvm-ifs-14"
 
 
 def cache_root() -> Path:
@@ -64,9 +78,71 @@ def install(requirements: Path) -> Path:
     return target
 
 
+def torch_headers(release: str) -> Path:
+    """torch-headers-RELEASE: what building against PyTorch RELEASE needs."""
+    target = cache_root() / f"torch-headers-{release}"
+    wanted = f"torch=={release}\n"
+    marker = target / ".complete"
+    if marker.exists() and marker.read_text() == wanted:
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "lib").mkdir(parents=True)
+    start = time.monotonic()
+    print(f"pypi cache: PyTorch {release}'s headers into {target} (once; the 1 GB wheel is not kept)",
+          file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                        "--disable-pip-version-check", "--quiet", "--only-binary=:all:",
+                        "--dest", scratch, f"torch=={release}"], check=True)
+        wheels = list(Path(scratch).glob("torch-*.whl"))
+        if len(wheels) != 1:
+            sys.exit(f"pypi cache: expected one wheel of torch=={release}, got {wheels}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for member in wheel.infolist():
+                name = member.filename
+                if name.startswith("torch/include/") and not name.endswith("/"):
+                    wheel.extract(member, partial)
+                elif name.endswith(".dist-info/METADATA"):
+                    (partial / "METADATA").write_bytes(wheel.read(member))
+                elif name.startswith("torch/lib/") and name[len("torch/lib/"):] in TORCH_LINKED:
+                    real = Path(wheel.extract(member, scratch))
+                    subprocess.run([LLVM_IFS, f"--soname={real.name}",
+                                    f"--output-elf={partial / 'lib' / real.name}", str(real)], check=True)
+                    real.unlink()
+    missing = [lib for lib in TORCH_LINKED if not (partial / "lib" / lib).exists()]
+    if missing or not (partial / "torch/include/c10/cuda/CUDACachingAllocator.h").exists():
+        sys.exit(f"pypi cache: torch=={release}'s wheel lacks {missing or 'CUDACachingAllocator.h'}")
+    (partial / "torch/include").rename(partial / "include")
+    (partial / "torch").rmdir()
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    marker.write_text(wanted)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    print(f"pypi cache: torch-headers-{release}: {time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB",
+          file=sys.stderr)
+    return target
+
+
+def releases(path: Path) -> list:
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    out = []
+    for line in filter(None, lines):
+        name, _, release = line.partition("==")
+        if name != "torch" or not release:
+            sys.exit(f"{path}: expected torch==RELEASE, got {line!r}")
+        out.append(release)
+    return out
+
+
 def main() -> None:
     for arg in sys.argv[1:]:
-        print(install(Path(arg)))
+        path = Path(arg)
+        if path.name == "headers-torch.txt":
+            for release in releases(path):
+                print(torch_headers(release))
+        else:
+            print(install(path))
 
 
 if __name__ == "__main__":

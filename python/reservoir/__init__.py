@@ -34,6 +34,7 @@ CUDA program, cli_path() the `reservoir` command-line tool (also installed as
 the `reservoir` command, and run by `python -m reservoir`).
 """
 import contextlib
+import itertools
 import logging
 import os
 
@@ -233,10 +234,7 @@ def use_as_allocator(config=None, device_kind=None):
     release = torch.__version__.split("+")[0]
     hooks = torch_hooks_path(release)
     if hooks is None:
-        raise RuntimeError(
-            f"reservoir.use_as_allocator: this package has no library for PyTorch {torch.__version__} "
-            f"(built for: {', '.join(torch_hook_releases()) or 'none'}); build reservoir against it, "
-            "or use reservoir.install_torch() (the pluggable allocator)")
+        raise RuntimeError(_no_library("use_as_allocator", torch.__version__))
     with _install_settings(config, device_kind, "use_as_allocator"):
         _call_hooks(hooks, "reservoir_torch_use_as_allocator", release, "use_as_allocator")
     _torch_installed = True
@@ -249,20 +247,53 @@ def torch_installed():
 
 
 def torch_hook_releases():
-    """The PyTorch releases this package has a hooks library for."""
+    """The PyTorch releases this package has its own-allocator library for, oldest first."""
     lib = os.path.join(_PACKAGE_DIR, "lib")
     if not os.path.isdir(lib):
         return []
-    return sorted(d[len("torch-"):] for d in os.listdir(lib)
-                  if d.startswith("torch-") and
-                  os.path.exists(os.path.join(lib, d, "libreservoir_torch_hooks.so")))
+    found = [d[len("torch-"):] for d in os.listdir(lib)
+             if d.startswith("torch-") and
+             os.path.exists(os.path.join(lib, d, "libreservoir_torch_hooks.so"))]
+    return sorted(found, key=_release_key)
+
+
+def _release_key(release):
+    """(2, 12, 1) of "2.12.1+cu130"; missing or odd parts count as 0."""
+    parts = []
+    for piece in release.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
 
 
 def torch_hooks_path(version):
-    """The hooks library built for PyTorch `version` ("2.15.0" or "2.15.0+cu130"), or None."""
-    release = version.split("+")[0]
-    path = os.path.join(_PACKAGE_DIR, "lib", "torch-" + release, "libreservoir_torch_hooks.so")
-    return path if os.path.exists(path) else None
+    """The library built for PyTorch `version`'s minor release ("2.12.0" or
+    "2.12.0+cu130" runs 2.12.1's: a release's patches keep its allocator
+    interface), or None."""
+    minor = _release_key(version)[:2]
+    for release in torch_hook_releases():
+        if _release_key(release)[:2] == minor:
+            return os.path.join(_PACKAGE_DIR, "lib", "torch-" + release, "libreservoir_torch_hooks.so")
+    return None
+
+
+def _no_library(caller, version):
+    """What to do on a PyTorch release this package has no library for."""
+    built = torch_hook_releases()
+    listed = ", ".join(built) or "none"
+    if built and _release_key(version) > _release_key(built[-1]):
+        why = (f"PyTorch {version} is newer than every release this package was built for ({listed}): "
+               "use a reservoir release built for it, or reservoir.install_torch() (the pluggable allocator: "
+               "allocations and frees reach reservoir; torch.cuda.memory_stats(), snapshots and MemPool "
+               "do not) until then")
+    elif _release_key(version) < (2, 0, 0):
+        why = f"PyTorch {version} is older than 2.0, which brought the pluggable allocator: reservoir needs 2.0 or later"
+    else:
+        why = (f"this package has no library for PyTorch {version} (built for: {listed}): use "
+               "reservoir.install_torch() (the pluggable allocator: allocations and frees reach reservoir; "
+               "torch.cuda.memory_stats(), snapshots and MemPool do not), or build reservoir against it "
+               "(docs/integrations.md)")
+    return f"reservoir.{caller}: {why}"
 
 
 def region(tag, cpu_backup=False, device=0):

@@ -49,10 +49,7 @@
 #include <vector>
 
 #include "torch_entry.hpp"
-
-#ifndef RESERVOIR_TORCH_MINOR
-#error "RESERVOIR_TORCH_MINOR (the minor release of the PyTorch headers) must be defined"
-#endif
+#include "torch_releases.hpp"
 
 namespace {
 
@@ -271,7 +268,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     out.oversize_segments.allocated = stats.value("oversize_segments.allocated", std::int64_t{0});
     out.oversize_segments.freed = stats.value("oversize_segments.freed", std::int64_t{0});
     out.max_split_size = stats.value("max_split_size", std::int64_t{0});
-#if RESERVOIR_TORCH_MINOR >= 15
+#if RESERVOIR_TORCH_PRIVATE_POOL_STATS
     // Each private pool's reserved bytes: reserved_bytes_by_private_pools.<first>_<second>.<type>.<stat>.
     static const std::string kPrefix = "reserved_bytes_by_private_pools.";
     for (auto it = stats.begin(); it != stats.end(); ++it) {
@@ -651,7 +648,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = user_metadata_.find(device);
     return it == user_metadata_.end() ? std::string() : it->second;
   }
-#if RESERVOIR_TORCH_MINOR >= 15
+#if RESERVOIR_TORCH_ANNOTATE_MEMORY
   bool supportsUserMetadata() override { return true; }
   // torch.cuda.memory._annotate_memory: an "annotate" entry for a live
   // allocation, in time order among the device's entries.
@@ -669,6 +666,8 @@ class ReservoirAllocator final : public CUDAAllocator {
     te.time_.t_ = static_cast<time_t>(now_us());
     keep_own_entry(std::move(te));
   }
+#endif
+#if RESERVOIR_TORCH_CONTEXT_FOR_POINTER
   std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
     std::lock_guard lock(mutex_);
     if (live_.find(const_cast<void*>(ptr)) == live_.end()) return nullptr;
@@ -706,7 +705,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::lock_guard lock(mutex_);
     oom_observers_.push_back(std::move(observer));
   }
-#if RESERVOIR_TORCH_MINOR >= 15
+#if RESERVOIR_TORCH_OOM_REJECTION_OBSERVER
   void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
     // reservoir rejects no allocation ahead of the device (PyTorch's
     // throw_on_cudamalloc_oom policy): there is nothing to observe.
@@ -952,7 +951,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     c.graph_capture_record_stream_reuse = j.value("graph_capture_record_stream_reuse", false);
     c.last_allocator_settings = j.value("settings", std::string());
     c.roundup_power2_divisions = j.value("roundup_power2_divisions", std::vector<std::size_t>{});
-#if RESERVOIR_TORCH_MINOR >= 15
+#if RESERVOIR_TORCH_CONFIG_ROUND_AND_CACHED
     c.max_round_threshold = j.value("max_round_threshold", std::size_t{0});
     c.max_cached_size = j.value("max_cached_size", std::size_t{0});
 #endif
@@ -1122,15 +1121,11 @@ class ReservoirAllocator final : public CUDAAllocator {
   // wherever the last user lets go).
   std::mutex ipc_mutex_;
   std::unordered_map<std::string, std::weak_ptr<void>> opened_;
-#if RESERVOIR_TORCH_MINOR >= 13
-  static constexpr char kHandleVersion = 3;
-#else
-  static constexpr char kHandleVersion = 2;
-#endif
+  static constexpr char kHandleVersion = RESERVOIR_TORCH_IPC_HANDLE_VERSION;
   int connected_devices_ = 0;  // devices whose events on_event receives
   // Per segment address, the calls its releases happened in, in order.
   std::unordered_map<std::size_t, std::vector<Recorded>> releases_;
-#if RESERVOIR_TORCH_MINOR >= 15
+#if RESERVOIR_TORCH_OOM_REJECTION_OBSERVER
   std::vector<cca::OomRejectionObserver> rejection_observers_;
 #endif
 };
@@ -1155,7 +1150,7 @@ void uncached_delete_fn(void* ptr) {
 // reference from this library, built with hidden inlines, would be a copy
 // of its own.
 void follow_runtime_settings() {
-#if RESERVOIR_TORCH_MINOR >= 9
+#if RESERVOIR_TORCH_SETTINGS_HOOK
   using Hook = std::function<void(const std::string&)>;
   Hook* hook = nullptr;
   if (void* c10 = dlopen("libc10.so", RTLD_NOW | RTLD_NOLOAD)) {

@@ -1,5 +1,5 @@
-// libreservoir_torch_hooks.so, built once per installed PyTorch release
-// against that release's headers: makes reservoir PyTorch's CUDA allocator
+// libreservoir_torch_hooks.so, built once per PyTorch release against that
+// release's headers: makes reservoir PyTorch's CUDA allocator
 // through CUDAPluggableAllocator with every hook connected.
 //
 // Python's torch.cuda.memory.CUDAPluggableAllocator binds only malloc and
@@ -13,8 +13,8 @@
 //
 // reservoir_torch_install_hooks(path, release) dlopens the library holding
 // reservoir's entry points (libreservoir_torch.so or the Python module, which
-// carries the same source), checks that PyTorch is the release this file was
-// built for, and installs the allocator. Returns 0, or -1 with the reason in
+// carries the same source), checks that PyTorch is of the minor release this
+// file was built for (2.12.0 runs 2.12.1's library), and installs the allocator. Returns 0, or -1 with the reason in
 // reservoir_torch_hooks_error().
 #include <dlfcn.h>
 #include <c10/util/Exception.h>
@@ -60,8 +60,14 @@ void set_memory_fraction(double fraction, int device) {
 }
 std::string& last_error() { return the_last_error; }
 
+// "2.12" of "2.12.1": a release's patches keep its allocator interface.
+std::string minor_release(const std::string& release) {
+  const std::size_t first = release.find('.');
+  return release.substr(0, first == std::string::npos ? first : release.find('.', first + 1));
+}
+
 void load(const char* path, const char* release) {
-  if (std::string(release) != RESERVOIR_TORCH_RELEASE) {
+  if (minor_release(release) != minor_release(RESERVOIR_TORCH_RELEASE)) {
     throw std::runtime_error(std::string("this library was built for PyTorch ") + RESERVOIR_TORCH_RELEASE +
                              ", and PyTorch " + release + " is running: build reservoir against it");
   }

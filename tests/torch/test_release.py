@@ -1,0 +1,123 @@
+"""reservoir as the running PyTorch release's own allocator, against that
+release's native allocator, on the simulated CUDA device: run under every
+release reservoir is built for (ctest's torch_<release>_* tests; `make
+test-releases` runs them all). One program over both pools, a MemPool and
+empty_cache(), in two processes (the native allocator, then reservoir's
+library for this release), compared: statistics, summary, addresses and the
+snapshot, with its history.
+
+The simulated device hands out host memory the operating system places, so
+addresses are compared relative to the first allocation of each process.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+PRELUDE = """
+import json, os, sys
+import torch
+mode = sys.argv[1]
+if mode != "native":
+    import reservoir
+    reservoir.use_as_allocator("")
+MiB = 1 << 20
+def emit(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+"""
+
+
+def run(mode, body):
+    code = PRELUDE + textwrap.dedent(body)
+    r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"{mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+PROGRAM = """
+torch.cuda.memory._record_memory_history(max_entries=100000)
+sizes = [512, MiB, 3 * MiB, 7 * MiB + 123, 25 * MiB, 100, 64 * MiB, 1500, 11 * MiB]
+ts = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in sizes]
+base = ts[0].data_ptr()
+def rel(a):
+    return a - base if a else 0
+for i in (1, 3, 5):
+    ts[i] = None
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    pooled = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (700, 2 * MiB, 30 * MiB)]
+more = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (2 * MiB, 6 * MiB, 200, 20 * MiB)]
+ptrs = [rel(t.data_ptr()) for t in ts if t is not None] + [rel(t.data_ptr()) for t in pooled + more]
+def segments(snap):
+    return sorted([rel(g["address"]), g["total_size"], g["allocated_size"], g["active_size"],
+                   g["requested_size"], g["segment_type"], list(g.get("segment_pool_id", (0, 0))),
+                   [[b["size"], b["requested_size"], b["state"]] for b in g["blocks"]]]
+                  for g in snap["segments"])
+live = torch.cuda.memory._snapshot()
+stats = torch.cuda.memory_stats()
+summary = torch.cuda.memory_summary()
+pool_reserved = pool.snapshot() if hasattr(pool, "snapshot") else None
+pooled = None
+del pool
+ts = more = None
+torch.cuda.empty_cache()
+after_empty = torch.cuda.memory_stats()
+final = torch.cuda.memory._snapshot()
+trace = [[e["action"], rel(e["addr"]), e["size"]] for e in final["device_traces"][0]]
+emit(ptrs=ptrs, segments=segments(live), stats=stats, summary=summary, after_empty=after_empty,
+     final_segments=segments(final), trace=trace, settings=live.get("allocator_settings"),
+     pool_segments=segments({"segments": pool_reserved}) if pool_reserved is not None else None,
+     backend=torch.cuda.get_allocator_backend(), version=torch.__version__,
+     library=reservoir.torch_hooks_path(torch.__version__) if mode != "native" else None)
+"""
+
+
+def test_this_releases_library_decides_and_reports_as_the_releases_own_allocator():
+    native = run("native", PROGRAM)
+    ours = run("reservoir", PROGRAM)
+    assert native["backend"] == "native" and ours["backend"] == "reservoir"
+    # The library of this minor release (its newest patch built) was loaded.
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert os.path.basename(os.path.dirname(ours["library"])).startswith(f"torch-{release}."), ours["library"]
+    assert ours["ptrs"] == native["ptrs"]
+    assert ours["segments"] == native["segments"]
+    # Both pools and the MemPool's own segments were used.
+    types = {(s[5], tuple(s[6]) != (0, 0)) for s in native["segments"]}
+    assert {("small", False), ("large", False), ("large", True)} <= types, types
+    assert ours["pool_segments"] == native["pool_segments"]
+    assert ours["stats"] == native["stats"]
+    assert ours["summary"] == native["summary"]
+    assert ours["settings"] == native["settings"]
+    # empty_cache() after the pool went: every segment back, as natively.
+    assert ours["after_empty"] == native["after_empty"]
+    assert ours["final_segments"] == native["final_segments"] == []
+    assert ours["after_empty"]["reserved_bytes.all.current"] == 0
+    assert ours["trace"] == native["trace"]
+    assert sum(1 for e in ours["trace"] if e[0] == "segment_free") == len(native["segments"])
+
+
+def test_a_patch_release_of_the_same_minor_gets_its_library_and_a_newer_release_is_refused():
+    body = """
+    import reservoir
+    built = reservoir.torch_hook_releases()
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    torch.__version__ = f"{major}.{minor}.99+cu130"
+    reservoir.use_as_allocator("")
+    x = torch.empty(MiB, device="cuda")
+    newer = f"{major}.{int(minor) + 1}.0"
+    emit(built=built, backend=torch.cuda.get_allocator_backend(), path=reservoir.torch_hooks_path(newer),
+         refusal=reservoir._no_library("use_as_allocator", "2.99.0"))
+    """
+    r = run("native", body)
+    assert r["backend"] == "reservoir"
+    assert r["refusal"].startswith("reservoir.use_as_allocator: PyTorch 2.99.0 is newer than every release")
+    assert "reservoir.install_torch()" in r["refusal"]
+    major, minor = torch.__version__.split(".")[:2]
+    next_built = [b for b in r["built"] if b.startswith(f"{major}.{int(minor) + 1}.")]
+    assert (r["path"] is None) == (not next_built), (r["path"], r["built"])
