@@ -573,10 +573,16 @@ SIMCUDA_API cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureS
   return cudaSuccess;
 }
 
-SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* status,
-                                                 unsigned long long* id, cudaGraph_t* graph,
-                                                 const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges,
-                                                 size_t* count) {
+// CUDA 13's cudaStreamGetCaptureInfo is CUDA 12's _v3 (12's name, a macro,
+// means _v2: runtime12.cpp).
+#if CUDART_VERSION < 13000
+#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo_v3
+#else
+#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo
+#endif
+SIMCUDA_API cudaError_t SIMCUDA_CAPTURE_INFO(
+    cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id, cudaGraph_t* graph,
+    const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges, size_t* count) {
   ENTER("cudaStreamGetCaptureInfo", false);
   if (status == nullptr) return result(cudaErrorInvalidValue);
   if (const int implicit = legacy_use(s, device_of(s))) return result(implicit);
@@ -599,9 +605,8 @@ SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptu
   return cudaSuccess;
 }
 
-SIMCUDA_API cudaError_t cudaStreamUpdateCaptureDependencies(cudaStream_t s, cudaGraphNode_t* deps,
-                                                            const cudaGraphEdgeData* edges, size_t count,
-                                                            unsigned int flags) {
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaStreamUpdateCaptureDependencies, _v2)(
+    cudaStream_t s, cudaGraphNode_t* deps, const cudaGraphEdgeData* edges, size_t count, unsigned int flags) {
   ENTER("cudaStreamUpdateCaptureDependencies", false);
   (void)edges;
   if (flags != cudaStreamAddCaptureDependencies && flags != cudaStreamSetCaptureDependencies) {
@@ -688,8 +693,9 @@ SIMCUDA_API cudaError_t cudaGraphNodeGetType(cudaGraphNode_t node, cudaGraphNode
   return cudaSuccess;
 }
 
-SIMCUDA_API cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t node, cudaGraphNode_t* deps,
-                                                     cudaGraphEdgeData* edges, size_t* count) {
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphNodeGetDependencies, _v2)(cudaGraphNode_t node,
+                                                                          cudaGraphNode_t* deps,
+                                                                          cudaGraphEdgeData* edges, size_t* count) {
   ENTER("cudaGraphNodeGetDependencies", false);
   if (node == nullptr || count == nullptr) return result(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(mu);
@@ -706,8 +712,10 @@ SIMCUDA_API cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t node, cudaG
 }
 
 // Nodes added by hand: empty, kernel, memset, host, event record and wait.
-SIMCUDA_API cudaError_t cudaGraphAddNode(cudaGraphNode_t* node, cudaGraph_t graph, const cudaGraphNode_t* deps,
-                                         const cudaGraphEdgeData* edges, size_t count, cudaGraphNodeParams* params) {
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphAddNode, _v2)(cudaGraphNode_t* node, cudaGraph_t graph,
+                                                              const cudaGraphNode_t* deps,
+                                                              const cudaGraphEdgeData* edges, size_t count,
+                                                              cudaGraphNodeParams* params) {
   ENTER("cudaGraphAddNode", false);
   (void)edges;
   if (node == nullptr || params == nullptr) return result(cudaErrorInvalidValue);

@@ -397,16 +397,17 @@ SIMCUDA_API cudaError_t cudaMallocManaged(void** ptr, size_t size, unsigned int 
   if (flags != cudaMemAttachGlobal && flags != cudaMemAttachHost) return result(cudaErrorInvalidValue);
   return result(Sim::get().managed_alloc(size, ptr));
 }
-SIMCUDA_API cudaError_t cudaMemPrefetchAsync(const void* ptr, size_t count, cudaMemLocation location,
-                                             unsigned int flags, cudaStream_t stream) {
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaMemPrefetchAsync, _v2)(const void* ptr, size_t count,
+                                                                  cudaMemLocation location, unsigned int flags,
+                                                                  cudaStream_t stream) {
   ENTER("cudaMemPrefetchAsync", false);
   (void)count, (void)location, (void)flags;
   if (!Sim::get().is_managed(ptr)) return result(cudaErrorInvalidValue);
   Sim::get().run(stream, stream_device(stream), 0.0);
   return cudaSuccess;
 }
-SIMCUDA_API cudaError_t cudaMemAdvise(const void* ptr, size_t count, cudaMemoryAdvise advice,
-                                      cudaMemLocation location) {
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaMemAdvise, _v2)(const void* ptr, size_t count,
+                                                           cudaMemoryAdvise advice, cudaMemLocation location) {
   ENTER("cudaMemAdvise", false);
   (void)count, (void)advice, (void)location;
   return Sim::get().is_managed(ptr) ? cudaSuccess : result(cudaErrorInvalidValue);

@@ -44,6 +44,16 @@
 
 #define SIMCUDA_API __attribute__((visibility("default")))
 
+// The runtime is built twice: as CUDA 13's libcudart.so.13 and, against
+// CUDA 12's headers, as libcudart.so.12 (for the PyTorch releases built
+// with CUDA 12). Where 13 renamed a call, 12 exports it with a suffix:
+// SIMCUDA_12_NAME(name, suffix) is the name this build defines.
+#if defined(CUDART_VERSION) && CUDART_VERSION < 13000
+#define SIMCUDA_12_NAME(name, suffix) name##suffix
+#else
+#define SIMCUDA_12_NAME(name, suffix) name
+#endif
+
 namespace reservoir::simcuda {
 
 // Codes shared by the runtime and the driver (their numbers agree).

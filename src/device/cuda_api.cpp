@@ -18,13 +18,21 @@ struct Loaded {
   std::string why;
 };
 
-// Opens the first library of `names` that loads; resolves every entry of
-// the table with `bind`, which returns false (with *why) on a missing symbol.
+// Opens the first library of `names` the process has loaded already (the
+// runtime PyTorch built with CUDA 12 brought, say, where a CUDA 13 one is
+// installed too: one process, one runtime), else the first that loads;
+// resolves every entry of the table with `bind`, which returns false (with
+// *why) on a missing symbol.
 template <typename Table, typename Bind>
 void load(Loaded<Table>& l, std::initializer_list<const char*> names, Bind&& bind) {
   void* lib = nullptr;
+  for (const char* name : names) {
+    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib != nullptr) break;
+  }
   std::string tried;
   for (const char* name : names) {
+    if (lib != nullptr) break;
     lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (lib != nullptr) break;
     const char* err = dlerror();
