@@ -43,6 +43,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -56,6 +57,42 @@ namespace {
 using c10::cuda::CUDACachingAllocator::CUDAAllocator;
 using reservoir_torch_hooks::entry;
 namespace cca = c10::cuda::CUDACachingAllocator;
+#if RESERVOIR_TORCH_C10_MEMPOOL_ID
+using MempoolId = c10::MempoolId_t;
+#else
+using MempoolId = c10::cuda::MempoolId_t;
+#endif
+#if RESERVOIR_TORCH_DEVICE_TRACE_TYPES
+namespace trace_types = c10::CachingDeviceAllocator;
+#else
+namespace trace_types = c10::cuda::CUDACachingAllocator;
+#endif
+// A stream as the snapshot's types hold it (void* from 2.11, cudaStream_t before).
+using TraceStream = decltype(trace_types::TraceEntry::stream_);
+template <class T>
+TraceStream trace_stream(T stream) {
+  if constexpr (std::is_integral_v<T>) {
+    return reinterpret_cast<TraceStream>(static_cast<std::uintptr_t>(stream));
+  } else if constexpr (std::is_null_pointer_v<T>) {
+    return nullptr;
+  } else {
+    return reinterpret_cast<TraceStream>(stream);
+  }
+}
+// A trace entry (with its user metadata from 2.10).
+template <class Stream>
+trace_types::TraceEntry trace_entry(trace_types::TraceEntry::Action action, int device, std::size_t addr,
+                                    std::size_t size, Stream stream, std::shared_ptr<c10::GatheredContext> context,
+                                    std::string compile_context, std::string user_metadata) {
+#if RESERVOIR_TORCH_USER_METADATA
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
+          std::move(context), std::move(compile_context), std::move(user_metadata)};
+#else
+  (void)user_metadata;
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
+          std::move(context), std::move(compile_context)};
+#endif
+}
 
 // What a method reservoir does not implement says, as PyTorch's own
 // allocators do: the method, and why.
@@ -80,10 +117,10 @@ void raw_delete_fn(void* ptr);
 void uncached_delete_fn(void* ptr);
 
 // The pool a segment of reservoir's snapshot JSON belongs to ({0, 0}: the default pools).
-c10::MempoolId_t pool_of(const nlohmann::json& segment) {
+MempoolId pool_of(const nlohmann::json& segment) {
   return {segment["pool"][0].get<unsigned long long>(), segment["pool"][1].get<unsigned long long>()};
 }
-constexpr c10::MempoolId_t kDefaultPools{0, 0};
+constexpr MempoolId kDefaultPools{0, 0};
 
 // A JSON answer of reservoir's (freed here); PyTorch's error with reservoir's
 // reason when there is none.
@@ -224,7 +261,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::string name() override { return "reservoir"; }
 
   // ---- caches and statistics ----
-  void emptyCache(c10::MempoolId_t mempool_id) override {
+  void emptyCache(MempoolId mempool_id) override {
     if (mempool_id.first != 0 || mempool_id.second != 0) {
       // A pool's own: its memory goes back once its last user released it
       // (MemPool's destructor asks right after); a pool in use keeps it, as
@@ -277,7 +314,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       const std::size_t underscore = rest.find('_');
       const std::size_t dot = rest.find('.');
       if (underscore == std::string::npos || dot == std::string::npos || underscore > dot) continue;
-      const c10::MempoolId_t id{std::stoull(rest.substr(0, underscore)),
+      const MempoolId id{std::stoull(rest.substr(0, underscore)),
                                 std::stoull(rest.substr(underscore + 1, dot - underscore - 1))};
       if (out.reserved_bytes_by_private_pools.count(id) == 0) {
         fill(out.reserved_bytes_by_private_pools[id], stats, kPrefix + rest.substr(0, dot));
@@ -340,6 +377,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   // pools (small and large apart), as PyTorch's allocator reports it (the
   // default stream's left out, as there); reservoir's snapshot lists a
   // segment's mapped ranges one by one.
+#if RESERVOIR_TORCH_EXPANDABLE_SEGMENT_SIZES
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
     const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
     std::vector<cca::StreamSegmentSize> out;
@@ -361,13 +399,14 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     return out;
   }
+#endif
 
   // ---- streams, pools, graphs ----
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr) return;
     entry().record_stream(ptr.get(), stream.stream());
   }
-  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id,
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
     auto owned = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
     void* context = owned.get();
@@ -393,7 +432,7 @@ class ReservoirAllocator final : public CUDAAllocator {
                   "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
     }
   }
-  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId id) override {
     TORCH_CHECK(entry().end_allocate_to_pool(device, id.first, id.second) == 0,
                 "reservoir (PyTorch's allocator): endAllocateToPool: ", entry().error());
     std::lock_guard lock(mutex_);
@@ -401,31 +440,47 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
   // A pool's users (MemPool objects, graphs): created or counted up here,
   // counted down by releasePool, whose last user gives its memory back.
-  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
+#if RESERVOIR_TORCH_POOL_ALLOCATOR_SHARED
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
                           std::shared_ptr<CUDAAllocator> allocator) override {
-    if (allocator != nullptr && allocator.get() != this) {
+    create_or_incref_pool(device, id, allocator.get());
+  }
+#else
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId id, CUDAAllocator* allocator) override {
+    create_or_incref_pool(device, id, allocator);
+  }
+#endif
+  void create_or_incref_pool(c10::DeviceIndex device, MempoolId id, const CUDAAllocator* allocator) {
+    if (allocator != nullptr && allocator != this) {
       unsupported("createOrIncrefPool with another allocator (MemPool(allocator=...))",
                   "a pool of reservoir's allocator is served by reservoir itself");
     }
     std::lock_guard lock(mutex_);
     ++pool_users_[{device, id}];
   }
-  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId id) override {
     std::lock_guard lock(mutex_);
     auto it = pool_users_.find({device, id});
     return it == pool_users_.end() ? 0 : it->second;
   }
   // MemPool(use_on_oom=True): the pool's free blocks are the last resort
   // before running out; MemPool(no_split=True): its blocks are handed out whole.
-  void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t id, bool use_on_oom) override {
+#if !RESERVOIR_TORCH_USE_ON_OOM_FLAG
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id) override { setUseOnOOM(device, id, true); }
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) {
+#else
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) override {
+#endif
     TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 0, use_on_oom ? 1 : 0) == 0,
                 "reservoir (PyTorch's allocator): setUseOnOOM: ", entry().error());
   }
-  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t id) override {
+#if RESERVOIR_TORCH_NO_SPLIT_POOLS
+  void setNoSplit(c10::DeviceIndex device, MempoolId id) override {
     TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 1, 1) == 0,
                 "reservoir (PyTorch's allocator): setNoSplit: ", entry().error());
   }
-  void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
+#endif
+  void releasePool(c10::DeviceIndex device, MempoolId id) override {
     {
       std::lock_guard lock(mutex_);
       auto it = pool_users_.find({device, id});
@@ -443,7 +498,12 @@ class ReservoirAllocator final : public CUDAAllocator {
   // with history on, its trace, from reservoir's own record; the contexts
   // are PyTorch's (its context recorder, called here on each allocation, and
   // on each free when it records everything).
-  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
+#if !RESERVOIR_TORCH_SNAPSHOT_INCLUDE_TRACES
+  cca::SnapshotInfo snapshot(MempoolId mempool_id) override { return snapshot(mempool_id, true); }
+  cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) {
+#else
+  cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override {
+#endif
     cca::SnapshotInfo out;
     int devices = 0;
     {
@@ -458,21 +518,21 @@ class ReservoirAllocator final : public CUDAAllocator {
       std::lock_guard lock(mutex_);
       const std::size_t first_segment = out.segments.size();
       for (const nlohmann::json& seg : snap["segments"]) {
-        const c10::MempoolId_t pool = pool_of(seg);
+        const MempoolId pool = pool_of(seg);
         if ((mempool_id.first != 0 || mempool_id.second != 0) && pool != mempool_id) continue;
-        c10::CachingDeviceAllocator::SegmentInfo info;
+        trace_types::SegmentInfo info;
         info.device = static_cast<c10::DeviceIndex>(device);
         info.address = seg["address"].get<std::size_t>();
         info.total_size = seg["total_size"].get<std::size_t>();
         info.requested_size = seg["requested_size"].get<std::size_t>();
         info.allocated_size = seg["allocated_size"].get<std::size_t>();
         info.active_size = seg["active_size"].get<std::size_t>();
-        info.stream = reinterpret_cast<void*>(seg["stream"].get<std::uintptr_t>());
+        info.stream = trace_stream(seg["stream"].get<std::uintptr_t>());
         info.is_large = seg["is_large"].get<bool>();
         info.is_expandable = seg["is_expandable"].get<bool>();
         info.owner_private_pool_id = pool;
         for (const nlohmann::json& b : seg["blocks"]) {
-          c10::CachingDeviceAllocator::BlockInfo block;
+          trace_types::BlockInfo block;
           block.size = b["size"].get<std::size_t>();
           block.requested_size = b["requested_size"].get<std::size_t>();
           const std::string state = b["state"].get<std::string>();
@@ -495,7 +555,7 @@ class ReservoirAllocator final : public CUDAAllocator {
         continue;
       }
       auto& trace = out.device_traces[static_cast<std::size_t>(device)];
-      using TE = c10::CachingDeviceAllocator::TraceEntry;
+      using TE = trace_types::TraceEntry;
       const nlohmann::json& history = snap["history"];
       std::unordered_map<std::size_t, Recorded> last_free;
       std::unordered_map<std::size_t, std::shared_ptr<c10::GatheredContext>> last_alloc;
@@ -558,9 +618,9 @@ class ReservoirAllocator final : public CUDAAllocator {
         if (when_ == cca::RecordContext::STATE) recorded.context = nullptr;
         const auto time_us = e["time_us"].get<std::int64_t>();
         add_own_entries_until(trace, device, time_us, &own_entries_added);
-        TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, e["size"].get<std::size_t>(),
-              reinterpret_cast<void*>(e["stream"].get<std::uintptr_t>()), {0, 0}, 0, std::move(recorded.context),
-              std::move(recorded.compile_context), std::move(recorded.user_metadata));
+        TE te = trace_entry(*kind, device, addr, e["size"].get<std::size_t>(), e["stream"].get<std::uintptr_t>(),
+                            std::move(recorded.context), std::move(recorded.compile_context),
+                            std::move(recorded.user_metadata));
         te.time_.t_ = static_cast<time_t>(time_us);
         trace.push_back(std::move(te));
       }
@@ -581,9 +641,18 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     return out;
   }
+#if !RESERVOIR_TORCH_HISTORY_SKIP_ACTIONS
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when, bool clearHistory) override {
+    recordHistory(enabled, std::move(context_recorder), alloc_trace_max_entries, when, clearHistory, {});
+  }
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when, bool clearHistory, const std::vector<std::string>& skip_actions) {
+#else
   void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
                      cca::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) override {
+#endif
     int devices = 0;
     {
       std::lock_guard lock(mutex_);
@@ -617,7 +686,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     const c10::DeviceIndex device = c10::cuda::current_device();
     std::lock_guard lock(mutex_);
     if (!history_on_) return;
-    c10::CachingDeviceAllocator::AnnotationEntry entry(device, 0);
+    trace_types::AnnotationEntry entry(device, 0);
     entry.time_.t_ = static_cast<time_t>(now_us());
     for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
     annotations_.push_back(std::move(entry));
@@ -636,6 +705,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = compile_contexts_.find(device);
     if (it != compile_contexts_.end() && !it->second.empty()) it->second.pop_back();
   }
+#if RESERVOIR_TORCH_USER_METADATA
   // torch.cuda.memory._set_memory_metadata: written on the device's entries from now on.
   void setUserMetadata(const std::string& metadata) override {
     const c10::DeviceIndex device = c10::cuda::current_device();
@@ -648,6 +718,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = user_metadata_.find(device);
     return it == user_metadata_.end() ? std::string() : it->second;
   }
+#endif
 #if RESERVOIR_TORCH_ANNOTATE_MEMORY
   bool supportsUserMetadata() override { return true; }
   // torch.cuda.memory._annotate_memory: an "annotate" entry for a live
@@ -658,7 +729,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = live_.find(const_cast<void*>(ptr));
     TORCH_CHECK(it != live_.end(), "reservoir (PyTorch's allocator): annotateMemory of ", ptr,
                 ", which is not a live allocation's start");
-    c10::CachingDeviceAllocator::TraceEntry te(c10::CachingDeviceAllocator::TraceEntry::ANNOTATE,
+    trace_types::TraceEntry te(trace_types::TraceEntry::ANNOTATE,
                                                static_cast<c10::DeviceIndex>(it->second.device),
                                                reinterpret_cast<std::size_t>(ptr), it->second.size,
                                                it->second.stream, {0, 0}, 0, nullptr,
@@ -677,7 +748,7 @@ class ReservoirAllocator final : public CUDAAllocator {
 #endif
   // CUDA graph trees check that a pool holds exactly the allocations they
   // expect to be live.
-  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId id,
                                 const std::unordered_set<void*>& expected_live_allocations) override {
     const nlohmann::json state = state_of(device);  // named: a temporary's member would dangle in the loop
     std::size_t live_in_pool = 0;
@@ -812,7 +883,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
   // CUDA graph trees: a private pool's layout, to lay it out again before
   // recording a new graph after replaying others (setCheckpointPoolState).
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override {
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, MempoolId id) override {
     char* text = entry().checkpoint_pool(device, id.first, id.second);
     TORCH_CHECK(text != nullptr, "reservoir (PyTorch's allocator): getCheckpointState: ", entry().error());
     auto state = std::make_shared<PoolState>();
@@ -868,7 +939,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   // What getCheckpointState hands PyTorch: reservoir's layout of the pool.
   struct PoolState final : cca::AllocatorState {
     c10::DeviceIndex device = 0;
-    c10::MempoolId_t id{0, 0};
+    MempoolId id{0, 0};
     std::string text;        // reservoir_torch_checkpoint_pool's JSON, as restore_pool takes it
     nlohmann::json layout;   // ... read once (graph trees restore a checkpoint many times)
   };
@@ -891,8 +962,8 @@ class ReservoirAllocator final : public CUDAAllocator {
     std::vector<Recorded> frees;
   };
 
-  static std::optional<c10::CachingDeviceAllocator::TraceEntry::Action> trace_action(const std::string& a) {
-    using A = c10::CachingDeviceAllocator::TraceEntry;
+  static std::optional<trace_types::TraceEntry::Action> trace_action(const std::string& a) {
+    using A = trace_types::TraceEntry;
     static const std::map<std::string, A::Action> kActions = {
         {"alloc", A::ALLOC},           {"free_requested", A::FREE_REQUESTED},
         {"free_completed", A::FREE_COMPLETED}, {"segment_alloc", A::SEGMENT_ALLOC},
@@ -909,12 +980,12 @@ class ReservoirAllocator final : public CUDAAllocator {
   // added. Holds mutex_.
   // Keeps an entry this library wrote, the latest max_entries as PyTorch's
   // ring of entries keeps them. Holds mutex_.
-  void keep_own_entry(c10::CachingDeviceAllocator::TraceEntry te) {
+  void keep_own_entry(trace_types::TraceEntry te) {
     own_entries_.push_back(std::move(te));
     while (max_entries_ > 0 && own_entries_.size() > max_entries_) own_entries_.pop_front();
   }
 
-  void add_own_entries_until(std::vector<c10::CachingDeviceAllocator::TraceEntry>& trace, int device,
+  void add_own_entries_until(std::vector<trace_types::TraceEntry>& trace, int device,
                              std::int64_t time_us, std::size_t* next) const {
     std::size_t seen = 0;
     for (const auto& te : own_entries_) {
@@ -930,9 +1001,8 @@ class ReservoirAllocator final : public CUDAAllocator {
   // (its size the active bytes it reported), as PyTorch writes it. Holds mutex_.
   void note_snapshot(int device, std::size_t total_active) {
     if (!history_on_ || skipped("snapshot")) return;
-    c10::CachingDeviceAllocator::TraceEntry te(c10::CachingDeviceAllocator::TraceEntry::SNAPSHOT,
-                                               static_cast<c10::DeviceIndex>(device), 0, total_active, nullptr,
-                                               {0, 0}, 0, nullptr, compile_context_of(device), metadata_of(device));
+    trace_types::TraceEntry te = trace_entry(trace_types::TraceEntry::SNAPSHOT, device, 0, total_active, nullptr,
+                                             nullptr, compile_context_of(device), metadata_of(device));
     te.time_.t_ = static_cast<time_t>(now_us());
     keep_own_entry(std::move(te));
   }
@@ -948,7 +1018,9 @@ class ReservoirAllocator final : public CUDAAllocator {
     c.expandable_segments = j.value("expandable_segments", false);
     c.release_lock_on_malloc = j.value("release_lock_on_malloc", false);
     c.pinned_use_host_register = j.value("pinned_use_host_register", false);
+#if RESERVOIR_TORCH_CONFIG_RECORD_STREAM_REUSE
     c.graph_capture_record_stream_reuse = j.value("graph_capture_record_stream_reuse", false);
+#endif
     c.last_allocator_settings = j.value("settings", std::string());
     c.roundup_power2_divisions = j.value("roundup_power2_divisions", std::vector<std::size_t>{});
 #if RESERVOIR_TORCH_CONFIG_ROUND_AND_CACHED
@@ -1015,7 +1087,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto* me = static_cast<ReservoirAllocator*>(self);
     const auto kind = trace_action(std::string(action, action_size));
     if (!kind) return;
-    using TE = c10::CachingDeviceAllocator::TraceEntry;
+    using TE = trace_types::TraceEntry;
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
       std::lock_guard lock(me->mutex_);
@@ -1027,7 +1099,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       }
     }
     if (trackers.empty()) return;
-    TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, stream, {0, 0}, 0);
+    TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0);
     te.time_.t_ = static_cast<time_t>(time_us != 0 ? time_us : now_us());
     for (const auto& tracker : trackers) tracker(te);
   }
@@ -1099,9 +1171,9 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::atomic<std::size_t> uncached_live_{0};  // uncached_.size(), read without the lock
   std::vector<double> fractions_;
   std::unordered_map<void*, Live> live_;
-  std::map<std::pair<int, c10::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
-  std::map<std::pair<int, c10::MempoolId_t>, int> pool_users_;
-  std::set<std::pair<int, c10::MempoolId_t>> routed_pools_;  // pools reservoir holds (begun at least once)
+  std::map<std::pair<int, MempoolId>, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
+  std::map<std::pair<int, MempoolId>, int> pool_users_;
+  std::set<std::pair<int, MempoolId>> routed_pools_;  // pools reservoir holds (begun at least once)
   cca::CreateContextFn recorder_ = nullptr;
   std::atomic<bool> recording_{false};  // recorder_ != nullptr, read without the lock
   cca::RecordContext when_{};
@@ -1112,10 +1184,10 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::size_t max_entries_ = 0;
   std::map<int, std::vector<std::string>> compile_contexts_;
   std::map<int, std::string> user_metadata_;
-  std::deque<c10::CachingDeviceAllocator::AnnotationEntry> annotations_;
+  std::deque<trace_types::AnnotationEntry> annotations_;
   // Entries this library writes itself, merged into the trace by time:
   // torch.cuda.memory._annotate_memory's, and each _snapshot()'s own.
-  std::deque<c10::CachingDeviceAllocator::TraceEntry> own_entries_;
+  std::deque<trace_types::TraceEntry> own_entries_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
   // IPC handles opened here, while in use (their own lock: a deleter runs
   // wherever the last user lets go).
@@ -1154,13 +1226,17 @@ void follow_runtime_settings() {
   using Hook = std::function<void(const std::string&)>;
   Hook* hook = nullptr;
   if (void* c10 = dlopen("libc10.so", RTLD_NOW | RTLD_NOLOAD)) {
-    // An exported function returning it (2.15), or the function's static
-    // itself where the function is inline in the headers (2.11).
+    // An exported function returning it (2.15), the function's static
+    // itself where the function is inline in the headers (2.11 to 2.14), or
+    // an inline static member (2.9, 2.10).
     if (void* f = dlsym(c10, "_ZN3c1016CachingAllocator26AcceleratorAllocatorConfig19getConfigParserHookB5cxx11Ev")) {
       hook = &reinterpret_cast<Hook& (*)()>(f)();
+    } else if (void* h = dlsym(
+                   c10, "_ZZN3c1016CachingAllocator26AcceleratorAllocatorConfig19getConfigParserHookB5cxx11EvE4hook")) {
+      hook = static_cast<Hook*>(h);
     } else {
       hook = static_cast<Hook*>(
-          dlsym(c10, "_ZZN3c1016CachingAllocator26AcceleratorAllocatorConfig19getConfigParserHookB5cxx11EvE4hook"));
+          dlsym(c10, "_ZN3c1016CachingAllocator26AcceleratorAllocatorConfig26device_config_parser_hook_B5cxx11E"));
     }
     dlclose(c10);
   }
@@ -1249,7 +1325,7 @@ extern "C" {
 __attribute__((visibility("default"))) int reservoir_torch_current_trace_tracker_start() {
   return reservoir_torch_hooks::guarded([] {
     c10::cuda::CUDACachingAllocator::get()->attachAllocatorTraceTracker(
-        [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+        [](const trace_types::TraceEntry& te) {
           static const char* const kNames[] = {"alloc",       "free_requested", "free_completed",
                                                "segment_alloc", "segment_free", "segment_map",
                                                "segment_unmap", "snapshot",     "oom",
@@ -1268,10 +1344,15 @@ __attribute__((visibility("default"))) char* reservoir_torch_current_expandable_
   std::string text;
   if (reservoir_torch_hooks::guarded([&] {
         nlohmann::json out = nlohmann::json::array();
+#if RESERVOIR_TORCH_EXPANDABLE_SEGMENT_SIZES
         for (const auto& s : c10::cuda::CUDACachingAllocator::get()->getExpandableSegmentSizes(
                  static_cast<c10::DeviceIndex>(device))) {
           out.push_back({reinterpret_cast<std::uintptr_t>(s.stream), s.is_small_pool, s.total_size});
         }
+#else
+        (void)device;
+        TORCH_CHECK(false, "getExpandableSegmentSizes came with PyTorch 2.10");
+#endif
         text = out.dump();
       }) != 0) {
     return nullptr;

@@ -11,6 +11,27 @@
 
 #define RESERVOIR_TORCH_SINCE(minor) (RESERVOIR_TORCH_MINOR >= (minor))
 
+// 2.9: MempoolId_t moved from c10::cuda to c10; the DeviceAllocator base
+// (c10/core/CachingDeviceAllocator.h) took the statistics and emptyCache.
+#define RESERVOIR_TORCH_C10_MEMPOOL_ID RESERVOIR_TORCH_SINCE(9)
+// 2.9: AllocatorConfigInfo::graph_capture_record_stream_reuse.
+#define RESERVOIR_TORCH_CONFIG_RECORD_STREAM_REUSE RESERVOIR_TORCH_SINCE(9)
+// 2.10: getExpandableSegmentSizes(), setNoSplit() (MemPool(no_split=True)),
+// set/getUserMetadata() and a trace entry's user metadata.
+#define RESERVOIR_TORCH_EXPANDABLE_SEGMENT_SIZES RESERVOIR_TORCH_SINCE(10)
+#define RESERVOIR_TORCH_NO_SPLIT_POOLS RESERVOIR_TORCH_SINCE(10)
+#define RESERVOIR_TORCH_USER_METADATA RESERVOIR_TORCH_SINCE(10)
+// 2.11: the snapshot and trace types (TraceEntry, AnnotationEntry,
+// SegmentInfo, BlockInfo) moved from c10::cuda::CUDACachingAllocator to
+// c10::CachingDeviceAllocator; snapshot() takes include_traces;
+// recordHistory() takes skip_actions; setUseOnOOM() takes the flag;
+// createOrIncrefPool() takes the allocator as a shared_ptr.
+#define RESERVOIR_TORCH_DEVICE_TRACE_TYPES RESERVOIR_TORCH_SINCE(11)
+#define RESERVOIR_TORCH_SNAPSHOT_INCLUDE_TRACES RESERVOIR_TORCH_SINCE(11)
+#define RESERVOIR_TORCH_HISTORY_SKIP_ACTIONS RESERVOIR_TORCH_SINCE(11)
+#define RESERVOIR_TORCH_USE_ON_OOM_FLAG RESERVOIR_TORCH_SINCE(11)
+#define RESERVOIR_TORCH_POOL_ALLOCATOR_SHARED RESERVOIR_TORCH_SINCE(11)
+
 // 2.9: c10's allocator settings parser takes a hook that follows
 // torch.cuda.memory._set_allocator_settings at run time.
 #define RESERVOIR_TORCH_SETTINGS_HOOK RESERVOIR_TORCH_SINCE(9)
