@@ -17,9 +17,16 @@ RESERVOIR = os.environ["RESERVOIR"]
 ORACLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "oracle.py")
 PROGRAMS = int(os.environ.get("RESERVOIR_ORACLE_PROGRAMS", "300"))
 
+def release_key(version):
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+RELEASE = release_key(importlib.metadata.version("torch"))
+# large_segment_size_mb came with PyTorch 2.11 (before, the key is refused).
 SETTINGS = ["", "max_split_size_mb:64", "roundup_power2_divisions:4",
             "roundup_power2_divisions:[256:1,512:2,>:8]", "expandable_segments:True",
-            "large_segment_size_mb:40", "garbage_collection_threshold:0.6,max_split_size_mb:128"]
+            *(["large_segment_size_mb:40"] if RELEASE >= (2, 11) else []),
+            "garbage_collection_threshold:0.6,max_split_size_mb:128"]
 
 
 def oracle(out, seed, programs, settings, *extra, env=None):
@@ -49,22 +56,23 @@ def test_verify_agrees_with_every_program(settings, tmp_path):
     assert out.count("agrees with the recording") == PROGRAMS
 
 
-def release_key(version):
-    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
-
-
 def test_of_equal_cached_blocks_the_running_release_takes_the_one_its_rule_names(tmp_path):
-    """2.12 changed which of two cached blocks of equal size a request takes
-    (the oldest segment's, no longer the lowest address's); a snapshot does
-    not say which release made it, so verify tries the older rule first and
-    says when only 2.12's agrees. Under each release, only its own rule may."""
+    """Which of two cached blocks of equal size a request takes: the lower
+    address (2.11 and before), the block made first (2.12), the oldest
+    segment's (2.13 on). A 2.12 snapshot looks like a 2.11 one, so verify
+    tries the older rule first and says when only 2.12's agrees; later
+    snapshots show their release. Every program agrees (verify), each under
+    its release's rule and no other."""
     files = oracle(tmp_path, 77, PROGRAMS, "")
     out = " ".join(verify(files).split())
-    newer_rule = out.count("rules of PyTorch 2.12 and later")
-    if release_key(importlib.metadata.version("torch")) >= (2, 12):
-        assert newer_rule > 0
+    counts = {rule: out.count(f"rules of PyTorch {rule} (") for rule in ("2.12", "2.13 and later")}
+    release = RELEASE
+    if release >= (2, 13):
+        assert counts == {"2.12": 0, "2.13 and later": PROGRAMS}, counts
+    elif release == (2, 12):
+        assert counts["2.13 and later"] == 0 and counts["2.12"] > 0, counts
     else:
-        assert newer_rule == 0
+        assert counts == {"2.12": 0, "2.13 and later": 0}, counts
 
 
 def test_out_of_memory_dumps_verify_and_advise_explains_them(tmp_path):

@@ -1,10 +1,12 @@
-"""reservoir as the running PyTorch release's own allocator, against that
-release's native allocator, on the simulated CUDA device: run under every
-release reservoir is built for (ctest's torch_<release>_* tests; `make
-test-releases` runs them all). One program over both pools, a MemPool and
-empty_cache(), in two processes (the native allocator, then reservoir's
-library for this release), compared: statistics, summary, addresses and the
-snapshot, with its history.
+"""reservoir under the running PyTorch release, on the simulated CUDA
+device: run under every release tested (ctest's torch_<release>_* tests;
+`make test-releases` runs them all). Where reservoir's own allocator is
+built for the release (RESERVOIR_EXPECT_OWN_ALLOCATOR=1), one program over
+both pools, a MemPool and empty_cache(), in two processes (the native
+allocator, then reservoir's library for this release), compared:
+statistics, summary, addresses and the snapshot, with its history; where it
+is not, use_as_allocator() refuses with what to do. Under every release, the
+pluggable allocator (install_torch()) serves the program's memory.
 
 The simulated device hands out host memory the operating system places, so
 addresses are compared relative to the first allocation of each process.
@@ -18,6 +20,10 @@ import textwrap
 import pytest
 
 torch = pytest.importorskip("torch")
+
+OWN = os.environ.get("RESERVOIR_EXPECT_OWN_ALLOCATOR", "1") == "1"
+own_only = pytest.mark.skipif(not OWN, reason="no own allocator is built for this release: "
+                              "test_without_a_library_use_as_allocator_is_refused_with_what_to_do runs instead")
 
 PRELUDE = """
 import json, os, sys
@@ -78,6 +84,7 @@ emit(ptrs=ptrs, segments=segments(live), stats=stats, summary=summary, after_emp
 """
 
 
+@own_only
 def test_this_releases_library_decides_and_reports_as_the_releases_own_allocator():
     native = run("native", PROGRAM)
     ours = run("reservoir", PROGRAM)
@@ -102,6 +109,7 @@ def test_this_releases_library_decides_and_reports_as_the_releases_own_allocator
     assert sum(1 for e in ours["trace"] if e[0] == "segment_free") == len(native["segments"])
 
 
+@own_only
 def test_a_patch_release_of_the_same_minor_gets_its_library_and_a_newer_release_is_refused():
     body = """
     import reservoir
@@ -121,3 +129,54 @@ def test_a_patch_release_of_the_same_minor_gets_its_library_and_a_newer_release_
     major, minor = torch.__version__.split(".")[:2]
     next_built = [b for b in r["built"] if b.startswith(f"{major}.{int(minor) + 1}.")]
     assert (r["path"] is None) == (not next_built), (r["path"], r["built"])
+
+
+@pytest.mark.skipif(OWN, reason="this release has its own allocator: the tests above run instead")
+def test_without_a_library_use_as_allocator_is_refused_with_what_to_do():
+    body = """
+    import reservoir
+    try:
+        reservoir.use_as_allocator("")
+        emit(error="")
+    except RuntimeError as e:
+        emit(error=str(e), built=reservoir.torch_hook_releases())
+    """
+    r = run("native", body)
+    assert r["error"] == (
+        f"reservoir.use_as_allocator: this package has no library for PyTorch {torch.__version__} "
+        f"(built for: {', '.join(r['built'])}): use reservoir.install_torch() (the pluggable allocator: "
+        "allocations and frees reach reservoir; torch.cuda.memory_stats(), snapshots and MemPool do not), "
+        "or build reservoir against it (docs/integrations.md)")
+
+
+PLUGGABLE = """
+import reservoir
+reservoir.install_torch("")
+host = [torch.arange(n, dtype=torch.int32) % 251 for n in (100, 300000, 700000, 6000000)]
+ts = [h.cuda() for h in host]
+back_equal = all(torch.equal(t.cpu(), h) for t, h in zip(ts, host))
+stats = reservoir.stats()
+live = stats["allocated_bytes.all.current"]
+ts = None
+after_free = reservoir.stats()
+torch.cuda.empty_cache()
+after_torch_empty = reservoir.stats()["reserved_bytes.all.current"]
+reservoir.empty_cache()
+emit(back_equal=back_equal, live=live, freed=after_free["allocated_bytes.all.current"],
+     reserved=after_free["reserved_bytes.all.current"], after_torch_empty=after_torch_empty,
+     after_reservoir_empty=reservoir.stats()["reserved_bytes.all.current"],
+     hooks=reservoir.torch_hooks_path(torch.__version__) is not None)
+"""
+
+
+def test_the_pluggable_allocator_serves_the_programs_memory():
+    r = run("native", PLUGGABLE)
+    assert r["back_equal"]
+    # 400 B, 1.2 MB, 2.8 MB and 24 MB of int32, each rounded up to 512 B.
+    assert r["live"] == sum(-(-4 * n // 512) * 512 for n in (100, 300000, 700000, 6000000))
+    assert r["freed"] == 0 and r["reserved"] > 0
+    assert r["hooks"] == OWN
+    # With this release's library, torch.cuda.empty_cache() reaches reservoir;
+    # through malloc and free alone it does not, and reservoir's own does.
+    assert r["after_torch_empty"] == (0 if OWN else r["reserved"])
+    assert r["after_reservoir_empty"] == 0
