@@ -58,9 +58,11 @@ int report(const Trace& trace, const VerifyResult& r) {
     if (!r.pytorch_rules.empty() && compare_versions(r.pytorch_rules, "2.12") >= 0) {
       const bool inferred = trace.pytorch_since.empty() ||
                             compare_versions(trace.pytorch_since, "2.12") < 0;
+      const bool only_2_12 = compare_versions(r.pytorch_rules, "2.13") < 0;
       print_wrapped(fmt::format(
-          "  rules of PyTorch 2.12 and later (of cached blocks of equal size, the oldest "
-          "segment's first){}\n",
+          "  rules of PyTorch {} (of cached blocks of equal size, {}){}\n",
+          only_2_12 ? "2.12" : "2.13 and later",
+          only_2_12 ? "the block made first" : "the oldest segment's first",
           inferred ? fmt::format(": the snapshot shows {} or later, and only these rules agree",
                                  trace.pytorch_since)
                    : ""));
