@@ -87,10 +87,13 @@ trace_types::TraceEntry trace_entry(trace_types::TraceEntry::Action action, int 
 #if RESERVOIR_TORCH_USER_METADATA
   return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
           std::move(context), std::move(compile_context), std::move(user_metadata)};
-#else
+#elif RESERVOIR_TORCH_COMPILE_CONTEXT
   (void)user_metadata;
   return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
           std::move(context), std::move(compile_context)};
+#else
+  (void)user_metadata, (void)compile_context;
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), 0, std::move(context)};
 #endif
 }
 
@@ -261,7 +264,12 @@ class ReservoirAllocator final : public CUDAAllocator {
   std::string name() override { return "reservoir"; }
 
   // ---- caches and statistics ----
+#if !RESERVOIR_TORCH_POOL_EMPTY_CACHE
+  void emptyCache() override { emptyCache(MempoolId{0, 0}); }
+  void emptyCache(MempoolId mempool_id) {
+#else
   void emptyCache(MempoolId mempool_id) override {
+#endif
     if (mempool_id.first != 0 || mempool_id.second != 0) {
       // A pool's own: its memory goes back once its last user released it
       // (MemPool's destructor asks right after); a pool in use keeps it, as
@@ -445,9 +453,13 @@ class ReservoirAllocator final : public CUDAAllocator {
                           std::shared_ptr<CUDAAllocator> allocator) override {
     create_or_incref_pool(device, id, allocator.get());
   }
-#else
+#elif RESERVOIR_TORCH_CREATE_OR_INCREF_POOL
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId id, CUDAAllocator* allocator) override {
     create_or_incref_pool(device, id, allocator);
+  }
+#else
+  void ensureExistsAndIncrefPool(c10::DeviceIndex device, MempoolId id) override {
+    create_or_incref_pool(device, id, nullptr);
   }
 #endif
   void create_or_incref_pool(c10::DeviceIndex device, MempoolId id, const CUDAAllocator* allocator) {
@@ -465,7 +477,9 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
   // MemPool(use_on_oom=True): the pool's free blocks are the last resort
   // before running out; MemPool(no_split=True): its blocks are handed out whole.
-#if !RESERVOIR_TORCH_USE_ON_OOM_FLAG
+#if !RESERVOIR_TORCH_USE_ON_OOM
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) {
+#elif !RESERVOIR_TORCH_USE_ON_OOM_FLAG
   void setUseOnOOM(c10::DeviceIndex device, MempoolId id) override { setUseOnOOM(device, id, true); }
   void setUseOnOOM(c10::DeviceIndex device, MempoolId id, bool use_on_oom) {
 #else
@@ -499,7 +513,16 @@ class ReservoirAllocator final : public CUDAAllocator {
   // are PyTorch's (its context recorder, called here on each allocation, and
   // on each free when it records everything).
 #if !RESERVOIR_TORCH_SNAPSHOT_INCLUDE_TRACES
+#if RESERVOIR_TORCH_POOL_SNAPSHOT
   cca::SnapshotInfo snapshot(MempoolId mempool_id) override { return snapshot(mempool_id, true); }
+#else
+  // MemPool.snapshot() takes its snapshot inside the pool's use_mem_pool:
+  // the active pool's segments alone, as PyTorch's allocator gives them then.
+  cca::SnapshotInfo snapshot() override {
+    c10::cuda::MemPool* active = c10::cuda::MemPoolContext::getActiveMemPool();
+    return snapshot(active != nullptr ? active->id() : MempoolId{0, 0}, true);
+  }
+#endif
   cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) {
 #else
   cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override {
@@ -641,9 +664,19 @@ class ReservoirAllocator final : public CUDAAllocator {
     }
     return out;
   }
+#if !RESERVOIR_TORCH_HISTORY_CLEAR
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cca::RecordContext when) override {
+    recordHistory(enabled, std::move(context_recorder), alloc_trace_max_entries, when, false, {});
+  }
+#endif
 #if !RESERVOIR_TORCH_HISTORY_SKIP_ACTIONS
   void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
-                     cca::RecordContext when, bool clearHistory) override {
+                     cca::RecordContext when, bool clearHistory)
+#if RESERVOIR_TORCH_HISTORY_CLEAR
+      override
+#endif
+  {
     recordHistory(enabled, std::move(context_recorder), alloc_trace_max_entries, when, clearHistory, {});
   }
   void recordHistory(bool enabled, cca::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
@@ -694,6 +727,7 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
   // torch.compile's contexts: the innermost one in force is written on each
   // trace entry of the device (PyTorch keeps a stack per device).
+#if RESERVOIR_TORCH_COMPILE_CONTEXT
   void pushCompileContext(std::string& md) override {
     const c10::DeviceIndex device = c10::cuda::current_device();
     std::lock_guard lock(mutex_);
@@ -705,6 +739,7 @@ class ReservoirAllocator final : public CUDAAllocator {
     auto it = compile_contexts_.find(device);
     if (it != compile_contexts_.end() && !it->second.empty()) it->second.pop_back();
   }
+#endif
 #if RESERVOIR_TORCH_USER_METADATA
   // torch.cuda.memory._set_memory_metadata: written on the device's entries from now on.
   void setUserMetadata(const std::string& metadata) override {
@@ -1099,7 +1134,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       }
     }
     if (trackers.empty()) return;
-    TE te(*kind, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0);
+    TE te = trace_entry(*kind, device, addr, size, stream, nullptr, {}, {});
     te.time_.t_ = static_cast<time_t>(time_us != 0 ? time_us : now_us());
     for (const auto& tracker : trackers) tracker(te);
   }

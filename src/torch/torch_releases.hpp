@@ -11,6 +11,16 @@
 
 #define RESERVOIR_TORCH_SINCE(minor) (RESERVOIR_TORCH_MINOR >= (minor))
 
+// 2.8: emptyCache() and snapshot() of one pool; createOrIncrefPool() (was
+// ensureExistsAndIncrefPool()); setUseOnOOM() (MemPool(use_on_oom=True));
+// recordHistory()'s clearHistory; torch.compile's contexts
+// (push/popCompileContext) and a trace entry's pool and compile context.
+#define RESERVOIR_TORCH_POOL_EMPTY_CACHE RESERVOIR_TORCH_SINCE(8)
+#define RESERVOIR_TORCH_POOL_SNAPSHOT RESERVOIR_TORCH_SINCE(8)
+#define RESERVOIR_TORCH_CREATE_OR_INCREF_POOL RESERVOIR_TORCH_SINCE(8)
+#define RESERVOIR_TORCH_USE_ON_OOM RESERVOIR_TORCH_SINCE(8)
+#define RESERVOIR_TORCH_HISTORY_CLEAR RESERVOIR_TORCH_SINCE(8)
+#define RESERVOIR_TORCH_COMPILE_CONTEXT RESERVOIR_TORCH_SINCE(8)
 // 2.9: MempoolId_t moved from c10::cuda to c10; the DeviceAllocator base
 // (c10/core/CachingDeviceAllocator.h) took the statistics and emptyCache.
 #define RESERVOIR_TORCH_C10_MEMPOOL_ID RESERVOIR_TORCH_SINCE(9)
