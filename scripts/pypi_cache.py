@@ -69,13 +69,19 @@ def install(requirements: Path) -> Path:
     else:
         command = ["install", *common, "--root-user-action=ignore", "--target", str(partial)]
     subprocess.run([sys.executable, "-m", "pip", *command, "-r", str(requirements)], check=True)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    marker.write_text(wanted)
-    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    size = publish(partial, target, wanted)
     print(f"pypi cache: {name}: {time.monotonic() - start:.0f} s, {size / 1e9:.1f} GB installed",
           file=sys.stderr)
     return target
+
+
+def publish(partial: Path, target: Path, wanted: str) -> int:
+    """Puts the finished folder `partial` in target's place and marks it
+    complete with `wanted`; returns its size in bytes."""
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    (target / ".complete").write_text(wanted)
+    return sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
 
 
 def torch_headers(release: str) -> Path:
@@ -115,10 +121,7 @@ def torch_headers(release: str) -> Path:
         sys.exit(f"pypi cache: torch=={release}'s wheel lacks {missing or 'CUDACachingAllocator.h'}")
     (partial / "torch/include").rename(partial / "include")
     (partial / "torch").rmdir()
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    marker.write_text(wanted)
-    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    size = publish(partial, target, wanted)
     print(f"pypi cache: torch-headers-{release}: {time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB",
           file=sys.stderr)
     return target
