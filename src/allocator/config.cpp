@@ -545,9 +545,11 @@ const Entry kTable[] = {
        if (!c.native_paged_rescue) out.emplace_back("native_paged_rescue:False");
      }},
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
-      "the release whose decisions the native policy takes where releases differ: from 2.12, of "
-      "cached blocks of equal size the one whose segment was made first (before: the lowest "
-      "address); from 2.5, a private pool's memory is expandable segments of its own under "
+      "the release whose decisions the native policy takes where releases differ: of cached blocks "
+      "of equal size, from 2.13 the one whose segment was made first, in 2.12 the block made first "
+      "(a split's front is a new block, a merge keeps the freed block's age), before 2.12 the "
+      "lowest address; from 2.13, memory_stats reports each private pool's reserved bytes; from "
+      "2.5, a private pool's memory is expandable segments of its own under "
       "expandable_segments:True (before: ordinary segments). Replay, verify and advise take it from a snapshot that shows its release; "
       "installed into PyTorch (own or pluggable allocator), the running release",
       true},
