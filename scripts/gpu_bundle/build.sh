@@ -127,9 +127,10 @@ install -m 755 "$bb/bin/gpu_test" "$bb/bin/gpu_bench" "$bb/bin/reservoir" "$bb/c
 install -m 755 "$bb/lib/libreservoir_torch.so" "$bb/lib/libreservoir_preload.so" "$out/lib/"
 install -m 644 "$root"/python/reservoir/*.py "$out/python/reservoir/"
 install -m 755 "$bb"/python/reservoir/_core*.so "$out/python/reservoir/"
-# PyTorch's pluggable allocator with every hook, per release in the PyPI
-# cache (the GPU machines run 2.11): install_torch() loads the running one's.
-for hooks in "$bb"/python/reservoir/lib/torch-*/libreservoir_torch_hooks.so; do
+# reservoir's own allocator and the pluggable one's hooks for the release the
+# GPU machines run (2.11; the package carries one per release, which would
+# take the bundle over its size): use_as_allocator() loads it.
+for hooks in "$bb"/python/reservoir/lib/torch-2.11.*/libreservoir_torch_hooks.so; do
   [ -e "$hooks" ] || continue
   release=$(basename "$(dirname "$hooks")")
   install -D -m 755 "$hooks" "$out/python/reservoir/lib/$release/libreservoir_torch_hooks.so"
