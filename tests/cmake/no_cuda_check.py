@@ -4,8 +4,8 @@ configured with RESERVOIR_CUDA=OFF. The tests only the first may have are the
 CUDA backends' (on the fake CUDA: names with "Cuda"), the LD_PRELOAD
 interposer's (which needs CUDA's headers for the signatures it intercepts:
 names starting with "preload_") and the simulated CUDA device's, built from
-CUDA's headers (simcuda_*, and torch_<release>_simcuda, which run PyTorch
-on it); and the instruction budgets, which hold for make test's optimized
+CUDA's headers (simcuda_*, and torch_<release>_simcuda and
+torch_<release>_release, which run PyTorch on it); and the instruction budgets, which hold for make test's optimized
 build only (the no-CUDA build is unoptimized, without benchmarks). Every
 other test must be in both.
 
@@ -32,7 +32,7 @@ OPTIMIZED_BUILD_ONLY = {"instruction_budget"}
 
 def cuda_only(name):
     return ("Cuda" in name or name.startswith("preload_") or name.startswith("simcuda_")
-            or re.fullmatch(r"torch_[0-9.]+_simcuda", name) is not None)
+            or re.fullmatch(r"torch_[0-9.]+_(simcuda|release)", name) is not None)
 
 
 with_cuda, without = registered(sys.argv[1]), registered(sys.argv[2])
