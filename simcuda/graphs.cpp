@@ -518,6 +518,7 @@ SIMCUDA_API cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCapture
   return result(begin(s, nullptr, nullptr, 0, mode));
 }
 
+#if CUDART_VERSION >= 12000  // CUDA 12.3's
 SIMCUDA_API cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t s, cudaGraph_t graph,
                                                       const cudaGraphNode_t* deps, const cudaGraphEdgeData* edges,
                                                       size_t count, cudaStreamCaptureMode mode) {
@@ -526,6 +527,7 @@ SIMCUDA_API cudaError_t cudaStreamBeginCaptureToGraph(cudaStream_t s, cudaGraph_
   if (graph == nullptr) return result(cudaErrorInvalidValue);
   return result(begin(s, reinterpret_cast<Graph*>(graph), deps, count, mode));
 }
+#endif
 
 SIMCUDA_API cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
   ENTER("cudaStreamEndCapture", false);
@@ -573,22 +575,19 @@ SIMCUDA_API cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureS
   return cudaSuccess;
 }
 
-// CUDA 13's cudaStreamGetCaptureInfo is CUDA 12's _v3 (12's name, a macro,
-// means _v2: runtime12.cpp).
-#if CUDART_VERSION < 13000
-#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo_v3
-#else
-#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo
-#endif
-SIMCUDA_API cudaError_t SIMCUDA_CAPTURE_INFO(
-    cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id, cudaGraph_t* graph,
-    const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges, size_t* count) {
+}  // extern "C"
+
+namespace {
+
+// What a capture query reports, in every version's terms (CUDA 12's edges
+// are left to the caller: every edge here is a default one).
+cudaError_t capture_info(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id, cudaGraph_t* graph,
+                         const cudaGraphNode_t** deps, size_t* count) {
   ENTER("cudaStreamGetCaptureInfo", false);
   if (status == nullptr) return result(cudaErrorInvalidValue);
   if (const int implicit = legacy_use(s, device_of(s))) return result(implicit);
   std::lock_guard<std::mutex> lock(mu);
   StreamState* st = state_of(s);
-  if (edges != nullptr) *edges = nullptr;  // every edge is a default one
   if (st == nullptr) {
     *status = cudaStreamCaptureStatusNone;
     if (id != nullptr) *id = 0;
@@ -605,10 +604,9 @@ SIMCUDA_API cudaError_t SIMCUDA_CAPTURE_INFO(
   return cudaSuccess;
 }
 
-SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaStreamUpdateCaptureDependencies, _v2)(
-    cudaStream_t s, cudaGraphNode_t* deps, const cudaGraphEdgeData* edges, size_t count, unsigned int flags) {
+// Sets (or adds to) the nodes a capturing stream's next work depends on.
+cudaError_t update_capture_dependencies(cudaStream_t s, cudaGraphNode_t* deps, size_t count, unsigned int flags) {
   ENTER("cudaStreamUpdateCaptureDependencies", false);
-  (void)edges;
   if (flags != cudaStreamAddCaptureDependencies && flags != cudaStreamSetCaptureDependencies) {
     return result(cudaErrorInvalidValue);
   }
@@ -626,6 +624,94 @@ SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaStreamUpdateCaptureDependencies, _v2
   st->deps = std::move(next);
   return cudaSuccess;
 }
+
+// A node's dependencies (the first *count of them into deps, when given).
+cudaError_t node_dependencies(cudaGraphNode_t node, cudaGraphNode_t* deps, size_t* count) {
+  ENTER("cudaGraphNodeGetDependencies", false);
+  if (node == nullptr || count == nullptr) return result(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lock(mu);
+  if (deps != nullptr) {
+    for (size_t i = 0; i < *count; ++i) deps[i] = i < node->deps.size() ? node->deps[i] : nullptr;
+    *count = std::min(*count, node->deps.size());
+  } else {
+    *count = node->deps.size();
+  }
+  return cudaSuccess;
+}
+
+// The executable graph takes the graph's node parameters when both have
+// the same nodes (kinds and dependencies), as CUDA's whole-graph update.
+// *judged says whether the graphs were compared (and *verdict_out set).
+cudaError_t exec_update(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResult* verdict_out,
+                        bool* judged) {
+  ENTER("cudaGraphExecUpdate", false);
+  std::lock_guard<std::mutex> lock(mu);
+  auto e = execs.find(reinterpret_cast<Exec*>(exec));
+  auto g = graphs.find(reinterpret_cast<Graph*>(graph));
+  if (e == execs.end() || g == graphs.end()) return result(cudaErrorInvalidValue);
+  const auto shape = shape_of(*g->second);
+  cudaGraphExecUpdateResult verdict = cudaGraphExecUpdateSuccess;
+  if (shape.size() != e->second->shape.size()) {
+    verdict = cudaGraphExecUpdateErrorTopologyChanged;
+  } else {
+    for (size_t i = 0; i < shape.size() && verdict == cudaGraphExecUpdateSuccess; ++i) {
+      if (shape[i].second != e->second->shape[i].second) verdict = cudaGraphExecUpdateErrorTopologyChanged;
+      else if (shape[i].first != e->second->shape[i].first) verdict = cudaGraphExecUpdateErrorNodeTypeChanged;
+    }
+  }
+  *verdict_out = verdict;
+  *judged = true;
+  if (verdict != cudaGraphExecUpdateSuccess) return result(cudaErrorGraphExecUpdateFailure);
+  e->second->steps = steps_of(*g->second);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+#if CUDART_VERSION >= 12000
+// CUDA 13's cudaStreamGetCaptureInfo is CUDA 12's _v3 (12's name, a macro,
+// means _v2: runtime12.cpp).
+#if CUDART_VERSION < 13000
+#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo_v3
+#else
+#define SIMCUDA_CAPTURE_INFO cudaStreamGetCaptureInfo
+#endif
+SIMCUDA_API cudaError_t SIMCUDA_CAPTURE_INFO(
+    cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id, cudaGraph_t* graph,
+    const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges, size_t* count) {
+  const cudaError_t code = capture_info(s, status, id, graph, deps, count);
+  if (code == cudaSuccess && edges != nullptr) *edges = nullptr;  // every edge is a default one
+  return code;
+}
+#else
+// CUDA 11's: the capture's status and id (unsuffixed), and its graph and
+// dependencies too (_v2, which 12 made the unsuffixed one).
+SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* status,
+                                                 unsigned long long* id) {
+  return capture_info(s, status, id, nullptr, nullptr, nullptr);
+}
+SIMCUDA_API cudaError_t cudaStreamGetCaptureInfo_v2(cudaStream_t s, cudaStreamCaptureStatus* status,
+                                                    unsigned long long* id, cudaGraph_t* graph,
+                                                    const cudaGraphNode_t** deps, size_t* count) {
+  return capture_info(s, status, id, graph, deps, count);
+}
+#endif
+
+#if CUDART_VERSION >= 12000
+SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaStreamUpdateCaptureDependencies, _v2)(
+    cudaStream_t s, cudaGraphNode_t* deps, const cudaGraphEdgeData* edges, size_t count, unsigned int flags) {
+  (void)edges;  // every edge is a default one
+  return update_capture_dependencies(s, deps, count, flags);
+}
+#endif
+#if CUDART_VERSION < 13000  // 11's and 12's, without edges
+SIMCUDA_API cudaError_t cudaStreamUpdateCaptureDependencies(cudaStream_t s, cudaGraphNode_t* deps, size_t count,
+                                                            unsigned int flags) {
+  return update_capture_dependencies(s, deps, count, flags);
+}
+#endif
 
 SIMCUDA_API cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
   ENTER("cudaThreadExchangeStreamCaptureMode", false);
@@ -693,24 +779,25 @@ SIMCUDA_API cudaError_t cudaGraphNodeGetType(cudaGraphNode_t node, cudaGraphNode
   return cudaSuccess;
 }
 
+#if CUDART_VERSION >= 12000
 SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphNodeGetDependencies, _v2)(cudaGraphNode_t node,
                                                                           cudaGraphNode_t* deps,
                                                                           cudaGraphEdgeData* edges, size_t* count) {
-  ENTER("cudaGraphNodeGetDependencies", false);
-  if (node == nullptr || count == nullptr) return result(cudaErrorInvalidValue);
-  std::lock_guard<std::mutex> lock(mu);
-  if (deps != nullptr) {
-    for (size_t i = 0; i < *count; ++i) {
-      deps[i] = i < node->deps.size() ? node->deps[i] : nullptr;
-      if (edges != nullptr) edges[i] = cudaGraphEdgeData{};
-    }
-    *count = std::min(*count, node->deps.size());
-  } else {
-    *count = node->deps.size();
+  const size_t asked = count != nullptr ? *count : 0;
+  const cudaError_t code = node_dependencies(node, deps, count);
+  if (code == cudaSuccess && deps != nullptr && edges != nullptr) {
+    for (size_t i = 0; i < asked; ++i) edges[i] = cudaGraphEdgeData{};  // every edge is a default one
   }
-  return cudaSuccess;
+  return code;
 }
+#endif
+#if CUDART_VERSION < 13000  // 11's and 12's, without edges
+SIMCUDA_API cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t node, cudaGraphNode_t* deps, size_t* count) {
+  return node_dependencies(node, deps, count);
+}
+#endif
 
+#if CUDART_VERSION >= 12000  // CUDA 12.2's
 // Nodes added by hand: empty, kernel, memset, host, event record and wait.
 SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphAddNode, _v2)(cudaGraphNode_t* node, cudaGraph_t graph,
                                                               const cudaGraphNode_t* deps,
@@ -774,13 +861,19 @@ SIMCUDA_API cudaError_t cudaGraphConditionalHandleCreate(cudaGraphConditionalHan
   (void)handle, (void)graph, (void)value, (void)flags;
   return result(Sim::get().refuse("cudaGraphConditionalHandleCreate"));
 }
+#endif
 
 SIMCUDA_API cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph,
                                                       unsigned long long flags) {
   ENTER("cudaGraphInstantiateWithFlags", false);
+#if CUDART_VERSION >= 12000
   constexpr unsigned long long kKnown = cudaGraphInstantiateFlagAutoFreeOnLaunch | cudaGraphInstantiateFlagUpload |
                                         cudaGraphInstantiateFlagDeviceLaunch |
                                         cudaGraphInstantiateFlagUseNodePriority;
+#else  // 11.7's
+  constexpr unsigned long long kKnown = cudaGraphInstantiateFlagAutoFreeOnLaunch |
+                                        cudaGraphInstantiateFlagUseNodePriority;
+#endif
   if (exec == nullptr || (flags & ~kKnown) != 0) return result(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(mu);
   auto it = graphs.find(reinterpret_cast<Graph*>(graph));
@@ -796,9 +889,20 @@ SIMCUDA_API cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cud
   return cudaSuccess;
 }
 
+#if CUDART_VERSION >= 12000
 SIMCUDA_API cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
   return cudaGraphInstantiateWithFlags(exec, graph, flags);
 }
+#else
+// CUDA 11's: no flags; where it failed and CUDA's log (neither has anything
+// to say here: instantiation fails only on invalid arguments).
+SIMCUDA_API cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, cudaGraphNode_t* error_node,
+                                             char* log, size_t log_size) {
+  if (error_node != nullptr) *error_node = nullptr;
+  if (log != nullptr && log_size > 0) log[0] = '\0';
+  return cudaGraphInstantiateWithFlags(exec, graph, 0);
+}
+#endif
 
 SIMCUDA_API cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
   ENTER("cudaGraphExecDestroy", false);
@@ -845,30 +949,27 @@ SIMCUDA_API cudaError_t cudaGraphUpload(cudaGraphExec_t exec, cudaStream_t s) {
   return cudaSuccess;
 }
 
-// The executable graph takes the graph's node parameters when both have
-// the same nodes (kinds and dependencies), as CUDA's whole-graph update.
+#if CUDART_VERSION >= 12000
 SIMCUDA_API cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph,
                                             cudaGraphExecUpdateResultInfo* info) {
-  ENTER("cudaGraphExecUpdate", false);
-  std::lock_guard<std::mutex> lock(mu);
-  auto e = execs.find(reinterpret_cast<Exec*>(exec));
-  auto g = graphs.find(reinterpret_cast<Graph*>(graph));
-  if (e == execs.end() || g == graphs.end()) return result(cudaErrorInvalidValue);
-  const auto shape = shape_of(*g->second);
   cudaGraphExecUpdateResult verdict = cudaGraphExecUpdateSuccess;
-  if (shape.size() != e->second->shape.size()) {
-    verdict = cudaGraphExecUpdateErrorTopologyChanged;
-  } else {
-    for (size_t i = 0; i < shape.size() && verdict == cudaGraphExecUpdateSuccess; ++i) {
-      if (shape[i].second != e->second->shape[i].second) verdict = cudaGraphExecUpdateErrorTopologyChanged;
-      else if (shape[i].first != e->second->shape[i].first) verdict = cudaGraphExecUpdateErrorNodeTypeChanged;
-    }
-  }
-  if (info != nullptr) *info = cudaGraphExecUpdateResultInfo{verdict, nullptr, nullptr};
-  if (verdict != cudaGraphExecUpdateSuccess) return result(cudaErrorGraphExecUpdateFailure);
-  e->second->steps = steps_of(*g->second);
-  return cudaSuccess;
+  bool judged = false;
+  const cudaError_t code = exec_update(exec, graph, &verdict, &judged);
+  if (info != nullptr && judged) *info = cudaGraphExecUpdateResultInfo{verdict, nullptr, nullptr};
+  return code;
 }
+#else
+// CUDA 11's: the verdict and the node it concerns (none here) by pointer.
+SIMCUDA_API cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphNode_t* error_node,
+                                            cudaGraphExecUpdateResult* verdict) {
+  if (error_node != nullptr) *error_node = nullptr;
+  cudaGraphExecUpdateResult mine = cudaGraphExecUpdateSuccess;
+  bool judged = false;
+  const cudaError_t code = exec_update(exec, graph, &mine, &judged);
+  if (verdict != nullptr && judged) *verdict = mine;
+  return code;
+}
+#endif
 
 // ---- user objects -----------------------------------------------------------
 

@@ -100,12 +100,14 @@ SIMCUDA_API cudaError_t __cudaPopCallConfiguration(dim3* grid, dim3* block, size
   return cudaSuccess;
 }
 
+#if CUDART_VERSION >= 12000
 // A kernel's handle for its host stub: the stub itself (nothing runs it).
 SIMCUDA_API cudaError_t __cudaGetKernel(cudaKernel_t* kernel, const void* func) {
   if (kernel == nullptr) return result(cudaErrorInvalidValue);
   *kernel = reinterpret_cast<cudaKernel_t>(const_cast<void*>(func));
   return cudaSuccess;
 }
+#endif
 
 // A kernel runs in its stream's order and takes no time, but for a kernel
 // that spins for its first argument's cycles (torch.cuda._sleep's
@@ -141,9 +143,11 @@ SIMCUDA_API cudaError_t __cudaLaunchKernel(const void* f, dim3 grid, dim3 block,
   (void)grid, (void)block, (void)shared;
   return launch("__cudaLaunchKernel", f, args, stream);
 }
+#if CUDART_VERSION >= 11080  // cudaLaunchConfig_t's
 SIMCUDA_API cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* config, const void* f, void** args) {
   return launch("cudaLaunchKernelExC", f, args, config != nullptr ? config->stream : nullptr);
 }
+#endif
 
 // ---- errors and versions ------------------------------------------------
 
@@ -226,6 +230,7 @@ SIMCUDA_API cudaError_t cudaRuntimeGetVersion(int* version) {
   return cudaSuccess;
 }
 
+#if CUDART_VERSION >= 12000
 SIMCUDA_API cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version,
                                                          unsigned long long flags,
                                                          cudaDriverEntryPointQueryResult* status) {
@@ -239,6 +244,15 @@ SIMCUDA_API cudaError_t cudaGetDriverEntryPoint(const char* symbol, void** fn, u
                                                 cudaDriverEntryPointQueryResult* status) {
   return cudaGetDriverEntryPointByVersion(symbol, fn, CUDART_VERSION, flags, status);
 }
+#else
+// CUDA 11's: no query result (a missing symbol is an error).
+SIMCUDA_API cudaError_t cudaGetDriverEntryPoint(const char* symbol, void** fn, unsigned long long flags) {
+  (void)flags;
+  if (symbol == nullptr || fn == nullptr) return result(cudaErrorInvalidValue);
+  *fn = reservoir_simcuda_driver_symbol(symbol);
+  return *fn != nullptr ? cudaSuccess : result(cudaErrorSymbolNotFound);
+}
+#endif
 
 // ---- devices --------------------------------------------------------------
 

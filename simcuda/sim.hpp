@@ -44,10 +44,12 @@
 
 #define SIMCUDA_API __attribute__((visibility("default")))
 
-// The runtime is built twice: as CUDA 13's libcudart.so.13 and, against
-// CUDA 12's headers, as libcudart.so.12 (for the PyTorch releases built
-// with CUDA 12). Where 13 renamed a call, 12 exports it with a suffix:
-// SIMCUDA_12_NAME(name, suffix) is the name this build defines.
+// The runtime is built three times: as CUDA 13's libcudart.so.13 and,
+// against CUDA 12's and 11's headers, as libcudart.so.12 and
+// libcudart.so.11.0 (for the PyTorch releases built with those). Where 13
+// renamed a call, 12 exports it with a suffix: SIMCUDA_12_NAME(name, suffix)
+// is the name this build defines. What 11 calls differently has its own
+// definitions under CUDART_VERSION < 12000.
 #if defined(CUDART_VERSION) && CUDART_VERSION < 13000
 #define SIMCUDA_12_NAME(name, suffix) name##suffix
 #else

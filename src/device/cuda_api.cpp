@@ -19,7 +19,7 @@ struct Loaded {
 };
 
 // Opens the first library of `names` the process has loaded already (the
-// runtime PyTorch built with CUDA 12 brought, say, where a CUDA 13 one is
+// runtime PyTorch built with CUDA 12 or 11 brought, say, where a CUDA 13 one is
 // installed too: one process, one runtime), else the first that loads;
 // resolves every entry of the table with `bind`, which returns false (with
 // *why) on a missing symbol.
@@ -117,7 +117,7 @@ const CudaDriverApi* load_cuda_driver(std::string* why) {
 const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
   static Loaded<CudaRuntimeApi> l;
   std::call_once(l.once, [] {
-    load(l, {"libcudart.so.13", "libcudart.so.12", "libcudart.so"},
+    load(l, {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"},
          [](void* lib, CudaRuntimeApi& t, std::string* w) {
            return sym(lib, t.cudaSetDevice, "cudaSetDevice", w) &&
                   sym(lib, t.cudaGetDevice, "cudaGetDevice", w) &&

@@ -130,14 +130,18 @@ State& state() {
 
 // A runtime entry point: the next definition after this library; else, when
 // the runtime is not in the global scope (a library loaded it with
-// RTLD_LOCAL, as Python extension modules are), the runtime's own.
+// RTLD_LOCAL, as Python extension modules are), the runtime's own: the one
+// the process has loaded (CUDA 13's, 12's or 11's: one process, one
+// runtime), else the first that loads.
 void* runtime_symbol(const char* name) {
   if (void* f = dlsym(RTLD_NEXT, name)) return f;
-  for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
-    void* handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (handle == nullptr) handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) continue;
-    if (void* f = dlsym(handle, name)) return f;  // the library stays open for the process
+  constexpr std::array kRuntimes{"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"};
+  for (const int mode : {RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
+    for (const char* lib : kRuntimes) {
+      void* handle = dlopen(lib, mode);
+      if (handle == nullptr) continue;
+      return dlsym(handle, name);  // the library stays open for the process
+    }
   }
   return nullptr;
 }
