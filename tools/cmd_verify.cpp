@@ -18,10 +18,11 @@ struct VerifyArgs {
   std::optional<int> device;
   std::optional<double> fraction;
   std::string device_memory;
+  std::optional<std::string> settings;
 };
 
 // Prints one device's result; returns 0 agreed, 1 diverged, 3 cannot verify.
-int report(const Trace& trace, const VerifyResult& r) {
+int report(const Trace& trace, const VerifyResult& r, const VerifyOptions& options) {
   const std::string& name = trace.name;
   if (r.agreed) {
     // Lines of at most 100 columns as written (the path line aside), so
@@ -73,10 +74,14 @@ int report(const Trace& trace, const VerifyResult& r) {
           "a recording does not say which allocations were routed there\n",
           r.private_pool_segments, format_size(r.private_pool_bytes)));
     }
-    if (!trace.settings_recorded) {
+    if (!trace.settings_recorded && options.settings) {
+      print_wrapped(fmt::format("  note: the snapshot records no allocator settings; those given were "
+                                "assumed (--settings '{}')\n",
+                                options.settings->to_string()));
+    } else if (!trace.settings_recorded) {
       print_wrapped(fmt::format(
           "  note: the snapshot records no allocator settings; PyTorch's defaults were "
-          "assumed\n"));
+          "assumed (--settings gives others)\n"));
     }
     return kExitOk;
   }
@@ -101,6 +106,7 @@ void run(const VerifyArgs& args) {
   VerifyOptions options;
   options.memory_fraction = args.fraction;
   if (!args.device_memory.empty()) options.device_memory = parse_size(args.device_memory);
+  if (args.settings) options.settings = AllocatorConfig::parse(*args.settings);
   if (options.memory_fraction.has_value() != options.device_memory.has_value()) {
     throw CLI::ValidationError(
         options.memory_fraction ? "--memory-fraction" : "--device-memory",
@@ -111,7 +117,7 @@ void run(const VerifyArgs& args) {
   for (const std::string& path : args.traces) {
     const std::vector<Trace> devices = load_devices(path, args.device);
     for (const Trace& trace : devices) {
-      const int rc = report(trace, verify(trace, options));
+      const int rc = report(trace, verify(trace, options), options);
       if (rc == kExitDiverges || (rc == kExitCannotVerify && worst == kExitOk)) {
         worst = rc;  // a divergence outranks
       }
@@ -150,11 +156,16 @@ void add_verify(CLI::App& app) {
   add_size_option(*cmd, "--device-memory", args->device_memory,
                   "the device's total memory as CUDA reports it (torch.cuda.mem_get_info()[1]), "
                   "e.g. 80GiB, or 85899345920B in bytes");
+  cmd->add_option("--settings", args->settings,
+                  "the PYTORCH_CUDA_ALLOC_CONF the program ran under, for a snapshot that does not "
+                  "record it (PyTorch before 2.4; later snapshots record theirs)");
   set_examples(*cmd, {
       {"reservoir verify run.pickle",
        "replay the recording exactly and check every address and device request"},
       {"reservoir verify run.pickle --memory-fraction 0.5 --device-memory 80GiB",
        "a program that set set_per_process_memory_fraction(0.5) on an 80 GiB device"},
+      {"reservoir verify run.pickle --settings max_split_size_mb:128",
+       "a PyTorch 2.0 to 2.3 snapshot, recorded under PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128"},
   });
   cmd->callback([args] { run(*args); });
 }

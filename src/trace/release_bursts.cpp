@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <string_view>
+#include <unordered_map>
 
 namespace reservoir::detail {
 namespace {
@@ -35,10 +36,35 @@ bool names_allocator(const Context& c) {
   });
 }
 
+// Whether the recording gives frees their allocation's stack rather than
+// the stack that freed: PyTorch 2.0 always does (its trace entries carry the
+// block's allocation context), later releases under
+// _record_memory_history(context="alloc"). Then a release's frames say where
+// its segment was allocated, not who released it, and are no evidence. Seen
+// when every free with a recorded allocation (one at least) carries exactly
+// that allocation's stack; a program that allocates and frees from the same
+// line looks so too, and loses only the frames' evidence.
+bool frees_carry_allocation_stacks(const Trace& trace) {
+  std::unordered_map<DevicePtr, std::uint32_t> allocated;
+  std::size_t pairs = 0;
+  for (const TraceEvent& e : trace.events) {
+    if (e.action == TraceAction::alloc) {
+      allocated[e.addr] = e.context;
+    } else if (e.action == TraceAction::free_requested) {
+      const auto it = allocated.find(e.addr);
+      if (it == allocated.end() || it->second == 0) continue;
+      if (e.context != it->second) return false;
+      ++pairs;
+    }
+  }
+  return pairs > 0;
+}
+
 }  // namespace
 
 std::vector<ReleaseRun> release_runs(const Trace& trace) {
   std::vector<ReleaseRun> runs;
+  const bool frames_tell = !frees_carry_allocation_stacks(trace);
   const auto& events = trace.events;
   const std::size_t n = events.size();
   for (std::size_t i = 0; i < n; ++i) {
@@ -71,7 +97,7 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
     bool empty_cache_frames = false;
     bool allocator_frames = false;
     bool request_frames = false;
-    for (std::size_t e = run.first; e <= run.last; ++e) {
+    for (std::size_t e = run.first; e <= run.last && frames_tell; ++e) {
       if (!is_release(events[e].action)) continue;
       const std::uint32_t id = events[e].context;
       if (id == 0 || id >= trace.final_state.contexts.size()) continue;
@@ -96,7 +122,9 @@ std::vector<ReleaseRun> release_runs(const Trace& trace) {
       run.evidence = "its frames are those of the allocation that follows";
     } else {
       run.cause = ReleaseCause::undecided;
-      run.evidence = "a device request follows it and no frames tell";
+      run.evidence = frames_tell ? "a device request follows it and no frames tell"
+                                 : "a device request follows it; the recording's frames are where "
+                                   "memory was allocated, not who released it";
     }
     runs.push_back(std::move(run));
     i = runs.back().last;

@@ -37,9 +37,11 @@ constexpr std::string_view kSegmentKeys[] = {
     "requested_size", "stream",    "segment_type",  "segment_pool_id", "is_expandable",
     "frames",         "blocks",    "context",       "compile_context", "user_metadata",
     "forward_frames"};
+// "history" (2.0 and 2.1): the allocations a block held, each with its
+// address, requested size ("real_size") and stack, in place of "frames".
 constexpr std::string_view kBlockKeys[] = {
     "address", "size", "requested_size", "state", "frames", "context", "compile_context",
-    "user_metadata", "forward_frames"};
+    "user_metadata", "forward_frames", "history"};
 // host_segments and host_traces (2.12 or later): the pinned host
 // allocator's segments and history, which no tool models.
 constexpr std::string_view kTopKeys[] = {"segments", "device_traces", "allocator_settings",
@@ -506,6 +508,28 @@ class Reader {
     return frames_context(owner.find("frames"), path, trace);
   }
 
+  // The stack of a live block as 2.0 and 2.1 record it: its "history"
+  // entry for the allocation at its address (of the requested size, where
+  // the block records one; the last such), else 0.
+  std::uint32_t history_context(const Value& b, const BlockInfo& block, const std::string& path,
+                                Trace& trace) {
+    const Value* history = b.find("history");
+    if (history == nullptr || history->kind == Kind::none) return 0;
+    const auto& entries = list(*history, path + ".history");
+    std::uint32_t found = 0;
+    for (std::size_t k = 0; k < entries.size(); ++k) {
+      const std::string hpath = fmt::format("{}.history[{}]", path, k);
+      const Value& h = *entries[k];
+      if (h.kind != Kind::dict) fail(hpath, fmt::format("expected a dict, got {}", to_string(h.kind)));
+      const std::uint64_t addr = unsigned_int(h, "addr", hpath);
+      const std::uint64_t size = unsigned_int(h, "real_size", hpath);
+      if (addr == block.address && (block.requested_size == 0 || size == block.requested_size)) {
+        found = frames_context(h.find("frames"), hpath, trace);
+      }
+    }
+    return found;
+  }
+
   // The context of a frames list (null or None: 0).
   std::uint32_t frames_context(const Value* frames, const std::string& path, Trace& trace) {
     if (!with_contexts_ || frames == nullptr || frames->kind == Kind::none) return 0;
@@ -796,6 +820,9 @@ class Reader {
         fail(bpath + ".state", fmt::format("unknown block state '{}'", state));
       }
       block.context = context(b, bpath, trace);
+      if (block.context == 0 && block.state != BlockState::inactive) {
+        block.context = history_context(b, block, bpath, trace);
+      }
       cursor = block.address + block.size;
       seg.blocks.push_back(block);
       if (block.state == BlockState::active_allocated) seg.allocated_size += block.size;

@@ -31,14 +31,28 @@ VerifyResult Verifier::run() {
                     trace_.name, trace_.format));
   }
   config_ = trace_.settings;
+  if (options_.settings && !trace_.settings_recorded) {
+    // The settings given for a snapshot without its own; the release's
+    // rules stay those the snapshot shows.
+    const std::string version = config_.pytorch_version;
+    config_ = *options_.settings;
+    if (config_.pytorch_version.empty()) config_.pytorch_version = version;
+  }
   if (config_.pytorch_version.empty()) config_.pytorch_version = pytorch_rules_;
   following_pools_ = trace_.event_pools_recorded;
   result_.pytorch_rules = config_.pytorch_version;
-  if (!trace_.settings_recorded) {
+  if (!trace_.settings_recorded && options_.settings) {
+    assumption_ = fmt::format(
+        "the snapshot does not record its allocator settings (PyTorch records them from 2.4 on): "
+        "verify took those given ({}); settings other than those while recording would explain "
+        "a difference",
+        options_.settings->to_string().empty() ? "PyTorch's defaults" : options_.settings->to_string());
+  } else if (!trace_.settings_recorded) {
     assumption_ =
         "the snapshot does not record its allocator settings (PyTorch records them from "
         "2.4 on), so verify assumed PyTorch's defaults; settings made while recording "
-        "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference";
+        "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference: give "
+        "them as verify's --settings";
   }
   result_.events = trace_.events.size();
   if (trace_.port != "cuda") {
@@ -231,6 +245,18 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   }
   if (options.device_memory && *options.device_memory == 0) {
     throw UsageError("verify: the device's total memory must be more than 0 bytes");
+  }
+  if (options.settings && trace.settings_recorded) {
+    AllocatorConfig given = *options.settings;
+    AllocatorConfig recorded = trace.settings;
+    given.pytorch_version = recorded.pytorch_version = "";
+    if (!(given == recorded)) {
+      throw UsageError(fmt::format(
+          "verify {}: the snapshot records its allocator settings ({}), not those given ({}); "
+          "give settings only for a snapshot that does not record them (PyTorch before 2.4)",
+          trace.name, recorded.to_string().empty() ? "PyTorch's defaults" : recorded.to_string(),
+          given.to_string().empty() ? "PyTorch's defaults" : given.to_string()));
+    }
   }
   const VerifyWatch* w = watch ? &watch : nullptr;
   const std::string& since = trace.pytorch_since;

@@ -579,5 +579,39 @@ TEST(SnapshotVersions, AnErrorAfterTakenEntriesNamesItsIndex) {
             "snapshot s.pickle: device_traces[0][5].size: expected int, got str");
 }
 
+
+// PyTorch 2.0 (and 2.1) give a block no "frames" but a "history": the
+// allocations it held, each with its address, requested size ("real_size")
+// and stack. A live block's stack is that of its allocation at its address;
+// a bad entry is named.
+TEST(SnapshotVersions, ABlocksHistoryGivesItsStackIn20) {
+  const std::string frames_a = R"([{"filename": "train.py", "line": 52, "name": "program"}])";
+  const std::string frames_b = R"([{"filename": "train.py", "line": 60, "name": "step"}])";
+  const std::string segments = fmt::format(R"([
+    {{"device": 0, "address": 2097152, "total_size": 2097152, "stream": 0, "segment_type": "small",
+      "allocated_size": 1536, "active_size": 1536, "requested_size": 1400,
+      "blocks": [
+        {{"size": 512, "requested_size": 500, "state": "active_allocated",
+          "history": [{{"addr": 2097152, "real_size": 300, "frames": {0}}},
+                      {{"addr": 2097152, "real_size": 500, "frames": {1}}}]}},
+        {{"size": 1024, "requested_size": 900, "state": "active_allocated",
+          "history": [{{"addr": 2097664, "real_size": 900, "frames": {0}}}]}},
+        {{"size": 2095616, "requested_size": 0, "state": "inactive",
+          "history": [{{"addr": 2098688, "real_size": 64, "frames": {1}}}]}}]}}])",
+                                           frames_a, frames_b);
+  const Trace t = read(snapshot("[[]]", segments));
+  EXPECT_EQ(t.unknown_keys.count("segments[].blocks[].history"), 0u);
+  const auto& blocks = t.final_state.segments.at(0).blocks;
+  ASSERT_EQ(blocks.size(), 3u);
+  EXPECT_EQ(t.context(blocks[0].context).frames, (std::vector<Frame>{{"train.py", 60, "step"}}));
+  EXPECT_EQ(t.context(blocks[1].context).frames, (std::vector<Frame>{{"train.py", 52, "program"}}));
+  EXPECT_EQ(blocks[2].context, 0u);  // a free block holds no allocation
+
+  std::string bad = segments;
+  bad.replace(bad.find(R"("real_size": 900)"), 16, R"("real_size": "900")");
+  EXPECT_NE(error(snapshot("[[]]", bad)).find("segments[0].blocks[1].history[0]"), std::string::npos)
+      << error(snapshot("[[]]", bad));
+}
+
 }  // namespace
 }  // namespace reservoir

@@ -252,6 +252,47 @@ TEST(VerifyReleases, RetryLadderReleasesAllCachedSegments) {
   }));
 }
 
+// PyTorch 2.0 gives every trace event its block's allocation stack (later
+// releases the stack at the event): there a release's frames say where its
+// segment was allocated, not who released it. An empty_cache() before an
+// allocation from the same line looks like that allocation's ladder by its
+// frames; verify takes the frames for evidence only where frees carry
+// stacks of their own.
+TEST(VerifyReleases, FramesOfFreesThatCarryTheirAllocationsStackAreNoEvidence) {
+  Recorder r("");
+  void* a = r.alloc(30 * kMiB);
+  r.allocator.deallocate(a);
+  r.empty_cache();
+  void* b = r.alloc(30 * kMiB);
+  r.allocator.deallocate(b);
+  Trace t = r.finish();
+  const std::size_t run = first_of(t, TraceAction::segment_free);
+  const std::size_t request = first_of(t, TraceAction::alloc, run);
+  ASSERT_LT(request, t.events.size());
+  ASSERT_EQ(t.events[run + 1].action, TraceAction::segment_alloc);
+
+  // 2.0: one stack (the line that allocates) on every event.
+  set_frames(t, 0, t.events.size() - 1, "train.py", 52, "program");
+  const VerifyResult v20 = verify(pickled(t));
+  EXPECT_TRUE(v20.agreed) << v20.divergence;
+  EXPECT_EQ(v20.undecided_releases, 1u);
+  EXPECT_EQ(v20.allocator_releases, 0u);
+
+  // 2.1 and later: the frees carry the stack that freed (another line), so
+  // the same frames on the release and the allocation after it say the
+  // ladder released, which reservoir's allocator would not have done here.
+  for (std::size_t i = 0; i < t.events.size(); ++i) {
+    if (t.events[i].action == TraceAction::free_requested || t.events[i].action == TraceAction::free_completed) {
+      set_frames(t, i, i, "train.py", 60, "program");
+    }
+  }
+  const VerifyResult v21 = verify(pickled(t));
+  EXPECT_FALSE(v21.agreed);
+  EXPECT_EQ(v21.divergence_event, request) << v21.divergence;
+  EXPECT_NE(v21.divergence.find("its frames are those of the allocation that follows"), std::string::npos)
+      << v21.divergence;
+}
+
 // max_split_size_mb: the ladder's first rung frees one oversize block, not
 // every unused segment; the structure alone tells it from empty_cache().
 TEST(VerifyReleases, RetryLadderReleasesOneOversizeBlock) {
@@ -301,7 +342,7 @@ TEST(VerifyReleases, GarbageCollectionFreesTheOlderBlock) {
 // the retry ladder's, which the recorded run's total cannot tell apart.
 TEST(VerifyReleases, GarbageCollectionUnderAKnownMemoryFraction) {
   const std::size_t capacity = 1024 * kMiB;
-  const VerifyOptions limit{.memory_fraction = 0.5, .device_memory = capacity};
+  const VerifyOptions limit{.memory_fraction = 0.5, .device_memory = capacity, .settings = std::nullopt};
   int collections = 0;
   int ooms = 0;
   int unverified_without = 0;
@@ -359,15 +400,15 @@ TEST(VerifyReleases, AMemoryFractionNeedsTheDevicesMemory) {
   const std::string both =
       "verify: a memory fraction needs the device's total memory, and the other way round "
       "(the limit is the fraction of the total: give both)";
-  EXPECT_EQ(refusal({.memory_fraction = 0.5, .device_memory = std::nullopt}), both);
-  EXPECT_EQ(refusal({.memory_fraction = std::nullopt, .device_memory = kMiB}), both);
-  EXPECT_EQ(refusal({.memory_fraction = 0.0, .device_memory = kMiB}),
+  EXPECT_EQ(refusal({.memory_fraction = 0.5, .device_memory = std::nullopt, .settings = std::nullopt}), both);
+  EXPECT_EQ(refusal({.memory_fraction = std::nullopt, .device_memory = kMiB, .settings = std::nullopt}), both);
+  EXPECT_EQ(refusal({.memory_fraction = 0.0, .device_memory = kMiB, .settings = std::nullopt}),
             "verify: invalid memory fraction 0; accepted: above 0.0, up to 1.0");
-  EXPECT_EQ(refusal({.memory_fraction = 1.5, .device_memory = kMiB}),
+  EXPECT_EQ(refusal({.memory_fraction = 1.5, .device_memory = kMiB, .settings = std::nullopt}),
             "verify: invalid memory fraction 1.5; accepted: above 0.0, up to 1.0");
-  EXPECT_EQ(refusal({.memory_fraction = 1.0, .device_memory = 0}),
+  EXPECT_EQ(refusal({.memory_fraction = 1.0, .device_memory = 0, .settings = std::nullopt}),
             "verify: the device's total memory must be more than 0 bytes");
-  EXPECT_TRUE(verify(t, VerifyOptions{.memory_fraction = 1.0, .device_memory = 64 * kMiB}).agreed);
+  EXPECT_TRUE(verify(t, VerifyOptions{.memory_fraction = 1.0, .device_memory = 64 * kMiB, .settings = std::nullopt}).agreed);
 }
 
 // ---- streams, oom, private pools, zero bytes ---------------------------------------
@@ -831,6 +872,37 @@ TEST(VerifyCases, OlderSnapshotsWithoutTheNewerFields) {
   EXPECT_TRUE(w.cannot_verify);
   EXPECT_NE(w.divergence.find("does not record its allocator settings"), std::string::npos)
       << w.divergence;
+  EXPECT_NE(w.divergence.find("give them as verify's --settings"), std::string::npos) << w.divergence;
+
+  // Told the settings it ran under (verify --settings), verify checks it.
+  VerifyOptions told;
+  told.settings = AllocatorConfig::parse("max_split_size_mb:64");
+  const VerifyResult t64 = verify(tuned, told);
+  EXPECT_TRUE(t64.agreed) << t64.divergence;
+  // Other settings than those: a difference verify cannot check, naming them.
+  VerifyOptions wrong;
+  wrong.settings = AllocatorConfig::parse("max_split_size_mb:128");
+  const VerifyResult t128 = verify(tuned, wrong);
+  EXPECT_FALSE(t128.agreed);
+  EXPECT_TRUE(t128.cannot_verify);
+  EXPECT_NE(t128.divergence.find("verify took those given (max_split_size_mb:128)"), std::string::npos)
+      << t128.divergence;
+
+  // A snapshot that records its settings: the same given are accepted,
+  // others refused with both named.
+  const Trace recorded = recorded_workload(6, 3000);
+  ASSERT_TRUE(recorded.settings_recorded);
+  EXPECT_TRUE(verify(recorded, told).agreed);
+  try {
+    verify(recorded, wrong);
+    ADD_FAILURE() << "settings other than those recorded were accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the snapshot records its allocator settings "
+                                         "(max_split_size_mb:64), not those given "
+                                         "(max_split_size_mb:128)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // A snapshot of two devices: each is read and verified on its own.
