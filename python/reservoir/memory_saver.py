@@ -341,6 +341,12 @@ class TorchMemorySaver:
         if self._initialized:
             return
         lib = _interposer()
+        if lib is not None and torch is not None and not hasattr(torch.cuda, "MemPool"):
+            # The interposer's regions allocate from MemPools of their own,
+            # which PyTorch has from 2.5: before, reservoir becomes PyTorch's
+            # allocator in this process instead (its device calls reach the
+            # CUDA runtime itself, past the interposer).
+            lib = None
         if lib is not None:
             self._impl = _InterposerSaver(lib)
             saver = self._impl
@@ -357,6 +363,12 @@ class TorchMemorySaver:
                 if torch.cuda.is_initialized():
                     # PyTorch's own allocator holds memory already: regions
                     # go through MemPools of reservoir's allocator instead.
+                    if not hasattr(torch.cuda, "MemPool"):
+                        raise RuntimeError(
+                            f"reservoir.memory_saver: PyTorch {torch.__version__} has allocated CUDA "
+                            "memory already and has no torch.cuda.MemPool (2.5 or later) to route "
+                            "regions through: use the memory saver (or call reservoir.install_torch()) "
+                            "before the first CUDA tensor")
                     pools = True
                 else:
                     try:

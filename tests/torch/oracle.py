@@ -17,6 +17,7 @@ the first allocation (garbage_collection_threshold acts only under one;
 without --fraction such settings get 1.0). Writes OUT_DIR/pNNNN.pickle.
 """
 import os
+import pickle
 import random
 import sys
 
@@ -69,12 +70,35 @@ def program(rng):
     return live
 
 
+def record(on):
+    """Starts (on) or stops the allocator's history as the running release
+    spells it: 2.0's takes a flag, trace_alloc_max_entries and whether its
+    events carry their stacks (as 2.1's and later's do by default), 2.1's
+    and later's `enabled` ("all" or None) and max_entries."""
+    if HISTORY_2_0:
+        torch.cuda.memory._record_memory_history(on, trace_alloc_max_entries=1000000 if on else 1,
+                                                 trace_alloc_record_context=on)
+    else:
+        torch.cuda.memory._record_memory_history(**({"max_entries": 1000000} if on else {"enabled": None}))
+
+
+def dump(path):
+    """The snapshot as the release writes it: _dump_snapshot from 2.1; 2.0's
+    users pickled _snapshot() themselves (its documentation's way)."""
+    if HISTORY_2_0:
+        with open(path, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+    else:
+        torch.cuda.memory._dump_snapshot(path)
+
+
+HISTORY_2_0 = not hasattr(torch.cuda.memory, "_dump_snapshot")
 rng = random.Random(seed)
 for i in range(programs):
-    torch.cuda.memory._record_memory_history(max_entries=1000000)
+    record(True)
     live = program(rng)
-    torch.cuda.memory._dump_snapshot(os.path.join(out_dir, f"p{i:04d}.pickle"))
-    torch.cuda.memory._record_memory_history(enabled=None)
+    dump(os.path.join(out_dir, f"p{i:04d}.pickle"))
+    record(False)
     del live
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

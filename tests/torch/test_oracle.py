@@ -22,9 +22,12 @@ def release_key(version):
 
 
 RELEASE = release_key(importlib.metadata.version("torch"))
-# large_segment_size_mb came with PyTorch 2.11 (before, the key is refused).
+# Every setting the running release knows (an unknown key is refused):
+# expandable segments and roundup_power2_divisions' list form came with
+# PyTorch 2.1, large_segment_size_mb with 2.11.
 SETTINGS = ["", "max_split_size_mb:64", "roundup_power2_divisions:4",
-            "roundup_power2_divisions:[256:1,512:2,>:8]", "expandable_segments:True",
+            *(["roundup_power2_divisions:[256:1,512:2,>:8]", "expandable_segments:True"]
+              if RELEASE >= (2, 1) else []),
             *(["large_segment_size_mb:40"] if RELEASE >= (2, 11) else []),
             "garbage_collection_threshold:0.6,max_split_size_mb:128"]
 
@@ -40,9 +43,16 @@ def oracle(out, seed, programs, settings, *extra, env=None):
     return files
 
 
-def verify(files, *options):
-    v = subprocess.run([RESERVOIR, "verify", *options, *files], capture_output=True, text=True,
-                       timeout=600)
+def given(settings):
+    """verify's options for programs run under `settings`: snapshots before
+    PyTorch 2.4 do not record their allocator settings, so verify is told
+    them, as a user of such a release tells it theirs."""
+    return ["--settings", settings] if RELEASE < (2, 4) else []
+
+
+def verify(files, *options, settings=""):
+    v = subprocess.run([RESERVOIR, "verify", *given(settings), *options, *files], capture_output=True,
+                       text=True, timeout=600)
     lines = [l for l in v.stdout.splitlines() if not l.startswith(" ")]
     disagreements = [l for l in lines if "agrees with the recording" not in l]
     assert v.returncode == 0 and not disagreements, "\n".join(disagreements[:5]) + v.stdout[-3000:]
@@ -52,7 +62,7 @@ def verify(files, *options):
 @pytest.mark.parametrize("settings", SETTINGS)
 def test_verify_agrees_with_every_program(settings, tmp_path):
     seed = 1 + SETTINGS.index(settings)
-    out = verify(oracle(tmp_path, seed, PROGRAMS, settings))
+    out = verify(oracle(tmp_path, seed, PROGRAMS, settings), settings=settings)
     assert out.count("agrees with the recording") == PROGRAMS
 
 
@@ -106,17 +116,21 @@ def test_programs_that_shed_load_under_a_memory_fraction(settings, tmp_path):
     # the limit and the collection as PyTorch does.
     files = oracle(tmp_path, 41 + len(settings), 100, settings, "--keep-going", "--fraction", "0.5",
                    env=SMALL_DEVICE)
-    out = verify(files, *LIMIT)
+    out = verify(files, *LIMIT, settings=settings)
     assert out.count("agrees with the recording") == 100
     assert counted(out, "oom checked") > 100  # several per program
-    assert counted(out, "by the retry ladder") > 0
+    # 2.0's events carry their allocation's stack, not the stack that
+    # released: its ladder's releases (all unused segments, as empty_cache()
+    # without max_split_size_mb) cannot be told from empty_cache()'s.
+    undecided = counted(out, "of all unused segments before a device request") if RELEASE < (2, 1) else 0
+    assert counted(out, "by the retry ladder") + undecided > 0
     if settings:
         assert counted(out, "by garbage collection") > 0
 
 
 def test_out_of_memory_under_a_memory_fraction_with_garbage_collection(tmp_path):
     files = oracle(tmp_path, 98, 30, GC, "--oom", "--fraction", "0.5", env=SMALL_DEVICE)
-    out = verify(files, *LIMIT)
+    out = verify(files, *LIMIT, settings=GC)
     assert " ".join(out.split()).count("1 oom checked") == 30
     assert counted(out, "by garbage collection") > 0
     a = subprocess.run([RESERVOIR, "advise", files[0]], capture_output=True, text=True, timeout=120)
@@ -126,7 +140,8 @@ def test_out_of_memory_under_a_memory_fraction_with_garbage_collection(tmp_path)
 
 def test_without_the_fraction_garbage_collection_is_named_as_what_was_assumed(tmp_path):
     files = oracle(tmp_path, 97, 10, GC, "--keep-going", "--fraction", "0.5", env=SMALL_DEVICE)
-    v = subprocess.run([RESERVOIR, "verify", *files], capture_output=True, text=True, timeout=600)
+    v = subprocess.run([RESERVOIR, "verify", *given(GC), *files], capture_output=True, text=True,
+                       timeout=600)
     # Some programs' collections are not what verify assumes without the limit.
     assert v.returncode == 3, v.stdout
     assert "--memory-fraction and --device-memory" in " ".join(v.stdout.split())  # lines wrap at 100

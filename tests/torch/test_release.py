@@ -180,3 +180,55 @@ def test_the_pluggable_allocator_serves_the_programs_memory():
     # through malloc and free alone it does not, and reservoir's own does.
     assert r["after_torch_empty"] == (0 if OWN else r["reserved"])
     assert r["after_reservoir_empty"] == 0
+
+
+# ---- the interposer and the drop-in, under every release ----
+
+SIMCUDA = os.environ["LD_PRELOAD"]  # this release's CUDA runtime, simulated
+PRELOAD = os.environ["RESERVOIR_PRELOAD"]  # libreservoir_preload.so
+
+
+def run_plain(code, preload=SIMCUDA):
+    """`code` in a fresh interpreter with `preload` as LD_PRELOAD; its output's words."""
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
+                       env={**os.environ, "LD_PRELOAD": preload}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout.split()
+
+
+def test_the_interposer_serves_this_releases_cudamalloc():
+    # PyTorch's own allocator over the interposer: the runtime this release
+    # was built with (13, 12 or 11) is the one the interposer answers for.
+    code = """
+        import ctypes, torch
+        sim = ctypes.CDLL("libcuda.so.1")
+        MiB = 1 << 20
+        torch.cuda.init()
+        before = sim.reservoirSimCudaCalls(b"cudaMalloc")
+        for i in range(12):
+            x = torch.empty(48 * MiB, dtype=torch.uint8, device="cuda")
+            x.copy_(torch.full((48 * MiB,), i, dtype=torch.uint8))
+            assert int(x[-1].item()) == i
+            del x
+            torch.cuda.empty_cache()  # PyTorch hands the segment back: cudaFree
+        print(sim.reservoirSimCudaCalls(b"cudaMalloc") - before)
+    """
+    # Alone, PyTorch calls cudaMalloc each time; under the interposer
+    # reservoir keeps what PyTorch frees, and the device sees one call.
+    assert run_plain(code) == ["12"]
+    assert run_plain(code, preload=PRELOAD + " " + SIMCUDA) == ["1"]
+
+
+@pytest.mark.parametrize("through", ["in_process", "interposer"])
+def test_the_drop_in_pauses_and_resumes_tagged_memory(through):
+    # torch_memory_saver's calls on reservoir.memory_saver: in the process
+    # (reservoir made PyTorch's allocator: its own under a release with a
+    # library, else the pluggable one), or driving the interposer's tags.
+    from scenarios import PAUSE_RESUME
+    code = ("from reservoir.memory_saver import torch_memory_saver as tms\nimport torch\nMiB = 1 << 20\n"
+            + textwrap.dedent(PAUSE_RESUME))
+    preload = PRELOAD + " " + SIMCUDA if through == "interposer" else SIMCUDA
+    # Each pause gives its tag's memory back to the device (MiB), addresses
+    # and the backed-up bytes hold, and the device's free memory is as before.
+    assert run_plain(code, preload=preload) == ["128", "64", "True", "True", "True", "True", "True", "True"]
