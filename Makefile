@@ -7,7 +7,8 @@ DEPS := cmake ninja-build ccache g++ libgtest-dev libgmock-dev libbenchmark-dev 
         libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev llvm-14 python3 valgrind \
         python3-torch python3-selenium python3-pil chromium chromium-driver zsh \
         python3-dev pybind11-dev python3-pytest \
-        python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build
+        python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build \
+        debootstrap patchelf
 TRACES := $(wildcard examples/traces/*.trace examples/traces/*.pickle)
 # Real recordings make run replays and verifies: `make run RECORDINGS=DIR` for
 # another folder of PyTorch snapshots (DIR/*.pickle, DIR/oom/*.pickle).
@@ -20,8 +21,10 @@ ADVISE_TRACE := $(firstword $(wildcard $(RECORDINGS)/oom/*.pickle) $(SHARED_TRAC
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging" -c "policy:native_paged"
 TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt tests/torch/releases/requirements-*.txt)
-# The wheelhouse an isolated package build and its test environments use, and auditwheel.
-PACKAGING_REQUIREMENTS := scripts/packaging/headers-torch.txt scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
+# The wheelhouse an isolated package build and its test environments use, and auditwheel;
+# CPythons this Debian lacks, from Debian's own packages (scripts/packaging/debian-python.txt).
+PACKAGING_REQUIREMENTS := scripts/packaging/headers-torch.txt scripts/packaging/debian-python.txt \
+                          scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
                           scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
 
 .PHONY: deps configure build run test test-releases wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean

@@ -17,6 +17,14 @@ libc10.so: their dynamic symbols and sonames, made by llvm-ifs, a few MB in
 place of a GB) and the wheel's METADATA (the CUDA it was built for). The
 wheel itself (about 1 GB) is downloaded into a temporary folder and deleted.
 
+A file named debian-python.txt lists CPythons (python3.14, one a line) this
+machine lacks, which the wheels are built for: for each, the folder
+debian-NAME is a minimal root of Debian's unstable distribution
+(debootstrap, as root) holding that interpreter, its venv module, headers
+and pip; the interpreter is patched (patchelf) to run from there with that
+root's C library and libraries, and ensurepip pointed at that root's wheels,
+so that `debian-NAME/usr/bin/NAME -m venv` works on this machine.
+
 usage: pypi_cache.py REQUIREMENTS...    (prints the folders, one a line)
 
 The cache is $RESERVOIR_PYPI_CACHE, else ~/.cache/reservoir/pypi. A folder
@@ -43,17 +51,33 @@ def cache_root() -> Path:
     return Path(root)
 
 
+def as_root(command: list) -> list:
+    return command if os.geteuid() == 0 else ["sudo", *command]
+
+
+def pending(name: str, wanted: str):
+    """(the cache folder NAME, None) when it is complete for `wanted`; else
+    (that folder, the empty place to make it in: NAME.partial, whatever an
+    interrupted run left there removed)."""
+    target = cache_root() / name
+    marker = target / ".complete"
+    if marker.exists() and marker.read_text() == wanted:
+        return target, None
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if partial.exists():  # a Debian root debootstrap made as root
+        subprocess.run(as_root(["rm", "-rf", str(partial)]), check=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    return target, partial
+
+
 def install(requirements: Path) -> Path:
     name = requirements.stem.removeprefix("requirements-")
     wheelhouse = name.startswith("wheelhouse-")
-    target = cache_root() / name
     wanted = requirements.read_text()
-    marker = target / ".complete"
-    if marker.exists() and marker.read_text() == wanted:
+    target, partial = pending(name, wanted)
+    if partial is None:
         return target
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     print(f"pypi cache: {'downloading' if wheelhouse else 'installing'} {name} into {target} "
           f"(once{'; PyTorch is about 3 GB' if name.startswith('torch') else ''})", file=sys.stderr)
@@ -86,13 +110,10 @@ def publish(partial: Path, target: Path, wanted: str) -> int:
 
 def torch_headers(release: str) -> Path:
     """torch-headers-RELEASE: what building against PyTorch RELEASE needs."""
-    target = cache_root() / f"torch-headers-{release}"
-    wanted = f"torch=={release}\n"
-    marker = target / ".complete"
-    if marker.exists() and marker.read_text() == wanted:
+    target, partial = pending(f"torch-headers-{release}", f"torch=={release}\n")
+    if partial is None:
         return target
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    wanted = f"torch=={release}\n"
     (partial / "lib").mkdir(parents=True)
     start = time.monotonic()
     print(f"pypi cache: PyTorch {release}'s headers into {target} (once; the 1 GB wheel is not kept)",
@@ -127,6 +148,59 @@ def torch_headers(release: str) -> Path:
     return target
 
 
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEBIAN_SUITE = "unstable"
+
+
+def debian_python(name: str) -> Path:
+    """debian-NAME: CPython NAME (python3.14) from Debian's packages, runnable here."""
+    wanted = f"{name}\n"
+    target, partial = pending(f"debian-{name}", wanted)
+    if partial is None:
+        return target
+    start = time.monotonic()
+    print(f"pypi cache: {name} from Debian's {DEBIAN_SUITE} packages into {target} (once)", file=sys.stderr)
+    packages = f"{name}-venv,{name}-dev,python3-pip"
+    debootstrap = subprocess.run(
+        as_root(["debootstrap", "--variant=minbase", f"--include={packages}", DEBIAN_SUITE, str(partial),
+                 DEBIAN_MIRROR]), capture_output=True, text=True)
+    if debootstrap.returncode != 0:
+        sys.exit(f"pypi cache: debootstrap of Debian {DEBIAN_SUITE} with {packages} failed "
+                 f"(exit {debootstrap.returncode}):\n{debootstrap.stdout[-2000:]}{debootstrap.stderr[-2000:]}")
+    if os.geteuid() != 0:
+        subprocess.run(["sudo", "chown", "-R", f"{os.getuid()}:{os.getgid()}", str(partial)], check=True)
+    usr = partial / "usr"
+    final = target / "usr"  # where the folder will be: the paths written name it
+    # Run from here: that root's loader, and its libraries before this
+    # machine's (DT_RPATH, which every library the process loads inherits).
+    subprocess.run(["patchelf", "--set-interpreter", f"{final}/lib64/ld-linux-x86-64.so.2", "--force-rpath",
+                    "--set-rpath", f"{final}/lib/x86_64-linux-gnu", str(usr / "bin" / name)], check=True)
+    # ensurepip takes pip's wheel from a folder compiled in as an absolute
+    # path (/usr/share/python-wheels/): that root's.
+    wheels = "'WHEEL_PKG_DIR': '/usr/share/python-wheels/'"
+    patched = 0
+    for data in (usr / "lib" / name).glob("_sysconfigdata_*.py"):
+        text = data.read_text()
+        if not data.is_symlink() and wheels in text:
+            data.write_text(text.replace(wheels, f"'WHEEL_PKG_DIR': '{final}/share/python-wheels/'"))
+            patched += 1
+    if patched == 0:
+        sys.exit(f"pypi cache: {name}'s sysconfig data does not name {wheels}: Debian's packaging changed")
+    version = subprocess.run(["dpkg-query", f"--admindir={partial}/var/lib/dpkg", "-W", "-f=${Version}",
+                              f"{name}-minimal"], capture_output=True, text=True, check=True).stdout.strip()
+    (partial / "VERSION").write_text(f"{name} {version} (Debian {DEBIAN_SUITE})\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    (target / ".complete").write_text(wanted)
+    probe = subprocess.run([str(target / "usr/bin" / name), "-c", "import ensurepip, venv, sysconfig, ssl; "
+                            "print(sysconfig.get_paths()['include'])"], capture_output=True, text=True)
+    if probe.returncode != 0 or not Path(probe.stdout.strip(), "Python.h").exists():
+        (target / ".complete").unlink()
+        sys.exit(f"pypi cache: {name} from Debian does not run here: {probe.stderr[-2000:]}")
+    print(f"pypi cache: debian-{name}: {version}, {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return target
+
+
 def releases(path: Path) -> list:
     lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
     out = []
@@ -144,6 +218,11 @@ def main() -> None:
         if path.name == "headers-torch.txt":
             for release in releases(path):
                 print(torch_headers(release))
+        elif path.name == "debian-python.txt":
+            for line in path.read_text().splitlines():
+                name = line.split("#")[0].strip()
+                if name:
+                    print(debian_python(name))
         else:
             print(install(path))
 

@@ -11,7 +11,9 @@ to pip with --no-index --find-links, so that nothing downloads here.
 auditwheel runs from the cache too (requirements-auditwheel-*.txt).
 
 usage: wheels.py --out DIR [--work DIR] [--python PYTHON]...
-       (no --python: every CPython 3.10+ found on PATH, in pyenv and in /usr/bin)
+       (no --python: every CPython 3.10+ found on PATH, in pyenv, in /usr/bin
+       and taken from Debian's packages into the PyPI cache, debian-python3.*:
+       scripts/packaging/debian-python.txt)
 
 Used by `make wheels` and by tests/packaging/wheel/wheel_test.py.
 """
@@ -29,6 +31,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import pypi_cache  # noqa: E402
 
 MINIMUM_PYTHON = (3, 10)
+# The CPythons the newest PyTorch release reservoir is built for (2.15) has
+# wheels for on PyPI: a release of reservoir has a wheel for each.
+PYTORCH_CPYTHONS = ("cp310", "cp311", "cp312", "cp313", "cp314")
 # The hooks libraries bind to the PyTorch that loads them: never grafted
 # into the wheel.
 TORCH_LIBRARIES = ["libtorch_cuda.so", "libc10_cuda.so", "libc10.so"]
@@ -77,7 +82,8 @@ def interpreter(python):
 
 def cpythons(explicit=None):
     """One interpreter per CPython tag: those asked for, else every one found
-    (pyenv's and PATH's before Debian's /usr/bin, whose pip may be absent)."""
+    (pyenv's and PATH's before Debian's /usr/bin, whose pip may be absent;
+    then those the PyPI cache holds from Debian's packages)."""
     if explicit:
         candidates = explicit
     else:
@@ -85,6 +91,8 @@ def cpythons(explicit=None):
         candidates = sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin", "python3.*[0-9]")))
         for folder in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/local/bin", "/usr/bin"]:
             candidates += sorted(glob.glob(os.path.join(folder, "python3.*[0-9]")))
+        debian = pypi_cache.cache_root() / "debian-python3.*" / "usr" / "bin" / "python3.*[0-9]"
+        candidates += sorted(glob.glob(str(debian)))
     chosen = {}
     for c in candidates:
         if not re.search(r"python3\.[0-9]+$", c) and not explicit:

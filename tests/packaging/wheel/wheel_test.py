@@ -158,6 +158,13 @@ def release_wheels(args):
     pythons = release.cpythons()
     check(pythons, "CPythons 3.10+ with headers and pip on this machine: "
           + ", ".join(f"{tag} {exe}" for tag, exe, _ in pythons))
+    missing = sorted(set(release.PYTORCH_CPYTHONS) - {tag for tag, _, _ in pythons})
+    check(not missing, "a CPython for every one PyTorch ships wheels for ("
+          + ", ".join(release.PYTORCH_CPYTHONS) + ")" + (f": missing {missing} (make deps)" if missing else ""))
+    for tag, exe, _ in pythons:
+        version = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(exe))), "VERSION")
+        if os.path.exists(version):
+            print(f"{tag}: {open(version).read().strip()}", flush=True)
     sdist = release.build_sdist(args.source, out, work)
     name = os.path.basename(sdist)
     check(name == f"reservoir-{args.version}.tar.gz", f"sdist {name} carries version {args.version}")
@@ -196,8 +203,10 @@ def check_metadata(text, where, version):
     check(re.search(r"^Requires-Python: >=3\.10$", text, re.M) is not None, f"{where}: Requires-Python >=3.10")
     check(re.search(r"^Description-Content-Type: text/markdown$", text, re.M) is not None
           and "# reservoir" in text, f"{where}: the README is the long description")
-    check(re.search(r"^Classifier: Programming Language :: Python :: 3\.13$", text, re.M) is not None,
-          f"{where}: classifiers name the Pythons the wheels are built for")
+    for tag in release.PYTORCH_CPYTHONS:
+        minor = f"3.{tag[3:]}"
+        check(re.search(rf"^Classifier: Programming Language :: Python :: {re.escape(minor)}$", text, re.M)
+              is not None, f"{where}: classifiers name Python {minor}, which a wheel is built for")
 
 
 def offline_wheel(python, args):
