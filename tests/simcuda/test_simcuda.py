@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SIMCUDA = os.environ["SIMCUDA"]
 MiB = 1 << 20
 
@@ -577,3 +579,75 @@ def test_per_thread_default_streams_capture_apart():
         print(codes["begin"], mine, legacy, codes["end"])
     """)
     assert out == ["0", "0", "906", "901"]
+
+
+# The runtimes built for older CUDAs (SIMCUDA_OLDER: cuda11/libcudart.so.11.0,
+# cuda12/libcudart.so.12, those the build made), each called with its own
+# CUDA's signatures where they differ from 13's: a memset captured, the
+# capture queried, the graph instantiated, updated and launched, a node's
+# dependencies read and a capture's set, every edge-less form.
+OLDER = [p for p in os.environ.get("SIMCUDA_OLDER", "").split(":") if p]
+OLDER_PROGRAM = """
+import ctypes, sys
+rt = ctypes.CDLL(sys.argv[1])
+major = int(sys.argv[2])
+v = ctypes.c_int()
+assert rt.cudaRuntimeGetVersion(ctypes.byref(v)) == 0 and v.value // 1000 == major, v.value
+MiB = 1 << 20
+dev = ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(dev), MiB) == 0
+s = ctypes.c_void_p()
+assert rt.cudaStreamCreateWithFlags(ctypes.byref(s), 1) == 0
+assert rt.cudaStreamBeginCapture(s, 0) == 0
+assert rt.cudaMemsetAsync(dev, 7, ctypes.c_size_t(MiB), s) == 0
+status, cid = ctypes.c_int(), ctypes.c_ulonglong()
+graph, deps, n = ctypes.c_void_p(), ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
+if major == 11:  # 11's unsuffixed query: status and id only
+    assert rt.cudaStreamGetCaptureInfo(s, ctypes.byref(status), ctypes.byref(cid)) == 0
+    assert status.value == 1 and cid.value > 0
+# 11's and 12's _v2: the graph and the dependencies too (no edges)
+assert rt.cudaStreamGetCaptureInfo_v2(s, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph),
+                                      ctypes.byref(deps), ctypes.byref(n)) == 0
+assert status.value == 1 and n.value == 1 and graph.value
+memset_node = deps[0]
+# Edge-less: the capture's next work depends on the memset alone (set).
+node_array = (ctypes.c_void_p * 1)(memset_node)
+assert rt.cudaStreamUpdateCaptureDependencies(s, node_array, ctypes.c_size_t(1), 1) == 0
+assert rt.cudaMemsetAsync(ctypes.c_void_p(dev.value + 4096), 9, ctypes.c_size_t(4096), s) == 0
+captured = ctypes.c_void_p()
+assert rt.cudaStreamEndCapture(s, ctypes.byref(captured)) == 0 and captured.value == graph.value
+nodes, count = (ctypes.c_void_p * 2)(), ctypes.c_size_t(2)
+assert rt.cudaGraphGetNodes(captured, nodes, ctypes.byref(count)) == 0 and count.value == 2
+got, k = (ctypes.c_void_p * 1)(), ctypes.c_size_t(1)
+assert rt.cudaGraphNodeGetDependencies(ctypes.c_void_p(nodes[1]), got, ctypes.byref(k)) == 0
+assert k.value == 1 and got[0] == memset_node
+exec_ = ctypes.c_void_p()
+if major == 11:  # where it failed and a log, in place of flags
+    error_node, log = ctypes.c_void_p(1), ctypes.create_string_buffer(b"x" * 16)
+    assert rt.cudaGraphInstantiate(ctypes.byref(exec_), captured, ctypes.byref(error_node), log,
+                                   ctypes.c_size_t(16)) == 0
+    assert error_node.value is None and log.value == b""
+else:
+    assert rt.cudaGraphInstantiate(ctypes.byref(exec_), captured, ctypes.c_ulonglong(0)) == 0
+if major == 11:  # the verdict by pointer
+    error_node, verdict = ctypes.c_void_p(1), ctypes.c_int(-1)
+    assert rt.cudaGraphExecUpdate(exec_, captured, ctypes.byref(error_node), ctypes.byref(verdict)) == 0
+    assert verdict.value == 0 and error_node.value is None
+    other = ctypes.c_void_p()
+    assert rt.cudaGraphCreate(ctypes.byref(other), 0) == 0
+    assert rt.cudaGraphExecUpdate(exec_, other, ctypes.byref(error_node), ctypes.byref(verdict)) == 910
+    assert verdict.value == 2  # cudaGraphExecUpdateErrorTopologyChanged
+assert rt.cudaGraphLaunch(exec_, s) == 0 and rt.cudaStreamSynchronize(s) == 0
+host = (ctypes.c_ubyte * (2 * 4096))()
+assert rt.cudaMemcpy(host, dev, ctypes.c_size_t(2 * 4096), 2) == 0
+assert bytes(host[:4096]) == b"\\x07" * 4096 and bytes(host[4096:]) == b"\\x09" * 4096
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("runtime", OLDER)
+def test_an_older_cudas_runtime_answers_in_its_own_signatures(runtime):
+    major = int(os.path.basename(os.path.dirname(runtime))[len("cuda"):])
+    r = subprocess.run([sys.executable, "-c", OLDER_PROGRAM, os.path.join(SIMCUDA, runtime), str(major)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["ok"], r.stdout + r.stderr
