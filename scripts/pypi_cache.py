@@ -154,7 +154,9 @@ DEBIAN_SUITE = "unstable"
 
 def debian_python(name: str) -> Path:
     """debian-NAME: CPython NAME (python3.14) from Debian's packages, runnable here."""
-    wanted = f"{name}\n"
+    # The recipe is part of what the folder is complete for: a folder made
+    # by an earlier one is made again.
+    wanted = f"{name}\nrecipe 2: the interpreter runs here; its headers build here\n"
     target, partial = pending(f"debian-{name}", wanted)
     if partial is None:
         return target
@@ -186,6 +188,13 @@ def debian_python(name: str) -> Path:
             patched += 1
     if patched == 0:
         sys.exit(f"pypi cache: {name}'s sysconfig data does not name {wheels}: Debian's packaging changed")
+    # Debian's pyconfig.h includes the multiarch one by a path under the
+    # system's /usr/include: the compiler here would look in this machine's.
+    wrapper = usr / "include" / name / "pyconfig.h"
+    multiarch = usr / "include" / "x86_64-linux-gnu" / name / "pyconfig.h"
+    if multiarch.exists():
+        wrapper.unlink()
+        shutil.copyfile(multiarch, wrapper)
     version = subprocess.run(["dpkg-query", f"--admindir={partial}/var/lib/dpkg", "-W", "-f=${Version}",
                               f"{name}-minimal"], capture_output=True, text=True, check=True).stdout.strip()
     (partial / "VERSION").write_text(f"{name} {version} (Debian {DEBIAN_SUITE})\n")
@@ -197,6 +206,13 @@ def debian_python(name: str) -> Path:
     if probe.returncode != 0 or not Path(probe.stdout.strip(), "Python.h").exists():
         (target / ".complete").unlink()
         sys.exit(f"pypi cache: {name} from Debian does not run here: {probe.stderr[-2000:]}")
+    # Its headers with this machine's compiler, as an extension module's build takes them.
+    compile_probe = subprocess.run(["c++", "-fsyntax-only", "-x", "c++", "-I", probe.stdout.strip(), "-"],
+                                   input="#include <Python.h>\nint main() { return Py_IsInitialized(); }\n",
+                                   capture_output=True, text=True)
+    if compile_probe.returncode != 0:
+        (target / ".complete").unlink()
+        sys.exit(f"pypi cache: {name}'s headers do not build here: {compile_probe.stderr[-2000:]}")
     print(f"pypi cache: debian-{name}: {version}, {time.monotonic() - start:.0f} s", file=sys.stderr)
     return target
 
