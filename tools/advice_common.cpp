@@ -77,7 +77,7 @@ std::string written_for(const Advice& a) {
     return fmt::format("for PyTorch {}, as --torch-version asks: {}", a.pytorch_since, a.pytorch_env);
   }
   if (a.pytorch_since.empty()) {
-    return fmt::format("for PyTorch before 2.4, as the snapshot records no settings: {}",
+    return fmt::format("for PyTorch before 2.3, as the snapshot records no settings: {}",
                        a.pytorch_env);
   }
   return fmt::format("for PyTorch {} or newer, as the snapshot shows: {}{}", a.pytorch_since,

@@ -158,7 +158,7 @@ void add_verify(CLI::App& app) {
                   "e.g. 80GiB, or 85899345920B in bytes");
   cmd->add_option("--settings", args->settings,
                   "the PYTORCH_CUDA_ALLOC_CONF the program ran under, for a snapshot that does not "
-                  "record it (PyTorch before 2.4; later snapshots record theirs)");
+                  "record it (PyTorch before 2.3; later snapshots record theirs)");
   set_examples(*cmd, {
       {"reservoir verify run.pickle",
        "replay the recording exactly and check every address and device request"},

@@ -15,6 +15,7 @@
 #include <iterator>
 #include <cstdlib>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "reservoir/errors.hpp"
@@ -62,6 +63,8 @@ class Parser {
       parse_value(config, key.text);
       if (pos_ < tokens_.size()) expect_separator(key.text);
     }
+    // The release may come after roundup_power2_divisions in the text.
+    config.set_pytorch_version(config.pytorch_version);
     if (config.paging_release_threshold != kNoReleaseThreshold &&
         config.policy != Policy::paging) {
       fail("key 'paging_release_threshold_mb' applies to policy:paging only; add policy:paging "
@@ -185,10 +188,12 @@ class Parser {
                          accepted));
       }
       c.roundup_power2_divisions.fill(n);
+      c.roundup_overlap = {};
       return;
     }
     ++pos_;  // '['
     auto& d = c.roundup_power2_divisions;
+    c.roundup_overlap = {};
     bool first = true;
     std::size_t last_index = 0;
     bool closed = false;
@@ -209,6 +214,7 @@ class Parser {
         std::fill(d.begin() +
                       static_cast<std::ptrdiff_t>(std::min(last_index + (first ? 0 : 1), d.size())),
                   d.end(), divisions);
+        if (!first) c.roundup_overlap = {last_index, d[last_index], divisions};
       } else {
         std::size_t mb = 0;
         if (!parse_unsigned(interval, &mb) || !std::has_single_bit(mb)) {
@@ -220,6 +226,7 @@ class Parser {
         if (first) std::fill(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(index), divisions);
         d[index] = divisions;
         last_index = index;
+        if (c.roundup_overlap.index == index) c.roundup_overlap = {};  // given again after the '>'
       }
       first = false;
       const Token* sep = peek();
@@ -323,7 +330,7 @@ const Entry kTable[] = {
       "2.0", "roundup_power2_divisions",
       "round requests up to one of `div` steps between powers of two; list keys are "
       "power-of-two MiB interval starts (1 MiB .. 32 GiB+), `>` sets every interval after the "
-      "last one named",
+      "last one named (before PyTorch 2.10 that one too, as pytorch_version reads it)",
       true},
      [](Parser& p, AllocatorConfig& c, const std::string& k) { p.parse_divisions(c, k); },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
@@ -575,6 +582,10 @@ bool AllocatorConfig::empty_cache_spares_default_pools_while_routed() const {
   return pytorch_version.empty() || compare_versions(pytorch_version, "2.15") < 0;
 }
 
+bool AllocatorConfig::one_division_keeps_size() const {
+  return !pytorch_version.empty() && compare_versions(pytorch_version, "2.4") < 0;
+}
+
 bool AllocatorConfig::private_pools_expandable() const {
   return pytorch_version.empty() || compare_versions(pytorch_version, "2.5") >= 0;
 }
@@ -652,6 +663,14 @@ int compare_versions(std::string_view a, std::string_view b) {
     if (x != y) return x < y ? -1 : 1;
   }
   return 0;
+}
+
+void AllocatorConfig::set_pytorch_version(std::string release) {
+  pytorch_version = std::move(release);
+  if (roundup_overlap.index < kRoundupIntervals) {
+    const bool before_2_10 = !pytorch_version.empty() && compare_versions(pytorch_version, "2.10") < 0;
+    roundup_power2_divisions[roundup_overlap.index] = before_2_10 ? roundup_overlap.after : roundup_overlap.given;
+  }
 }
 
 std::size_t AllocatorConfig::divisions_for(std::size_t size) const noexcept {

@@ -23,14 +23,19 @@ using detail::Segment;
 std::size_t CachingAllocator::Impl::round_size(std::size_t size, const AllocatorConfig& config) {
   if (size < kMinBlockSize) return kMinBlockSize;
   const std::size_t divisions = config.divisions_for(size);
-  if (divisions > 1 && size > kMinBlockSize * divisions) {
-    // Round up to the next of `divisions` equal steps between powers of two.
-    if (std::has_single_bit(size)) return size;
-    const std::size_t floor = std::bit_floor(size);
-    const std::size_t step = floor >> (std::bit_width(divisions) - 1);
-    if (step == 0) return floor << 1;
-    const std::size_t down = size & ~(step - 1);
-    return down == size ? size : down + step;
+  if (divisions != 0) [[unlikely]] {
+    // Before PyTorch 2.4 one division keeps the size as asked (unaligned):
+    // its rounding returned early for one division (seen in 2.3's addresses).
+    if (divisions == 1) return config.one_division_keeps_size() ? size : round_to_block(size);
+    if (size > kMinBlockSize * divisions) {
+      // Round up to the next of `divisions` equal steps between powers of two.
+      if (std::has_single_bit(size)) return size;
+      const std::size_t floor = std::bit_floor(size);
+      const std::size_t step = floor >> (std::bit_width(divisions) - 1);
+      if (step == 0) return floor << 1;
+      const std::size_t down = size & ~(step - 1);
+      return down == size ? size : down + step;
+    }
   }
   return round_to_block(size);
 }

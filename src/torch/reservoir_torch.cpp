@@ -149,7 +149,7 @@ reservoir::Saver& saver_for(int device) {
     reservoir::SaverOptions options;
     options.config = current_config();
     d.settings = options.config.to_string();
-    if (options.config.pytorch_version.empty()) options.config.pytorch_version = running_release;
+    if (options.config.pytorch_version.empty()) options.config.set_pytorch_version(running_release);
     options.device_index = device;
     using reservoir::DeviceKind;
     const DeviceKind kind = backend_kind(options.config);
@@ -560,7 +560,7 @@ __attribute__((visibility("default"))) int reservoir_torch_apply_settings(const 
     for (PerDevice& d : devices) {
       if (!d.saver) continue;
       AllocatorConfig c = after;
-      if (c.pytorch_version.empty()) c.pytorch_version = running_release;
+      if (c.pytorch_version.empty()) c.set_pytorch_version(running_release);
       d.saver->untagged_allocator().set_config(c);
       d.settings = merged;
     }

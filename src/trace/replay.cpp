@@ -109,7 +109,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   device_options.auto_complete_events = true;
   SimDevice device(device_options);
   AllocatorConfig rules = config;
-  if (rules.pytorch_version.empty()) rules.pytorch_version = program.pytorch_version;
+  if (rules.pytorch_version.empty()) rules.set_pytorch_version(program.pytorch_version);
   CachingAllocator allocator(device, rules, program.device);
   if (options.memory_fraction) allocator.set_memory_fraction(*options.memory_fraction);
 

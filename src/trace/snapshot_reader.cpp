@@ -386,7 +386,7 @@ class Reader {
     const std::string path = "allocator_settings";
     if (settings.kind != Kind::dict)
       fail(path, fmt::format("expected a dict, got {}", to_string(settings.kind)));
-    std::string since = "2.4";  // the first release that records allocator_settings
+    std::string since = "2.3";  // the first release that records allocator_settings (pytorch/pytorch#119404)
     auto at_least = [&](std::string_view v) {
       if (!v.empty() && compare_versions(v, since) > 0) since = std::string(v);
     };

@@ -36,21 +36,21 @@ VerifyResult Verifier::run() {
     // rules stay those the snapshot shows.
     const std::string version = config_.pytorch_version;
     config_ = *options_.settings;
-    if (config_.pytorch_version.empty()) config_.pytorch_version = version;
+    if (config_.pytorch_version.empty()) config_.set_pytorch_version(version);
   }
-  if (config_.pytorch_version.empty()) config_.pytorch_version = pytorch_rules_;
+  if (config_.pytorch_version.empty()) config_.set_pytorch_version(pytorch_rules_);
   following_pools_ = trace_.event_pools_recorded;
   result_.pytorch_rules = config_.pytorch_version;
   if (!trace_.settings_recorded && options_.settings) {
     assumption_ = fmt::format(
-        "the snapshot does not record its allocator settings (PyTorch records them from 2.4 on): "
+        "the snapshot does not record its allocator settings (PyTorch records them from 2.3 on): "
         "verify took those given ({}); settings other than those while recording would explain "
         "a difference",
         options_.settings->to_string().empty() ? "PyTorch's defaults" : options_.settings->to_string());
   } else if (!trace_.settings_recorded) {
     assumption_ =
         "the snapshot does not record its allocator settings (PyTorch records them from "
-        "2.4 on), so verify assumed PyTorch's defaults; settings made while recording "
+        "2.3 on), so verify assumed PyTorch's defaults; settings made while recording "
         "(max_split_size_mb, roundup_power2_divisions, ...) would explain a difference: give "
         "them as verify's --settings";
   }
@@ -249,11 +249,20 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   if (options.settings && trace.settings_recorded) {
     AllocatorConfig given = *options.settings;
     AllocatorConfig recorded = trace.settings;
-    given.pytorch_version = recorded.pytorch_version = "";
-    if (!(given == recorded)) {
+    recorded.pytorch_version = "";
+    // The same settings as some release reads the text (before 2.10 a '>'
+    // covers the interval before it too): those are the recorded ones.
+    const auto read_by = [&](const char* release) {
+      AllocatorConfig g = given;
+      g.set_pytorch_version(release);
+      g.pytorch_version = "";
+      return g == recorded;
+    };
+    given.pytorch_version = "";
+    if (!read_by("2.9") && !read_by("2.10")) {
       throw UsageError(fmt::format(
           "verify {}: the snapshot records its allocator settings ({}), not those given ({}); "
-          "give settings only for a snapshot that does not record them (PyTorch before 2.4)",
+          "give settings only for a snapshot that does not record them (PyTorch before 2.3)",
           trace.name, recorded.to_string().empty() ? "PyTorch's defaults" : recorded.to_string(),
           given.to_string().empty() ? "PyTorch's defaults" : given.to_string()));
     }
@@ -261,8 +270,8 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   const VerifyWatch* w = watch ? &watch : nullptr;
   const std::string& since = trace.pytorch_since;
   VerifyResult r = verify_as(trace, options, w, since);
-  // 2.12 writes the settings 2.4 to 2.11 write, but takes cached blocks of
-  // equal size oldest segment first: a recording that shows 2.4 to 2.11
+  // 2.12 writes the settings 2.3 to 2.11 write, but takes cached blocks of
+  // equal size oldest segment first: a recording that shows 2.3 to 2.11
   // and disagrees is checked by 2.12's rules too, and verified by them when
   // they agree (a watch then sees that run again, from the start).
   const bool could_be_2_12 = !since.empty() && compare_versions(since, "2.12") < 0 &&

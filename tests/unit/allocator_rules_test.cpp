@@ -1,4 +1,6 @@
 // Each native-policy rule pinned with exact numbers.
+#include <fmt/format.h>
+
 #include "allocator_fixture.hpp"
 #include "reservoir/errors.hpp"
 
@@ -296,6 +298,26 @@ TEST_F(Rules, EqualSizeTiesByAddressBefore212AndOldestSegmentFrom212) {
 // 2.11 and 2.13 on take the lower address (read off the real 2.12.1 and
 // 2.13.0 wheels: tests/torch/test_oracle.py). Here the older block lies
 // higher: what is left of a freed block after two splits.
+// roundup_power2_divisions with one division (the list form's intervals
+// below its first key take that key's divisions): before PyTorch 2.4 a
+// request keeps its size, unaligned (2.3.1's snapshots: 4233 bytes, the next
+// block 4233 bytes on); from 2.4 it is rounded to 512 bytes.
+TEST_F(Rules, OneDivisionKeepsTheSizeBefore24) {
+  for (const char* release : {"2.3", "2.4", "2.15"}) {
+    SCOPED_TRACE(release);
+    make(fmt::format("roundup_power2_divisions:[256:1,512:2,>:8],pytorch_version:{}", release));
+    const DevicePtr a = alloc(4233);
+    const DevicePtr b = alloc(628);
+    const DevicePtr c = alloc(300);  // below 512 bytes: 512 either way
+    const DevicePtr d = alloc(100);
+    const bool keeps = std::string_view(release) == "2.3";
+    EXPECT_EQ(b, a + (keeps ? 4233 : 4608));
+    EXPECT_EQ(c, b + (keeps ? 628 : 1024));
+    EXPECT_EQ(d, c + 512);
+    release_all({a, b, c, d});
+  }
+}
+
 TEST_F(Rules, WithinASegmentPyTorch212TakesTheOlderOfEqualBlocks) {
   for (const char* version : {"pytorch_version:2.11", "pytorch_version:2.12", "pytorch_version:2.13",
                               "pytorch_version:2.15"}) {

@@ -103,6 +103,43 @@ TEST(Config, RoundupListFormMatchesPyTorch) {
   EXPECT_EQ(AllocatorConfig::parse(b.to_string()), b);
 }
 
+// Before PyTorch 2.10 the list form's '>' fills from the interval before it,
+// that one included: 2.3 to 2.9 record "[256:1,512:2,>:8]" with eight
+// divisions at 512 (seen in their snapshots' allocator_settings), 2.10 on
+// with two. The release may come before or after the list, or later
+// (set_pytorch_version: the release reservoir is installed into).
+TEST(Config, RoundupListFormAsEachReleaseReadsIt) {
+  const std::string list = "roundup_power2_divisions:[256:1,512:2,>:8]";
+  const AllocatorConfig modern = AllocatorConfig::parse(list);
+  EXPECT_EQ(modern.divisions_for(256 * kMiB), 1u);
+  EXPECT_EQ(modern.divisions_for(512 * kMiB), 2u);
+  EXPECT_EQ(modern.divisions_for(1024 * kMiB), 8u);
+  for (const char* text : {"roundup_power2_divisions:[256:1,512:2,>:8],pytorch_version:2.9",
+                           "pytorch_version:2.3,roundup_power2_divisions:[256:1,512:2,>:8]"}) {
+    const AllocatorConfig older = AllocatorConfig::parse(text);
+    EXPECT_EQ(older.divisions_for(256 * kMiB), 1u) << text;
+    EXPECT_EQ(older.divisions_for(512 * kMiB), 8u) << text;
+    EXPECT_EQ(older.divisions_for(1024 * kMiB), 8u) << text;
+  }
+  EXPECT_EQ(AllocatorConfig::parse(list + ",pytorch_version:2.10").divisions_for(512 * kMiB), 2u);
+  AllocatorConfig later = modern;
+  later.set_pytorch_version("2.6");
+  EXPECT_EQ(later.divisions_for(512 * kMiB), 8u);
+  later.set_pytorch_version("2.15");
+  EXPECT_EQ(later.divisions_for(512 * kMiB), 2u);
+  // An interval given again after the '>' keeps its own; a '>' first has
+  // nothing before it.
+  AllocatorConfig again = AllocatorConfig::parse("roundup_power2_divisions:[256:1,512:2,>:8,512:4]");
+  again.set_pytorch_version("2.9");
+  EXPECT_EQ(again.divisions_for(512 * kMiB), 4u);
+  AllocatorConfig only = AllocatorConfig::parse("roundup_power2_divisions:[>:8]");
+  only.set_pytorch_version("2.9");
+  EXPECT_EQ(only.divisions_for(kMiB), 8u);
+  // Written out, a release's reading is explicit, and reads back the same.
+  const AllocatorConfig written = AllocatorConfig::parse(later.to_string());
+  EXPECT_EQ(written.divisions_for(512 * kMiB), 2u);
+}
+
 TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
   EXPECT_EQ(error_of("max_split_size_mb:19"),
             "allocator config \"max_split_size_mb:19\": key 'max_split_size_mb': value '19' is "

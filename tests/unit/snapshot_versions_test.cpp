@@ -232,7 +232,7 @@ TEST(SnapshotVersions, AnEntryNamingNoDeviceBelongsToEveryDevice) {
   }
 }
 
-// allocator_settings as each version writes it: none before 2.4; 2.4 to
+// allocator_settings as each version writes it: none before 2.3; 2.3 to
 // 2.8 eight keys; 2.9 on graph_capture_record_stream_reuse besides.
 TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
   const Trace v21 = read(snapshot("[[]]"));
@@ -262,7 +262,7 @@ TEST(SnapshotVersions, TheAllocatorSettingsOfEachVersion) {
   EXPECT_EQ(v29.recorded_config, "expandable_segments:True");
   EXPECT_TRUE(v29.unknown_keys.empty());
   EXPECT_EQ(v29.pytorch_since, "2.9");  // graph_capture_record_stream_reuse
-  EXPECT_EQ(v24.pytorch_since, "2.4");
+  EXPECT_EQ(v24.pytorch_since, "2.3");  // 2.3 is the first to record them
   EXPECT_EQ(v21.pytorch_since, "");
   EXPECT_EQ(v24.settings.max_split_size, 128u << 20);
   EXPECT_EQ(v24.settings.garbage_collection_threshold, 0.6);

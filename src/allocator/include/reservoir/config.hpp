@@ -79,6 +79,22 @@ struct AllocatorConfig {
   // The PyTorch release whose decisions the native policy takes where
   // releases differ ("2.15"); empty: those of 2.11 and before.
   std::string pytorch_version;
+  // What a release before 2.10 reads differently in roundup_power2_divisions'
+  // list form: its '>' fills from the last interval given, that one
+  // included ("[256:1,512:2,>:8]" gives 512 eight divisions in 2.3 to 2.9;
+  // 2.10 fills after it). The interval (kRoundupIntervals: none), what it
+  // was given and what the '>' gave. set_pytorch_version applies it. Not
+  // compared: two settings that decide alike now are equal.
+  struct RoundupOverlap {
+    std::size_t index = kRoundupIntervals;
+    std::size_t given = 0;
+    std::size_t after = 0;
+    bool operator==(const RoundupOverlap&) const { return true; }
+  };
+  RoundupOverlap roundup_overlap;
+  // Takes `release`'s decisions (pytorch_version) and reads the settings text
+  // as that release does (roundup_overlap).
+  void set_pytorch_version(std::string release);
 
   // Of cached blocks of equal size, PyTorch 2.13 and later take the one
   // whose segment was made first (then the lowest address); 2.12 the block
@@ -98,6 +114,11 @@ struct AllocatorConfig {
   // on, one reservation per stream and pool; before, private pools kept
   // ordinary segments. Measured on 2.11 and 2.15 (tests/torch/test_graphs.py).
   bool private_pools_expandable() const;
+  // Before PyTorch 2.4, a request of more than 512 bytes in an interval of
+  // one division (roundup_power2_divisions) keeps its size, unaligned;
+  // from 2.4 it is rounded to 512 bytes. Measured on 2.3.1 and 2.4.1
+  // (tests/torch/test_oracle.py under each).
+  bool one_division_keeps_size() const;
 
   // The division count for a (rounded) request size.
   std::size_t divisions_for(std::size_t size) const noexcept;

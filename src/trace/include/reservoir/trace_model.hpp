@@ -42,7 +42,7 @@ struct Trace {
   std::string settings_note;
   bool has_addresses = false;   // events carry real device addresses (snapshots)
   // False for a snapshot that does not record its allocator settings (PyTorch
-  // before 2.4 wrote no allocator_settings): recorded_config is then a guess.
+  // before 2.3 wrote no allocator_settings): recorded_config is then a guess.
   bool settings_recorded = true;
   int device = 0;                // the device these events and segments are of
   std::size_t device_count = 1;  // devices the file holds traces of

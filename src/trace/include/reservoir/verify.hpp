@@ -79,7 +79,7 @@ struct VerifyOptions {
   std::optional<double> memory_fraction;
   std::optional<std::uint64_t> device_memory;
   // The allocator settings (PYTORCH_CUDA_ALLOC_CONF) the program ran under,
-  // for a snapshot that does not record them (PyTorch before 2.4): taken in
+  // for a snapshot that does not record them (PyTorch before 2.3): taken in
   // place of PyTorch's defaults. A snapshot that records settings other
   // than these is refused (UsageError), as neither can be checked then.
   std::optional<AllocatorConfig> settings;
