@@ -45,9 +45,9 @@ def oracle(out, seed, programs, settings, *extra, env=None):
 
 def given(settings):
     """verify's options for programs run under `settings`: snapshots before
-    PyTorch 2.4 do not record their allocator settings, so verify is told
+    PyTorch 2.3 do not record their allocator settings, so verify is told
     them, as a user of such a release tells it theirs."""
-    return ["--settings", settings] if RELEASE < (2, 4) else []
+    return ["--settings", settings] if RELEASE < (2, 3) else []
 
 
 def verify(files, *options, settings=""):
