@@ -37,7 +37,7 @@ constexpr std::string_view kSegmentKeys[] = {
     "requested_size", "stream",    "segment_type",  "segment_pool_id", "is_expandable",
     "frames",         "blocks",    "context",       "compile_context", "user_metadata",
     "forward_frames"};
-// "history" (2.0 and 2.1): the allocations a block held, each with its
+// "history" (2.0): the allocations a block held, each with its
 // address, requested size ("real_size") and stack, in place of "frames".
 constexpr std::string_view kBlockKeys[] = {
     "address", "size", "requested_size", "state", "frames", "context", "compile_context",
@@ -508,7 +508,7 @@ class Reader {
     return frames_context(owner.find("frames"), path, trace);
   }
 
-  // The stack of a live block as 2.0 and 2.1 record it: its "history"
+  // The stack of a live block as 2.0 records it: its "history"
   // entry for the allocation at its address (of the requested size, where
   // the block records one; the last such), else 0.
   std::uint32_t history_context(const Value& b, const BlockInfo& block, const std::string& path,

@@ -580,7 +580,7 @@ TEST(SnapshotVersions, AnErrorAfterTakenEntriesNamesItsIndex) {
 }
 
 
-// PyTorch 2.0 (and 2.1) give a block no "frames" but a "history": the
+// PyTorch 2.0 gives a block no "frames" but a "history": the
 // allocations it held, each with its address, requested size ("real_size")
 // and stack. A live block's stack is that of its allocation at its address;
 // a bad entry is named.
