@@ -270,15 +270,21 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   const VerifyWatch* w = watch ? &watch : nullptr;
   const std::string& since = trace.pytorch_since;
   VerifyResult r = verify_as(trace, options, w, since);
-  // 2.12 writes the settings 2.3 to 2.11 write, but takes cached blocks of
-  // equal size oldest segment first: a recording that shows 2.3 to 2.11
-  // and disagrees is checked by 2.12's rules too, and verified by them when
-  // they agree (a watch then sees that run again, from the start).
-  const bool could_be_2_12 = !since.empty() && compare_versions(since, "2.12") < 0 &&
-                             trace.settings.pytorch_version.empty();
-  if (!r.agreed && !r.cannot_verify && could_be_2_12) {
-    VerifyResult newer = verify_as(trace, options, nullptr, "2.12");
-    if (newer.agreed) return w == nullptr ? newer : verify_as(trace, options, w, "2.12");
+  if (r.agreed || r.cannot_verify || !trace.settings.pytorch_version.empty()) return r;
+  // Releases whose snapshots look alike but whose rules differ: a recording
+  // that disagrees under the rules of the release it shows is checked under
+  // theirs too, and verified by the first that agrees (a watch then sees
+  // that run again, from the start). Before 2.4 one division keeps a
+  // request's size (2.3's rules; 2.0 to 2.2 show no release at all), yet 2.4
+  // to 2.8 write the settings 2.3 writes; 2.12 writes the settings 2.3 to
+  // 2.11 write, but takes cached blocks of equal size oldest segment first.
+  std::vector<std::string> others;
+  if (since.empty()) others.emplace_back("2.3");
+  if (since.empty() || compare_versions(since, "2.4") < 0) others.emplace_back("2.4");
+  if (!since.empty() && compare_versions(since, "2.12") < 0) others.emplace_back("2.12");
+  for (const std::string& rules : others) {
+    VerifyResult other = verify_as(trace, options, nullptr, rules);
+    if (other.agreed) return w == nullptr ? other : verify_as(trace, options, w, rules);
   }
   return r;
 }
