@@ -20,6 +20,14 @@
 
 namespace reservoir::detail {
 
+namespace {
+// Settings as verify names them to the user.
+std::string settings_text(const AllocatorConfig& c) {
+  const std::string text = c.to_string();
+  return text.empty() ? "PyTorch's defaults" : text;
+}
+}  // namespace
+
 using detail::starting_state;
 using detail::StartingState;
 
@@ -46,7 +54,7 @@ VerifyResult Verifier::run() {
         "the snapshot does not record its allocator settings (PyTorch records them from 2.3 on): "
         "verify took those given ({}); settings other than those while recording would explain "
         "a difference",
-        options_.settings->to_string().empty() ? "PyTorch's defaults" : options_.settings->to_string());
+        settings_text(*options_.settings));
   } else if (!trace_.settings_recorded) {
     assumption_ =
         "the snapshot does not record its allocator settings (PyTorch records them from "
@@ -263,8 +271,7 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
       throw UsageError(fmt::format(
           "verify {}: the snapshot records its allocator settings ({}), not those given ({}); "
           "give settings only for a snapshot that does not record them (PyTorch before 2.3)",
-          trace.name, recorded.to_string().empty() ? "PyTorch's defaults" : recorded.to_string(),
-          given.to_string().empty() ? "PyTorch's defaults" : given.to_string()));
+          trace.name, detail::settings_text(recorded), detail::settings_text(given)));
     }
   }
   const VerifyWatch* w = watch ? &watch : nullptr;
