@@ -18,13 +18,22 @@ it (docs/integrations.md, "Other projects' suites"):
 
 usage: scripts/peer_suites.py [--pytorch TEST_CUDA_PY] [--tms TEST_DIR]
            [--release 2.15.0] [--build build] [-k REGEX] [--jobs 2]
-           [--timeout 600] [--json OUT]
+           [--timeout 600] [--batch] [--json OUT]
+       scripts/peer_suites.py --device as-is --pytorch TEST_CUDA_PY
+           [--package DIR] [--site DIR ...] [--python PY] [--batch] ...
 
 It needs `make build` (the simulated device, the Python package) and
 `make deps` (PyTorch, torch_memory_saver and the suites' own requirements,
-expecttest and psutil, in the PyPI cache). Exit status: 0 when reservoir
-passes every test the original passes (private-attribute tests apart), 1
-otherwise, 2 for bad arguments.
+expecttest and psutil, in the PyPI cache). With `--device as-is` it runs
+PyTorch's tests on the CUDA device the environment has (a GPU: the GPU
+bundle's pytorch_tests step), with the PyTorch of --python (default: this
+one), reservoir from --package (a folder the package is installed in) and
+what --site adds to the import path; nothing of the PyPI cache or the build.
+--batch runs the selected tests in one process per way and every test that
+did not pass there again in a process of its own (PyTorch's runner's way
+after a failure), which is much faster than a process per test. Exit status:
+0 when reservoir passes every test the original passes (private-attribute
+tests apart), 1 otherwise, 2 for bad arguments.
 """
 import argparse
 import ast
@@ -37,11 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from pypi_cache import cache_root  # noqa: E402
 
 # PyTorch's tests about the caching allocator, memory statistics, snapshots,
 # settings, memory pools, out-of-memory, pinned and managed memory.
@@ -73,6 +81,14 @@ def outcome_of(returncode, output):
     return "fail" if returncode != 0 else "none"
 
 
+def cache_root():
+    """The PyPI cache (scripts/pypi_cache.py), for the simulated device's runs
+    only: the GPU bundle carries this script without it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pypi_cache import cache_root as root
+    return root()
+
+
 def run_one(test_id, cwd, env, timeout):
     start = time.monotonic()
     try:
@@ -83,6 +99,37 @@ def run_one(test_id, cwd, env, timeout):
     except subprocess.TimeoutExpired as e:
         code, output = 124, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else ""
     return outcome_of(code, output), output, time.monotonic() - start
+
+
+def run_batch(ids, cwd, env, timeout, tag):
+    """Runs `ids` in one pytest process; returns {id: outcome} for the tests
+    its JUnit report names (a test the process never reached is absent)."""
+    report = Path(cwd) / f"junit-{tag}.xml"
+    report.unlink(missing_ok=True)
+    try:
+        subprocess.run([env["PEER_PYTHON"], "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}"] + ids, cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    by_name = {tuple(i.split("::")[-2:]): i for i in ids}
+    outcomes = {}
+    try:
+        root = ET.parse(report).getroot()
+    except (OSError, ET.ParseError):
+        return outcomes
+    for case in root.iter("testcase"):
+        key = (case.get("classname", "").split(".")[-1], case.get("name", ""))
+        if key not in by_name:
+            continue
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "fail"
+        elif case.find("skipped") is not None:
+            outcome = "skip"
+        else:
+            outcome = "pass"
+        outcomes[by_name[key]] = outcome
+    return outcomes
 
 
 def collect(path, cwd, env, selection):
@@ -114,6 +161,13 @@ def private_tests(test_dir):
 
 
 def base_env(args, site_dirs):
+    if args.device == "as-is":
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                            "PYTORCH_ALLOC_CONF")}
+        env.update({"PYTHONPATH": ":".join(str(s) for s in site_dirs), "PEER_PYTHON": args.python,
+                    "PYTHONDONTWRITEBYTECODE": "1"})
+        return env
     simcuda = Path(args.build) / "simcuda" / "libcudart.so.13"
     if not simcuda.exists():
         raise SystemExit(f"peer_suites: {simcuda} is missing: run make build first")
@@ -139,35 +193,60 @@ def table(title, columns, rows, results):
 
 
 def run_pair(ids, cwd, envs, args):
-    results = {}
+    """Each test both ways: {id: [outcome, outcome]} and the outputs of the
+    runs of a test alone. With --batch, first all of them in one process per
+    way; a test that did not pass there runs again alone."""
+    results = {i: [None, None] for i in ids}
     outputs = {}
+    alone = [(i, k) for i in ids for k in range(len(envs))]
+    if args.batch:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(args.jobs, len(envs))) as pool:
+            batches = list(pool.map(lambda k: run_batch(ids, cwd, envs[k], args.timeout * 4, k), range(len(envs))))
+        for k, outcomes in enumerate(batches):
+            for i, outcome in outcomes.items():
+                if outcome in ("pass", "skip"):
+                    results[i][k] = outcome
+        alone = [(i, k) for i, k in alone if results[i][k] is None]
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_one, i, cwd, env, args.timeout): (i, k) for i in ids for k, env in enumerate(envs)}
+        futures = {pool.submit(run_one, i, cwd, envs[k], args.timeout): (i, k) for i, k in alone}
         for fut in concurrent.futures.as_completed(futures):
             i, k = futures[fut]
             outcome, output, _ = fut.result()
-            results.setdefault(i, [None, None])[k] = outcome
+            results[i][k] = outcome
             outputs[(i, k)] = output
     return results, outputs
 
 
+def release_of(python, env):
+    r = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        raise SystemExit(f"peer_suites: {python} cannot import torch:\n{r.stderr[-2000:]}")
+    return r.stdout.strip().split("+")[0]
+
+
 def pytorch_suite(args, report):
-    cache = cache_root()
-    torch_site = cache / f"torch-{args.release}"
-    tools = cache / "peer-suites"
-    for site in (torch_site, tools):
-        if not (site / ".complete").exists():
-            raise SystemExit(f"peer_suites: {site} is not installed: run make deps")
+    if args.device == "as-is":
+        sites = [Path(s).resolve() for s in args.site]
+        package = Path(args.package).resolve()
+    else:
+        cache = cache_root()
+        sites = [cache / f"torch-{args.release}", cache / "peer-suites"]
+        for site in sites:
+            if not (site / ".complete").exists():
+                raise SystemExit(f"peer_suites: {site} is not installed: run make deps")
+        package = Path(args.package or Path(args.build) / "python").resolve()
     test_file = Path(args.pytorch).resolve()
     work = Path(tempfile.mkdtemp(prefix="reservoir-peer-pytorch-"))
     shutil.copy(test_file, work / "test_cuda.py")
     # The reservoir package and its start-up hook (as the installed wheel's .pth).
     hook = work / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        f"import site\nsite.addsitedir({str(Path(args.build).resolve() / 'python')!r})\n")
-    plain = base_env(args, [torch_site, tools])
-    ours = dict(base_env(args, [hook, torch_site, tools]), RESERVOIR_TORCH_ALLOCATOR="own")
+    (hook / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(package)!r})\n")
+    plain = base_env(args, sites)
+    ours = dict(base_env(args, [hook] + sites), RESERVOIR_TORCH_ALLOCATOR="own")
+    if args.device == "as-is":
+        args.release = release_of(args.python, plain)
     ids = collect("test_cuda.py", work, plain, args.k or PYTORCH_SELECTION)
     print(f"PyTorch {args.release}: {len(ids)} tests of {test_file} selected", flush=True)
     results, outputs = run_pair(ids, work, [plain, ours], args)
@@ -240,10 +319,20 @@ def main():
     p.add_argument("-k", help="a regular expression the test names must match (default: the allocator's tests)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=int, default=600, help="seconds per test and way")
+    p.add_argument("--batch", action="store_true",
+                   help="all tests in one process per way first; those that do not pass, again alone")
+    p.add_argument("--device", choices=("simulated", "as-is"), default="simulated",
+                   help="the simulated CUDA device (default), or the device the environment has (a GPU)")
+    p.add_argument("--python", default=sys.executable, help="with --device as-is: the Python with PyTorch")
+    p.add_argument("--package", help="the folder reservoir's package is installed in (default: BUILD/python)")
+    p.add_argument("--site", action="append", default=[],
+                   help="with --device as-is: a folder to import from (repeatable)")
     p.add_argument("--json", help="write every outcome here")
     args = p.parse_args()
     if not args.pytorch and not args.tms:
         p.error("give --pytorch, --tms or both")
+    if args.device == "as-is" and (args.tms or not args.package):
+        p.error("--device as-is runs PyTorch's tests (--pytorch) and needs --package")
     for path in (args.pytorch, args.tms):
         if path and not Path(path).exists():
             p.error(f"{path} does not exist")

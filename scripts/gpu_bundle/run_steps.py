@@ -51,6 +51,7 @@ class Run:
         self.torch_python = None
         self.module_python = None
         self.package_dir = None  # where the bundle's wheel was installed, once it is
+        self.test_cuda = ""      # PyTorch's test_cuda.py, when given
 
     def python_path(self):
         """Where the Python steps import reservoir from: the installed wheel,
@@ -810,6 +811,60 @@ def step_explain_oom(run):
             f"{cost['step']['explain'] / cost['step']['off']:.2f}x of none")
 
 
+def step_pytorch_tests(run):
+    """PyTorch's own allocator and memory tests (the test_cuda.py given with
+    --test-cuda, read from PyTorch's repository at this machine's release)
+    with real kernels, under PyTorch's allocator and under reservoir's
+    (RESERVOIR_TORCH_ALLOCATOR=own): every test that passes the first way
+    must pass the second."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    test_file = run.test_cuda or os.environ.get("RESERVOIR_TEST_CUDA")
+    release = run.results["facts"]["pytorch"].get("torch")
+    if not test_file:
+        raise StepSkipped(f"no copy of PyTorch's test/test_cuda.py given (run.sh OUT --test-cuda FILE; "
+                          f"the file of the release this machine runs, {release})")
+    if not os.path.isfile(test_file):
+        raise StepFailed(f"--test-cuda {test_file}: no such file")
+    # What the file imports beside PyTorch, and pytest, which runs it.
+    site = thirdparty_site(run, ["expecttest-", "psutil-", "nvidia_ml_py-", "pytest-", "pluggy-", "iniconfig-",
+                                 "pygments-", "packaging-"])
+    package = run.package_dir
+    if package is None:  # the bundle step did not run (--only): the wheel, as it installs it
+        wheels = sorted(glob.glob(os.path.join(HERE, "wheels", "reservoir-*-cp312-cp312-*.whl")))
+        package = os.path.join(run.scratch, "site-reservoir")
+        rc, text = run.cmd([run.torch_python, "-m", "pip", "install", "--no-index", "--no-deps",
+                            "--disable-pip-version-check", "--quiet", "--target", package] + wheels[:1],
+                           env=run.env_torch, timeout=180)
+        if rc != 0 or len(wheels) != 1:
+            raise StepFailed("the bundle's wheel does not install: " + first_error(text))
+    report = os.path.join(run.scratch, "pytorch_tests.json")
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "peer_suites.py"), "--device", "as-is",
+                        "--pytorch", os.path.abspath(test_file), "--package", package, "--site", site,
+                        "--batch", "--jobs", "1", "--timeout", "120", "--json", report],
+                       env=run.env_torch, timeout=560, cwd=run.scratch)
+    try:
+        with open(report) as f:
+            result = json.load(f)["pytorch"]
+    except (OSError, ValueError, KeyError):
+        raise StepFailed(first_error(text))
+    run.results["figures"]["pytorch_tests"] = result
+    names = result["results"]
+    counts = {way: {o: sum(r[k] == o for r in names.values()) for o in ("pass", "fail", "skip", "timeout")}
+              for k, way in enumerate(("pytorch", "reservoir"))}
+    result["counts"] = counts
+    if rc not in (0, 1) or (rc == 1) != bool(result["differ"]):
+        raise StepFailed(first_error(text))
+    if result["differ"]:
+        raise StepFailed(f"{len(result['differ'])} of the tests PyTorch's allocator passes fail under "
+                         "reservoir's: " + ", ".join(d.split("::")[-1] for d in result["differ"][:8]))
+    p, r = counts["pytorch"], counts["reservoir"]
+    return (f"PyTorch {result['release']}'s test_cuda.py, {len(names)} tests: PyTorch's allocator passes "
+            f"{p['pass']} (skips {p['skip']}), reservoir's {r['pass']} (skips {r['skip']}); none passes only "
+            f"under PyTorch's")
+
+
 STEPS = [
     ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
     ("graphs", "CUDA graphs: capture answers, pools as PyTorch's, replays equal eager after a pause",
@@ -837,6 +892,8 @@ STEPS = [
      step_own_allocator, 300),
     ("native_paged", "policy:native_paged vs native on the real driver: reserved at every call, steps/s",
      step_native_paged, 300),
+    ("pytorch_tests", "PyTorch's test_cuda.py allocator tests under PyTorch's allocator and reservoir's",
+     step_pytorch_tests, 570),
 ]
 
 
@@ -846,6 +903,8 @@ def main():
     parser.add_argument("--budget", type=float, default=float(os.environ.get("RESERVOIR_BUNDLE_BUDGET", 470)),
                         help="seconds for the whole run (default 470); steps that do not fit are skipped")
     parser.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
+    parser.add_argument("--test-cuda", default="",
+                        help="PyTorch's test/test_cuda.py at this machine's release (the pytorch_tests step)")
     args = parser.parse_args()
     names = [s[0] for s in STEPS]
     only = [x for x in args.only.split(",") if x]
@@ -855,6 +914,7 @@ def main():
             return 2
     os.makedirs(args.outdir, exist_ok=True)
     run = Run(args.outdir, args.budget)
+    run.test_cuda = args.test_cuda
     try:
         with open(os.path.join(HERE, "BUILD_INFO.json")) as f:
             info = json.load(f)

@@ -65,6 +65,40 @@ def test_the_table_counts_and_differences_of_a_suite(tmp_path):
     assert [d.split("::")[-1] for d in report["differ"]] == ["test_memory_backend_is_native"]
 
 
+def test_the_gpu_bundles_way_on_the_device_it_is_given(tmp_path):
+    """--device as-is (the GPU bundle's pytorch_tests step): PyTorch and the
+    suite's requirements from --site, reservoir from --package, the device
+    the environment has (here LD_PRELOAD's simulated one); --batch runs each
+    way's tests in one process and the one that fails there again alone."""
+    suite = tmp_path / "test_cuda.py"
+    suite.write_text(textwrap.dedent(SUITE))
+    sites = [p for p in os.environ["PYTHONPATH"].split(":") if os.path.isdir(os.path.join(p, "torch"))]
+    tools = os.path.join(os.path.dirname(sites[0]), "peer-suites")
+    argv = [sys.executable, os.path.join(ROOT, "scripts", "peer_suites.py"), "--device", "as-is",
+            "--pytorch", str(suite), "--package", os.path.join(BUILD, "python"), "--site", sites[0],
+            "--site", tools, "--batch", "--jobs", "1", "--json", str(tmp_path / "out.json")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["RESERVOIR_SIMCUDA_KERNELS"] = "skip"
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    release = torch.__version__.split("+")[0]
+    assert f"PyTorch {release}: 2 tests of {suite} selected" in r.stdout.splitlines()
+    import json
+    report = json.loads((tmp_path / "out.json").read_text())["pytorch"]
+    assert report["release"] == release
+    assert report["passes"] == {"pytorch": 2, "reservoir": 1}
+    assert {k.split("::")[-1]: v for k, v in report["results"].items()} == {
+        "test_memory_allocated_counts_a_tensor": ["pass", "pass"],
+        "test_memory_backend_is_native": ["pass", "fail"]}
+    # The failure's output is the test's own run alone, shown under its name.
+    assert "test_memory_backend_is_native passes under PyTorch's allocator and not under reservoir's" in r.stdout
+    assert "AssertionError" in r.stdout.split("not under reservoir's:")[1]
+    # Without --package the way in is not known.
+    r = subprocess.run(argv[:argv.index("--package")] + ["--batch"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 2 and "--device as-is runs PyTorch's tests (--pytorch) and needs --package" in r.stderr
+
+
 def test_bad_arguments_say_what_is_wrong(tmp_path):
     script = os.path.join(ROOT, "scripts", "peer_suites.py")
     r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)

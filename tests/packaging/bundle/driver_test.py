@@ -182,6 +182,28 @@ print(json.dumps({"check": "native_paged", "torch": "2.11.0", "ok": True,
                   "pairs": {"2.11 (running)": pair, "pytorch_version:2.15": pair}}))
 '''
 
+# scripts/peer_suites.py --device as-is: the arguments the step gives, the
+# wheels it installed where it says, then a report of three tests.
+PEERS = '''import argparse, json, os, sys
+p = argparse.ArgumentParser()
+for a in ("--device", "--pytorch", "--package", "--site", "--jobs", "--timeout", "--json"):
+    p.add_argument(a)
+p.add_argument("--batch", action="store_true")
+a = p.parse_args()
+assert a.device == "as-is" and a.batch and a.jobs == "1", a
+assert open(a.pytorch).read() == "# test_cuda.py\\n", a.pytorch
+assert os.path.isfile(os.path.join(a.package, "reservoir_autoinstall.pth")), os.listdir(a.package)
+for name in ("expecttest", "psutil", "pynvml.py", "pytest", "pluggy", "iniconfig", "pygments", "packaging"):
+    assert os.path.exists(os.path.join(a.site, name)), os.listdir(a.site)
+results = {"test_cuda.py::TestCuda::test_memory_stats": ["pass", "pass"],
+           "test_cuda.py::TestCuda::test_out_of_memory": ["pass", "pass"],
+           "test_cuda.py::TestCuda::test_graph_memory_stats": ["skip", "skip"],
+           "test_cuda.py::TestCuda::test_cudart_register": ["fail", "fail"]}
+json.dump({"pytorch": {"release": "2.11.0", "results": results, "differ": [],
+                       "passes": {"pytorch": 2, "reservoir": 2}}}, open(a.json, "w"))
+print("passes: PyTorch's allocator 2 of 4, reservoir's 2")
+'''
+
 
 def make_fake(top, fail_gpu_test):
     fake = os.path.join(top, "gpu-bundle")
@@ -193,7 +215,8 @@ def make_fake(top, fail_gpu_test):
                        ("torch_preload_test.py", PRELOAD), ("torch_native_bench.py", NATIVE),
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
                        ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS),
-                       ("explain_oom_check.py", EXPLAIN), ("native_paged_check.py", NATIVE_PAGED)):
+                       ("explain_oom_check.py", EXPLAIN), ("native_paged_check.py", NATIVE_PAGED),
+                       ("peer_suites.py", PEERS)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
     write(os.path.join(tools, "nvidia-smi"), NVIDIA_SMI, True)
@@ -211,12 +234,14 @@ def make_fake(top, fail_gpu_test):
     return fake, tools
 
 
-def run(fail_gpu_test):
+def run(fail_gpu_test, *args):
     top = tempfile.mkdtemp(prefix="bundle-driver-")
     fake, tools = make_fake(top, fail_gpu_test)
+    write(os.path.join(top, "peers", "test_cuda.py"), "# test_cuda.py\n")
     out = os.path.join(top, "out")
     env = {"PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "HOME": top}
-    p = subprocess.run(["/bin/bash", os.path.join(fake, "run.sh"), out], env=env, cwd=top,
+    args = args or ("--test-cuda", "peers/test_cuda.py")
+    p = subprocess.run(["/bin/bash", os.path.join(fake, "run.sh"), out, *args], env=env, cwd=top,
                        capture_output=True, text=True, timeout=600)
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
@@ -296,7 +321,13 @@ check(len(np_fig) == 1 and sorted(np_fig[0]["pairs"]) == ["2.11 (running)", "pyt
 check(steps["native_paged"]["note"].startswith("2.11 (running): 0 of 4000 calls above native (most 0 MiB), "
                                                "peak 580 vs 600 MiB, steps/s 19.5 vs 20.0; pytorch_version:2.15:"),
       f"native_paged note: {steps['native_paged']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (15)" in summary, "verdict and summary")
+pt = fig.get("pytorch_tests", {})
+check(pt.get("counts", {}).get("reservoir") == {"pass": 2, "fail": 1, "skip": 1, "timeout": 0},
+      f"pytorch_tests figures: {pt}")
+check(steps["pytorch_tests"]["note"] == "PyTorch 2.11.0's test_cuda.py, 4 tests: PyTorch's allocator passes 2 "
+      "(skips 1), reservoir's 2 (skips 1); none passes only under PyTorch's",
+      f"pytorch_tests note: {steps['pytorch_tests']['note']}")
+check(r.get("exit_status") == 0 and "PASSED: every step (16)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -305,11 +336,20 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 15, "every step reported")
+check(len(steps) == 16, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 15 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 16 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+
+# PyTorch's tests alone (--only): the step installs the wheel itself; without
+# --test-cuda it says what it needs.
+rc, text, r, summary = run(False, "--only", "pytorch_tests", "--test-cuda", "peers/test_cuda.py")
+check(rc == 0 and r["steps"]["pytorch_tests"]["status"] == "passed", f"pytorch_tests alone: {summary}")
+rc, text, r, summary = run(False, "--only", "pytorch_tests")
+check(r["steps"]["pytorch_tests"] == {"status": "skipped", "seconds": r["steps"]["pytorch_tests"]["seconds"],
+      "note": "no copy of PyTorch's test/test_cuda.py given (run.sh OUT --test-cuda FILE; the file of the "
+              "release this machine runs, 2.11.0+cu130)"}, f"without the file: {r['steps']['pytorch_tests']}")
 
 finish("driver checks")
