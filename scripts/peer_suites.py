@@ -55,7 +55,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # settings, memory pools, out-of-memory, pinned and managed memory.
 PYTORCH_SELECTION = (r"memory|alloc|mempool|mem_pool|snapshot|oom|out_of_memory|pinned|caching|cache|"
                      r"fraction|expandable|record_stream|register|managed|max_split|garbage|fuzz|"
-                     r"cublas_workspace|host_memory|set_per_process|graph_.*pool|pool")
+                     r"cublas_workspace|host_memory|set_per_process|graph_.*pool|pool|"
+                     r"graph_(two|three)_successive|graph_concurrent_replay")
+# Classes whose every test is about the allocator: snapshots and settings,
+# graph pools' checkpoints, pinned memory under capture, memory pools.
+PYTORCH_CLASSES = re.compile(r"^(TestCudaMallocAsync|TestBlockStateAbsorption|TestCachingHostAllocatorCudaGraph|"
+                             r"TestMemPool)$")
 
 # Tests of torch_memory_saver's suite that patch the package's private
 # module attributes: not part of the drop-in's contract
@@ -139,7 +144,9 @@ def collect(path, cwd, env, selection):
     if not ids:
         raise SystemExit(f"peer_suites: no tests collected from {path}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     pattern = re.compile(selection)
-    return [i for i in ids if pattern.search(i.split("::")[-1].split("[")[0])]
+    whole = PYTORCH_CLASSES if selection == PYTORCH_SELECTION else None
+    return [i for i in ids if pattern.search(i.split("::")[-1].split("[")[0])
+            or (whole is not None and len(i.split("::")) > 2 and whole.match(i.split("::")[-2]))]
 
 
 def private_tests(test_dir):
