@@ -129,6 +129,13 @@ def record(name):
 
 def emit():
     print("RESULT " + json.dumps(out), flush=True)
+    # Every program ends here, without Python's finalization: PyTorch's
+    # autograd threads (make_graphed_callables ran a backward) can abort a
+    # finalizing interpreter ("terminate called without an active
+    # exception", pytorch/pytorch#38228), under any allocator, after the
+    # result is out.
+    sys.stderr.flush()
+    os._exit(0)
 """
 
 # Capture, replay, a second graph in the first one's pool, a capture CUDA
