@@ -137,16 +137,17 @@ def run_batch(ids, cwd, env, timeout, tag):
     return outcomes
 
 
-def collect(path, cwd, env, selection):
+def collect(path, cwd, env, selection, classes=None):
+    """The tests of `path` whose name matches `selection`, or whose class
+    matches `classes`."""
     r = subprocess.run([env["PEER_PYTHON"], "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                         str(path)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     ids = [line.strip() for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
         raise SystemExit(f"peer_suites: no tests collected from {path}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     pattern = re.compile(selection)
-    whole = PYTORCH_CLASSES if selection == PYTORCH_SELECTION else None
     return [i for i in ids if pattern.search(i.split("::")[-1].split("[")[0])
-            or (whole is not None and len(i.split("::")) > 2 and whole.match(i.split("::")[-2]))]
+            or (classes is not None and len(i.split("::")) > 2 and classes.match(i.split("::")[-2]))]
 
 
 def private_tests(test_dir):
@@ -168,24 +169,21 @@ def private_tests(test_dir):
 
 
 def base_env(args, site_dirs):
+    """This process's environment without allocator settings, importing from
+    site_dirs; on the simulated device, with it preloaded."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                        "PYTORCH_ALLOC_CONF")}
+    env.update({"PYTHONPATH": ":".join(str(s) for s in site_dirs), "PEER_PYTHON": args.python,
+                "PYTHONDONTWRITEBYTECODE": "1"})
     if args.device == "as-is":
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-                            "PYTORCH_ALLOC_CONF")}
-        env.update({"PYTHONPATH": ":".join(str(s) for s in site_dirs), "PEER_PYTHON": args.python,
-                    "PYTHONDONTWRITEBYTECODE": "1"})
         return env
     simcuda = Path(args.build) / "simcuda" / "libcudart.so.13"
     if not simcuda.exists():
         raise SystemExit(f"peer_suites: {simcuda} is missing: run make build first")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-                        "PYTORCH_ALLOC_CONF", "LD_PRELOAD")}
     env.update({"LD_PRELOAD": str(simcuda.resolve()), "RESERVOIR_SIMCUDA_KERNELS": "skip",
                 # the driver and NVML beside the runtime, for what loads them by name
-                "LD_LIBRARY_PATH": str(simcuda.resolve().parent),
-                "PYTHONPATH": ":".join(str(s) for s in site_dirs), "PEER_PYTHON": "/usr/bin/python3",
-                "PYTHONDONTWRITEBYTECODE": "1"})
+                "LD_LIBRARY_PATH": str(simcuda.resolve().parent), "PEER_PYTHON": "/usr/bin/python3"})
     return env
 
 
@@ -254,7 +252,7 @@ def pytorch_suite(args, report):
     ours = dict(base_env(args, [hook] + sites), RESERVOIR_TORCH_ALLOCATOR="own")
     if args.device == "as-is":
         args.release = release_of(args.python, plain)
-    ids = collect("test_cuda.py", work, plain, args.k or PYTORCH_SELECTION)
+    ids = collect("test_cuda.py", work, plain, args.k or PYTORCH_SELECTION, None if args.k else PYTORCH_CLASSES)
     print(f"PyTorch {args.release}: {len(ids)} tests of {test_file} selected", flush=True)
     results, outputs = run_pair(ids, work, [plain, ours], args)
     names = sorted(results)

@@ -275,6 +275,17 @@ def collect_facts(run, info):
 
 # --- the steps -------------------------------------------------------------
 
+def install_wheel(run, target):
+    """The bundle's CPython 3.12 wheel, installed with pip into target:
+    (exit status, output, the wheel's path)."""
+    wheels = sorted(glob.glob(os.path.join(HERE, "wheels", "reservoir-*-cp312-cp312-*.whl")))
+    if len(wheels) != 1:
+        return 1, f"error: wheels/ holds {len(wheels)} CPython 3.12 wheels, not one", None
+    rc, text = run.cmd([run.module_python, "-m", "pip", "install", "--no-index", "--no-deps",
+                        "--disable-pip-version-check", "--target", target, wheels[0]], timeout=180)
+    return rc, text, wheels[0]
+
+
 def step_bundle(run):
     """The checks that need no GPU: the machine meets what the bundle was
     built against, every program and library loads, the CLI replays the
@@ -348,15 +359,10 @@ def step_bundle(run):
     # steps then import it from there (from the loose python/ folder only
     # where this fails).
     if run.module_python:
-        wheels = sorted(glob.glob(os.path.join(HERE, "wheels", "reservoir-*-cp312-cp312-*.whl")))
         target = os.path.join(run.scratch, "site")
-        if len(wheels) == 1:
-            rc, text = run.cmd([run.module_python, "-m", "pip", "install", "--no-index", "--no-deps",
-                                "--disable-pip-version-check", "--target", target, wheels[0]], timeout=180)
-        else:
-            rc, text = 1, f"error: wheels/ holds {len(wheels)} CPython 3.12 wheels, not one"
+        rc, text, wheel = install_wheel(run, target)
         if rc == 0:
-            version = os.path.basename(wheels[0]).split("-")[1]
+            version = os.path.basename(wheel).split("-")[1]
             rc, text = run.cmd([run.module_python, os.path.join(TESTS, "installed_check.py"), target,
                                 os.path.join(target, "bin"), version,
                                 os.path.join(HERE, "traces", "resnet_training.pickle"), "ON"],
@@ -364,7 +370,7 @@ def step_bundle(run):
         checks["the Python module's wheel installs with pip; the installed package's checks pass"] = rc == 0
         if rc == 0:
             run.package_dir = target
-            run.results["facts"]["python_package"] = "the wheel " + os.path.basename(wheels[0])
+            run.results["facts"]["python_package"] = "the wheel " + os.path.basename(wheel)
         else:
             problems.append("Python wheel: " + first_error(text))
             run.results["facts"]["python_package"] = "the loose python/ folder (the wheel failed)"
@@ -832,12 +838,9 @@ def step_pytorch_tests(run):
                                  "pygments-", "packaging-"])
     package = run.package_dir
     if package is None:  # the bundle step did not run (--only): the wheel, as it installs it
-        wheels = sorted(glob.glob(os.path.join(HERE, "wheels", "reservoir-*-cp312-cp312-*.whl")))
-        package = os.path.join(run.scratch, "site-reservoir")
-        rc, text = run.cmd([run.torch_python, "-m", "pip", "install", "--no-index", "--no-deps",
-                            "--disable-pip-version-check", "--quiet", "--target", package] + wheels[:1],
-                           env=run.env_torch, timeout=180)
-        if rc != 0 or len(wheels) != 1:
+        package = os.path.join(run.scratch, "site")
+        rc, text, _ = install_wheel(run, package)
+        if rc != 0:
             raise StepFailed("the bundle's wheel does not install: " + first_error(text))
     report = os.path.join(run.scratch, "pytorch_tests.json")
     rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "peer_suites.py"), "--device", "as-is",
