@@ -380,6 +380,7 @@ class ReservoirAllocator final : public CUDAAllocator {
       }
     }
     TORCH_CHECK(false, "reservoir (PyTorch's allocator): getBaseAllocation: no segment holds ", ptr);
+    return nullptr;  // not reached (TORCH_CHECK(false) throws; unoptimized builds do not see it)
   }
   // The memory mapped into each stream's expandable segment of the default
   // pools (small and large apart), as PyTorch's allocator reports it (the
@@ -1239,9 +1240,15 @@ class ReservoirAllocator final : public CUDAAllocator {
 
 thread_local const ReservoirAllocator::Recorded* ReservoirAllocator::current_call = nullptr;
 
+// Never destroyed, as PyTorch's own allocator is not: at exit the
+// interpreter has been finalized before the static destructors run, and
+// the allocator's history holds Python stacks (PyTorch's CapturedTraceback)
+// whose release takes the GIL and drops references to Python objects
+// already freed. PyTorch's own reference (changeCurrentAllocator's) is a
+// static of its library, so a reference of ours must outlive every static.
 std::shared_ptr<ReservoirAllocator>& the_allocator() {
-  static std::shared_ptr<ReservoirAllocator> instance;
-  return instance;
+  static auto* instance = new std::shared_ptr<ReservoirAllocator>();
+  return *instance;
 }
 
 void raw_delete_fn(void* ptr) { the_allocator()->raw_delete(ptr); }
