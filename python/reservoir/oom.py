@@ -21,6 +21,9 @@ whole). The snapshot and the page (advice.html) go to `directory`
 """
 import os
 import pickle
+import re
+import shlex
+import shutil
 import sys
 import threading
 
@@ -32,7 +35,16 @@ DEFAULT_MAX_ENTRIES = 100_000
 
 _lock = threading.Lock()
 _settings = None  # (directory, rank, host) once on
-_pending = threading.local()  # the answer for the error the observer saw, per thread
+# The answers the observer made that no exception has taken yet, oldest
+# first: (thread, device, the request as PyTorch's message writes it, lines).
+# The error is raised where the allocation failed, but its Python exception
+# can be made on another thread: autograd's engine rethrows an error of
+# backward's on the thread that called backward(). Each exception takes the
+# answer of its own thread first, else the latest of another thread for the
+# same request and device; an answer no exception takes is dropped when its
+# thread meets its next error, and the list holds at most _MAX_PENDING.
+_pending = []
+_MAX_PENDING = 64
 _patched = False
 
 
@@ -68,7 +80,7 @@ def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stac
         if torch_installed():
             # reservoir serves PyTorch's allocations: it answers from its own
             # state, in its own error (no snapshot taken, no observer).
-            _core._explain_torch_allocator(directory, -1 if rank is None else rank, max_entries)
+            _core._explain_torch_allocator(directory, -1 if rank is None else rank, max_entries, _advise_command())
             return directory
         torch.cuda.memory._record_memory_history(
             enabled="all", context="all" if stacks else None, stacks="python", max_entries=max_entries)
@@ -79,6 +91,15 @@ def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stac
     return directory
 
 
+def _advise_command():
+    """The command the answer's last line names: `reservoir advise` where the
+    package's command is on PATH, else this interpreter running the package
+    (a package used from PYTHONPATH has no command on PATH)."""
+    if shutil.which("reservoir"):
+        return "reservoir advise"
+    return f"{shlex.quote(sys.executable)} -m reservoir advise"
+
+
 def _observer(device, alloc, device_total, device_free):
     """PyTorch's out-of-memory observer: called before the error is raised,
     with the allocator's lock released (device_total: the memory fraction's
@@ -87,13 +108,15 @@ def _observer(device, alloc, device_total, device_free):
     if settings is None:
         return
     directory, rank = settings
-    _pending.lines = None
+    me = threading.get_ident()
+    with _lock:
+        _pending[:] = [p for p in _pending if p[0] != me]
     try:
         import torch
 
         data = pickle.dumps(torch.cuda.memory._snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
         answer = _core._explain_snapshot(data, int(device), directory, -1 if rank is None else rank,
-                                         int(device_total))
+                                         int(device_total), _advise_command())
         lines = list(answer["lines"])
     except BaseException as e:  # noqa: BLE001 - the error in hand is PyTorch's, never ours
         lines = [f"reservoir: could not explain this out-of-memory error: {type(e).__name__}: {e}"]
@@ -101,12 +124,44 @@ def _observer(device, alloc, device_total, device_free):
         print("\n".join(lines), file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 - a closed stderr must not hide the error
         pass
-    _pending.lines = lines
+    with _lock:
+        _pending.append((me, int(device), f"Tried to allocate {format_size(int(alloc))}", lines))
+        del _pending[:-_MAX_PENDING]
+
+
+def format_size(n):
+    """A size as PyTorch's messages write it (c10's format_size)."""
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1 << 20:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+_GPU = re.compile(r"\bGPU (\d+)\b")
+
+
+def _claim(message):
+    """The pending answer for the error whose PyTorch message this is (see
+    _pending), taken out of the list; None when none is for it."""
+    gpu = _GPU.search(message)
+    device = int(gpu.group(1)) if gpu else None
+    me = threading.get_ident()
+    with _lock:
+        fits = [i for i, (_, d, request, _) in enumerate(_pending)
+                if request in message and (device is None or d == device)]
+        if not fits:
+            return None
+        own = [i for i in fits if _pending[i][0] == me]
+        return _pending.pop((own or fits)[-1])[3]
 
 
 def _patch_error(torch):
-    """Appends the pending answer to the next torch.OutOfMemoryError made on
-    this thread (PyTorch makes it right after the observers ran)."""
+    """Appends the pending answer to the torch.OutOfMemoryError made for it
+    (PyTorch makes it right after the observers ran, on the failing thread or
+    on the one its error is handed to)."""
     global _patched
     if _patched:
         return
@@ -114,10 +169,10 @@ def _patch_error(torch):
     original = cls.__init__
 
     def __init__(self, *args, **kwargs):
-        lines = getattr(_pending, "lines", None)
-        if lines and args and isinstance(args[0], str):
-            _pending.lines = None
-            args = (args[0] + "\n" + "\n".join(lines),) + tuple(args[1:])
+        if _pending and args and isinstance(args[0], str) and "\nreservoir" not in args[0]:
+            lines = _claim(args[0])
+            if lines:
+                args = (args[0] + "\n" + "\n".join(lines),) + tuple(args[1:])
         original(self, *args, **kwargs)
 
     cls.__init__ = __init__

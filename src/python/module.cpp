@@ -36,9 +36,10 @@ namespace {
 
 // The answer at an out-of-memory error (reservoir/explain.hpp), with the
 // page of the full advice beside the snapshot.
-ExplainOptions explain_options(const std::string& directory, int rank) {
+ExplainOptions explain_options(const std::string& directory, int rank, const std::string& advise_command) {
   ExplainOptions options;
   options.directory = directory;
+  if (!advise_command.empty()) options.advise_command = advise_command;
   if (rank >= 0) options.rank = rank;
   options.page = [](const Trace& trace, const Advice& advice) {
     return tools::html_page(
@@ -50,13 +51,13 @@ ExplainOptions explain_options(const std::string& directory, int rank) {
 }
 
 py::dict explain_snapshot(const py::bytes& data, int device, const std::string& directory, int rank,
-                          std::uint64_t device_total) {
+                          std::uint64_t device_total, const std::string& advise_command) {
   const std::string_view bytes = data;
   OomExplanation e;
   {
     py::gil_scoped_release release;
     const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
-    ExplainOptions options = explain_options(directory, rank);
+    ExplainOptions options = explain_options(directory, rank, advise_command);
     if (device_total > 0) options.device_total = device_total;
     try {
       const Trace trace = read_pytorch_snapshot(span, "snapshot at the error", device);
@@ -319,15 +320,15 @@ PYBIND11_MODULE(_core, m) {
         "The saver PyTorch's allocator uses for this GPU (created on first use from "
         "RESERVOIR_ALLOC_CONF and RESERVOIR_TORCH_DEVICE)");
   m.def("_explain_snapshot", &explain_snapshot, py::arg("data"), py::arg("device"), py::arg("directory"),
-        py::arg("rank") = -1, py::arg("device_total") = 0,
+        py::arg("rank") = -1, py::arg("device_total") = 0, py::arg("advise_command") = "",
         "The answer to an out-of-memory error from PyTorch's snapshot (pickle bytes) of that moment: "
         "{lines, snapshot_path, page_path, seconds}; the files go to directory ('' writes none)");
   m.def(
       "_explain_torch_allocator",
-      [](const std::string& directory, int rank, std::size_t max_entries) {
-        torch_explain_oom(explain_options(directory, rank), max_entries);
+      [](const std::string& directory, int rank, std::size_t max_entries, const std::string& advise_command) {
+        torch_explain_oom(explain_options(directory, rank, advise_command), max_entries);
       },
-      py::arg("directory"), py::arg("rank") = -1, py::arg("max_entries") = 100000,
+      py::arg("directory"), py::arg("rank") = -1, py::arg("max_entries") = 100000, py::arg("advise_command") = "",
       "Under reservoir as PyTorch's allocator: every device's out-of-memory error carries the answer");
   m.def("rss_bytes", &current_rss_bytes, "Resident memory of this process, in bytes");
 }

@@ -123,14 +123,18 @@ reservoir::DeviceKind backend_kind(const AllocatorConfig& config) {
 // torch_explain_oom's settings, for the savers made after it.
 std::optional<std::pair<reservoir::ExplainOptions, std::size_t>> explaining;
 
-void explain_on(reservoir::Saver& saver, const std::string& settings) {
+void explain_on(reservoir::Saver& saver) {
   reservoir::HistoryOptions history;
   history.max_entries = explaining->second;
   history.stacks = false;
   saver.record_history(history);
-  reservoir::OomExplainer explain =
-      reservoir::oom_explainer([&saver] { return saver.snapshot(); }, explaining->first, settings);
-  saver.set_oom_explainer([explain = std::move(explain)](const reservoir::OutOfMemoryError& e) {
+  // The settings as the allocator reads them at the error (run-time
+  // settings included), the running release's rules named (pytorch_version):
+  // the analysis replays that release's decisions, and the snapshot written
+  // says which they were, for `reservoir verify`.
+  saver.set_oom_explainer([&saver, options = explaining->first](const reservoir::OutOfMemoryError& e) {
+    const reservoir::OomExplainer explain = reservoir::oom_explainer(
+        [&saver] { return saver.snapshot(); }, options, saver.untagged_allocator().config().to_string());
     std::string text = explain(e);
     // Before the error, where a dying job's log shows it.
     if (!text.empty()) std::fprintf(stderr, "%s\n", text.c_str());
@@ -173,7 +177,7 @@ reservoir::Saver& saver_for(int device) {
     reservoir::read_saver_environment(options);
     d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
     for (EveryDeviceRegion& region : every_device_regions) enter_on(region, device, *d.saver);
-    if (explaining) explain_on(*d.saver, d.settings);
+    if (explaining) explain_on(*d.saver);
   }
   return *d.saver;
 }
@@ -194,7 +198,7 @@ void torch_explain_oom(const ExplainOptions& options, std::size_t max_entries) {
   std::lock_guard lock(mutex);
   explaining.emplace(options, max_entries);
   for (PerDevice& d : devices) {
-    if (d.saver) explain_on(*d.saver, d.settings);
+    if (d.saver) explain_on(*d.saver);
   }
 }
 

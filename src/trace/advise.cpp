@@ -214,8 +214,11 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
                         const ReplayProgram* compiled) {
   const AllocatorConfig config = recorded_settings(trace);
   Diagnosis d;
+  // The latest error: a program that catches its errors and goes on (a
+  // batch-size finder, a service) records one per failure, and the one a
+  // snapshot is taken for, in the program or in its handler, is its last.
   std::size_t oom_at = trace.events.size();
-  for (std::size_t i = 0; i < trace.events.size(); ++i) {
+  for (std::size_t i = trace.events.size(); i-- > 0;) {
     if (trace.events[i].action == TraceAction::oom && trace.events[i].size > 0) {
       oom_at = i;
       break;
@@ -300,7 +303,20 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
   } else {
     d.source_note = fmt::format("a {} trace has no recorded addresses", trace.format);
   }
-  if (captured && d.source == "verified") {
+  // A recording taken at the error (the answer in the program, or a snapshot
+  // dumped in its handler) ends with it: its segments are the allocator's
+  // own state at the failed request, where a replay that cannot follow the
+  // recording (a policy verify does not model) would only estimate it.
+  const bool taken_at_error =
+      at_oom && trace.has_addresses && !trace.final_state.segments.empty() &&
+      std::all_of(trace.events.begin() + static_cast<std::ptrdiff_t>(oom_at) + 1, trace.events.end(),
+                  [](const TraceEvent& e) { return e.action == TraceAction::snapshot; });
+  if (!captured && taken_at_error) {
+    d.segments = trace.final_state;
+    d.source = "recorded";
+    captured = true;
+  }
+  if (captured && (d.source == "verified" || d.source == "recorded")) {
     // Each block's context: its recorded alloc, else the final state's.
     for (const SegmentInfo& s : trace.final_state.segments) {
       for (const BlockInfo& b : s.blocks) {
@@ -318,7 +334,7 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
     const ReplayProgram& program = compiled != nullptr ? *compiled : *own;
     std::uint64_t before = 0;
     if (at_oom && !program.failed_request_ops.empty()) {
-      before = program.initial.size() + program.failed_request_ops.front();
+      before = program.initial.size() + program.failed_request_ops.back();
     } else {
       const ReplayResult first = replay(program, config, trace.recorded_config);
       before = first.peak_reserved_op + 1;

@@ -140,7 +140,7 @@ Advice advise_at_error(const Trace& trace, unsigned threads) {
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const std::optional<int>& rank,
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path, const std::string& page_path,
-                                          const std::string& directory) {
+                                          const std::string& directory, const std::string& advise_command) {
   const std::string p = prefix(rank);
   const Diagnosis& d = a.diagnosis;
   std::vector<std::string> lines;
@@ -201,7 +201,7 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
                         : fmt::format("{}snapshot: {}; the full answer: {}", p, snapshot_path, page_path));
   }
   if (!directory.empty()) {
-    lines.push_back(fmt::format("{}{}: reservoir advise {}", p, rank ? "for the whole job" : "next",
+    lines.push_back(fmt::format("{}{}: {} {}", p, rank ? "for the whole job" : "next", advise_command,
                                 directory));
   }
   if (lines.size() > 8) lines.resize(8);
@@ -261,7 +261,7 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     }
     out.lines = oom_answer_lines(trace, *out.advice, rank, options.device_total, options.on_reservoir,
                                  out.snapshot_path, out.page_path,
-                                 out.snapshot_path.empty() ? "" : options.directory);
+                                 out.snapshot_path.empty() ? "" : options.directory, options.advise_command);
   } catch (const std::exception& e) {
     out.advice.reset();
     out.lines.push_back(fmt::format("{}could not analyse the recording: {}", prefix(rank), e.what()));

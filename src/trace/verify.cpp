@@ -91,6 +91,15 @@ VerifyResult Verifier::run() {
                                                 trace_.events.size())));
     return result_;
   }
+  if (config_.policy == Policy::paging || config_.policy == Policy::native_paged) {
+    // reservoir's own policies map pages as blocks use them: their segment
+    // maps follow rules of reservoir's, which verify does not replay yet.
+    cannot_verify(0, fmt::format("cannot verify: recorded under reservoir's policy:{}, whose page maps "
+                                 "verify does not model (it checks PyTorch's native and expandable "
+                                 "segments); replay, summary and advise read it",
+                                 to_string(config_.policy)));
+    return result_;
+  }
   if (const std::string cut = history_cut(); !cut.empty()) {
     cannot_verify(trace_.events.size(), cut);
     return result_;

@@ -12,6 +12,8 @@ import glob
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("reservoir")
 
 DEVICE = "1GiB"
+# The command the answer names for the folder: one that runs here (the
+# package is used from PYTHONPATH in these tests: no `reservoir` on PATH).
+ADVISE = "reservoir advise" if shutil.which("reservoir") else f"{shlex.quote(sys.executable)} -m reservoir advise"
 MiB = 1 << 20
 
 PRELUDE = """
@@ -122,7 +127,10 @@ def test_fragmentation_names_a_setting_and_the_program_runs_under_it(tmp_path):
     pages = glob.glob(str(tmp_path / "oom" / "*-advice.html"))
     assert len(snaps) == 1 and len(pages) == 1
     assert f"reservoir: snapshot: {snaps[0]}; the full answer: {pages[0]}" in lines
-    assert lines[-1] == f"reservoir: next: reservoir advise {tmp_path / 'oom'}"
+    assert lines[-1] == f"reservoir: next: {ADVISE} {tmp_path / 'oom'}"
+    # ... and that command runs as written.
+    r = subprocess.run(shlex.split(lines[-1].split(": ", 2)[2]), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "<svg" in open(pages[0]).read()
     # The program runs to its end under the setting named.
     again = run(FRAGMENTED, tmp_path / "again", setting=setting, env={"FRACTION": fraction} if fraction else None)
@@ -203,7 +211,7 @@ def test_each_rank_writes_its_own_files_and_advise_reads_the_job(tmp_path):
     for rank, got in ranks.items():
         _, lines = answer_of(got["message"])
         assert all(x.startswith(f"reservoir [rank {rank}]: ") for x in lines), lines
-        assert lines[-1] == f"reservoir [rank {rank}]: for the whole job: reservoir advise {tmp_path / 'oom'}"
+        assert lines[-1] == f"reservoir [rank {rank}]: for the whole job: {ADVISE} {tmp_path / 'oom'}"
     snaps = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "oom" / "*.pickle")))
     assert len(snaps) == 2 and "-rank0-" in snaps[0] and "-rank1-" in snaps[1]
     r = subprocess.run([os.environ["RESERVOIR"], "advise", str(tmp_path / "oom"), "--json"],
@@ -222,3 +230,146 @@ def test_reservoir_as_pytorchs_allocator_answers_from_its_own_state(tmp_path):
     assert lines[0] == FRAGMENTATION_LINE, lines
     assert "\n".join(lines) in got["stderr"]
     assert len(glob.glob(str(tmp_path / "oom" / "*.pickle"))) == 1
+
+
+# PyTorch's own figures for an error: the device's total and free memory, and
+# what its allocator held reserved but unallocated.
+def pytorch_figures(message):
+    m = re.search(r"GPU \d+ has a total capacity of (\S+ \S+) of which (\S+ \S+) is free\.", message)
+    u = re.search(r"and (\S+ \S+) is reserved by PyTorch but unallocated\.", message)
+    assert m and u, message
+    return {"total": m.group(1), "free": m.group(2), "unallocated": u.group(1)}
+
+
+def size_bytes(text):
+    number, unit = text.split()
+    return float(number) * {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+# FRAGMENTED with history recorded by the program itself, as people do.
+HISTORY_ON = "torch.cuda.memory._record_memory_history()\n"
+# More than the device holds beside what is kept: no setting helps.
+TOO_BIG = """
+torch.cuda.memory._record_memory_history()
+keep = [torch.empty(100 * MiB, dtype=torch.uint8, device="cuda") for _ in range(6)]
+fail_big(600 * MiB)
+"""
+
+
+@pytest.mark.parametrize("allocator,setting", [("pytorch", None), ("own", ""), ("own", "policy:native_paged")])
+def test_the_answers_figures_are_those_of_the_error_it_answers(tmp_path, allocator, setting):
+    # The lines' figures against the error's own message (PyTorch's, or
+    # reservoir's as PyTorch's allocator), with history on: what sat unused,
+    # what was free, never more than the device holds.
+    env = {"RESERVOIR_EXPLAIN_OOM": "1"}
+    if allocator == "own":
+        env.update({"RESERVOIR_TORCH_ALLOCATOR": "own", "RESERVOIR_ALLOC_CONF": setting})
+    for body in (HISTORY_ON + FRAGMENTED, TOO_BIG):
+        got = run(body, tmp_path / str(len(body)), code_change=False, env=env)
+        if got["message"] is None:
+            assert setting == "policy:native_paged" and body != TOO_BIG  # native_paged serves the fragmented one
+            continue
+        pytorch, lines = answer_of(got["message"])
+        figures = pytorch_figures(pytorch)
+        assert figures["total"] == "1024.00 MiB"
+        first = lines[0]
+        frag = re.search(r"fragmentation: (\S+ \S+) sat reserved but unused, .* and the device had (\S+ \S+) free",
+                         first)
+        if body == TOO_BIG:
+            assert frag is None, first
+            m = re.search(r"too little memory: .* more than the (\S+ \S+) there is", first)
+            assert m, lines
+            # What there is: the allocator's reserved memory and the device's free.
+            reserved = 600 * MiB + size_bytes(figures["unallocated"])
+            there = reserved + size_bytes(figures["free"])
+            assert abs(size_bytes(m.group(1)) - there) <= there * 1e-4, (first, figures)
+        else:
+            assert frag, lines
+            assert frag.group(1) == figures["unallocated"] and frag.group(2) == figures["free"], (first, figures)
+        # What the lines say the device had or the allocator held fits in the device.
+        text = "\n".join(lines)
+        held = re.findall(r"the device had ([\d.]+ \w+)", text) + re.findall(r"([\d.]+ \w+) sat reserved", text) + \
+            re.findall(r"the ([\d.]+ \w+) there is", text)
+        assert held, lines
+        for size in held:
+            assert size_bytes(size) <= 1 << 30, (size, lines)
+
+
+def test_the_own_allocators_snapshot_at_an_error_verifies(tmp_path):
+    # The snapshot the live answer writes under reservoir's own allocator
+    # names the running release's rules: `reservoir verify` replays it to the
+    # same addresses (PyTorch 2.13 and later break ties by segment age).
+    got = run(HISTORY_ON + FRAGMENTED, tmp_path, code_change=False,
+              env={"RESERVOIR_EXPLAIN_OOM": "1", "RESERVOIR_TORCH_ALLOCATOR": "own"})
+    assert got["message"] is not None
+    snaps = glob.glob(str(tmp_path / "oom" / "*.pickle"))
+    assert len(snaps) == 1
+    r = subprocess.run([os.environ["RESERVOIR"], "verify", snaps[0]], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "agrees with the recording" in r.stdout, r.stdout + r.stderr
+
+
+# Errors raised where the answer is not made: in backward (autograd's thread
+# makes the error, the thread that called backward() raises it), in a second
+# Python thread, and in a DataLoader's pin-memory thread (its error raised
+# again in the main thread). Each exception carries the lines of its own
+# request; an exception made later, or by the program itself, carries none.
+THREADS = """
+import threading
+results = {}
+# backward: the gradient of a 300 MiB leaf does not fit beside 600 MiB kept.
+x = torch.empty(300 * MiB // 4, device="cuda", requires_grad=True)
+fill = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
+try:
+    x.sum().backward()
+    results["backward"] = None
+except torch.OutOfMemoryError as e:
+    results["backward"] = str(e)
+del fill
+# A second thread's own error.
+def second():
+    try:
+        torch.empty(900 * MiB, dtype=torch.uint8, device="cuda")
+        results["thread"] = None
+    except torch.OutOfMemoryError as e:
+        results["thread"] = str(e)
+t = threading.Thread(target=second)
+t.start()
+t.join()
+# A DataLoader's pin-memory thread (a batch type whose pinning allocates on the device).
+class Batch:
+    def pin_memory(self, device=None):
+        torch.empty(800 * MiB, dtype=torch.uint8, device="cuda")
+        return self
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        return Batch()
+try:
+    for _ in torch.utils.data.DataLoader(Data(), batch_size=None, num_workers=1, pin_memory=True):
+        pass
+    results["pin"] = None
+except torch.OutOfMemoryError as e:
+    results["pin"] = str(e)
+results["made"] = str(torch.OutOfMemoryError("made by the program"))
+report(**results)
+"""
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "own"])
+def test_errors_raised_in_other_threads_carry_their_own_lines(tmp_path, allocator):
+    env = {"RESERVOIR_EXPLAIN_OOM": "1"}
+    if allocator == "own":
+        env["RESERVOIR_TORCH_ALLOCATOR"] = "own"
+    got = run(THREADS, tmp_path, code_change=False, env=env)
+    for where, size in (("backward", "300.00 MiB"), ("thread", "900.00 MiB"), ("pin", "800.00 MiB")):
+        message = got[where]
+        assert message is not None, where
+        tried = re.search(r"Tried to allocate ([\d.]+ \w+)", message)
+        assert tried and tried.group(1) == size, (where, message[:300])
+        lines = [x for x in message.splitlines() if x.startswith("reservoir: ")]
+        assert lines, (where, message[-2000:])
+        assert lines[0].startswith(f"reservoir: out of memory on a {size} request: "), (where, lines)
+        # One answer per error: its own, once.
+        assert sum(x.startswith("reservoir: out of memory on a ") for x in lines) == 1, (where, lines)
+    assert got["made"] == "made by the program"

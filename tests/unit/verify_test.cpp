@@ -64,6 +64,56 @@ TEST(Verify, ReportsTheFirstDivergence) {
   EXPECT_NE(r.divergence.find("free blocks of the pool that fit"), std::string::npos);
 }
 
+// Two cached blocks of one size, the newer segment at the lower address: from
+// PyTorch 2.13 the older segment's block serves the next request, before it
+// the lower address. A recording that names its release (pytorch_version, as
+// reservoir's allocator installed into PyTorch writes its own) is verified
+// under that release's rules, and disagrees under the other's.
+Trace equal_sizes_recorded_under(const std::string& release) {
+  // Each new segment below the one before: the newer block has the lower address.
+  DevicePtr next = DevicePtr{1} << 40;
+  Recorder r("pytorch_version:" + release);
+  r.device.set_address_source([&next](std::size_t bytes, DevicePtr* addr) {
+    next -= bytes;
+    *addr = next;
+    return Status::ok;
+  });
+  void* older = r.alloc(24 * kMiB);
+  void* newer = r.alloc(24 * kMiB);
+  r.allocator.deallocate(older);
+  r.allocator.deallocate(newer);
+  r.alloc(20 * kMiB);
+  return pickled(r.finish());
+}
+
+TEST(Verify, ARecordingThatNamesItsReleaseIsVerifiedUnderItsRules) {
+  for (const auto& [release, other] : {std::pair<std::string, std::string>{"2.11", "2.15"}, {"2.15", "2.11"}}) {
+    const Trace t = equal_sizes_recorded_under(release);
+    EXPECT_EQ(t.settings.pytorch_version, release);
+    const VerifyResult r = verify(t);
+    EXPECT_TRUE(r.agreed) << release << ": " << r.divergence;
+    EXPECT_EQ(r.pytorch_rules, release);
+    // The same events under the other release's rules take the other block.
+    Trace as_other = t;
+    as_other.settings.set_pytorch_version(other);
+    EXPECT_FALSE(verify(as_other).agreed) << release;
+  }
+}
+
+TEST(Verify, ReservoirsOwnPoliciesAreNamedAsWhatItCannotVerify) {
+  for (const std::string policy : {"native_paged", "paging"}) {
+    Recorder r("policy:" + policy);
+    void* a = r.alloc(8 * kMiB);
+    r.alloc(3 * kMiB);
+    r.allocator.deallocate(a);
+    const VerifyResult v = verify(pickled(r.finish()));
+    EXPECT_TRUE(v.cannot_verify) << policy;
+    EXPECT_EQ(v.divergence, "cannot verify: recorded under reservoir's policy:" + policy +
+                                ", whose page maps verify does not model (it checks PyTorch's native "
+                                "and expandable segments); replay, summary and advise read it");
+  }
+}
+
 TEST(Verify, RefusesTracesWithoutAddresses) {
   const Trace t = read_text_trace("reservoir-trace 1\nalloc 1 5\n", "x.trace");
   EXPECT_THROW(verify(t), TraceError);

@@ -36,6 +36,10 @@ struct ExplainOptions {
   // The program runs on a reservoir allocator: settings are named as
   // RESERVOIR_ALLOC_CONF=..., which it reads first (oom_explainer sets it).
   bool on_reservoir = false;
+  // The command the last line names for the folder's whole answer: "reservoir
+  // advise", or what runs it where no `reservoir` is on PATH ("python3 -m
+  // reservoir advise" for a package used from PYTHONPATH).
+  std::string advise_command = "reservoir advise";
   // The HTML page of the advice, written beside the snapshot when given
   // (the command-line tool's and the Python module's views provide it).
   std::function<std::string(const Trace&, const Advice&)> page;
@@ -65,7 +69,8 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advi
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path,
                                           const std::string& page_path,
-                                          const std::string& directory);
+                                          const std::string& directory,
+                                          const std::string& advise_command = "reservoir advise");
 
 // The whole answer: analysis, files, lines. `snapshot_bytes` is the
 // recording as the program took it (PyTorch's pickle), written as it is;
