@@ -12,11 +12,14 @@ Switch with one import::
     torch_memory_saver.pause("kv_cache")
     torch_memory_saver.resume("kv_cache")
 
-On first use, before the first CUDA tensor, it makes reservoir PyTorch's
-allocator (reservoir.install_torch, with RESERVOIR_ALLOC_CONF or
-PYTORCH_CUDA_ALLOC_CONF; call it yourself at start-up to choose the
-config); after it, PyTorch's allocator stays and regions allocate from
-MemPools of reservoir's allocator, as torch_memory_saver's torch mode does.
+On first use, before CUDA is initialized (the first CUDA tensor, or any call
+that initializes it, torch.cuda.mem_get_info() among them), it makes reservoir
+PyTorch's allocator (reservoir.use_as_allocator where this package has the
+running release's library, else reservoir.install_torch; with
+RESERVOIR_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF; call either yourself at
+start-up to choose the config); after it, PyTorch refuses a change of
+allocator: its own stays and regions allocate from MemPools of reservoir's
+allocator, as torch_memory_saver's torch mode does.
 Tags span devices: a region tags what its thread allocates on any device,
 and pause and resume act on every device holding the tag. Differences from torch_memory_saver are listed
 in docs/integrations.md ("torch_memory_saver drop-in").
@@ -372,7 +375,14 @@ class TorchMemorySaver:
                     pools = True
                 else:
                     try:
-                        reservoir.install_torch()
+                        # PyTorch's own allocator interface where this package
+                        # has the running release's library (memory_stats(),
+                        # memory_allocated() and snapshots then answer), the
+                        # pluggable allocator elsewhere.
+                        if reservoir.torch_hooks_path(torch.__version__) is not None:
+                            reservoir.use_as_allocator()
+                        else:
+                            reservoir.install_torch()
                     except RuntimeError as e:
                         raise RuntimeError(
                             "reservoir.memory_saver: could not make reservoir PyTorch's allocator "

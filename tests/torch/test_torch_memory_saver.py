@@ -554,3 +554,36 @@ def test_the_real_packages_torch_mode_refuses_a_pausable_graph_and_the_drop_in_s
     r = run(REAL, "torch", GRAPH_RL_LOOP)
     assert r.returncode != 0
     assert "Only hook_mode=preload supports pauseable CUDA Graph currently" in r.stderr
+
+
+# A region as the process's first CUDA use: reservoir becomes PyTorch's own
+# allocator (the running release has its library), so PyTorch's statistics
+# answer; after a call that initializes CUDA (mem_get_info()), PyTorch
+# refuses a change of allocator, and the regions go through MemPools of
+# reservoir's allocator beside PyTorch's own (docs/integrations.md).
+STATISTICS = """
+import os
+if os.environ.get("INIT_FIRST"):
+    torch.cuda.mem_get_info()
+with tms.region(tag="a"):
+    x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+y = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+allocated = torch.cuda.memory_allocated()
+free0 = torch.cuda.mem_get_info()[0]
+tms.pause("a")
+free1 = torch.cuda.mem_get_info()[0]
+tms.resume("a")
+print(torch.cuda.get_allocator_backend(), allocated >= 66 * MiB, (free1 - free0) // MiB)
+os._exit(0)
+"""
+
+
+def test_pytorchs_statistics_answer_whichever_way_the_drop_in_came_in():
+    ours = run(OURS, "torch", STATISTICS)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert ours.stdout.split() == ["reservoir", "True", "64"]
+    ours = run(OURS, "torch", STATISTICS, {"INIT_FIRST": "1"})
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    # PyTorch's allocator stays; the region's 64 MiB are counted in its statistics
+    # (a MemPool's), and its pause gives them back.
+    assert ours.stdout.split() == ["native", "True", "64"]
