@@ -64,7 +64,9 @@ std::string advice_text(const Trace& trace, const Advice& a) {
     out += d.outside_bytes
                ? fmt::format("  outside this allocator {} (capacity - reserved - device free)\n",
                              format_size(*d.outside_bytes))
-               : "  outside this allocator unknown (--capacity gives the device's total)\n";
+               : "  outside this allocator not recorded: a snapshot records the device's free memory, not\n"
+                 "                        its total, so the capacity below is reserved + free, and memory\n"
+                 "                        held outside this allocator is not in it (--capacity gives the total)\n";
   }
   if (d.limit_below) {
     out += fmt::format("  memory limit          at least {}, below {} (the device had room: "

@@ -1,11 +1,83 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <regex>
+#include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "support.hpp"
 #include "reservoir/errors.hpp"
 #include "reservoir/version.hpp"
+
+namespace {
+
+// The commands, as the user types them.
+std::string command_list(const CLI::App& app) {
+  std::string out;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    out += (out.empty() ? "" : ", ") + sub->get_name();
+  }
+  return out;
+}
+
+// The command the arguments name, or nullptr.
+const CLI::App* named_command(const CLI::App& app, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+      if (sub->get_name() == argv[i]) return sub;
+    }
+  }
+  return nullptr;
+}
+
+// A parse error in reservoir's words: what was wrong, in which command, and
+// where to read how it is called (CLI11's own sentences name its own terms).
+std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
+  const std::string what = e.what();
+  const CLI::App* sub = named_command(app, argc, argv);
+  if (sub == nullptr) {
+    std::string first;
+    for (int i = 1; i < argc && first.empty(); ++i) {
+      if (argv[i][0] != '-') first = argv[i];
+    }
+    if (!first.empty()) {
+      return fmt::format("'{}' is not a command: the commands are {} (`reservoir --help` says what each does)",
+                         first, command_list(app));
+    }
+    if (what == "A subcommand is required") {
+      return fmt::format("no command given: the commands are {} (`reservoir --help` says what each does)",
+                         command_list(app));
+    }
+    return fmt::format("{} (`reservoir --help`)", what);
+  }
+  const std::string name = sub->get_name();
+  const std::string help = fmt::format("`reservoir {} --help` shows how it is called", name);
+  std::smatch m;
+  static const std::regex kRequired("^(\\S+) is required$");
+  static const std::regex kExtras("^The following arguments? (?:was|were) not expected: (.*)$");
+  static const std::regex kMissingFile("^(?:.*: )?File does not exist: (.*)$");
+  if (std::regex_match(what, m, kRequired)) {
+    const CLI::Option* option = sub->get_option_no_throw(m[1].str());
+    const std::string argument = m[1].str();
+    const bool positional = !argument.empty() && argument[0] != '-';
+    return fmt::format("reservoir {}: {} {} is missing{}; {}", name, positional ? "the argument" : "the option",
+                       positional ? "'" + argument + "'" : argument,
+                       option != nullptr && !option->get_description().empty()
+                           ? " (" + option->get_description() + ")"
+                           : std::string(),
+                       help);
+  }
+  if (std::regex_match(what, m, kExtras)) {
+    return fmt::format("reservoir {}: not an argument or option of {}: {}; {}", name, name, m[1].str(), help);
+  }
+  if (std::regex_match(what, m, kMissingFile)) {
+    return fmt::format("reservoir {}: no such file: {}", name, m[1].str());
+  }
+  return fmt::format("reservoir {}: {}; {}", name, what, help);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace reservoir::tools;
@@ -34,7 +106,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own status (1, 3, 4)
     return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
-    app.exit(e);
+    const std::string text = parse_error_text(app, e, argc, argv);
+    fmt::print(stderr, "{}{}\n", text.rfind("reservoir ", 0) == 0 ? "" : "reservoir: ", text);
     return kExitBadInput;
   } catch (const reservoir::Error& e) {
     fmt::print(stderr, "reservoir: {}\n", e.what());

@@ -24,6 +24,12 @@
 namespace reservoir {
 namespace {
 
+// What a file that starts as no trace format is told: the formats reservoir
+// reads (anything not recognised is read as the text format).
+constexpr std::string_view kFormatsRead =
+    "reservoir reads PyTorch memory snapshots (torch.cuda.memory._dump_snapshot's pickle, or "
+    "its JSON), RMM's CSV logs and its own text traces (first line 'reservoir-trace 1')";
+
 // Up to kMaxWords words of a line, before any '#': views into the text, so
 // that reading a line allocates nothing.
 constexpr std::size_t kMaxWords = 6;
@@ -112,7 +118,7 @@ Trace read_text_trace(const std::string& text, const std::string& name) {
     const std::string_view cmd = words.word[0];
     if (!header) {
       if (cmd != "reservoir-trace" || words.count != 2) {
-        fail("expected the header 'reservoir-trace 1'");
+        fail(fmt::format("no trace format reservoir reads: {}", kFormatsRead));
       }
       if (words.word[1] != "1") {
         fail(fmt::format("unsupported version '{}' (supported: 1)", words.word[1]));
@@ -155,7 +161,7 @@ Trace read_text_trace(const std::string& text, const std::string& name) {
   }
   if (!header) {
     line_no = line_no == 0 ? 1 : line_no;
-    fail("empty trace: expected the header 'reservoir-trace 1'");
+    fail(fmt::format("an empty file: {}", kFormatsRead));
   }
   return trace;
 }

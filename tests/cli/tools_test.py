@@ -372,9 +372,27 @@ def status(*args):
 
 
 code, err = status("replay", os.path.join(work, "no_such_file.pickle"))
-check(code == 2 and "File does not exist" in err, f"a missing file: {code} {err}")
+check(code == 2 and err == f"reservoir replay: no such file: {os.path.join(work, 'no_such_file.pickle')}\n",
+      f"a missing file: {code} {err}")
+# CLI11's own sentences never reach the user: each mistake in reservoir's words.
+commands = "replay, verify, export, summary, compare, report, advise, settings, completion"
 code, err = status()
-check(code == 2 and "A subcommand is required" in err, f"no arguments: {code} {err}")
+check(code == 2 and err == f"reservoir: no command given: the commands are {commands} (`reservoir --help` "
+      "says what each does)\n", f"no arguments: {code} {err}")
+code, err = status("frobnicate")
+check(code == 2 and err == f"reservoir: 'frobnicate' is not a command: the commands are {commands} "
+      "(`reservoir --help` says what each does)\n", f"an unknown command: {code} {err}")
+code, err = status("compare", classic)
+check(code == 2 and err == "reservoir compare: the argument 'b' is missing (the second); `reservoir compare "
+      "--help` shows how it is called\n", f"a missing argument: {code} {err}")
+code, err = status("summary", classic, classic, classic)
+check(code == 2 and err.startswith("reservoir summary: not an argument or option of summary: ") and
+      "--help` shows how it is called" in err, f"an extra argument: {code} {err}")
+with open(os.path.join(work, "notes.txt"), "w") as f:
+    f.write("these are my notes\n")
+code, err = status("summary", os.path.join(work, "notes.txt"))
+check(code == 2 and "line 1: no trace format reservoir reads: reservoir reads PyTorch memory snapshots" in err
+      and "its own text traces (first line 'reservoir-trace 1')" in err, f"a text file: {code} {err}")
 code, err = status("replay", transformer, "--no-such-flag")
 check(code == 2 and "--no-such-flag" in err, f"an unknown flag: {code} {err}")
 code, err = status("replay", transformer, "--capacity", "80")

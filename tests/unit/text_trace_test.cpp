@@ -39,9 +39,13 @@ TEST(TextTrace, ReadsAndWritesBack) {
 
 TEST(TextTrace, ErrorsNameTheLine) {
   EXPECT_EQ(text_error(""),
-            "trace t.trace: line 1: empty trace: expected the header 'reservoir-trace 1'");
+            "trace t.trace: line 1: an empty file: reservoir reads PyTorch memory snapshots "
+            "(torch.cuda.memory._dump_snapshot's pickle, or its JSON), RMM's CSV logs and its own "
+            "text traces (first line 'reservoir-trace 1')");
   EXPECT_EQ(text_error("alloc 1 2\n"),
-            "trace t.trace: line 1: expected the header 'reservoir-trace 1'");
+            "trace t.trace: line 1: no trace format reservoir reads: reservoir reads PyTorch memory "
+            "snapshots (torch.cuda.memory._dump_snapshot's pickle, or its JSON), RMM's CSV logs and "
+            "its own text traces (first line 'reservoir-trace 1')");
   EXPECT_EQ(text_error("reservoir-trace 2\n"),
             "trace t.trace: line 1: unsupported version '2' (supported: 1)");
   EXPECT_EQ(text_error("reservoir-trace 1\nalloc 1\n"),
