@@ -46,7 +46,14 @@ std::string when_text(const Trace& trace, std::uint64_t event) {
 }
 
 std::string moment_text(const Trace& trace, const Diagnosis& d) {
-  if (d.moment == "oom") return fmt::format("at the first out-of-memory error ({})", when_text(trace, d.event));
+  if (d.moment == "oom") {
+    // The diagnosis is of the latest error (a program that catches its errors records several).
+    const auto errors = std::count_if(trace.events.begin(), trace.events.end(), [](const TraceEvent& e) {
+      return e.action == TraceAction::oom && e.size > 0;
+    });
+    return errors > 1 ? fmt::format("at the last of {} out-of-memory errors ({})", errors, when_text(trace, d.event))
+                      : fmt::format("at the out-of-memory error ({})", when_text(trace, d.event));
+  }
   if (d.at_recording_start) {
     return "when your recording started (reserved memory never rose above what was reserved then)";
   }

@@ -2,7 +2,7 @@
 dumped as the snapshot PyTorch writes: the oracle reservoir verify is
 checked against (tests/torch/test_oracle.py).
 
-usage: oracle.py OUT_DIR SEED PROGRAMS [--oom | --keep-going] [--fraction F]
+usage: oracle.py OUT_DIR SEED PROGRAMS [--oom | --keep-going] [--fraction F] [--own]
 
 Runs PROGRAMS programs in this process under the settings of
 PYTORCH_CUDA_ALLOC_CONF, each starting from an empty allocator: sizes from a
@@ -14,7 +14,8 @@ that runs out of memory catches the error, frees about half of what it
 holds and goes on, as a server that sheds load does (its snapshot holds
 every oom). --fraction F calls set_per_process_memory_fraction(F) before
 the first allocation (garbage_collection_threshold acts only under one;
-without --fraction such settings get 1.0). Writes OUT_DIR/pNNNN.pickle.
+without --fraction such settings get 1.0). --own runs the programs on
+reservoir as PyTorch's own allocator instead. Writes OUT_DIR/pNNNN.pickle.
 """
 import os
 import pickle
@@ -30,6 +31,15 @@ fraction = float(sys.argv[sys.argv.index("--fraction") + 1]) if "--fraction" in 
 if fraction is None and "garbage_collection_threshold" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
     fraction = 1.0  # garbage collection acts only under a memory fraction
 os.makedirs(out_dir, exist_ok=True)
+if "--own" in sys.argv:
+    # reservoir as PyTorch's own allocator, under RESERVOIR_ALLOC_CONF's
+    # settings (reservoir's policies among them), else PYTORCH_CUDA_ALLOC_CONF's:
+    # the snapshots are its own, for verify to check against reservoir's
+    # rules of the running release.
+    import reservoir
+
+    reservoir.use_as_allocator(os.environ.get("RESERVOIR_ALLOC_CONF") or
+                               os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 torch.cuda.init()
 if fraction is not None:
     # Set before any allocation; a snapshot does not record it.

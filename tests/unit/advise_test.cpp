@@ -162,6 +162,30 @@ TEST(Advise, GivenCapacityCountsMemoryOutsideTheAllocator) {
             "the device held outside this allocator.");
 }
 
+// A program that catches its errors and goes on records each: the diagnosis
+// is of the latest, as a snapshot taken at (or after) it asks.
+TEST(Advise, OfSeveralErrorsTheDiagnosisIsOfTheLatest) {
+  Recorder r("", 300 * kMiB);
+  r.allocator.deallocate(r.alloc(256 * kMiB));  // one segment, split below
+  void* a = r.alloc(28 * kMiB);
+  void* hole1 = r.alloc(100 * kMiB);
+  void* b = r.alloc(28 * kMiB);
+  void* hole2 = r.alloc(100 * kMiB);
+  r.allocator.deallocate(hole1);
+  r.allocator.deallocate(hole2);
+  EXPECT_THROW(r.alloc(160 * kMiB), OutOfMemoryError);
+  void* c = r.alloc(60 * kMiB);
+  EXPECT_THROW(r.alloc(150 * kMiB), OutOfMemoryError);
+  (void)a, (void)b, (void)c;
+  const Trace t = pickled(r.finish());
+  const Diagnosis d = diagnose(t);
+  EXPECT_EQ(d.moment, "oom");
+  ASSERT_TRUE(d.request.has_value());
+  EXPECT_EQ(d.request->size, 150 * kMiB);
+  EXPECT_EQ(d.allocated_bytes, 116 * kMiB);
+  EXPECT_TRUE(d.ends_at_error);
+}
+
 TEST(Advise, WithoutAddressesTheDiagnosisComesFromAReplay) {
   Trace t = classic();
   t.has_addresses = false;  // as a text trace: verify cannot place the state
