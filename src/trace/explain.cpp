@@ -201,8 +201,12 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
                         : fmt::format("{}snapshot: {}; the full answer: {}", p, snapshot_path, page_path));
   }
   if (!directory.empty()) {
-    lines.push_back(fmt::format("{}{}: {} {}", p, rank ? "for the whole job" : "next", advise_command,
-                                directory));
+    // The answer here weighs a few settings, to stay within a second;
+    // advise weighs every one the release knows, and may name another.
+    lines.push_back(fmt::format("{}{}: {} {} (it weighs every setting of your release, not only the {} "
+                                "weighed here)",
+                                p, rank ? "for the whole job" : "next", advise_command, directory,
+                                a.candidates.size()));
   }
   if (lines.size() > 8) lines.resize(8);
   return lines;

@@ -181,7 +181,9 @@ TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
   EXPECT_EQ(back.events.size(), t.events.size());
   EXPECT_EQ(e.lines[e.lines.size() - 2],
             fmt::format("reservoir [rank 5]: snapshot: {}; the full answer: {}", e.snapshot_path, e.page_path));
-  EXPECT_EQ(e.lines.back(), fmt::format("reservoir [rank 5]: for the whole job: reservoir advise {}", dir.string()));
+  EXPECT_EQ(e.lines.back(), fmt::format("reservoir [rank 5]: for the whole job: reservoir advise {} (it weighs "
+                                        "every setting of your release, not only the {} weighed here)",
+                                        dir.string(), e.advice->candidates.size()));
   // A second error in the same second gets files of its own.
   const OomExplanation again = explain_oom(t, {}, options);
   EXPECT_NE(again.snapshot_path, e.snapshot_path);
