@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("reservoir")
+from reservoir.oom import format_size  # noqa: E402 - sizes as PyTorch's messages and reservoir's lines write them
 
 DEVICE = "1GiB"
 # The command the answer names for the folder: one that runs here (the
@@ -65,14 +66,6 @@ FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmen
                       "224.00 MiB free.")
 
 
-def format_size(n):  # reservoir's format_size
-    if n <= 1024:
-        return f"{n} bytes"
-    if n <= 1 << 20:
-        return f"{n / 1024:.2f} KiB"
-    if n <= 1 << 30:
-        return f"{n / (1 << 20):.2f} MiB"
-    return f"{n / (1 << 30):.2f} GiB"
 
 
 def run(body, tmp_path, env=None, code_change=True, setting=None):
