@@ -42,14 +42,16 @@ std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e, int 
       if (argv[i][0] != '-') first = argv[i];
     }
     if (!first.empty()) {
-      return fmt::format("'{}' is not a command: the commands are {} (`reservoir --help` says what each does)",
+      return fmt::format("reservoir: '{}' is not a command: the commands are {} (`reservoir --help` says what "
+                         "each does)",
                          first, command_list(app));
     }
     if (what == "A subcommand is required") {
-      return fmt::format("no command given: the commands are {} (`reservoir --help` says what each does)",
+      return fmt::format("reservoir: no command given: the commands are {} (`reservoir --help` says what each "
+                         "does)",
                          command_list(app));
     }
-    return fmt::format("{} (`reservoir --help`)", what);
+    return fmt::format("reservoir: {} (`reservoir --help`)", what);
   }
   const std::string name = sub->get_name();
   const std::string help = fmt::format("`reservoir {} --help` shows how it is called", name);
@@ -106,8 +108,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::RuntimeError& e) {  // a subcommand's own status (1, 3, 4)
     return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
-    const std::string text = parse_error_text(app, e, argc, argv);
-    fmt::print(stderr, "{}{}\n", text.rfind("reservoir ", 0) == 0 ? "" : "reservoir: ", text);
+    fmt::print(stderr, "{}\n", parse_error_text(app, e, argc, argv));
     return kExitBadInput;
   } catch (const reservoir::Error& e) {
     fmt::print(stderr, "reservoir: {}\n", e.what());
