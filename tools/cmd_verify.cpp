@@ -40,9 +40,9 @@ int report(const Trace& trace, const VerifyResult& r, const VerifyOptions& optio
             r.initial_reservations >
         0) {
       print_wrapped(fmt::format(
-          "  expandable segments: {} new reservations, {} segment_map and {} segment_unmap checked "
+          "  {}: {} new reservations, {} segment_map and {} segment_unmap checked "
           "({} reserved at the start)\n",
-          r.reservations_checked, r.segment_maps_checked, r.segment_unmaps_checked,
+          r.pages_of.empty() ? "expandable segments" : r.pages_of, r.reservations_checked, r.segment_maps_checked, r.segment_unmaps_checked,
           r.initial_reservations));
     }
     if (r.empty_cache_calls + r.allocator_releases + r.garbage_collections + r.undecided_releases >
@@ -55,6 +55,12 @@ int report(const Trace& trace, const VerifyResult& r, const VerifyOptions& optio
     }
     if (r.zero_size_skipped > 0) {
       print_wrapped(fmt::format("  {} zero-byte events skipped (no allocator work)\n", r.zero_size_skipped));
+    }
+    if (r.device_memory_inferred) {
+      print_wrapped(fmt::format(
+          "  the device's memory taken as {} ({} bytes): the pages mapped and the free memory "
+          "recorded at an out-of-memory error (--device-memory sets it)\n",
+          format_size(*r.device_memory), *r.device_memory));
     }
     if (!r.pytorch_rules.empty() && compare_versions(r.pytorch_rules, "2.12") >= 0) {
       const bool inferred = trace.pytorch_since.empty() ||
@@ -107,11 +113,11 @@ void run(const VerifyArgs& args) {
   options.memory_fraction = args.fraction;
   if (!args.device_memory.empty()) options.device_memory = parse_size(args.device_memory);
   if (args.settings) options.settings = AllocatorConfig::parse(*args.settings);
-  if (options.memory_fraction.has_value() != options.device_memory.has_value()) {
+  if (options.memory_fraction && !options.device_memory) {
     throw CLI::ValidationError(
-        options.memory_fraction ? "--memory-fraction" : "--device-memory",
-        "give --memory-fraction and --device-memory together: PyTorch's limit is the fraction "
-        "of the device's total memory (torch.cuda.mem_get_info()[1])");
+        "--memory-fraction",
+        "give --device-memory with it: PyTorch's limit is the fraction of the device's total "
+        "memory (torch.cuda.mem_get_info()[1])");
   }
   int worst = kExitOk;
   for (const std::string& path : args.traces) {
@@ -155,7 +161,8 @@ void add_verify(CLI::App& app) {
       ->check(fraction(false));
   add_size_option(*cmd, "--device-memory", args->device_memory,
                   "the device's total memory as CUDA reports it (torch.cuda.mem_get_info()[1]), "
-                  "e.g. 80GiB, or 85899345920B in bytes");
+                  "e.g. 80GiB, or 85899345920B in bytes: the replay's device has that much "
+                  "(reservoir's page policies map by what is free)");
   cmd->add_option("--settings", args->settings,
                   "the PYTORCH_CUDA_ALLOC_CONF the program ran under, for a snapshot that does not "
                   "record it (PyTorch before 2.3; later snapshots record theirs)");

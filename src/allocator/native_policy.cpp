@@ -216,7 +216,8 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
     }
   }
   count_allocation(block, requested);
-  block->context = trace(TraceAction::alloc, block->ptr, requested, block->stream);
+  // (On the caller's stream: a replay of the history asks as it did.)
+  block->context = trace(TraceAction::alloc, block->ptr, requested, p.caller_stream.value_or(block->stream));
   return block;
 }
 

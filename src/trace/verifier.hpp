@@ -69,6 +69,12 @@ class Verifier {
   // recorded one, so such a recording cannot be checked: says why, or
   // nothing when the two agree.
   std::string history_cut() const;
+  // Why a page policy's recording cannot be replayed from an empty
+  // allocator (it started with memory held), or "".
+  std::string paged_late_start() const;
+  // Takes the device's memory from the recorded out-of-memory errors (see
+  // VerifyResult::device_memory); false when it records none.
+  bool infer_device_memory(std::uint64_t mapped_at_start);
 
   bool private_segment_of(DevicePtr addr) const;
 
@@ -112,6 +118,7 @@ class Verifier {
 
   // Checks that a step made exactly the recorded device requests.
   bool settle(std::size_t index);
+  void undecided_failed();
 
   // ---- runs of releases ------------------------------------------------------
 
@@ -169,13 +176,17 @@ class Verifier {
   VerifyResult result_;
   Expectations expect_;
   bool restoring_ = false;
-  bool vm_ = false;  // recorded with expandable segments
+  bool vm_ = false;  // recorded with pages mapped (expandable segments, a page policy)
+  bool paged_ = false;  // ... under reservoir's page policies (native_paged, paging)
+  std::size_t current_ = 0;  // the event being replayed
+  DevicePtr unused_space_ = 0x7ff000000000;  // address space for requests that fail
   std::unordered_map<DevicePtr, StreamId> held_;
   std::unordered_set<DevicePtr> zero_size_;
   std::uint64_t next_hold_ = 0;
   std::vector<ReleaseRun> runs_;
   std::unordered_map<std::size_t, std::size_t> run_ending_at_;  // last event -> run
   const ReleaseRun* pending_run_ = nullptr;  // releases the next request is to make
+  bool pending_undecided_ = false;  // ... an undecided run taken for the allocator's
   ReleaseCause pending_cause_ = ReleaseCause::undecided;
   bool pending_gc_ = false;
   std::size_t private_stop_ = static_cast<std::size_t>(-1);

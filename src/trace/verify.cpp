@@ -31,6 +31,38 @@ std::string settings_text(const AllocatorConfig& c) {
 using detail::starting_state;
 using detail::StartingState;
 
+bool Verifier::infer_device_memory(std::uint64_t mapped_at_start) {
+  // PyTorch records the device's free memory with each oom (in its address
+  // field); the pages mapped then are the recording's maps less its unmaps.
+  std::int64_t mapped = static_cast<std::int64_t>(mapped_at_start);
+  std::optional<std::uint64_t> most;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < trace_.events.size(); ++i) {
+    const TraceEvent& e = trace_.events[i];
+    if (e.action == TraceAction::segment_map) mapped += static_cast<std::int64_t>(e.size);
+    if (e.action == TraceAction::segment_unmap) mapped -= static_cast<std::int64_t>(e.size);
+    if (e.action != TraceAction::oom || mapped < 0) continue;
+    const std::uint64_t total = static_cast<std::uint64_t>(mapped) + e.addr;
+    if (!most || total > *most) {
+      most = total;
+      at = i;
+    }
+  }
+  if (!most) return false;
+  result_.device_memory = most;
+  result_.device_memory_inferred = true;
+  if (assumption_.empty()) {
+    assumption_ = fmt::format(
+        "the snapshot does not record the device's memory, which decides how far a map gets "
+        "before the device refuses it: verify took {} ({} bytes), the pages mapped and the "
+        "free memory recorded at the out-of-memory error of event {} together (memory used "
+        "outside the allocator makes it less: give the device's total memory, "
+        "--device-memory, to check it exactly)",
+        format_size(*most), *most, at);
+  }
+  return true;
+}
+
 VerifyResult Verifier::run() {
   if (!trace_.has_addresses) {
     throw TraceError(
@@ -91,26 +123,39 @@ VerifyResult Verifier::run() {
                                                 trace_.events.size())));
     return result_;
   }
-  if (config_.policy == Policy::paging || config_.policy == Policy::native_paged) {
-    // reservoir's own policies map pages as blocks use them: their segment
-    // maps follow rules of reservoir's, which verify does not replay yet.
-    cannot_verify(0, fmt::format("cannot verify: recorded under reservoir's policy:{}, whose page maps "
-                                 "verify does not model (it checks PyTorch's native and expandable "
-                                 "segments); replay, summary and advise read it",
-                                 to_string(config_.policy)));
-    return result_;
+  // reservoir's own page policies replay as they were recorded: their
+  // segments' address space is served from where the recording's blocks
+  // lie, their page maps and unmaps are compared with the recording's, and
+  // the device's free memory (which decides how much a map covers) is that
+  // of a device of --device-memory, used by this process alone.
+  paged_ = config_.policy == Policy::paging || config_.policy == Policy::native_paged;
+  if (paged_) {
+    result_.pages_of = fmt::format("policy:{}'s pages", to_string(config_.policy));
+    if (const std::string late = paged_late_start(); !late.empty()) {
+      cannot_verify(0, late);
+      return result_;
+    }
+    if (!options_.device_memory && !infer_device_memory(0)) {
+      assumption_ = fmt::format(
+          "recorded under reservoir's policy:{}, whose page maps depend on the device's free "
+          "memory, which a snapshot does not record: verify assumed a device without limit "
+          "(give the device's total memory, --device-memory, to check it exactly)",
+          to_string(config_.policy));
+    }
   }
   if (const std::string cut = history_cut(); !cut.empty()) {
     cannot_verify(trace_.events.size(), cut);
     return result_;
   }
-  vm_ = config_.expandable_segments;
+  vm_ = config_.expandable_segments || paged_;
   runs_ = detail::release_runs(trace_);
   for (std::size_t k = 0; k < runs_.size(); ++k) run_ending_at_[runs_[k].last] = k;
   find_private_pools();
 
   StartingState start;
-  if (vm_) {
+  if (paged_) {
+    // (paged_late_start: nothing was held when the recording started.)
+  } else if (vm_) {
     try {
       start = detail::expandable_starting_state(trace_, config_);
     } catch (const TraceError& e) {
@@ -126,6 +171,22 @@ VerifyResult Verifier::run() {
   } else {
     start = starting_state(trace_, config_, first_alloc_made_its_segment_);
   }
+  if (vm_ && !paged_ && !options_.device_memory) {
+    std::uint64_t mapped = 0;
+    for (const SegmentInfo& seg : start.layout.segments) mapped += seg.total_size;
+    infer_device_memory(mapped);
+  }
+  const bool device_ran_full = std::any_of(runs_.begin(), runs_.end(), [](const ReleaseRun& r) {
+    return r.cause != ReleaseCause::empty_cache;
+  });
+  if (vm_ && !paged_ && !options_.device_memory && !result_.device_memory && device_ran_full &&
+      assumption_.empty()) {
+    assumption_ =
+        "the device ran short (the allocator unmapped cached pages to serve a request), and how "
+        "many pages a map gets before the device refuses it depends on the device's memory, "
+        "which the snapshot does not record: verify assumed a device without limit (give the "
+        "device's total memory, --device-memory, to check it exactly)";
+  }
   if (start.made_by_first_alloc.second != 0) {
     expect_.segment_allocs.push_back(start.made_by_first_alloc);
   }
@@ -140,7 +201,8 @@ VerifyResult Verifier::run() {
   }
 
   SimDeviceOptions options;
-  options.capacity = options_.device_memory.value_or(kUnboundedCapacity);
+  if (options_.device_memory) result_.device_memory = options_.device_memory;
+  options.capacity = result_.device_memory.value_or(kUnboundedCapacity);
   SimDevice device(options);
   device.set_address_source(
       [this](std::size_t bytes, DevicePtr* addr) { return serve(bytes, addr); });
@@ -189,6 +251,7 @@ VerifyResult Verifier::run() {
       cannot_verify(i, private_reason_);
       break;
     }
+    current_ = i;
     step(allocator, device, i);
     if (!result_.divergence.empty()) break;
     if (auto it = run_ending_at_.find(i); it != run_ending_at_.end()) {
@@ -250,10 +313,10 @@ VerifyResult verify_as(const Trace& trace, const VerifyOptions& options, const V
 }  // namespace
 
 VerifyResult verify(const Trace& trace, const VerifyOptions& options, const VerifyWatch& watch) {
-  if (options.memory_fraction.has_value() != options.device_memory.has_value()) {
+  if (options.memory_fraction && !options.device_memory) {
     throw UsageError(
-        "verify: a memory fraction needs the device's total memory, and the other way round "
-        "(the limit is the fraction of the total: give both)");
+        "verify: a memory fraction needs the device's total memory (the limit is the fraction "
+        "of the total: give both)");
   }
   if (options.memory_fraction &&
       !(*options.memory_fraction > 0.0 && *options.memory_fraction <= 1.0)) {

@@ -81,6 +81,28 @@ Status Verifier::serve_reservation(std::size_t bytes, DevicePtr* va) {
     expect_.restore_reservations.pop_front();
     return Status::ok;
   }
+  if (paged_ && config_.policy == Policy::native_paged) {
+    // native_paged reserves address space for its segments (one range they
+    // are carved from, a range each when that is used up): a new segment
+    // starts where the block the request is served lies.
+    const TraceEvent& e = trace_.events[current_];
+    if (e.action != TraceAction::alloc) {
+      // A request the recording failed: the space goes back unused, so it
+      // lies anywhere (above what a process's device memory uses).
+      *va = unused_space_;
+      unused_space_ += (bytes + kLargeBuffer - 1) / kLargeBuffer * kLargeBuffer;
+      return Status::ok;
+    }
+    *va = e.addr;
+    ++result_.reservations_checked;
+    return Status::ok;
+  }
+  if (expect_.maps.empty() && expect_.oom_expected) {
+    // The request fails, mapping nothing: the space lies anywhere.
+    *va = unused_space_;
+    unused_space_ += (bytes + kLargeBuffer - 1) / kLargeBuffer * kLargeBuffer;
+    return Status::ok;
+  }
   if (expect_.maps.empty()) {
     note(
         fmt::format("reservoir reserved address space for a new expandable segment ({} "
@@ -96,6 +118,12 @@ Status Verifier::serve_reservation(std::size_t bytes, DevicePtr* va) {
 
 Status Verifier::serve_physical(std::size_t bytes) {
   if (restoring_) return Status::ok;
+  // reservoir's page policies, on a device of known size: the device
+  // refuses what does not fit, as it did while recording. (Refusing until
+  // the recorded releases are made, as for PyTorch's ladder, would take
+  // native_paged past its rescue, which gives pages back handle by handle
+  // and retries, into freeing the segments the rescue keeps.)
+  if (paged_ && result_.device_memory) return Status::ok;
   if (expect_.frees_made < expect_.segment_frees.size()) return Status::out_of_memory;
   if (!expect_.maps.empty()) return Status::ok;
   if (expect_.oom_expected) return Status::out_of_memory;
@@ -142,9 +170,18 @@ void Verifier::cannot_verify(std::size_t index, const std::string& why) {
   result_.divergence = why;
 }
 
+// An undecided run of a page policy's taken for the allocator's, and the
+// request after it disagrees: verify runs again with it as empty_cache().
+void Verifier::undecided_failed() {
+  if (pending_run_ != nullptr && pending_undecided_ && paged_) {
+    undecided_diverged_ = static_cast<std::size_t>(pending_run_ - runs_.data());
+  }
+}
+
 bool Verifier::settle(std::size_t index) {
   if (!expect_.problem.empty()) {
     diverge(index, expect_.problem);
+    undecided_failed();
     return false;
   }
   if (expect_.frees_made < expect_.segment_frees.size()) {
@@ -157,6 +194,7 @@ bool Verifier::settle(std::size_t index) {
           fmt::format(" (taken for {}: {})", cause_text(pending_cause_), pending_run_->evidence);
     }
     diverge(index, what);
+    undecided_failed();
     return false;
   }
   if (!expect_.segment_allocs.empty()) {
@@ -164,6 +202,7 @@ bool Verifier::settle(std::size_t index) {
     diverge(index, fmt::format("the recording allocates a segment of {} bytes at {:#x} here; "
                                "reservoir served the request from its cache",
                                a.second, a.first));
+    undecided_failed();
     return false;
   }
   if (!expect_.maps.empty()) {
@@ -171,12 +210,14 @@ bool Verifier::settle(std::size_t index) {
     diverge(index, fmt::format("the recording maps {} bytes at {:#x} here; reservoir served "
                                "the request from memory already mapped",
                                m.second, m.first));
+    undecided_failed();
     return false;
   }
   if (pending_run_ != nullptr && pending_cause_ == ReleaseCause::allocator) {
     ++(pending_gc_ ? result_.garbage_collections : result_.allocator_releases);
   }
   pending_run_ = nullptr;
+  pending_undecided_ = false;
   pending_gc_ = false;
   step_assumption_.clear();
   expect_.segment_frees.clear();
@@ -230,12 +271,21 @@ void Verifier::resolve(CachingAllocator& allocator, const ReleaseRun& run, std::
     // either way: apply it here. Otherwise they are the ladder's. (The
     // ladder frees oversize blocks first: when the order then differs,
     // verify runs again with this run left to the ladder.)
-    cause = !ladder_runs_.contains(run_index) && matches_empty_cache(allocator)
-                ? ReleaseCause::empty_cache
-                : ReleaseCause::allocator;
+    //
+    // Under reservoir's page policies the same unmaps come from empty_cache()
+    // and from the allocator's own release (native_paged's rescue gives back
+    // a free segment's pages and keeps the segment; empty_cache() frees it),
+    // and only what follows tells them apart: the allocator's is taken
+    // first, and where that diverges verify runs again with the run applied
+    // as empty_cache() (ladder_runs_ then names the runs so applied).
+    const bool flipped = ladder_runs_.contains(run_index);
+    const bool as_empty_cache = paged_ ? flipped : !flipped && matches_empty_cache(allocator);
+    cause = as_empty_cache ? ReleaseCause::empty_cache : ReleaseCause::allocator;
+    pending_undecided_ = !as_empty_cache;
   }
   pending_run_ = &run;
   pending_cause_ = cause;
+  if (!undecided) pending_undecided_ = false;
   if (cause == ReleaseCause::empty_cache) {
     try {
       allocator.empty_cache();

@@ -6,6 +6,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "reservoir/errors.hpp"
@@ -13,6 +14,62 @@
 #include "verifier.hpp"
 
 namespace reservoir::detail {
+
+std::string Verifier::paged_late_start() const {
+  std::unordered_set<DevicePtr> allocated;
+  std::map<DevicePtr, std::uint64_t> mapped;  // ranges mapped by the recording
+  const auto late = [&](std::size_t i, const std::string& what) {
+    return fmt::format(
+        "cannot verify: recorded under reservoir's policy:{}, which verify replays from an "
+        "empty allocator, but the recording starts with memory held (event {}: {}): start "
+        "recording before the first allocation",
+        to_string(config_.policy), i, what);
+  };
+  for (std::size_t i = 0; i < trace_.events.size(); ++i) {
+    const TraceEvent& e = trace_.events[i];
+    if (e.size == 0) continue;
+    switch (e.action) {
+      case TraceAction::alloc: allocated.insert(e.addr); break;
+      case TraceAction::free_requested:
+        if (allocated.count(e.addr) == 0) {
+          return late(i, fmt::format("a free of {:#x}, which it never allocated", e.addr));
+        }
+        break;
+      case TraceAction::free_completed: allocated.erase(e.addr); break;
+      case TraceAction::segment_map: {
+        // Kept merged: one unmap may span pages mapped by several maps.
+        DevicePtr lo = e.addr;
+        DevicePtr hi = e.addr + e.size;
+        auto it = mapped.upper_bound(lo);
+        if (it != mapped.begin() && std::prev(it)->first + std::prev(it)->second >= lo) --it;
+        while (it != mapped.end() && it->first <= hi) {
+          lo = std::min(lo, it->first);
+          hi = std::max(hi, it->first + it->second);
+          it = mapped.erase(it);
+        }
+        mapped[lo] = hi - lo;
+        break;
+      }
+      case TraceAction::segment_unmap: {
+        // Pages unmapped lie in pages mapped before.
+        auto it = mapped.upper_bound(e.addr);
+        if (it == mapped.begin() || std::prev(it)->first + std::prev(it)->second < e.addr + e.size) {
+          return late(i, fmt::format("pages unmapped at {:#x} ({} bytes), which it never mapped",
+                                     e.addr, e.size));
+        }
+        --it;
+        const DevicePtr lo = it->first;
+        const DevicePtr hi = it->first + it->second;
+        mapped.erase(it);
+        if (lo < e.addr) mapped[lo] = e.addr - lo;
+        if (e.addr + e.size < hi) mapped[e.addr + e.size] = hi - (e.addr + e.size);
+        break;
+      }
+      default: break;
+    }
+  }
+  return {};
+}
 
 std::string Verifier::history_cut() const {
   std::unordered_map<DevicePtr, std::size_t> last;  // address -> its last alloc/free event

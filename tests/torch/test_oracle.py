@@ -147,39 +147,59 @@ def test_without_the_fraction_garbage_collection_is_named_as_what_was_assumed(tm
     assert "--memory-fraction and --device-memory" in " ".join(v.stdout.split())  # lines wrap at 100
     bad = subprocess.run([RESERVOIR, "verify", "--memory-fraction", "0.5", files[0]],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "give --memory-fraction and --device-memory together" in bad.stderr
+    assert bad.returncode != 0 and "--memory-fraction: give --device-memory with it" in bad.stderr
 
 
 # The snapshots reservoir writes as PyTorch's own allocator verify against the
 # running release's rules, as PyTorch's own do: random programs, programs
 # that run out of memory and programs that catch their errors and go on,
-# under each setting verify models. reservoir's page policies are named as
-# what verify does not check.
+# under PyTorch's settings and reservoir's page policies, each told the
+# device's memory (how far a map gets before the device refuses it decides
+# what follows; reservoir's page policies map by what is free).
 OWN = os.environ.get("RESERVOIR_EXPECT_OWN_ALLOCATOR") == "1"
+SIMULATED_DEVICE = "81079MiB"  # the simulated device's memory when not set
 
 
 @pytest.mark.skipif(not OWN, reason="no own-allocator library for this release (before 2.6)")
 @pytest.mark.parametrize("settings", ["", "max_split_size_mb:64", "roundup_power2_divisions:4",
-                                      "expandable_segments:True"])
+                                      "expandable_segments:True", "policy:native_paged",
+                                      "policy:paging"])
 def test_the_own_allocators_snapshots_verify(settings, tmp_path):
     seed = 50 + len(settings)
-    files = oracle(tmp_path / "plain", seed, 30, settings, "--own")
-    files += oracle(tmp_path / "oom", seed, 10, settings, "--own", "--oom", env=SMALL_DEVICE)
-    programs = 40
-    if settings != "expandable_segments:True":
-        # (verify does not yet follow expandable segments through errors a
-        # program goes on after: PyTorch's own recordings of those diverge too)
-        files += oracle(tmp_path / "going", seed, 10, settings, "--own", "--keep-going", env=SMALL_DEVICE)
-        programs += 10
-    out = verify(files, settings=settings)
-    assert out.count("agrees with the recording") == programs
+    # reservoir's own keys are read from RESERVOIR_ALLOC_CONF (PyTorch's
+    # variable refuses them).
+    ours = settings.startswith("policy:")
+    conf = {"RESERVOIR_ALLOC_CONF": settings} if ours else {}
+    torch_settings = "" if ours else settings
+    plain = oracle(tmp_path / "plain", seed, 30, torch_settings, "--own", env=conf)
+    out = verify(plain, "--device-memory", SIMULATED_DEVICE, settings=torch_settings)
+    small = oracle(tmp_path / "oom", seed, 10, torch_settings, "--own", "--oom", env={**SMALL_DEVICE, **conf})
+    small += oracle(tmp_path / "going", seed, 10, torch_settings, "--own", "--keep-going",
+                    env={**SMALL_DEVICE, **conf})
+    out += verify(small, "--device-memory", SMALL_DEVICE["RESERVOIR_SIMCUDA_MEMORY"], settings=torch_settings)
+    assert out.count("agrees with the recording") == 50
+    if "expandable" in settings or ours:
+        assert counted(out, "segment_map and") > 50  # page maps checked
+    if ours:
+        assert out.count(f"{settings}'s pages: ") > 0
 
 
 @pytest.mark.skipif(not OWN, reason="no own-allocator library for this release (before 2.6)")
-@pytest.mark.parametrize("policy", ["policy:native_paged", "policy:paging"])
-def test_the_own_allocators_page_policies_are_named_as_not_verified(policy, tmp_path):
-    files = oracle(tmp_path, 7, 3, "", "--own", env={"RESERVOIR_ALLOC_CONF": policy})
-    v = subprocess.run([RESERVOIR, "verify", *files], capture_output=True, text=True, timeout=600)
-    assert v.returncode == 3, v.stdout
-    assert " ".join(v.stdout.split()).count(
-        f"cannot verify: recorded under reservoir's {policy}, whose page maps verify does not model") == 3
+def test_a_page_policys_recording_takes_the_devices_memory_from_its_errors(tmp_path):
+    # Without --device-memory: a recording that ran out of memory says how
+    # much the device had (the pages mapped and the free memory at the error).
+    files = oracle(tmp_path, 5, 4, "", "--own", "--oom",
+                   env={**SMALL_DEVICE, "RESERVOIR_ALLOC_CONF": "policy:native_paged"})
+    out = verify(files)
+    assert out.count("agrees with the recording") == 4
+    assert " ".join(out.split()).count("the device's memory taken as 8.00 GiB (8589934592 bytes)") == 4
+
+
+@pytest.mark.skipif(RELEASE < (2, 1), reason="expandable segments came with PyTorch 2.1")
+def test_pytorchs_expandable_segments_through_errors_a_program_goes_on_after(tmp_path):
+    # PyTorch maps an expandable segment's pages one by one and stops where
+    # the device refuses: told the device's memory, verify follows it.
+    settings = "expandable_segments:True"
+    files = oracle(tmp_path, 74, 10, settings, "--keep-going", env=SMALL_DEVICE)
+    out = verify(files, "--device-memory", SMALL_DEVICE["RESERVOIR_SIMCUDA_MEMORY"], settings=settings)
+    assert out.count("agrees with the recording") == 10

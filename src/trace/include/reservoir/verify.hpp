@@ -24,6 +24,9 @@ struct VerifyResult {
   std::uint64_t allocs_checked = 0;
   std::uint64_t segment_allocs_checked = 0;
   std::uint64_t segment_frees_checked = 0;
+  // What mapped the pages below: "" for PyTorch's expandable segments, else
+  // reservoir's page policy ("policy:native_paged's segments", ...).
+  std::string pages_of;
   std::uint64_t segment_maps_checked = 0;    // expandable segments: pages mapped
   std::uint64_t segment_unmaps_checked = 0;  // ... and unmapped
   std::uint64_t reservations_checked = 0;    // ... and new address-space reservations
@@ -44,6 +47,14 @@ struct VerifyResult {
   std::uint64_t initial_live_blocks = 0;
   std::uint64_t unsplit_tails = 0;  // live-at-start blocks found to carry an unsplit tail
   bool final_state_checked = false;
+  // The device's total memory the replay took: given (VerifyOptions::
+  // device_memory), or, for a recording with pages mapped (expandable
+  // segments, reservoir's page policies) that ran out of memory, inferred as
+  // the most the process's mapped memory and the device's free memory at an
+  // oom add up to (how far a map gets before the device refuses it decides
+  // what follows); none otherwise (a device without limit).
+  std::optional<std::uint64_t> device_memory;
+  bool device_memory_inferred = false;
   std::uint64_t divergence_event = 0;  // index into the recorded events
   std::string divergence;              // what differed, and the state that explains it
   // The PyTorch release whose rules were verified (AllocatorConfig::
@@ -75,7 +86,9 @@ struct VerifyOptions {
   // began, and the device's total memory (torch.cuda.mem_get_info()[1]):
   // with both, the allocator's own limit (F x total) is applied, and
   // garbage_collection_threshold collects exactly as PyTorch does, instead
-  // of taking a recorded run of releases for its work. Both or neither.
+  // of taking a recorded run of releases for its work. A fraction needs the
+  // total. The total alone replays on a device of that size, used by the
+  // process alone: reservoir's page policies map by its free memory.
   std::optional<double> memory_fraction;
   std::optional<std::uint64_t> device_memory;
   // The allocator settings (PYTORCH_CUDA_ALLOC_CONF) the program ran under,
