@@ -70,6 +70,23 @@ CachingAllocator::Impl::~Impl() {
 // ---------------------------------------------------------------------------
 // Control
 
+std::size_t CachingAllocator::Impl::release_unmapped_segments() {
+  detail::LockGuard lock(mutex_);
+  std::size_t released = 0;
+  for (BlockPool* pool : {&large_, &small_}) {
+    std::vector<Block*> bare;  // released after the walk: it edits the pool
+    for (Block* b : pool->blocks) {
+      if (b->segment->paged && b->segment->paged->mapped_pages == 0 && !b->is_split()) {
+        bare.push_back(b);
+      }
+    }
+    for (Block* b : bare) release_paged_segment(b, /*in_pool=*/true);
+    released += bare.size();
+  }
+  if (released != 0) release_idle_address_arena();
+  return released;
+}
+
 void CachingAllocator::Impl::empty_cache() {
   detail::LockGuard lock(mutex_);
   if (!routes_.empty() && config_.empty_cache_spares_default_pools_while_routed()) {

@@ -43,6 +43,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   inline bool deallocate_held(void* ptr);
   void record_stream(void* ptr, StreamId stream);
   void empty_cache();
+  std::size_t release_unmapped_segments();
   void process_completed_frees();
   void collect_garbage(std::size_t bytes);
   void set_memory_fraction(double fraction);

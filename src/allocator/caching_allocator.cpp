@@ -26,6 +26,9 @@ void CachingAllocator::process_completed_frees() {
 void CachingAllocator::empty_cache() {
   impl_->checked(&Impl::empty_cache);
 }
+std::size_t CachingAllocator::release_unmapped_segments() {
+  return impl_->checked(&Impl::release_unmapped_segments);
+}
 
 void CachingAllocator::collect_garbage(std::size_t bytes) {
   impl_->checked(&Impl::collect_garbage, bytes);

@@ -43,18 +43,32 @@ class Verifier {
  public:
   Verifier(const Trace& trace, const VerifyOptions& options, bool first_alloc_made_its_segment,
            const VerifyWatch* watch, std::string pytorch_rules,
-           const std::set<std::size_t>& ladder_runs)
+           const std::set<std::size_t>& ladder_runs, const std::set<std::size_t>& bare_releases)
       : trace_(trace),
         options_(options),
         first_alloc_made_its_segment_(first_alloc_made_its_segment),
         watch_(watch),
         pytorch_rules_(std::move(pytorch_rules)),
-        ladder_runs_(ladder_runs) {}
+        ladder_runs_(ladder_runs),
+        bare_releases_(bare_releases) {}
+
+  // native_paged: where the replay diverged (an alloc's index, or the
+  // number of events for the final state), for a reading that gives back
+  // the address space of segments with no memory mapped just before it
+  // (the program's empty_cache() there released only such segments, which
+  // a recording does not show).
+  std::optional<std::size_t> bare_release_point() const { return bare_release_point_; }
 
   // The undecided run (index into the release runs) that was applied as
   // empty_cache() and did not agree, if the verification stopped there.
   std::optional<std::size_t> undecided_run_that_diverged() const {
     return undecided_diverged_;
+  }
+  // Under reservoir's page policies: the undecided runs taken for the
+  // allocator's own release, in the order replayed (a run taken wrongly
+  // can agree event for event and diverge only later).
+  const std::vector<std::size_t>& undecided_taken_for_the_allocator() const {
+    return taken_for_allocator_;
   }
 
   VerifyResult run();
@@ -171,7 +185,10 @@ class Verifier {
   const VerifyWatch* watch_;
   std::string pytorch_rules_;  // pytorch_version when the settings name none
   const std::set<std::size_t>& ladder_runs_;  // undecided runs to leave to the ladder
+  const std::set<std::size_t>& bare_releases_;  // events to release bare segments before
+  std::optional<std::size_t> bare_release_point_;
   std::optional<std::size_t> undecided_diverged_;
+  std::vector<std::size_t> taken_for_allocator_;
   AllocatorConfig config_;
   VerifyResult result_;
   Expectations expect_;

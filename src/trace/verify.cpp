@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -260,7 +261,13 @@ VerifyResult Verifier::run() {
     if (watch_ != nullptr && result_.divergence.empty()) (*watch_)(i, allocator);
   }
   if (result_.divergence.empty()) {
+    if (bare_releases_.contains(trace_.events.size())) (void)allocator.release_unmapped_segments();
     compare_final_state(allocator.snapshot());
+  }
+  if (!result_.divergence.empty() && paged_ && config_.policy == Policy::native_paged &&
+      (result_.divergence_event >= trace_.events.size() ||
+       trace_.events[result_.divergence_event].action == TraceAction::alloc)) {
+    bare_release_point_ = result_.divergence_event;
   }
   result_.agreed = result_.divergence.empty();
   return result_;
@@ -284,16 +291,54 @@ namespace {
 // order of releases disagrees are left to the ladder on a run from the
 // start again (the same segments, freed oversize first), as many times as
 // there are such runs.
+// Readings with bare segments released (Verifier::bare_release_point), at most.
+constexpr std::size_t kBareReadings = 16;
+
+VerifyResult verify_runs(const Trace& trace, const VerifyOptions& options, bool first_alloc,
+                         const VerifyWatch* w, const std::string& rules,
+                         std::set<std::size_t> ladder_runs, std::vector<std::size_t>* allocator_runs) {
+  // (A watch then sees the events again from the start.)
+  std::set<std::size_t> bare_releases;
+  std::optional<VerifyResult> first;
+  for (;;) {
+    Verifier verifier(trace, options, first_alloc, w, rules, ladder_runs, bare_releases);
+    VerifyResult r = verifier.run();
+    if (allocator_runs != nullptr) *allocator_runs = verifier.undecided_taken_for_the_allocator();
+    if (r.agreed) return r;
+    const std::optional<std::size_t> undecided = verifier.undecided_run_that_diverged();
+    if (undecided && ladder_runs.insert(*undecided).second) continue;
+    // native_paged: a reading with the bare segments released before the
+    // divergence, as long as each gets further (a few at most).
+    if (!first) first = r;
+    const std::optional<std::size_t> bare = verifier.bare_release_point();
+    if (!bare || bare_releases.size() >= kBareReadings || !bare_releases.insert(*bare).second) {
+      return *first;
+    }
+  }
+}
+
+// Under reservoir's page policies a run of unmaps taken for the allocator's
+// own release may agree event for event and leave another state (paging
+// moved a free handle where the program's empty_cache() had released it
+// and a new one was made): where the replay diverges later, the latest such
+// runs before it are read as empty_cache() in turn (a few, each a replay
+// from the start); the first reading that agrees holds, else the first
+// divergence is reported.
+constexpr std::size_t kLaterReadings = 64;
+
 VerifyResult verify_from(const Trace& trace, const VerifyOptions& options, bool first_alloc,
                          const VerifyWatch* w, const std::string& rules) {
-  // (A watch then sees the events again from the start.)
-  std::set<std::size_t> ladder_runs;
-  for (;;) {
-    Verifier verifier(trace, options, first_alloc, w, rules, ladder_runs);
-    VerifyResult r = verifier.run();
-    const std::optional<std::size_t> undecided = verifier.undecided_run_that_diverged();
-    if (r.agreed || !undecided || !ladder_runs.insert(*undecided).second) return r;
+  std::vector<std::size_t> taken;
+  VerifyResult r = verify_runs(trace, options, first_alloc, w, rules, {}, &taken);
+  if (r.agreed || taken.empty()) return r;
+  std::size_t tried = 0;
+  for (auto it = taken.rbegin(); it != taken.rend() && tried < kLaterReadings; ++it, ++tried) {
+    VerifyResult other = verify_runs(trace, options, first_alloc, nullptr, rules, {*it}, nullptr);
+    if (other.agreed) {
+      return w == nullptr ? other : verify_runs(trace, options, first_alloc, w, rules, {*it}, nullptr);
+    }
   }
+  return r;
 }
 
 VerifyResult verify_as(const Trace& trace, const VerifyOptions& options, const VerifyWatch* w,

@@ -100,6 +100,7 @@ void Verifier::alloc(CachingAllocator& allocator, std::size_t i) {
     return;
   }
   void* got = nullptr;
+  if (bare_releases_.contains(i)) (void)allocator.release_unmapped_segments();
   try {
     if (pending_gc_ && !exact_limit_) collect_garbage(allocator);
     got = allocate_routed(allocator, i);

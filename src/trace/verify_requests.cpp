@@ -282,6 +282,7 @@ void Verifier::resolve(CachingAllocator& allocator, const ReleaseRun& run, std::
     const bool as_empty_cache = paged_ ? flipped : !flipped && matches_empty_cache(allocator);
     cause = as_empty_cache ? ReleaseCause::empty_cache : ReleaseCause::allocator;
     pending_undecided_ = !as_empty_cache;
+    if (paged_ && !as_empty_cache) taken_for_allocator_.push_back(run_index);
   }
   pending_run_ = &run;
   pending_cause_ = cause;

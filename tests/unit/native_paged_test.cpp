@@ -65,6 +65,37 @@ OverNative over_native(const ReplayProgram& prog, const std::string& settings) {
   return r.over_native.value();
 }
 
+TEST(NativePaged, ReleasingUnmappedSegmentsGivesBackOnlySegmentsWithNothingMapped) {
+  SimDevice device = tight_device();
+  CachingAllocator a{device, AllocatorConfig::parse("policy:native_paged")};
+  void* first = a.allocate(40 * kMiB);
+  a.deallocate(first);  // cached, its pages mapped
+  EXPECT_EQ(a.release_unmapped_segments(), 0u);
+  EXPECT_EQ(a.snapshot().segments.size(), 1u);
+  // 50 MiB more than the device has beside it: the free pages of the first
+  // segment go back (the segment stays, nothing mapped) and the second maps.
+  void* second = a.allocate(50 * kMiB);
+  ASSERT_EQ(a.snapshot().segments.size(), 2u);
+  EXPECT_EQ(reserved(a), 50 * static_cast<std::int64_t>(kMiB));
+  const std::uint64_t unreserves = device.calls(CallKind::unreserve);
+  const std::size_t used = device.used_bytes();
+  EXPECT_EQ(a.release_unmapped_segments(), 1u);
+  const Snapshot after = a.snapshot();
+  ASSERT_EQ(after.segments.size(), 1u);
+  EXPECT_EQ(after.segments[0].address, reinterpret_cast<DevicePtr>(second));
+  EXPECT_EQ(reserved(a), 50 * static_cast<std::int64_t>(kMiB));  // no memory moved
+  EXPECT_EQ(device.used_bytes(), used);
+  EXPECT_EQ(device.calls(CallKind::unreserve), unreserves);  // arena space: no device call
+  EXPECT_EQ(a.release_unmapped_segments(), 0u);
+  a.deallocate(second);
+  // Under the native policy no segment is without memory: nothing goes.
+  SimDevice plain = tight_device();
+  CachingAllocator n{plain, AllocatorConfig{}};
+  n.deallocate(n.allocate(40 * kMiB));
+  EXPECT_EQ(n.release_unmapped_segments(), 0u);
+  EXPECT_EQ(n.snapshot().segments.size(), 1u);
+}
+
 TEST(NativePaged, NeverReservesMoreThanNativeAtAnyCallOfAnyProgram) {
   // The property, on programs of every family (docs/replay.md), under the
   // default settings and two others: not one call above native, not a byte.

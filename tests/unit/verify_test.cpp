@@ -138,10 +138,6 @@ TEST(Verify, ReservoirsPagePoliciesVerifyOnTheDeviceTheyRanOn) {
   for (const std::string policy : {"native_paged", "paging"}) {
     std::size_t ooms = 0;
     for (std::uint32_t seed = 1; seed <= 400; ++seed) {
-      // The one program of these verify does not follow yet: paging moves a
-      // free handle under pressure where the recording made a new one
-      // (docs/replay.md, "reservoir's page policies").
-      if (policy == "paging" && seed == 120) continue;
       const Trace t = page_policy_program(policy, seed, kDevice);
       const auto n = [&](TraceAction a) {
         return static_cast<std::uint64_t>(std::count_if(

@@ -128,6 +128,11 @@ class CachingAllocator {
   // Returns every unused cached segment to the device (after synchronizing
   // the events of pending frees).
   void empty_cache();
+  // policy:native_paged: gives back the address space of cached segments
+  // with no memory mapped (what empty_cache() does for them: no device
+  // memory moves, so a recording shows nothing of it). Returns how many
+  // went. verify replays it where a recording shows such a segment gone.
+  std::size_t release_unmapped_segments();
   // Garbage collection with an explicit target: releases unsplit cached
   // large blocks at least as old as the average (in cache misses since they
   // were freed), in whole passes, until `bytes` or more are released or none
