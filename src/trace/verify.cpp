@@ -266,7 +266,8 @@ VerifyResult Verifier::run() {
   }
   if (!result_.divergence.empty() && paged_ && config_.policy == Policy::native_paged &&
       (result_.divergence_event >= trace_.events.size() ||
-       trace_.events[result_.divergence_event].action == TraceAction::alloc)) {
+       trace_.events[result_.divergence_event].action == TraceAction::alloc) &&
+      !bare_releases_.contains(result_.divergence_event)) {
     bare_release_point_ = result_.divergence_event;
   }
   result_.agreed = result_.divergence.empty();
@@ -291,29 +292,55 @@ namespace {
 // order of releases disagrees are left to the ladder on a run from the
 // start again (the same segments, freed oversize first), as many times as
 // there are such runs.
-// Readings with bare segments released (Verifier::bare_release_point), at most.
+// One reading of the recording: undecided runs are flipped to
+// empty_cache() where one diverges while pending (first, or after the bare
+// releases when bare_first), and under native_paged, where the replay
+// diverges at an allocation, the reading is tried again with the segments
+// holding no memory released just before it; a release that gets no
+// further is dropped. At most this many such releases are tried.
 constexpr std::size_t kBareReadings = 16;
 
 VerifyResult verify_runs(const Trace& trace, const VerifyOptions& options, bool first_alloc,
                          const VerifyWatch* w, const std::string& rules,
-                         std::set<std::size_t> ladder_runs, std::vector<std::size_t>* allocator_runs) {
+                         std::set<std::size_t> ladder_runs, std::vector<std::size_t>* allocator_runs,
+                         bool bare_first) {
   // (A watch then sees the events again from the start.)
   std::set<std::size_t> bare_releases;
-  std::optional<VerifyResult> first;
+  std::set<std::size_t> bare_tried;
+  // The reading before a bare release was tried, and its undecided run.
+  struct Before {
+    VerifyResult result;
+    std::optional<std::size_t> undecided;
+    std::size_t point = 0;
+  };
+  std::optional<Before> before;
   for (;;) {
     Verifier verifier(trace, options, first_alloc, w, rules, ladder_runs, bare_releases);
     VerifyResult r = verifier.run();
-    if (allocator_runs != nullptr) *allocator_runs = verifier.undecided_taken_for_the_allocator();
-    if (r.agreed) return r;
-    const std::optional<std::size_t> undecided = verifier.undecided_run_that_diverged();
-    if (undecided && ladder_runs.insert(*undecided).second) continue;
-    // native_paged: a reading with the bare segments released before the
-    // divergence, as long as each gets further (a few at most).
-    if (!first) first = r;
-    const std::optional<std::size_t> bare = verifier.bare_release_point();
-    if (!bare || bare_releases.size() >= kBareReadings || !bare_releases.insert(*bare).second) {
-      return *first;
+    if (allocator_runs != nullptr && allocator_runs->empty()) {
+      *allocator_runs = verifier.undecided_taken_for_the_allocator();  // the first reading's
     }
+    if (r.agreed) return r;
+    std::optional<std::size_t> undecided = verifier.undecided_run_that_diverged();
+    if (!bare_first && undecided && ladder_runs.insert(*undecided).second) continue;
+    if (before && r.divergence_event <= before->result.divergence_event) {
+      // The release got no further: not it. Back to the reading before.
+      bare_releases.erase(before->point);
+      r = std::move(before->result);
+      undecided = before->undecided;
+      before.reset();
+    } else {
+      before.reset();
+      // native_paged: a reading with the bare segments the replay held at
+      // the divergence released just before it (a few at most).
+      const std::optional<std::size_t> bare = verifier.bare_release_point();
+      if (bare && bare_tried.size() < kBareReadings && bare_tried.insert(*bare).second) {
+        before = Before{r, undecided, *bare};
+        bare_releases.insert(*bare);
+        continue;
+      }
+    }
+    if (!bare_first || !undecided || !ladder_runs.insert(*undecided).second) return r;
   }
 }
 
@@ -322,21 +349,27 @@ VerifyResult verify_runs(const Trace& trace, const VerifyOptions& options, bool 
 // moved a free handle where the program's empty_cache() had released it
 // and a new one was made): where the replay diverges later, the latest such
 // runs before it are read as empty_cache() in turn (a few, each a replay
-// from the start); the first reading that agrees holds, else the first
-// divergence is reported.
+// from the start). Under native_paged the bare segments are also tried
+// before the undecided runs. The first reading that agrees holds, else the
+// first divergence is reported.
 constexpr std::size_t kLaterReadings = 64;
 
 VerifyResult verify_from(const Trace& trace, const VerifyOptions& options, bool first_alloc,
                          const VerifyWatch* w, const std::string& rules) {
   std::vector<std::size_t> taken;
-  VerifyResult r = verify_runs(trace, options, first_alloc, w, rules, {}, &taken);
+  VerifyResult r = verify_runs(trace, options, first_alloc, w, rules, {}, &taken, false);
   if (r.agreed || taken.empty()) return r;
+  const auto agreed = [&](const std::set<std::size_t>& runs, bool bare_first) {
+    VerifyResult other = verify_runs(trace, options, first_alloc, nullptr, rules, runs, nullptr, bare_first);
+    if (!other.agreed || w == nullptr) return other;
+    return verify_runs(trace, options, first_alloc, w, rules, runs, nullptr, bare_first);
+  };
+  if (trace.settings.policy == Policy::native_paged) {
+    if (VerifyResult other = agreed({}, true); other.agreed) return other;
+  }
   std::size_t tried = 0;
   for (auto it = taken.rbegin(); it != taken.rend() && tried < kLaterReadings; ++it, ++tried) {
-    VerifyResult other = verify_runs(trace, options, first_alloc, nullptr, rules, {*it}, nullptr);
-    if (other.agreed) {
-      return w == nullptr ? other : verify_runs(trace, options, first_alloc, w, rules, {*it}, nullptr);
-    }
+    if (VerifyResult other = agreed({*it}, false); other.agreed) return other;
   }
   return r;
 }
