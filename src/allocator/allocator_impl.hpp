@@ -298,9 +298,12 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool alloc_block(AllocParams& p, bool is_retry) RESERVOIR_REQUIRES(mutex_);
   inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested)
       RESERVOIR_REQUIRES(mutex_);
-  // The same, with the split decided by the caller (restore_pool).
-  inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested, bool split)
-      RESERVOIR_REQUIRES(mutex_);
+  // The same, with the split decided by the caller (restore_pool), and the
+  // stream the history records the request on when it is not the block's
+  // (the caller's: a block lent by another stream's segment, native_paged's
+  // rescue, keeps that stream). A constant null folds away where inlined.
+  inline detail::Block* alloc_found_block(AllocParams& p, std::size_t requested, bool split,
+                                          const StreamId* caller = nullptr) RESERVOIR_REQUIRES(mutex_);
   // The live pool `id` (UsageError naming `operation` otherwise).
   detail::PrivatePool& live_pool(PoolId id, const char* operation) RESERVOIR_REQUIRES(mutex_);
   // restore_pool's steps on the free path (native_policy.cpp): frees the

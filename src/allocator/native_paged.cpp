@@ -330,7 +330,6 @@ bool CachingAllocator::Impl::rescue_paged(AllocParams& p) {
   if (best == nullptr) return false;
   AllocParams q{p.size, p.alloc_size, best->stream, best->pool};
   q.requested = p.requested;
-  if (best->stream != p.stream) q.caller_stream = p.stream;
   q.block = best;
   q.block_in_pool = true;
   // Another stream's free block may still be read by work queued there.

@@ -176,7 +176,7 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
 }
 
 [[gnu::always_inline]] inline Block* CachingAllocator::Impl::alloc_found_block(
-    AllocParams& p, std::size_t requested, bool split) {
+    AllocParams& p, std::size_t requested, bool split, const StreamId* caller) {
   Block* block = p.block;
   BlockPool& pool = *p.pool;
   const bool already_split = block->is_split();
@@ -217,7 +217,8 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   }
   count_allocation(block, requested);
   // (On the caller's stream: a replay of the history asks as it did.)
-  block->context = trace(TraceAction::alloc, block->ptr, requested, p.caller_stream.value_or(block->stream));
+  block->context =
+      trace(TraceAction::alloc, block->ptr, requested, caller != nullptr ? *caller : block->stream);
   return block;
 }
 
@@ -282,7 +283,7 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
       observer(device_index_, p.alloc_size, oom.limit, oom.free);
     throw explained(oom);
   }
-  Block* block = alloc_found_block(p, requested);
+  Block* block = alloc_found_block(p, requested, should_split(p.block, p.size), &stream);
   // A block lent by another stream's segment (native_paged's rescue) stays
   // that stream's; the caller's stream is a use of it, as by record_stream.
   if (block->stream != stream) block->stream_uses.push_back(stream);
@@ -337,16 +338,25 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
     private_msg = "with " + format_size(in_private_pools) +
                   " allocated in private pools (e.g., CUDA Graphs), ";
   }
+  // The closing advice as the release writes it (read from each release's
+  // libc10_cuda.so): 2.10 names PYTORCH_ALLOC_CONF, 2.11 on link the
+  // documentation's new address; a release not named writes the newest's.
+  const std::string& release = config_.pytorch_version;
+  const bool before_2_11 = !release.empty() && compare_versions(release, "2.11") < 0;
+  const bool names_alloc_conf = !release.empty() && compare_versions(release, "2.10") >= 0 && before_2_11;
   std::string message = fmt::format(
       "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} "
       "is free. {}Of the allocated memory {} is allocated by PyTorch, {}and {} is reserved by "
       "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-      "documentation for Memory Management  "
-      "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+      "{}=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+      "Management  ({})",
       format_size(p.alloc_size), device_index_, format_size(info.total), format_size(info.free),
       allowed_info, format_size(allocated + in_private_pools), private_msg,
-      format_size(reserved - allocated - in_private_pools));
+      format_size(reserved - allocated - in_private_pools),
+      names_alloc_conf ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF",
+      before_2_11 ? "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
+                  : "https://docs.pytorch.org/docs/stable/notes/cuda.html"
+                    "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf");
   return Oom{OutOfMemoryError(message, p.alloc_size, info.free, info.total), oom_observers_,
              set_fraction_ ? allowed_memory_maximum_ : info.total, info.free, oom_explainer_};
 }

@@ -23,7 +23,6 @@
 
 #include <cstddef>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string_view>
 
@@ -42,9 +41,6 @@ struct AllocParams {
   Block* block = nullptr;
   bool block_in_pool = false;  // a cached block, still in its pool's set
   std::size_t requested = 0;   // the caller's size (set on a miss)
-  // A block lent by another stream's segment (native_paged's rescue): the
-  // stream the caller asked on, which the history records the request on.
-  std::optional<StreamId> caller_stream = std::nullopt;
 };
 
 // What the core needs to know of a policy, read once per configuration.

@@ -1,7 +1,10 @@
 // The retry ladder, memory fraction, garbage collection, stream events and
 // private pools, with exact device-call counts.
 #include <map>
+#include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "allocator_fixture.hpp"
 #include "reservoir/errors.hpp"
@@ -51,6 +54,35 @@ TEST_F(Ladder, ReleasesOversizeBlocksLargestFirstUntilEnough) {
   EXPECT_EQ(stat("reserved_bytes.all.current"), 100 * 1048576);
 }
 
+// The message's closing advice as each release writes it (the strings of
+// each release's libc10_cuda.so): PYTORCH_CUDA_ALLOC_CONF and the old
+// documentation address up to 2.9, PYTORCH_ALLOC_CONF in 2.10, the new
+// address from 2.11.
+TEST_F(Ladder, OutOfMemoryMessageEndsAsTheReleaseWritesIt) {
+  const std::string old_docs = "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)";
+  const std::string new_docs =
+      "(https://docs.pytorch.org/docs/stable/notes/cuda.html"
+      "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
+  const std::vector<std::tuple<std::string, std::string, std::string>> releases = {
+      {"2.6", "PYTORCH_CUDA_ALLOC_CONF", old_docs}, {"2.9", "PYTORCH_CUDA_ALLOC_CONF", old_docs},
+      {"2.10", "PYTORCH_ALLOC_CONF", old_docs},     {"2.11", "PYTORCH_CUDA_ALLOC_CONF", new_docs},
+      {"2.15", "PYTORCH_CUDA_ALLOC_CONF", new_docs}, {"", "PYTORCH_CUDA_ALLOC_CONF", new_docs}};
+  for (const auto& [release, variable, docs] : releases) {
+    make(release.empty() ? "" : "pytorch_version:" + release, 30 * kMiB);
+    try {
+      (void)allocator_->allocate(40 * kMiB);
+      ADD_FAILURE() << "expected OutOfMemoryError";
+    } catch (const OutOfMemoryError& e) {
+      const std::string what = e.what();
+      const std::string tail = " If reserved but unallocated memory is large try setting " + variable +
+                               "=expandable_segments:True to avoid fragmentation.  See "
+                               "documentation for Memory Management  " + docs;
+      ASSERT_GE(what.size(), tail.size());
+      EXPECT_EQ(what.substr(what.size() - tail.size()), tail) << release;
+    }
+  }
+}
+
 TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
   make("", 30 * kMiB);
   const DevicePtr a = alloc(12 * kMiB);
@@ -72,7 +104,8 @@ TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
               "reserved but unallocated memory is large try setting "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
               "documentation for Memory Management  "
-              "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)");
+              "(https://docs.pytorch.org/docs/stable/notes/cuda.html"
+              "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)");
     EXPECT_EQ(e.requested_bytes(), 20 * kMiB);
     EXPECT_EQ(e.device_free(), 16 * kMiB);
     EXPECT_EQ(e.device_total(), 30 * kMiB);
