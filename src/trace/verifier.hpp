@@ -180,8 +180,8 @@ class Verifier {
   const Trace& trace_;
   const VerifyOptions options_;
   const bool exact_limit_ = options_.memory_fraction.has_value();
-  std::uint64_t gc_above_ = 0;  // under an exact limit: reserved bytes garbage collection keeps
   const bool first_alloc_made_its_segment_;
+  std::uint64_t gc_above_ = 0;  // under an exact limit: reserved bytes garbage collection keeps
   const VerifyWatch* watch_;
   std::string pytorch_rules_;  // pytorch_version when the settings name none
   const std::set<std::size_t>& ladder_runs_;  // undecided runs to leave to the ladder
@@ -192,19 +192,19 @@ class Verifier {
   AllocatorConfig config_;
   VerifyResult result_;
   Expectations expect_;
+  std::size_t current_ = 0;  // the event being replayed
+  DevicePtr unused_space_ = 0x7ff000000000;  // address space for requests that fail
   bool restoring_ = false;
   bool vm_ = false;  // recorded with pages mapped (expandable segments, a page policy)
   bool paged_ = false;  // ... under reservoir's page policies (native_paged, paging)
-  std::size_t current_ = 0;  // the event being replayed
-  DevicePtr unused_space_ = 0x7ff000000000;  // address space for requests that fail
   std::unordered_map<DevicePtr, StreamId> held_;
   std::unordered_set<DevicePtr> zero_size_;
   std::uint64_t next_hold_ = 0;
   std::vector<ReleaseRun> runs_;
   std::unordered_map<std::size_t, std::size_t> run_ending_at_;  // last event -> run
   const ReleaseRun* pending_run_ = nullptr;  // releases the next request is to make
-  bool pending_undecided_ = false;  // ... an undecided run taken for the allocator's
   ReleaseCause pending_cause_ = ReleaseCause::undecided;
+  bool pending_undecided_ = false;  // ... an undecided run taken for the allocator's
   bool pending_gc_ = false;
   std::size_t private_stop_ = static_cast<std::size_t>(-1);
   std::string private_reason_;
