@@ -1,5 +1,7 @@
 // The retry ladder, memory fraction, garbage collection, stream events and
 // private pools, with exact device-call counts.
+#include <fmt/format.h>
+
 #include <map>
 #include <string>
 #include <thread>
@@ -74,9 +76,10 @@ TEST_F(Ladder, OutOfMemoryMessageEndsAsTheReleaseWritesIt) {
       ADD_FAILURE() << "expected OutOfMemoryError";
     } catch (const OutOfMemoryError& e) {
       const std::string what = e.what();
-      const std::string tail = " If reserved but unallocated memory is large try setting " + variable +
-                               "=expandable_segments:True to avoid fragmentation.  See "
-                               "documentation for Memory Management  " + docs;
+      const std::string tail = fmt::format(
+          " If reserved but unallocated memory is large try setting {}=expandable_segments:True "
+          "to avoid fragmentation.  See documentation for Memory Management  {}",
+          variable, docs);
       ASSERT_GE(what.size(), tail.size());
       EXPECT_EQ(what.substr(what.size() - tail.size()), tail) << release;
     }
