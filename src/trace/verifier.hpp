@@ -133,6 +133,8 @@ class Verifier {
   // Checks that a step made exactly the recorded device requests.
   bool settle(std::size_t index);
   void undecided_failed();
+  // Address space for a request the recording failed (it maps nothing).
+  DevicePtr take_unused_space(std::size_t bytes);
 
   // ---- runs of releases ------------------------------------------------------
 

@@ -74,6 +74,12 @@ void Verifier::on_release(TraceAction action, DevicePtr addr, std::uint64_t size
   }
 }
 
+DevicePtr Verifier::take_unused_space(std::size_t bytes) {
+  const DevicePtr at = unused_space_;
+  unused_space_ += (bytes + kLargeBuffer - 1) / kLargeBuffer * kLargeBuffer;
+  return at;
+}
+
 Status Verifier::serve_reservation(std::size_t bytes, DevicePtr* va) {
   if (restoring_) {
     if (expect_.restore_reservations.empty()) return Status::invalid_argument;
@@ -89,8 +95,7 @@ Status Verifier::serve_reservation(std::size_t bytes, DevicePtr* va) {
     if (e.action != TraceAction::alloc) {
       // A request the recording failed: the space goes back unused, so it
       // lies anywhere (above what a process's device memory uses).
-      *va = unused_space_;
-      unused_space_ += (bytes + kLargeBuffer - 1) / kLargeBuffer * kLargeBuffer;
+      *va = take_unused_space(bytes);
       return Status::ok;
     }
     *va = e.addr;
@@ -99,8 +104,7 @@ Status Verifier::serve_reservation(std::size_t bytes, DevicePtr* va) {
   }
   if (expect_.maps.empty() && expect_.oom_expected) {
     // The request fails, mapping nothing: the space lies anywhere.
-    *va = unused_space_;
-    unused_space_ += (bytes + kLargeBuffer - 1) / kLargeBuffer * kLargeBuffer;
+    *va = take_unused_space(bytes);
     return Status::ok;
   }
   if (expect_.maps.empty()) {
