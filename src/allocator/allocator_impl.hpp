@@ -332,6 +332,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void collect_garbage_locked(std::size_t target) RESERVOIR_REQUIRES(mutex_);
   bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool release_cached_blocks() RESERVOIR_REQUIRES(mutex_);
+  bool search_after_release(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   void release_blocks(detail::BlockPool& pool) RESERVOIR_REQUIRES(mutex_);
   // Gives a released pool's cached segments back, and forgets the pool once
   // it holds none; returns the iterator after `it` in freeable_pools_.

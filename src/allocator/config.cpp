@@ -551,6 +551,19 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (!c.native_paged_rescue) out.emplace_back("native_paged_rescue:False");
      }},
+    {{"retry_searches_pool", kBool, "True", "reservoir", "", "",
+      "after the retry ladder has waited for the frees pending on other streams' events and "
+      "released the cache, the pool is searched again before the device is asked: a block that "
+      "wait freed serves the request (PyTorch raises out-of-memory there and serves the same "
+      "request an instant later, pytorch/pytorch#189504); False keeps PyTorch's ladder. Replay "
+      "and verify model each release's ladder",
+      false},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) {
+       set_bool(p, c.retry_searches_pool, k);
+     },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (!c.retry_searches_pool) out.emplace_back("retry_searches_pool:False");
+     }},
     {{"pytorch_version", "a PyTorch 2.x release, as 2.15", "2.11", "reservoir", "", "",
       "the release whose decisions the native policy takes where releases differ: of cached blocks "
       "of equal size, from 2.13 the one whose segment was made first, in 2.12 the block made first "

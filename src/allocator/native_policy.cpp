@@ -273,7 +273,8 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
     found = alloc_block(p, false) ||
             (!use_on_oom_pools_.empty() && p.pool->owner == nullptr && borrow_from_use_on_oom_pools(p)) ||
             (release_available_cached_blocks(p) && alloc_block(p, false)) ||
-            (routes_.empty() && release_cached_blocks() && alloc_block(p, true)) ||
+            (routes_.empty() && release_cached_blocks() &&
+             (search_after_release(p) || alloc_block(p, true))) ||
             (traits_.rescues && rescue_paged(p));
   }
   if (!found) {
@@ -288,6 +289,16 @@ void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requeste
   // that stream's; the caller's stream is a use of it, as by record_stream.
   if (block->stream != stream) block->stream_uses.push_back(stream);
   return reinterpret_cast<void*>(block->ptr);
+}
+
+bool CachingAllocator::Impl::search_after_release(AllocParams& p) {
+  // A free that was pending on another stream's event is in the pool now
+  // (release_cached_blocks waited for it) and may serve the request where
+  // PyTorch's ladder asks only the device (pytorch/pytorch#189504). Counted
+  // as no retry, as the search at the top of the ladder.
+  if (!config_.retry_searches_pool) return false;
+  p.pool = &pool_for(p.size, p.stream);
+  return get_free_block(p) && (p.block->segment->paged == nullptr || back_block(p));
 }
 
 void CachingAllocator::Impl::refuse_impossible(std::size_t requested) {

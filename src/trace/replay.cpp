@@ -110,6 +110,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   SimDevice device(device_options);
   AllocatorConfig rules = config;
   if (rules.pytorch_version.empty()) rules.set_pytorch_version(program.pytorch_version);
+  rules.retry_searches_pool = false;  // each release's ladder, as recorded
   CachingAllocator allocator(device, rules, program.device);
   if (options.memory_fraction) allocator.set_memory_fraction(*options.memory_fraction);
 

@@ -156,6 +156,7 @@ class Verifier {
   // Freed now, returned to the cache at its free_completed: held until then
   // by an event on a stream of its own.
   void hold_and_free(CachingAllocator& allocator, DevicePtr addr);
+  bool completed_by_the_ladder(std::size_t i) const;
 
   // A classic segment event with expandable settings, or the other way round.
   void settings_changed(std::size_t i);

@@ -80,6 +80,10 @@ VerifyResult Verifier::run() {
     if (config_.pytorch_version.empty()) config_.set_pytorch_version(version);
   }
   if (config_.pytorch_version.empty()) config_.set_pytorch_version(pytorch_rules_);
+  // Each release's ladder (a recording of reservoir's live one, which
+  // searches the pool after waiting for pending frees, reads the same:
+  // the wait's free_completed events come before the allocation).
+  config_.retry_searches_pool = false;
   following_pools_ = trace_.event_pools_recorded;
   result_.pytorch_rules = config_.pytorch_version;
   if (!trace_.settings_recorded && options_.settings) {

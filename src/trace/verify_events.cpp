@@ -47,7 +47,8 @@ void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t 
       }
       const bool completes_now = i + 1 < trace_.events.size() &&
                                  trace_.events[i + 1].action == TraceAction::free_completed &&
-                                 trace_.events[i + 1].addr == e.addr;
+                                 trace_.events[i + 1].addr == e.addr &&
+                                 !completed_by_the_ladder(i + 1);
       try {
         if (completes_now) {
           allocator.deallocate(reinterpret_cast<void*>(e.addr));
@@ -62,7 +63,7 @@ void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t 
     case TraceAction::free_completed: {
       // PyTorch records free_completed as it returns the block to the cache.
       auto it = held_.find(e.addr);
-      if (it != held_.end()) {
+      if (it != held_.end() && !completed_by_the_ladder(i)) {
         device.complete_stream(it->second);
         held_.erase(it);
         try {
@@ -75,6 +76,35 @@ void Verifier::step(CachingAllocator& allocator, SimDevice& device, std::size_t 
     }
     default: return;  // snapshot markers
   }
+}
+
+bool Verifier::completed_by_the_ladder(std::size_t i) const {
+  // A free_completed event followed (through others and the releases of
+  // the cache) by an oom whose request the freed block would have served:
+  // the block was not in the pool when the request searched it, so the
+  // free completed inside the retry ladder (release_cached_blocks waits for
+  // pending frees), which then asked only the device and raised (every
+  // release's ladder, pytorch/pytorch#189504). The block stays pending until
+  // the replay's own ladder waits for it.
+  const TraceEvent& freed = trace_.events[i];
+  for (std::size_t j = i + 1; j < trace_.events.size(); ++j) {
+    const TraceEvent& e = trace_.events[j];
+    switch (e.action) {
+      case TraceAction::free_completed:
+      case TraceAction::segment_free:
+      case TraceAction::segment_unmap: continue;
+      case TraceAction::oom: {
+        const std::size_t want = CachingAllocator::round_size(e.size, config_);
+        const std::size_t block = CachingAllocator::round_size(freed.size, config_);
+        const std::size_t max_split = config_.max_split_size;
+        return e.stream == freed.stream && (want <= kSmallSize) == (block <= kSmallSize) &&
+               block >= want && !(want < max_split && block >= max_split) &&
+               !(want >= max_split && block >= want + config_.max_non_split_rounding_size);
+      }
+      default: return false;
+    }
+  }
+  return false;
 }
 
 void Verifier::hold_and_free(CachingAllocator& allocator, DevicePtr addr) {

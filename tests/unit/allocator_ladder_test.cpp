@@ -198,6 +198,55 @@ TEST_F(Ladder, RecordStreamDefersReuseUntilTheEventCompletes) {
   release(c);
 }
 
+// pytorch/pytorch#189504: a block that fits, freed but pending on another
+// stream's event, while the device is full. The ladder waits for the event
+// (release_cached_blocks) and then only asks the device again: PyTorch
+// raises, and the same request an instant later is served from the pool.
+// reservoir's live ladder searches the pool after that wait.
+class PendingFree : public AllocatorTest {
+ protected:
+  DevicePtr segment_ = 0;  // a 600 MiB segment: 400 (freed, pending) + 200 (live)
+  DevicePtr tail_ = 0;
+  DevicePtr filler_ = 0;   // the rest of the 1000 MiB device
+
+  void make_case(const std::string& config) {
+    make(config, 1000 * kMiB);
+    const DevicePtr whole = alloc(600 * kMiB);
+    release(whole);
+    segment_ = alloc(400 * kMiB);
+    tail_ = alloc(200 * kMiB);
+    EXPECT_EQ(tail_, segment_ + 400 * kMiB);
+    filler_ = alloc(400 * kMiB);
+    allocator_->record_stream(reinterpret_cast<void*>(segment_), 5);
+    release(segment_);  // pending: stream 5 has not reached the event
+    EXPECT_EQ(device_->used_bytes(), 1000 * kMiB);
+  }
+};
+
+TEST_F(PendingFree, TheBlockTheLaddersWaitFreedServesTheRequest) {
+  make_case("");
+  const DevicePtr got = alloc(400 * kMiB);
+  EXPECT_EQ(got, segment_);  // the block the wait freed
+  EXPECT_EQ(stat("num_sync_all_streams"), 1);
+  EXPECT_EQ(stat("num_alloc_retries"), 0);  // served by the search, not the device
+  EXPECT_EQ(stat("num_ooms"), 0);
+  EXPECT_EQ(stat("num_device_alloc"), 2);
+  EXPECT_EQ(device_->calls(CallKind::allocate_segment), 3u);  // 600, the filler, one refused
+  release_all({got, tail_, filler_});
+}
+
+TEST_F(PendingFree, PyTorchsLadderRaisesWhereOnlyTheWaitFreedABlock) {
+  make_case("retry_searches_pool:False");
+  EXPECT_THROW(alloc(400 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(stat("num_ooms"), 1);
+  EXPECT_EQ(stat("num_alloc_retries"), 1);
+  EXPECT_EQ(stat("num_sync_all_streams"), 1);
+  // The same request an instant later: the wait left the block in the pool.
+  const DevicePtr again = alloc(400 * kMiB);
+  EXPECT_EQ(again, segment_);
+  release_all({again, tail_, filler_});
+}
+
 TEST_F(Ladder, EmptyCacheSynchronizesPendingFrees) {
   const DevicePtr a = alloc(12 * kMiB, 0);
   allocator_->record_stream(reinterpret_cast<void*>(a), 3);

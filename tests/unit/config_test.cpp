@@ -184,7 +184,8 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "pinned_num_register_threads, pinned_use_background_threads, "
             "pinned_reserve_segment_size_mb, pinned_free_catch_all, "
             "pinned_max_round_threshold_mb, pinned_max_cached_size_mb, backend, policy, "
-            "paging_release_threshold_mb, paging_slack_mb, native_paged_rescue, pytorch_version");
+            "paging_release_threshold_mb, paging_slack_mb, native_paged_rescue, retry_searches_pool, "
+            "pytorch_version");
   EXPECT_EQ(error_of("max_split_size_mb:40 max_non_split_rounding_mb:30"),
             "allocator config \"max_split_size_mb:40 max_non_split_rounding_mb:30\": key "
             "'max_split_size_mb': value '40max_non_split_rounding_mb' is not a whole number; "
@@ -231,6 +232,20 @@ TEST(Config, PagingSlackIsTheNativeBound) {
   EXPECT_EQ(error_of("policy:paging,paging_slack_mb:on"),
             "allocator config \"policy:paging,paging_slack_mb:on\": key 'paging_slack_mb': "
             "value 'on' is not a whole number; accepted: a whole number of MiB, or off");
+}
+
+TEST(Config, RetrySearchesPool) {
+  EXPECT_TRUE(AllocatorConfig{}.retry_searches_pool);
+  EXPECT_TRUE(AllocatorConfig::parse("").retry_searches_pool);
+  const AllocatorConfig c = AllocatorConfig::parse("retry_searches_pool:False");
+  EXPECT_FALSE(c.retry_searches_pool);
+  EXPECT_EQ(c.to_string(), "retry_searches_pool:False");
+  EXPECT_EQ(AllocatorConfig::parse(c.to_string()), c);
+  EXPECT_EQ(AllocatorConfig::parse("retry_searches_pool:True").to_string(), "");
+  EXPECT_EQ(error_of("retry_searches_pool:maybe"),
+            "allocator config \"retry_searches_pool:maybe\": key 'retry_searches_pool': value "
+            "'maybe' is not accepted; accepted: True or False");
+  EXPECT_FALSE(find_setting("retry_searches_pool")->replayed);
 }
 
 TEST(Config, NativePagedRescue) {
@@ -310,7 +325,7 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 25u);
+  EXPECT_EQ(keys.size(), 26u);
 }
 
 TEST(Config, VersionsCompareByNumber) {

@@ -429,6 +429,64 @@ TEST(VerifyCases, OomEventsAreCheckedAndTheRecordingGoesOn) {
   EXPECT_EQ(v.allocs_checked, 2u);
 }
 
+// pytorch/pytorch#189504 recorded: the ladder waits for a free pending on
+// another stream and raises though that wait put a fitting block in the
+// pool (PyTorch's ladder); reservoir's live ladder serves the request from
+// it. Each recording verifies as the ladder it was made by.
+Trace pending_free_recording(const std::string& config, bool* raised) {
+  Recorder r(config, 1000 * kMiB);
+  r.device.set_auto_complete_events(false);
+  StreamId side = 0;
+  EXPECT_EQ(r.device.create_stream(&side), Status::ok);
+  void* whole = r.alloc(600 * kMiB);
+  r.allocator.deallocate(whole);
+  void* front = r.alloc(400 * kMiB);
+  void* tail = r.alloc(200 * kMiB);
+  void* filler = r.alloc(400 * kMiB);
+  r.allocator.record_stream(front, side);
+  r.allocator.deallocate(front);
+  void* got = nullptr;
+  *raised = false;
+  try {
+    got = r.alloc(400 * kMiB);
+  } catch (const OutOfMemoryError&) {
+    *raised = true;
+    got = r.alloc(400 * kMiB);  // the same request an instant later
+  }
+  EXPECT_EQ(got, front);
+  for (void* p : {got, tail, filler}) r.allocator.deallocate(p);
+  Trace t = r.finish();
+  set_recorded_config(t, "");  // as PyTorch (and reservoir's live allocator) record their settings
+  return pickled(t);
+}
+
+TEST(VerifyCases, ASpuriousOutOfMemoryErrorOfPyTorchsLadderVerifies) {
+  bool raised = false;
+  const Trace t = pending_free_recording("retry_searches_pool:False", &raised);
+  ASSERT_TRUE(raised);
+  ASSERT_EQ(count(t, TraceAction::oom), 1u);
+  VerifyOptions options;
+  options.device_memory = 1000 * kMiB;
+  for (const VerifyResult& v : {verify(t), verify(t, options)}) {
+    EXPECT_TRUE(v.agreed) << v.divergence;
+    EXPECT_EQ(v.ooms_checked, 1u);
+    EXPECT_EQ(v.allocs_checked, 5u);
+  }
+}
+
+TEST(VerifyCases, ReservoirsLadderServingAPendingFreeVerifies) {
+  bool raised = true;
+  const Trace t = pending_free_recording("", &raised);
+  ASSERT_FALSE(raised);
+  EXPECT_EQ(count(t, TraceAction::oom), 0u);
+  VerifyOptions options;
+  options.device_memory = 1000 * kMiB;
+  for (const VerifyResult& v : {verify(t), verify(t, options)}) {
+    EXPECT_TRUE(v.agreed) << v.divergence;
+    EXPECT_EQ(v.allocs_checked, 5u);
+  }
+}
+
 TEST(VerifyCases, FreesDelayedByRecordStreamOnSeveralStreams) {
   Recorder r("");
   r.device.set_auto_complete_events(false);

@@ -62,6 +62,13 @@ struct AllocatorConfig {
   // stream's) with the fewest pages still to map before raising
   // out-of-memory. False: the native policy's decisions even then.
   bool native_paged_rescue = true;
+  // After the retry ladder has waited for the frees pending on other
+  // streams' events (and released the cache), search the pool again before
+  // asking the device: a block freed by that wait serves the request rather
+  // than out-of-memory being raised (pytorch/pytorch#189504). Every release
+  // of PyTorch only asks the device again there; replay and verify model
+  // that (false), a live allocator of reservoir's searches (true).
+  bool retry_searches_pool = true;
   // set_per_process_memory_fraction from the config string (1.0: none).
   double per_process_memory_fraction = 1.0;
   Policy policy = Policy::native;
