@@ -133,6 +133,12 @@ void CachingAllocator::Impl::set_memory_fraction(double fraction) {
   set_fraction_ = true;
 }
 
+void CachingAllocator::Impl::clear_memory_fraction() {
+  detail::LockGuard lock(mutex_);
+  allowed_memory_maximum_ = 0;
+  set_fraction_ = false;
+}
+
 void CachingAllocator::Impl::set_config(const AllocatorConfig& config) {
   check_supported(config);
   // per_process_memory_fraction, as PyTorch applies it: the fraction is set

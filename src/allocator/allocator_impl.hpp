@@ -47,6 +47,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void process_completed_frees();
   void collect_garbage(std::size_t bytes);
   void set_memory_fraction(double fraction);
+  void clear_memory_fraction();
   void set_config(const AllocatorConfig& config);
   AllocatorConfig config() const;
   DeviceStats stats() const;
@@ -333,6 +334,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool release_available_cached_blocks(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   bool release_cached_blocks() RESERVOIR_REQUIRES(mutex_);
   bool search_after_release(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  std::string process_memory_sentences() RESERVOIR_REQUIRES(mutex_);
   void release_blocks(detail::BlockPool& pool) RESERVOIR_REQUIRES(mutex_);
   // Gives a released pool's cached segments back, and forgets the pool once
   // it holds none; returns the iterator after `it` in freeable_pools_.

@@ -33,6 +33,8 @@ std::size_t CachingAllocator::release_unmapped_segments() {
 void CachingAllocator::collect_garbage(std::size_t bytes) {
   impl_->checked(&Impl::collect_garbage, bytes);
 }
+void CachingAllocator::clear_memory_fraction() { impl_->checked(&Impl::clear_memory_fraction); }
+
 void CachingAllocator::set_memory_fraction(double fraction) {
   impl_->checked(&Impl::set_memory_fraction, fraction);
 }

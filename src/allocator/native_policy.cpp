@@ -2,6 +2,8 @@
 // allocation and deallocation (releasing cached memory: cache_release.cpp).
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 
@@ -329,6 +331,22 @@ bool CachingAllocator::Impl::borrow_from_use_on_oom_pools(AllocParams& p) {
   return false;
 }
 
+std::string CachingAllocator::Impl::process_memory_sentences() {
+  // PyTorch's, from NVML: each process using the device and what it holds
+  // (this process's figure includes its CUDA context and any library's
+  // memory); left out where the device cannot list them.
+  std::vector<ProcessMemory> processes;
+  if (device_.running_processes(&processes) != Status::ok) return {};
+  const auto self = static_cast<unsigned int>(getpid());
+  std::string out;
+  for (const ProcessMemory& pm : processes) {
+    out += pm.pid == self ? std::string("Including non-PyTorch memory, this process")
+                          : fmt::format("Process {}", pm.pid);
+    out += fmt::format(" has {} memory in use. ", format_size(pm.used));
+  }
+  return out;
+}
+
 CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocParams& p) {
   MemoryInfo info;
   if (device_.memory_info(&info) != Status::ok) info = MemoryInfo{};
@@ -355,19 +373,33 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
   const std::string& release = config_.pytorch_version;
   const bool before_2_11 = !release.empty() && compare_versions(release, "2.11") < 0;
   const bool names_alloc_conf = !release.empty() && compare_versions(release, "2.10") >= 0 && before_2_11;
+  // From 2.15, under expandable segments the advice is about address space.
+  const bool advises_address_space =
+      (config_.expandable_segments || config_.policy == Policy::expandable) && !release.empty() &&
+      compare_versions(release, "2.15") >= 0;
+  const std::string advice =
+      advises_address_space
+          ? std::string(
+                " expandable_segments is enabled. If instead the process is running out of virtual "
+                "address space (VSZ), expandable segments may be over-reserving VA (each segment "
+                "reserves ~9/8 of device memory, times the number of streams); reduce it via "
+                "PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve / "
+                "expandable_segments_reserve_by_class.")
+          : fmt::format(
+                " If reserved but unallocated memory is large try setting "
+                "{}=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+                "Management  ({})",
+                names_alloc_conf ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF",
+                before_2_11 ? "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
+                            : "https://docs.pytorch.org/docs/stable/notes/cuda.html"
+                              "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf");
   std::string message = fmt::format(
       "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} "
-      "is free. {}Of the allocated memory {} is allocated by PyTorch, {}and {} is reserved by "
-      "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-      "{}=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
-      "Management  ({})",
+      "is free. {}{}Of the allocated memory {} is allocated by PyTorch, {}and {} is reserved by "
+      "PyTorch but unallocated.{}",
       format_size(p.alloc_size), device_index_, format_size(info.total), format_size(info.free),
-      allowed_info, format_size(allocated + in_private_pools), private_msg,
-      format_size(reserved - allocated - in_private_pools),
-      names_alloc_conf ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF",
-      before_2_11 ? "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
-                  : "https://docs.pytorch.org/docs/stable/notes/cuda.html"
-                    "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf");
+      process_memory_sentences(), allowed_info, format_size(allocated + in_private_pools), private_msg,
+      format_size(reserved - allocated - in_private_pools), advice);
   return Oom{OutOfMemoryError(message, p.alloc_size, info.free, info.total), oom_observers_,
              set_fraction_ ? allowed_memory_maximum_ : info.total, info.free, oom_explainer_};
 }

@@ -60,6 +60,12 @@ bool optional_capture_calls(void* lib, CudaRuntimeApi& t) {
   return true;
 }
 
+bool optional_bus_id(void* lib, CudaRuntimeApi& t) {
+  t.cudaDeviceGetPCIBusId =
+      reinterpret_cast<decltype(t.cudaDeviceGetPCIBusId)>(dlsym(lib, "cudaDeviceGetPCIBusId"));
+  return true;
+}
+
 template <typename F>
 bool sym(void* lib, F*& out, const char* name, std::string* why) {
   out = reinterpret_cast<F*>(dlsym(lib, name));
@@ -136,7 +142,8 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaDeviceSynchronize, "cudaDeviceSynchronize", w) &&
                   sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
                   sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&
-                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w) && optional_capture_calls(lib, t);
+                  sym(lib, t.cudaFreeHost, "cudaFreeHost", w) && optional_capture_calls(lib, t) &&
+                  optional_bus_id(lib, t);
          });
   });
   if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;

@@ -76,12 +76,19 @@ struct CudaRuntimeApi {
   // Null where the runtime lacks them (then nothing captures).
   cudaError_t (*cudaStreamIsCapturing)(cudaStream_t, cudaStreamCaptureStatus*);
   cudaError_t (*cudaThreadExchangeStreamCaptureMode)(cudaStreamCaptureMode*);
+  // Null where the runtime lacks it (then no process is listed).
+  cudaError_t (*cudaDeviceGetPCIBusId)(char*, int, int);
 };
 
 // The process's tables, loaded once; null with *why set when CUDA cannot be
 // loaded here (no driver, no runtime library, a symbol missing).
 const CudaDriverApi* load_cuda_driver(std::string* why);
 const CudaRuntimeApi* load_cuda_runtime(std::string* why);
+
+// The processes NVML lists on the device with CUDA ordinal `device` (its PCI
+// bus id from the runtime, as PyTorch finds it). not_supported where NVML
+// (libnvidia-ml.so.1) or the call is missing; device_error where it fails.
+Status nvml_running_processes(int device, std::vector<ProcessMemory>* out) noexcept;
 
 // Status for a driver or runtime result.
 Status status_of(CUresult r) noexcept;

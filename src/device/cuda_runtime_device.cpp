@@ -114,6 +114,10 @@ Status CudaRuntimeDevice::memory_info(MemoryInfo* info) noexcept {
   return status_of(api_.cudaMemGetInfo(&info->free, &info->total));
 }
 
+Status CudaRuntimeDevice::running_processes(std::vector<ProcessMemory>* out) noexcept {
+  return nvml_running_processes(device_, out);
+}
+
 bool CudaRuntimeDevice::live_event(EventId event) const {
   std::lock_guard lock(mutex_);
   return events_.count(event) != 0;

@@ -209,6 +209,10 @@ Status CudaVmmDevice::memory_info(MemoryInfo* info) noexcept {
   return status_of(api_.cuMemGetInfo(&info->free, &info->total));
 }
 
+Status CudaVmmDevice::running_processes(std::vector<ProcessMemory>* out) noexcept {
+  return nvml_running_processes(cu_device_, out);
+}
+
 Status CudaVmmDevice::create_event(EventId* event) noexcept {
   RESERVOIR_CURRENT();
   CUevent e = nullptr;

@@ -1,5 +1,7 @@
 #include "reservoir/sim_device.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "reservoir/detail/free_list.hpp"
@@ -166,6 +168,14 @@ Status SimDevice::memory_info(MemoryInfo* info) noexcept {
   if (info == nullptr) return Status::invalid_argument;
   info->total = options_.capacity;
   info->free = options_.capacity - std::min(used(), options_.capacity);
+  return Status::ok;
+}
+
+Status SimDevice::running_processes(std::vector<ProcessMemory>* out) noexcept {
+  if (!options_.lists_processes) return Status::not_supported;
+  if (out == nullptr) return Status::invalid_argument;
+  std::lock_guard lock(mutex_);
+  out->assign(1, ProcessMemory{static_cast<unsigned int>(getpid()), used()});
   return Status::ok;
 }
 

@@ -374,7 +374,20 @@ __attribute__((visibility("default"))) void reservoir_torch_reset() {
 // 0, or -1 with last_error (a fraction outside [0, 1], NaN included).
 __attribute__((visibility("default"))) int reservoir_torch_set_memory_fraction(double fraction,
                                                                                int device) {
-  return guarded([&] { allocator_for(device).set_memory_fraction(fraction); }) ? 0 : -1;
+  return guarded([&] {
+           CachingAllocator& allocator = allocator_for(device);
+           // From 2.10 PyTorch's setMemoryFraction(1.0) removes the limit
+           // (seen under 2.11 and 2.15: its message then names no allowed
+           // memory); before, it sets a limit of the whole device.
+           const std::string release = allocator.config().pytorch_version;
+           if (fraction == 1.0 && !release.empty() && reservoir::compare_versions(release, "2.10") >= 0) {
+             allocator.clear_memory_fraction();
+           } else {
+             allocator.set_memory_fraction(fraction);
+           }
+         })
+             ? 0
+             : -1;
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_record_stream(void* ptr,

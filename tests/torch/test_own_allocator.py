@@ -1134,3 +1134,85 @@ emit(grown=torch.cuda.memory_stats()["active_bytes.all.allocated"] - start)
 def test_the_cublas_workspace_comes_from_the_allocator():
     native, ours = run_both(CUBLAS_WORKSPACE, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
     assert ours == native == {"grown": 32 * MiB + 512}
+
+
+# Failing programs on a 2 GiB device: a request too large with memory cached
+# in split segments, the same under a memory fraction, and under expandable
+# segments. reservoir's own allocator writes PyTorch's message for the
+# running release sentence for sentence (NVML's list of processes included:
+# the simulated device answers NVML as a GPU's driver does).
+MESSAGES = """
+GiB = 1 << 30
+messages = []
+def fail(n):
+    try:
+        torch.empty(n, dtype=torch.uint8, device="cuda")
+        messages.append("no error")
+    except torch.OutOfMemoryError as e:
+        messages.append(str(e))
+keep = [torch.empty(300 * MiB, dtype=torch.uint8, device="cuda"),
+        torch.empty(5 * MiB + 1, dtype=torch.uint8, device="cuda")]
+cached = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+small = torch.empty(1000, dtype=torch.uint8, device="cuda")
+cached = None
+fail(int(1.75 * GiB))
+torch.cuda.set_per_process_memory_fraction(0.5)
+fail(800 * MiB)
+torch.cuda.set_per_process_memory_fraction(1.0)
+fail(3 * GiB)
+emit(messages=messages)
+"""
+
+
+@pytest.mark.parametrize("settings", ["", "expandable_segments:True"])
+def test_the_out_of_memory_message_is_pytorchs_sentence_for_sentence(settings):
+    env = {"RESERVOIR_SIMCUDA_MEMORY": "2GiB", "PYTORCH_CUDA_ALLOC_CONF": settings}
+    native = run("native", MESSAGES, env)
+    ours = run(settings or "reservoir", MESSAGES, env)  # use_as_allocator(settings)
+    assert len(native["messages"]) == 3
+    for theirs, mine in zip(native["messages"], ours["messages"]):
+        assert theirs.startswith("CUDA out of memory."), theirs
+        assert "this process has" in theirs, theirs  # NVML answered
+        assert mine == theirs
+
+
+# pytorch/pytorch#189504: a 600 MiB segment split 400 + 200 MiB, the 400 MiB
+# block freed while a side stream that used it is busy, the device filled,
+# and a 400 MiB request. PyTorch's ladder waits for the pending free, asks
+# only the device, and raises; the same request an instant later is served.
+# reservoir's own allocator serves the first request from the block the wait
+# freed; with retry_searches_pool:False it keeps PyTorch's ladder.
+PENDING_FREE = """
+total = torch.cuda.mem_get_info()[1]
+whole = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
+base = whole.data_ptr()
+whole = None
+front = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+tail = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+filler = torch.empty(torch.cuda.mem_get_info()[0] - 64 * MiB, dtype=torch.uint8, device="cuda")
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time on the side stream
+front.record_stream(side)
+front = None
+outcome = []
+for attempt in range(2):
+    try:
+        t = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+        outcome.append(t.data_ptr() - base)
+        break
+    except torch.OutOfMemoryError:
+        outcome.append("oom")
+stats = torch.cuda.memory_stats()
+emit(outcome=outcome, ooms=stats["num_ooms"], retries=stats["num_alloc_retries"])
+"""
+
+
+def test_a_block_the_retry_ladder_freed_serves_the_request_pytorchs_raises():
+    env = {"RESERVOIR_SIMCUDA_MEMORY": "2GiB"}
+    native = run("native", PENDING_FREE, env)
+    assert native == {"outcome": ["oom", 0], "ooms": 1, "retries": 1}
+    ours = run("reservoir", PENDING_FREE, env)
+    assert ours == {"outcome": [0], "ooms": 0, "retries": 0}
+    as_pytorch = run("retry_searches_pool:False", PENDING_FREE, env)
+    assert as_pytorch == native

@@ -86,6 +86,55 @@ TEST_F(Ladder, OutOfMemoryMessageEndsAsTheReleaseWritesIt) {
   }
 }
 
+// Where the device lists the processes using it (NVML on a GPU), the
+// message names each as PyTorch's does, before the allowed memory.
+TEST_F(Ladder, OutOfMemoryMessageNamesTheProcessesUsingTheDevice) {
+  SimDeviceOptions options;
+  options.capacity = 30 * kMiB;
+  options.lists_processes = true;
+  device_ = std::make_unique<SimDevice>(options);
+  allocator_ = std::make_unique<CachingAllocator>(*device_, AllocatorConfig::parse(""));
+  allocator_->set_memory_fraction(0.9);
+  const DevicePtr a = alloc(12 * kMiB);
+  try {
+    (void)allocator_->allocate(20 * kMiB);
+    ADD_FAILURE() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.substr(0, what.find(" Of the allocated memory")),
+              "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+              "30.00 MiB of which 18.00 MiB is free. Including non-PyTorch memory, this process "
+              "has 12.00 MiB memory in use. 27.00 MiB allowed;");
+  }
+  release(a);
+}
+
+// 2.15 under expandable segments ends on the address space instead.
+TEST_F(Ladder, OutOfMemoryMessageUnderExpandableSegmentsEndsAs215WritesIt) {
+  for (const std::string release : {"2.14", "2.15"}) {
+    allocator_.reset();  // before the device it maps on
+    make("expandable_segments:True,pytorch_version:" + release, 30 * kMiB);
+    try {
+      (void)allocator_->allocate(40 * kMiB);
+      ADD_FAILURE() << "expected OutOfMemoryError";
+    } catch (const OutOfMemoryError& e) {
+      const std::string what = e.what();
+      const std::string unallocated = "reserved by PyTorch but unallocated.";
+      const std::string tail = what.substr(what.find(unallocated) + unallocated.size());
+      if (release == "2.15") {
+        EXPECT_EQ(tail,
+                  " expandable_segments is enabled. If instead the process is running out of "
+                  "virtual address space (VSZ), expandable segments may be over-reserving VA (each "
+                  "segment reserves ~9/8 of device memory, times the number of streams); reduce it "
+                  "via PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve / "
+                  "expandable_segments_reserve_by_class.");
+      } else {
+        EXPECT_TRUE(tail.starts_with(" If reserved but unallocated memory is large")) << tail;
+      }
+    }
+  }
+}
+
 TEST_F(Ladder, OutOfMemoryMessageCarriesPyTorchsFields) {
   make("", 30 * kMiB);
   const DevicePtr a = alloc(12 * kMiB);

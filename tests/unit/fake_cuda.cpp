@@ -329,7 +329,7 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaStreamSynchronize, cudaStreamCreateWithFlags, cudaStreamDestroy,
                         cudaDeviceSynchronize, cudaMemcpyAsync,
                         cudaHostAlloc,   cudaFreeHost, cudaStreamIsCapturing,
-                        cudaThreadExchangeStreamCaptureMode};
+                        cudaThreadExchangeStreamCaptureMode, nullptr};
 }
 
 }  // namespace reservoir::testing

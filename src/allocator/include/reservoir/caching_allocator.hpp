@@ -141,6 +141,10 @@ class CachingAllocator {
   void collect_garbage(std::size_t bytes);
   // Limits the memory this allocator reserves to fraction * device total.
   void set_memory_fraction(double fraction);
+  // No limit of the process's own: as before any set_memory_fraction (what
+  // PyTorch's setMemoryFraction(1.0) does from 2.10: no "allowed" in the
+  // out-of-memory message, no garbage collection by threshold).
+  void clear_memory_fraction();
 
   void set_config(const AllocatorConfig& config);
   AllocatorConfig config() const;

@@ -32,6 +32,9 @@ class CombinedDevice final : public Device {
   Status unmap(DevicePtr va, std::size_t bytes) noexcept override;
   Status set_access(DevicePtr va, std::size_t bytes) noexcept override;
   Status memory_info(MemoryInfo* info) noexcept override;
+  Status running_processes(std::vector<ProcessMemory>* out) noexcept override {
+    return segments_.running_processes(out);
+  }
   Status create_event(EventId* event) noexcept override;
   Status destroy_event(EventId event) noexcept override;
   Status record_event(EventId event, StreamId stream) noexcept override;

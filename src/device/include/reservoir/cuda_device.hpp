@@ -61,6 +61,7 @@ class CudaRuntimeDevice final : public Device {
   Status unmap(DevicePtr, std::size_t) noexcept override { return Status::not_supported; }
   Status set_access(DevicePtr, std::size_t) noexcept override { return Status::not_supported; }
   Status memory_info(MemoryInfo* info) noexcept override;
+  Status running_processes(std::vector<ProcessMemory>* out) noexcept override;
   Status create_event(EventId* event) noexcept override;
   Status destroy_event(EventId event) noexcept override;
   Status record_event(EventId event, StreamId stream) noexcept override;
@@ -133,6 +134,7 @@ class CudaVmmDevice final : public Device {
   Status unmap(DevicePtr va, std::size_t bytes) noexcept override;
   Status set_access(DevicePtr va, std::size_t bytes) noexcept override;
   Status memory_info(MemoryInfo* info) noexcept override;
+  Status running_processes(std::vector<ProcessMemory>* out) noexcept override;
   Status create_event(EventId* event) noexcept override;
   Status destroy_event(EventId event) noexcept override;
   Status record_event(EventId event, StreamId stream) noexcept override;

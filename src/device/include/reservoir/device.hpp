@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "reservoir/status.hpp"
 
@@ -27,6 +28,14 @@ namespace reservoir {
 struct MemoryInfo {
   std::size_t free = 0;
   std::size_t total = 0;
+};
+
+// A process using the device and the device memory it holds (NVML's
+// nvmlDeviceGetComputeRunningProcesses: allocations, the CUDA context, any
+// library's memory).
+struct ProcessMemory {
+  unsigned int pid = 0;
+  std::uint64_t used = 0;
 };
 
 class Device {
@@ -81,6 +90,12 @@ class Device {
 
   // ---- information --------------------------------------------------------
   virtual Status memory_info(MemoryInfo* info) noexcept = 0;
+  // Optional: the processes using the device, as NVML lists them (PyTorch's
+  // out-of-memory message names each). Backends that cannot tell keep the
+  // default, not_supported, and the message leaves the sentence out.
+  virtual Status running_processes(std::vector<ProcessMemory>* /*out*/) noexcept {
+    return Status::not_supported;
+  }
 
   // ---- streams and events -------------------------------------------------
   virtual Status create_event(EventId* event) noexcept = 0;

@@ -43,6 +43,10 @@ struct SimDeviceOptions {
   DevicePtr base_address = 0x7f0000000000;         // first fake address
   std::size_t segment_alignment = std::size_t{2} << 20;
   bool auto_complete_events = false;
+  // running_processes() lists this process with the bytes the device holds
+  // for it (as NVML lists a process on a GPU); false: not_supported, as a
+  // device without NVML.
+  bool lists_processes = false;
   LatencyModel latency = LatencyModel::defaults();
   // Segments (allocate_segment) take the lowest freed range they fit, as a
   // real driver can give cudaMalloc a lower address after a cudaFree (an
@@ -76,6 +80,7 @@ class SimDevice final : public Device {
   Status unmap(DevicePtr va, std::size_t bytes) noexcept override;
   Status set_access(DevicePtr va, std::size_t bytes) noexcept override;
   Status memory_info(MemoryInfo* info) noexcept override;
+  Status running_processes(std::vector<ProcessMemory>* out) noexcept override;
   Status create_event(EventId* event) noexcept override;
   Status destroy_event(EventId event) noexcept override;
   Status record_event(EventId event, StreamId stream) noexcept override;
