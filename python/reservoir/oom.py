@@ -31,6 +31,7 @@ from . import _core
 
 EXPLAIN_VARIABLE = "RESERVOIR_EXPLAIN_OOM"
 DIRECTORY_VARIABLE = "RESERVOIR_OOM_DIR"
+KEEP_VARIABLE = "RESERVOIR_EXPLAIN_OOM_KEEP"
 DEFAULT_MAX_ENTRIES = 100_000
 
 _lock = threading.Lock()
@@ -61,16 +62,22 @@ def _rank(rank):
     return int(value) if value.isdigit() else None
 
 
-def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stacks=False):
+def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stacks=False, keep=None):
     """Explains every CUDA out-of-memory error from now on (see the module's
     text). `stacks=True` records Python stacks too: the page then names the
     code that allocated the largest blocks, at several microseconds per
-    allocation. Returns the directory the files go to."""
+    allocation. `keep`: the errors whose files this process keeps in the
+    directory (default RESERVOIR_EXPLAIN_OOM_KEEP, else 20); older errors'
+    files are removed. Returns the directory the files go to."""
     import torch
 
     global _settings
     if max_entries < 1:
         raise ValueError(f"explain_oom: max_entries must be at least 1, not {max_entries}")
+    if keep is not None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"explain_oom: keep must be a whole number from 1, not {keep!r}")
+        os.environ[KEEP_VARIABLE] = str(keep)
     directory = _directory(directory)
     rank = _rank(rank)
     with _lock:

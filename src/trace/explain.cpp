@@ -4,11 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <deque>
 #include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
 
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
@@ -222,6 +227,74 @@ std::optional<int> explain_rank(const ExplainOptions& options) {
   return static_cast<int>(v);
 }
 
+std::size_t files_kept(const ExplainOptions& options) {
+  if (options.keep) {
+    if (*options.keep == 0) throw UsageError("explain_oom: keep must be at least 1 (the error's own files)");
+    return *options.keep;
+  }
+  const char* text = std::getenv("RESERVOIR_EXPLAIN_OOM_KEEP");
+  if (text == nullptr || *text == '\0') return kDefaultFilesKept;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (*end != '\0' || errno != 0 || v == 0 || text[0] == '-' || text[0] == '+') {
+    throw UsageError(fmt::format("RESERVOIR_EXPLAIN_OOM_KEEP='{}': not accepted; accepted: a whole number "
+                                 "from 1 (the errors whose files are kept; default {})",
+                                 text, kDefaultFilesKept));
+  }
+  return static_cast<std::size_t>(v);
+}
+
+namespace {
+
+// The errors' files this process wrote, per directory, oldest first.
+struct WrittenFiles {
+  std::mutex mutex;
+  std::map<std::string, std::deque<std::vector<std::filesystem::path>>> by_directory;
+  std::set<std::string> names;  // directory and snapshot path of every error's files
+  bool said = false;
+};
+
+WrittenFiles& written_files() {
+  static WrittenFiles* files = new WrittenFiles;  // never destroyed: errors may come during exit
+  return *files;
+}
+
+// A name this process gave an error's files, even where they were removed
+// since (a name is never given twice: removing an old error's files must
+// not remove a new error's).
+bool named_before(const std::string& directory, const std::filesystem::path& snapshot) {
+  WrittenFiles& w = written_files();
+  std::lock_guard lock(w.mutex);
+  return w.names.contains(directory + '\n' + snapshot.string());
+}
+
+// Records an error's files and removes the oldest errors' beyond `keep`.
+// Returns the sentence to add to the answer the first time any are removed.
+std::string keep_most_recent(const std::string& directory, std::vector<std::filesystem::path> files,
+                             std::size_t keep) {
+  WrittenFiles& w = written_files();
+  std::lock_guard lock(w.mutex);
+  auto& errors = w.by_directory[directory];
+  if (!files.empty()) w.names.insert(directory + '\n' + files.front().string());
+  errors.push_back(std::move(files));
+  std::size_t removed = 0;
+  while (errors.size() > keep) {
+    for (const std::filesystem::path& f : errors.front()) {
+      std::error_code ignored;
+      removed += std::filesystem::remove(f, ignored) ? 1 : 0;
+    }
+    errors.pop_front();
+  }
+  if (removed == 0 || w.said) return {};
+  w.said = true;
+  return fmt::format("the files of this process's {} most recent errors are kept in {}, older ones removed "
+                     "(RESERVOIR_EXPLAIN_OOM_KEEP sets how many)",
+                     keep, directory);
+}
+
+}  // namespace
+
 OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> snapshot_bytes,
                            const ExplainOptions& options) {
   const auto start = std::chrono::steady_clock::now();
@@ -236,7 +309,9 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
                                            rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp());
       stem = std::filesystem::path(options.directory) / name;
       // Two errors in one second: the second's files get "-2", and so on.
-      for (int n = 2; std::filesystem::exists(stem.string() + ".pickle"); ++n) {
+      for (int n = 2; std::filesystem::exists(stem.string() + ".pickle") ||
+                      named_before(options.directory, stem.string() + ".pickle");
+           ++n) {
         stem = std::filesystem::path(options.directory) / fmt::format("{}-{}", name, n);
       }
       const std::filesystem::path snap = stem.string() + ".pickle";
@@ -272,6 +347,20 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     if (!out.snapshot_path.empty()) {
       out.lines.push_back(fmt::format("{}snapshot: {} (reservoir advise {})", prefix(rank), out.snapshot_path,
                                       out.snapshot_path));
+    }
+  }
+  if (!out.snapshot_path.empty()) {
+    std::vector<std::filesystem::path> files{out.snapshot_path};
+    if (!out.page_path.empty()) files.emplace_back(out.page_path);
+    try {
+      const std::string said = keep_most_recent(options.directory, std::move(files), files_kept(options));
+      if (!said.empty()) {
+        // Said once per process: in place of the last line where all eight are taken.
+        if (out.lines.size() >= 8) out.lines.resize(7);
+        out.lines.push_back(prefix(rank) + said);
+      }
+    } catch (const std::exception& e) {
+      problems.push_back(e.what());
     }
   }
   for (const std::string& problem : problems) {

@@ -33,6 +33,13 @@ ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
   program.ops.reserve(trace.events.size() / 2);
   // The program's empty_cache() calls, seen as runs of segment releases.
   const std::unordered_set<std::size_t> empty_cache_at = detail::empty_cache_points(trace);
+  std::size_t latest_oom = trace.events.size();
+  for (std::size_t i = trace.events.size(); i-- > 0;) {
+    if (trace.events[i].action == TraceAction::oom && trace.events[i].size > 0) {
+      latest_oom = i;
+      break;
+    }
+  }
   for (std::size_t i = 0; i < trace.events.size(); ++i) {
     program.op_events.resize(program.ops.size(), i == 0 ? 0 : i - 1);
     const TraceEvent& e = trace.events[i];
@@ -74,6 +81,11 @@ ReplayProgram compile(const Trace& trace, const CompileOptions& options) {
         break;
       case TraceAction::oom: {
         if (!options.failed_requests || e.size == 0) break;
+        if (i != latest_oom) {
+          // Served nothing: what it left is its ladder's release of the cache.
+          program.ops.push_back({ReplayOp::Kind::empty_cache, 0, 0, 0});
+          break;
+        }
         const std::uint32_t id = new_id(e.context);
         program.failed_request_ops.push_back(program.ops.size());
         program.failed_request_events.push_back(i);

@@ -369,3 +369,57 @@ def test_errors_raised_in_other_threads_carry_their_own_lines(tmp_path, allocato
         # One answer per error: its own, once.
         assert sum(x.startswith("reservoir: out of memory on a ") for x in lines) == 1, (where, lines)
     assert got["made"] == "made by the program"
+
+
+# A batch-size finder of the usual kind: a step whose activations grow with
+# the batch, run at a batch that shrinks by an eighth after each
+# out-of-memory error until a step completes. Every error is caught and the
+# program goes on, as accelerate's and Lightning's finders do.
+PER_SAMPLE = (64 * 1024, 96 * 1024, 32 * 1024)  # bytes a sample of each activation
+FINDER = """
+weights = torch.empty(150 * MiB, dtype=torch.uint8, device="cuda")
+stage = 0
+def step(batch):
+    global stage
+    held = []
+    for stage, per in enumerate((64 * 1024, 96 * 1024, 32 * 1024)):
+        held.append(torch.empty(batch * per, dtype=torch.uint8, device="cuda"))
+batch, errors = 16384, []
+while batch >= 1:
+    try:
+        step(batch)
+        break
+    except torch.OutOfMemoryError as e:
+        errors.append([str(e), batch, stage])
+        batch = batch * 7 // 8
+report(batch=batch, errors=errors)
+"""
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "own"])
+def test_a_batch_size_finder_gets_each_error_explained_for_itself(tmp_path, allocator):
+    env = {"RESERVOIR_EXPLAIN_OOM": "1", "RESERVOIR_EXPLAIN_OOM_KEEP": "3"}
+    if allocator == "own":
+        env["RESERVOIR_TORCH_ALLOCATOR"] = "own"
+    got = run(FINDER, tmp_path, code_change=False, env=env)
+    plain = run(FINDER, tmp_path / "plain")  # PyTorch's allocator, nothing explained: the same batch
+    assert got["batch"] == plain["batch"] and len(got["errors"]) == len(plain["errors"])
+    assert len(got["errors"]) >= 8, got["errors"]
+    kept_said = 0
+    for message, batch, stage in got["errors"]:
+        _, lines = answer_of(message)
+        # Each exception carries the answer to its own error, once: its own
+        # request, and what was alive then (the weights and the step's
+        # activations so far; earlier steps' failed requests got no memory).
+        request = batch * PER_SAMPLE[stage]
+        assert lines and lines[0].startswith(f"reservoir: out of memory on a {format_size(request)} request: "), \
+            (batch, stage, lines)
+        assert sum(x.startswith("reservoir: out of memory on a ") for x in lines) == 1, lines
+        if "too little memory" in lines[0]:
+            needs = 150 * MiB + sum(batch * per for per in PER_SAMPLE[:stage + 1])
+            assert f"the recorded part alone needs {format_size(needs)} at its peak" in lines[0], (batch, stage, lines[0])
+        kept_said += sum("most recent errors are kept" in x for x in lines)
+    # The files of the 3 most recent errors stay, and that is said once.
+    assert kept_said == 1
+    assert len(glob.glob(str(tmp_path / "oom" / "*.pickle"))) == 3
+    assert len(glob.glob(str(tmp_path / "oom" / "*-advice.html"))) == 3

@@ -3,6 +3,8 @@
 // for each cause; the files; and a failing explainer or an unwritable folder
 // never hides the allocator's error.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
+#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -189,6 +191,70 @@ TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
   EXPECT_NE(again.snapshot_path, e.snapshot_path);
   EXPECT_TRUE(std::filesystem::exists(again.snapshot_path));
   std::filesystem::remove_all(dir);
+}
+
+// A process that meets error after error keeps the files of the most recent
+// N (RESERVOIR_EXPLAIN_OOM_KEEP; ExplainOptions::keep), says so once, and
+// leaves the files of others alone.
+TEST(Explain, TheFilesOfTheMostRecentErrorsAreKeptAndThatIsSaidOnce) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_keep";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "other-process.pickle") << "x";
+  const Trace t = fragmented_oom();
+  ExplainOptions options;
+  options.directory = dir.string();
+  options.keep = 3;
+  options.page = [](const Trace&, const Advice&) { return std::string("<html>page</html>"); };
+  std::vector<OomExplanation> answers;
+  std::size_t said = 0;
+  for (int i = 0; i < 7; ++i) {
+    answers.push_back(explain_oom(t, {}, options));
+    for (const std::string& line : answers.back().lines) {
+      if (line.find("most recent errors are kept") != std::string::npos) {
+        ++said;
+        EXPECT_EQ(line, fmt::format("reservoir: the files of this process's 3 most recent errors are kept in "
+                                    "{}, older ones removed (RESERVOIR_EXPLAIN_OOM_KEEP sets how many)",
+                                    dir.string()));
+        EXPECT_EQ(i, 3);  // the fourth error removes the first's files
+      }
+    }
+  }
+  EXPECT_EQ(said, 1u);
+  for (int i = 0; i < 7; ++i) {
+    const bool kept = i >= 4;
+    EXPECT_EQ(std::filesystem::exists(answers[i].snapshot_path), kept) << i;
+    EXPECT_EQ(std::filesystem::exists(answers[i].page_path), kept) << i;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "other-process.pickle"));
+  std::size_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) files += entry.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(files, 7u);  // 3 errors' snapshot and page, and the other process's file
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Explain, HowManyErrorsFilesAreKeptIsReadFromTheEnvironment) {
+  ExplainOptions options;
+  ::unsetenv("RESERVOIR_EXPLAIN_OOM_KEEP");
+  EXPECT_EQ(files_kept(options), kDefaultFilesKept);
+  ::setenv("RESERVOIR_EXPLAIN_OOM_KEEP", "5", 1);
+  EXPECT_EQ(files_kept(options), 5u);
+  options.keep = 2;
+  EXPECT_EQ(files_kept(options), 2u);  // given beats the environment
+  options.keep.reset();
+  for (const char* bad : {"0", "-3", "many", "4x"}) {
+    ::setenv("RESERVOIR_EXPLAIN_OOM_KEEP", bad, 1);
+    try {
+      (void)files_kept(options);
+      ADD_FAILURE() << bad;
+    } catch (const UsageError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                fmt::format("RESERVOIR_EXPLAIN_OOM_KEEP='{}': not accepted; accepted: a whole number from 1 (the "
+                            "errors whose files are kept; default 20)",
+                            bad));
+    }
+  }
+  ::unsetenv("RESERVOIR_EXPLAIN_OOM_KEEP");
 }
 
 TEST(Explain, AFolderThatCannotBeWrittenIsSaidAndTheAnswerStands) {

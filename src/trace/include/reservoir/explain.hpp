@@ -43,7 +43,19 @@ struct ExplainOptions {
   // The HTML page of the advice, written beside the snapshot when given
   // (the command-line tool's and the Python module's views provide it).
   std::function<std::string(const Trace&, const Advice&)> page;
+  // The errors whose files (snapshot, page) this process keeps in
+  // `directory`: past that many, the oldest error's files are removed, and
+  // the answer that first removes some says so. None: RESERVOIR_EXPLAIN_OOM_KEEP
+  // from the environment, else kDefaultFilesKept. A process that meets
+  // errors for hours fills no disk.
+  std::optional<std::size_t> keep;
 };
+
+inline constexpr std::size_t kDefaultFilesKept = 20;
+// The number of errors' files kept under `options` (its keep, else the
+// environment's RESERVOIR_EXPLAIN_OOM_KEEP, a whole number from 1; else the
+// default). Throws UsageError naming the variable for a value it cannot take.
+std::size_t files_kept(const ExplainOptions& options);
 
 struct OomExplanation {
   std::vector<std::string> lines;  // at most eight, each "reservoir: ..." (or "reservoir [rank R]: ...")

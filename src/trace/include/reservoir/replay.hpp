@@ -37,15 +37,20 @@ struct ReplayProgram {
   // Per id: the context of its recorded alloc event (the trace's contexts;
   // 0 when none or when the block was live before recording began).
   std::vector<std::uint32_t> contexts;
-  // With CompileOptions::failed_requests: the index in `ops` of each request
-  // that ran out of memory in the recording, and of its oom event.
+  // With CompileOptions::failed_requests: the index in `ops` of the latest
+  // request that ran out of memory in the recording, and of its oom event
+  // (none or one).
   std::vector<std::uint64_t> failed_request_ops;
   std::vector<std::uint64_t> failed_request_events;
 };
 struct CompileOptions {
-  // Make each request that ran out of memory in the recording (its oom
-  // event) an alloc, freed at once: a setting that fits serves it, beside
-  // everything alive then. Off, the program is what the recording served.
+  // Make the latest request that ran out of memory in the recording (its
+  // oom event) an alloc, freed at once: a setting that fits serves it,
+  // beside everything alive then. An earlier one got no memory and the
+  // program went on without it (a batch-size finder, a service failing one
+  // request): it is its retry ladder's release of the cache (an
+  // empty_cache op), not an allocation. Off, the program is what the
+  // recording served.
   bool failed_requests = false;
 };
 // Blocks live at the start are those freed before any alloc at their address,
