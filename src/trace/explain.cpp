@@ -85,8 +85,12 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
   // Fragmentation: what was in use and the request would have fit in what
   // the allocator held and the device had free, but the held memory sat in
   // pieces too small for it.
+  // (Under a page policy a segment's address space counts as reserved
+  // whether its pages are mapped or not: what is in use and the request
+  // must also fit the device.)
   if (d.request && unusable > 0 && d.device_free_bytes &&
-      unusable + *d.device_free_bytes >= d.request->rounded) {
+      unusable + *d.device_free_bytes >= d.request->rounded &&
+      (!device_total || d.allocated_bytes + d.request->rounded <= *device_total)) {
     causes.push_back(fmt::format(
         "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), "
         "and the device had {} free",
