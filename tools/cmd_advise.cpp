@@ -94,10 +94,23 @@ void run_job(const AdviseArgs& args, const std::vector<std::string>& files) {
 }
 
 void run(const AdviseArgs& args) {
-  const std::vector<std::string> files = job_files(args.traces);
+  std::vector<RankErrors> errors_of;
+  const std::vector<std::string> files = job_files(args.traces, &errors_of);
   bool folder = false;
   for (const std::string& t : args.traces) folder |= std::filesystem::is_directory(t);
   if (files.size() > 1 || folder) {
+    // A process that met error after error: its latest is advised on.
+    if (!args.json) {
+      for (const RankErrors& r : errors_of) {
+        std::vector<std::string> earlier;
+        for (const std::string& e : r.earlier) earlier.push_back(base_name(e));
+        fmt::print("{}", wrapped(fmt::format(
+                             "{}: the latest of {} errors one process met is advised on; the earlier ones "
+                             "({}) are set aside (reservoir advise FILE reads any of them alone)\n",
+                             base_name(r.latest), r.earlier.size() + 1, fmt::join(earlier, ", "))));
+      }
+      if (!errors_of.empty()) fmt::print("\n");
+    }
     run_job(args, files);
     return;
   }

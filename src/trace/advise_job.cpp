@@ -10,8 +10,13 @@
 #include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <optional>
+#include <regex>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "reservoir/advise.hpp"
 #include "reservoir/errors.hpp"
@@ -97,7 +102,57 @@ RankAdvice summarize(const Trace& trace, const Advice& advice, const std::string
 
 }  // namespace
 
-std::vector<std::string> job_files(const std::vector<std::string>& args) {
+namespace {
+
+// The live answer's file name split: the process and rank's part, and the
+// error's time and number ("-N" for the Nth error of one second; none is 1).
+struct ErrorFile {
+  std::string process;
+  std::string stamp;
+  unsigned long long n = 1;
+};
+
+std::optional<ErrorFile> error_file(const std::string& path) {
+  static const std::regex kName(R"(^(.+)-(\d{8}-\d{6})(?:-(\d{1,9}))?\.(?:pickle|pkl|json)$)");
+  const std::string base = std::filesystem::path(path).filename().string();
+  std::smatch m;
+  if (!std::regex_match(base, m, kName)) return std::nullopt;
+  ErrorFile f{m[1].str(), m[2].str(), 1};
+  if (m[3].matched) f.n = std::stoull(m[3].str());
+  return f;
+}
+
+// A folder's files with each process's errors but the latest set aside.
+std::vector<std::string> latest_errors(const std::vector<std::string>& found,
+                                       std::vector<RankErrors>* errors_of) {
+  std::map<std::string, std::vector<std::pair<ErrorFile, std::string>>> by_process;
+  for (const std::string& f : found) {
+    if (const auto e = error_file(f)) by_process[e->process].emplace_back(*e, f);
+  }
+  std::set<std::string> set_aside;
+  for (auto& [process, files] : by_process) {
+    if (files.size() < 2) continue;
+    std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.first.stamp, a.first.n) < std::tie(b.first.stamp, b.first.n);
+    });
+    RankErrors r;
+    r.latest = files.back().second;
+    for (std::size_t i = 0; i + 1 < files.size(); ++i) {
+      r.earlier.push_back(files[i].second);
+      set_aside.insert(files[i].second);
+    }
+    if (errors_of != nullptr) errors_of->push_back(std::move(r));
+  }
+  std::vector<std::string> out;
+  for (const std::string& f : found) {
+    if (!set_aside.contains(f)) out.push_back(f);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> job_files(const std::vector<std::string>& args, std::vector<RankErrors>* errors_of) {
   std::vector<std::string> out;
   for (const std::string& arg : args) {
     std::error_code ec;
@@ -113,6 +168,7 @@ std::vector<std::string> job_files(const std::vector<std::string>& args) {
         throw UsageError(fmt::format("advise: the folder '{}' holds no .pickle or .json file", arg));
       }
       std::sort(found.begin(), found.end(), natural_less);
+      found = latest_errors(found, errors_of);
       out.insert(out.end(), found.begin(), found.end());
     } else if (std::filesystem::exists(arg, ec)) {
       out.push_back(arg);

@@ -125,5 +125,32 @@ TEST_F(Job, FilesFromFoldersAndGlobsInNaturalOrder) {
             "advise: the folder '" + (dir_ / "empty").string() + "' holds no .pickle or .json file");
 }
 
+// A folder where processes that caught their errors and went on wrote one
+// file per error: each process and rank's latest error stands for it, the
+// earlier ones are set aside and named.
+TEST_F(Job, EachProcesssLatestErrorStandsForItsRank) {
+  for (const char* name : {"node1-rank0-20261128-101500.pickle", "node1-rank0-20261128-101500-2.pickle",
+                           "node1-rank0-20261128-101500-10.pickle", "node1-rank0-20261128-101459.pickle",
+                           "node1-rank1-20261128-101502.pickle", "node2-rank0-20261128-090000.pickle",
+                           "node2-rank0-20261128-100000.pickle", "rank3.pickle"}) {
+    write(name, "x");
+  }
+  std::vector<RankErrors> errors_of;
+  const std::vector<std::string> files = job_files({dir_.string()}, &errors_of);
+  EXPECT_EQ(files, (std::vector<std::string>{(dir_ / "node1-rank0-20261128-101500-10.pickle").string(),
+                                             (dir_ / "node1-rank1-20261128-101502.pickle").string(),
+                                             (dir_ / "node2-rank0-20261128-100000.pickle").string(),
+                                             (dir_ / "rank3.pickle").string()}));
+  ASSERT_EQ(errors_of.size(), 2u);
+  EXPECT_EQ(errors_of[0].latest, (dir_ / "node1-rank0-20261128-101500-10.pickle").string());
+  EXPECT_EQ(errors_of[0].earlier, (std::vector<std::string>{(dir_ / "node1-rank0-20261128-101459.pickle").string(),
+                                                            (dir_ / "node1-rank0-20261128-101500.pickle").string(),
+                                                            (dir_ / "node1-rank0-20261128-101500-2.pickle").string()}));
+  EXPECT_EQ(errors_of[1].latest, (dir_ / "node2-rank0-20261128-100000.pickle").string());
+  EXPECT_EQ(errors_of[1].earlier, (std::vector<std::string>{(dir_ / "node2-rank0-20261128-090000.pickle").string()}));
+  // Files named on the command line are each advised on, as given.
+  EXPECT_EQ(job_files({(dir_ / "node2-rank0-*.pickle").string()}).size(), 2u);
+}
+
 }  // namespace
 }  // namespace reservoir

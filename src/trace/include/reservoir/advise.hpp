@@ -275,7 +275,17 @@ JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& op
 // The files of a job named by paths, folders (their .pickle and .json files)
 // and glob patterns, in natural order (rank2 before rank10). Throws
 // UsageError for a pattern or folder that names no file.
-std::vector<std::string> job_files(const std::vector<std::string>& args);
+// In a folder, the files the live answer wrote for one process's errors
+// (HOST[-rankR]-YYYYmmdd-HHMMSS[-N].pickle, a process that caught its errors
+// and went on) are one rank's errors: only the latest is advised on, and
+// `errors_of`, when given, gets each such rank's latest file and the earlier
+// ones set aside.
+struct RankErrors {
+  std::string latest;
+  std::vector<std::string> earlier;  // oldest first
+};
+std::vector<std::string> job_files(const std::vector<std::string>& args,
+                                   std::vector<RankErrors>* errors_of = nullptr);
 
 // The line that selects the candidate: PYTORCH_CUDA_ALLOC_CONF=<config> (or
 // the advice to leave it unset) for stock PyTorch; RESERVOIR_ALLOC_CONF=<config>
