@@ -1203,6 +1203,8 @@ for attempt in range(2):
         break
     except torch.OutOfMemoryError:
         outcome.append("oom")
+"""
+PENDING_FREE_STATS = PENDING_FREE + """
 stats = torch.cuda.memory_stats()
 emit(outcome=outcome, ooms=stats["num_ooms"], retries=stats["num_alloc_retries"])
 """
@@ -1210,9 +1212,13 @@ emit(outcome=outcome, ooms=stats["num_ooms"], retries=stats["num_alloc_retries"]
 
 def test_a_block_the_retry_ladder_freed_serves_the_request_pytorchs_raises():
     env = {"RESERVOIR_SIMCUDA_MEMORY": "2GiB"}
-    native = run("native", PENDING_FREE, env)
+    native = run("native", PENDING_FREE_STATS, env)
     assert native == {"outcome": ["oom", 0], "ooms": 1, "retries": 1}
-    ours = run("reservoir", PENDING_FREE, env)
+    ours = run("reservoir", PENDING_FREE_STATS, env)
     assert ours == {"outcome": [0], "ooms": 0, "retries": 0}
-    as_pytorch = run("retry_searches_pool:False", PENDING_FREE, env)
+    as_pytorch = run("retry_searches_pool:False", PENDING_FREE_STATS, env)
     assert as_pytorch == native
+    # The pluggable allocator (reservoir.install_torch()) is the same allocator.
+    pluggable = run("native", "import reservoir\nreservoir.install_torch()\n" + PENDING_FREE +
+                    "emit(outcome=outcome)\n", env)
+    assert pluggable == {"outcome": [0]}
