@@ -31,6 +31,7 @@ Status CudaPinnedMemory::free(void*) noexcept { return Status::not_supported; }
   Status Device::allocate_segment(std::size_t, DevicePtr*) noexcept { return Status::not_supported; } \
   Status Device::free_segment(DevicePtr) noexcept { return Status::not_supported; }                 \
   Status Device::memory_info(MemoryInfo*) noexcept { return Status::not_supported; }                \
+  Status Device::running_processes(std::vector<ProcessMemory>*) noexcept { return Status::not_supported; } \
   Status Device::create_event(EventId*) noexcept { return Status::not_supported; }                  \
   Status Device::destroy_event(EventId) noexcept { return Status::not_supported; }                  \
   Status Device::record_event(EventId, StreamId) noexcept { return Status::not_supported; }         \
