@@ -152,7 +152,6 @@ Outcome run_service(const std::string& settings, std::size_t n, bool explained) 
   static const std::vector<Request> all = requests(10'000);
   auto d = device();
   reservoir::CachingAllocator a(*d, reservoir::AllocatorConfig::parse(settings));
-  std::string answer;
   if (explained) {
     reservoir::explain_oom_errors(a, reservoir::ExplainOptions{}, 20'000);
   }
