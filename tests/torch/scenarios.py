@@ -211,3 +211,35 @@ out["make_graphed_callables"]["stats"] = {
     if not k.startswith("inactive_split") or k.endswith(".current")}
 emit()
 """
+
+
+# pytorch/pytorch#189504: a 600 MiB segment split 400 + 200 MiB, the 400 MiB
+# block freed while a side stream that used it is busy, the device filled,
+# and a 400 MiB request. PyTorch's ladder waits for the pending free, asks
+# only the device, and raises; the same request an instant later is served.
+# reservoir's allocator (own, pluggable, the saver's drop-in) serves the first
+# request from the block the wait freed; retry_searches_pool:False keeps
+# PyTorch's ladder. Needs MiB, and RESERVOIR_SIMCUDA_KERNELS=skip (the side
+# stream's sleep is a busy kernel).
+PENDING_FREE = """
+total = torch.cuda.mem_get_info()[1]
+whole = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
+base = whole.data_ptr()
+whole = None
+front = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+tail = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+filler = torch.empty(torch.cuda.mem_get_info()[0] - 64 * MiB, dtype=torch.uint8, device="cuda")
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time on the side stream
+front.record_stream(side)
+front = None
+outcome = []
+for attempt in range(2):
+    try:
+        t = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+        outcome.append(t.data_ptr() - base)
+        break
+    except torch.OutOfMemoryError:
+        outcome.append("oom")
+"""

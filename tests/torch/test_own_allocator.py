@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from scenarios import PENDING_FREE
 
 torch = pytest.importorskip("torch")
 
@@ -1176,34 +1177,7 @@ def test_the_out_of_memory_message_is_pytorchs_sentence_for_sentence(settings):
         assert mine == theirs
 
 
-# pytorch/pytorch#189504: a 600 MiB segment split 400 + 200 MiB, the 400 MiB
-# block freed while a side stream that used it is busy, the device filled,
-# and a 400 MiB request. PyTorch's ladder waits for the pending free, asks
-# only the device, and raises; the same request an instant later is served.
-# reservoir's own allocator serves the first request from the block the wait
-# freed; with retry_searches_pool:False it keeps PyTorch's ladder.
-PENDING_FREE = """
-total = torch.cuda.mem_get_info()[1]
-whole = torch.empty(600 * MiB, dtype=torch.uint8, device="cuda")
-base = whole.data_ptr()
-whole = None
-front = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-tail = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
-filler = torch.empty(torch.cuda.mem_get_info()[0] - 64 * MiB, dtype=torch.uint8, device="cuda")
-side = torch.cuda.Stream()
-with torch.cuda.stream(side):
-    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time on the side stream
-front.record_stream(side)
-front = None
-outcome = []
-for attempt in range(2):
-    try:
-        t = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-        outcome.append(t.data_ptr() - base)
-        break
-    except torch.OutOfMemoryError:
-        outcome.append("oom")
-"""
+# The pending-free case of pytorch/pytorch#189504 (scenarios.py).
 PENDING_FREE_STATS = PENDING_FREE + """
 stats = torch.cuda.memory_stats()
 emit(outcome=outcome, ooms=stats["num_ooms"], retries=stats["num_alloc_retries"])

@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-from scenarios import GRAPH_RL_LOOP, PAUSE_RESUME
+from scenarios import GRAPH_RL_LOOP, PAUSE_RESUME, PENDING_FREE
 
 SITE = os.environ["RESERVOIR_TMS_SITE"]
 SIMCUDA = os.environ["LD_PRELOAD"]
@@ -587,3 +587,33 @@ def test_pytorchs_statistics_answer_whichever_way_the_drop_in_came_in():
     # PyTorch's allocator stays; the region's 64 MiB are counted in its statistics
     # (a MemPool's), and its pause gives them back.
     assert ours.stdout.split() == ["native", "True", "64"]
+
+
+# The pending-free case (scenarios.py, pytorch/pytorch#189504) inside a
+# region: the real package in torch mode ends the process at the device's
+# refusal (its allocation callback exits on an error); in preload mode
+# PyTorch's ladder raises out-of-memory with the block it waited for at hand,
+# and serves the same request an instant later. The drop-in serves it at once
+# from that block in both modes. Under its interposer PyTorch's own allocator
+# decides (the interposer only supplies its segments): PyTorch's answer.
+PENDING_FREE_IN_A_REGION = ("import json\nwith tms.region(tag='kv'):\n" +
+                            textwrap.indent(PENDING_FREE.strip(), "    ") + """
+    stats = torch.cuda.memory_stats()
+print(json.dumps({"outcome": outcome, "ooms": stats["num_ooms"], "retries": stats["num_alloc_retries"]}))
+""")
+
+
+def test_a_pending_free_in_a_region_serves_the_request_the_real_package_fails():
+    env = {"RESERVOIR_SIMCUDA_MEMORY": "2GiB", "RESERVOIR_SIMCUDA_KERNELS": "skip"}
+    real = run(REAL, "torch", PENDING_FREE_IN_A_REGION, env)
+    assert real.returncode == 1 and "out of memory" in real.stderr, (real.returncode, real.stderr[-800:])
+    real = run(REAL, "preload", PENDING_FREE_IN_A_REGION, env)
+    assert real.returncode == 0, real.stderr[-1500:]
+    assert json.loads(real.stdout) == {"outcome": ["oom", 0], "ooms": 1, "retries": 1}
+    for mode in ("torch", "preload"):
+        ours = run(OURS, mode, PENDING_FREE_IN_A_REGION, env)
+        assert ours.returncode == 0, (mode, ours.stderr[-1500:])
+        assert json.loads(ours.stdout) == {"outcome": [0], "ooms": 0, "retries": 0}, mode
+    under = run(OURS_UNDER_INTERPOSER, "torch", PENDING_FREE_IN_A_REGION, env)
+    assert under.returncode == 0, under.stderr[-1500:]
+    assert json.loads(under.stdout) == json.loads(real.stdout)
