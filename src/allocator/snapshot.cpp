@@ -104,6 +104,10 @@ Snapshot CachingAllocator::Impl::snapshot() const {
         }
         info.blocks.push_back(block);
       }
+      if (segment->paged) {
+        out.backed_bytes[info.address] =
+            std::min(info.total_size, segment->paged->mapped_pages * segment->paged->page);
+      }
       out.segments.push_back(std::move(info));
     }
   }

@@ -79,11 +79,20 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
         largest = std::max<std::uint64_t>(largest, b.size);
       }
     }
-    d.reserved_bytes += s.total_size;
+    // A native_paged segment holds only its pages with memory behind them:
+    // its free blocks count for what of them is backed (their whole size
+    // still decides what they can serve, pages being mapped on demand).
+    const std::uint64_t held = d.segments.backed(s);
+    if (held < s.total_size) {
+      const std::uint64_t busy = s.total_size - free;
+      free = held > busy ? held - busy : 0;
+      largest = std::min(largest, free);
+    }
+    d.reserved_bytes += held;
     d.allocated_bytes += live;
     const bool whole_free = s.blocks.size() == 1 && s.blocks[0].state == BlockState::inactive;
     if (whole_free) {
-      d.cached_segment_bytes += s.total_size;
+      d.cached_segment_bytes += held;
       ++d.cached_segments;
       continue;
     }
@@ -93,7 +102,7 @@ void analyze(Diagnosis& d, const AllocatorConfig& config,
     g.bytes += free;
     g.largest = std::max(g.largest, largest);
     for (const BlockInfo& b : s.blocks) g.blocks += b.state == BlockState::inactive ? 1 : 0;
-    PinnedSegment p{s.address, s.total_size, free, largest, s.stream, s.is_large, {}};
+    PinnedSegment p{s.address, held, free, largest, s.stream, s.is_large, {}};
     for (const BlockInfo& b : s.blocks) {
       if (b.state != BlockState::active_allocated) continue;
       auto it = context_at.find(b.address);
@@ -279,6 +288,15 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
     }
   }
 
+  // A recording taken at the error (the answer in the program, or a snapshot
+  // dumped in its handler) ends with it: its segments are the allocator's
+  // own state at the failed request, where a replay that cannot follow the
+  // recording (a policy verify does not model, memory held from before the
+  // recording began) would only estimate it.
+  const bool taken_at_error =
+      at_oom && trace.has_addresses && !trace.final_state.segments.empty() &&
+      std::all_of(trace.events.begin() + static_cast<std::ptrdiff_t>(oom_at) + 1, trace.events.end(),
+                  [](const TraceEvent& e) { return e.action == TraceAction::snapshot; });
   std::unordered_map<DevicePtr, std::uint32_t> context_at;
   bool captured = false;
   if (trace.events.empty()) {
@@ -293,6 +311,12 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
       }
     });
     if (v.agreed) d.pytorch_rules = v.pytorch_rules;
+    if (captured && taken_at_error && !(v.agreed && v.final_state_checked)) {
+      // The replay reached the error but was not shown to hold the recorded
+      // state there: the recorded state is the allocator's own.
+      captured = false;
+      d.segments = Snapshot{};
+    }
     if (captured) {
       d.source = "verified";
     } else {
@@ -303,14 +327,6 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
   } else {
     d.source_note = fmt::format("a {} trace has no recorded addresses", trace.format);
   }
-  // A recording taken at the error (the answer in the program, or a snapshot
-  // dumped in its handler) ends with it: its segments are the allocator's
-  // own state at the failed request, where a replay that cannot follow the
-  // recording (a policy verify does not model) would only estimate it.
-  const bool taken_at_error =
-      at_oom && trace.has_addresses && !trace.final_state.segments.empty() &&
-      std::all_of(trace.events.begin() + static_cast<std::ptrdiff_t>(oom_at) + 1, trace.events.end(),
-                  [](const TraceEvent& e) { return e.action == TraceAction::snapshot; });
   if (!captured && taken_at_error) {
     d.segments = trace.final_state;
     d.source = "recorded";

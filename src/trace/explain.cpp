@@ -132,6 +132,68 @@ std::vector<std::string> live_sweep(std::string_view pytorch_since) {
   return out;
 }
 
+Trace since_previous_error(const Trace& trace) {
+  std::size_t latest = trace.events.size();
+  std::size_t previous = trace.events.size();
+  for (std::size_t i = trace.events.size(); i-- > 0;) {
+    const TraceEvent& e = trace.events[i];
+    if (e.action != TraceAction::oom || e.size == 0) continue;
+    if (latest == trace.events.size()) {
+      latest = i;
+    } else {
+      previous = i;
+      break;
+    }
+  }
+  if (previous == trace.events.size()) return trace;
+  const std::size_t cut = previous + 1;
+  Trace out;
+  out.name = trace.name;
+  out.format = trace.format;
+  out.recorded_config = trace.recorded_config;
+  out.settings = trace.settings;
+  out.pytorch_since = trace.pytorch_since;
+  out.settings_note = trace.settings_note;
+  out.has_addresses = trace.has_addresses;
+  out.settings_recorded = trace.settings_recorded;
+  out.device = trace.device;
+  out.device_count = trace.device_count;
+  out.port = trace.port;
+  out.events.assign(trace.events.begin() + static_cast<std::ptrdiff_t>(cut), trace.events.end());
+  out.event_pools_recorded = trace.event_pools_recorded;
+  for (const auto& [i, pool] : trace.event_pools) {
+    if (i >= cut) out.event_pools.emplace(i - cut, pool);
+  }
+  out.device_events = {out.events.size()};
+  out.recorded_settings_text = trace.recorded_settings_text;
+  // Annotations: those still open at the cut move to its start.
+  std::vector<TraceAnnotation> open;
+  for (const TraceAnnotation& a : trace.annotations) {
+    if (a.event >= cut) break;
+    if (a.stage == "START") {
+      open.push_back(a);
+    } else if (a.stage == "END") {
+      const auto it = std::find_if(open.rbegin(), open.rend(),
+                                   [&a](const TraceAnnotation& o) { return o.name == a.name; });
+      if (it != open.rend()) open.erase(std::next(it).base());
+    }
+  }
+  for (TraceAnnotation a : open) {
+    a.event = 0;
+    out.annotations.push_back(std::move(a));
+  }
+  for (const TraceAnnotation& a : trace.annotations) {
+    if (a.event < cut) continue;
+    TraceAnnotation moved = a;
+    moved.event = a.event - cut;
+    out.annotations.push_back(std::move(moved));
+  }
+  out.unknown_keys = trace.unknown_keys;
+  out.skipped_actions = trace.skipped_actions;
+  out.final_state = trace.final_state;
+  return out;
+}
+
 Advice advise_at_error(const Trace& trace, unsigned threads) {
   AdviseOptions options;
   options.threads = threads;
@@ -331,10 +393,11 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     }
   }
   try {
-    out.advice = advise_at_error(trace, options.threads);
+    const Trace window = since_previous_error(trace);
+    out.advice = advise_at_error(window, options.threads);
     if (!stem.empty() && options.page) {
       try {
-        const std::string html = options.page(trace, *out.advice);
+        const std::string html = options.page(window, *out.advice);
         const std::filesystem::path page = stem.string() + "-advice.html";
         write_bytes(page, std::span(reinterpret_cast<const std::uint8_t*>(html.data()), html.size()));
         out.page_path = page.string();
@@ -342,7 +405,7 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
         problems.push_back(fmt::format("the page could not be written: {}", e.what()));
       }
     }
-    out.lines = oom_answer_lines(trace, *out.advice, rank, options.device_total, options.on_reservoir,
+    out.lines = oom_answer_lines(window, *out.advice, rank, options.device_total, options.on_reservoir,
                                  out.snapshot_path, out.page_path,
                                  out.snapshot_path.empty() ? "" : options.directory, options.advise_command);
   } catch (const std::exception& e) {

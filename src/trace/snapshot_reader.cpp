@@ -36,7 +36,7 @@ constexpr std::string_view kSegmentKeys[] = {
     "device",         "address",   "total_size",    "allocated_size", "active_size",
     "requested_size", "stream",    "segment_type",  "segment_pool_id", "is_expandable",
     "frames",         "blocks",    "context",       "compile_context", "user_metadata",
-    "forward_frames"};
+    "forward_frames", "reservoir_backed_size"};
 // "history" (2.0): the allocations a block held, each with its
 // address, requested size ("real_size") and stack, in place of "frames".
 constexpr std::string_view kBlockKeys[] = {
@@ -842,6 +842,15 @@ class Reader {
       }
       seg.pool_id = {static_cast<std::uint64_t>(ids[0]->integer),
                      static_cast<std::uint64_t>(ids[1]->integer)};
+    }
+    // reservoir's native_paged segments: the bytes with memory behind them.
+    if (s.find("reservoir_backed_size")) {
+      const std::uint64_t backed = unsigned_int(s, "reservoir_backed_size", path);
+      if (backed > seg.total_size) {
+        fail(path + ".reservoir_backed_size",
+             fmt::format("{} bytes backed in a segment of {}", backed, seg.total_size));
+      }
+      trace.final_state.backed_bytes[seg.address] = backed;
     }
     trace.final_state.segments.push_back(std::move(seg));
   }

@@ -152,6 +152,10 @@ class SnapshotBuilder {
     pool->items = {b_.uinteger(s.pool_id.first), b_.uinteger(s.pool_id.second)};
     b_.set(seg, "segment_pool_id", pool);
     b_.set(seg, "is_expandable", b_.boolean(s.is_expandable));
+    if (const auto it = trace_.final_state.backed_bytes.find(s.address);
+        it != trace_.final_state.backed_bytes.end()) {
+      b_.set(seg, "reservoir_backed_size", b_.uinteger(it->second));  // (native_paged's)
+    }
     b_.set(seg, "frames", b_.list());
     Value* blocks = b_.list();
     for (const BlockInfo& bi : s.blocks) {

@@ -281,5 +281,48 @@ TEST(Explain, ARecordingWithNothingToReplayIsSaidNotThrown) {
   EXPECT_EQ(e.lines[0].rfind("reservoir: could not analyse the recording: ", 0), 0u) << e.lines[0];
 }
 
+// native_paged, its history turned on after memory was taken: the answer is
+// made from the allocator's state at the error (which a replay from the
+// recording's start cannot rebuild), counting a segment's pages with memory
+// behind them, not its address space; the snapshot written says the same.
+TEST(Explain, UnderNativePagedTheAnswerCountsTheMemoryMappedNotTheAddressSpace) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_paged";
+  std::filesystem::remove_all(dir);
+  SimDevice device(capacity(1024 * kMiB));
+  CachingAllocator a(device, AllocatorConfig::parse("policy:native_paged"));
+  void* weights = a.allocate(400 * kMiB, 0);  // before the history
+  ExplainOptions options;
+  options.directory = dir.string();
+  explain_oom_errors(a, options);
+  a.deallocate(a.allocate(320 * kMiB, 0));
+  void* kept = a.allocate(20 * kMiB, 0);  // pins the 320 MiB segment; 300 MiB of it cached
+  std::string message;
+  try {
+    (void)a.allocate(700 * kMiB, 0);  // the cached pages go back; still too little
+  } catch (const OutOfMemoryError& e) {
+    message = e.what();
+  }
+  const std::int64_t reserved = a.stats().reserved_bytes[0].current;
+  EXPECT_EQ(reserved, std::int64_t{420} << 20);
+  const std::vector<std::string> lines = lines_of(message);
+  ASSERT_GE(lines.size(), 3u) << message;
+  EXPECT_EQ(lines[1],
+            "reservoir: out of memory on a 700.00 MiB request: too little memory: the recorded part alone "
+            "needs 1.09 GiB at its peak, 96.00 MiB more than the 1024.00 MiB there is.");
+  std::vector<std::filesystem::path> snapshots;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    if (f.path().extension() == ".pickle") snapshots.push_back(f.path());
+  }
+  ASSERT_EQ(snapshots.size(), 1u);
+  const Trace back = read_trace_file(snapshots[0].string());
+  const Advice advice = advise_at_error(back);
+  EXPECT_EQ(advice.diagnosis.source, "recorded");
+  EXPECT_EQ(advice.diagnosis.reserved_bytes, static_cast<std::uint64_t>(reserved));
+  EXPECT_EQ(advice.diagnosis.allocated_bytes, 420 * kMiB);
+  a.deallocate(kept);
+  a.deallocate(weights);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace reservoir

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -100,6 +101,15 @@ struct Snapshot {
   // contexts that events and blocks refer to; contexts[0] is the empty one.
   std::vector<TraceEvent> history;
   std::vector<Context> contexts{Context{}};
+  // Segments of reservoir's native_paged policy, which the snapshot shows as
+  // the native policy's (their whole address space): the bytes of each with
+  // memory behind it, by the segment's address. A segment not listed is
+  // backed whole (total_size).
+  std::map<DevicePtr, std::size_t> backed_bytes;
+  std::size_t backed(const SegmentInfo& s) const {
+    const auto it = backed_bytes.find(s.address);
+    return it == backed_bytes.end() ? s.total_size : it->second;
+  }
 };
 
 }  // namespace reservoir

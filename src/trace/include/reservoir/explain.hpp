@@ -73,6 +73,15 @@ std::vector<std::string> live_sweep(std::string_view pytorch_since);
 // Advice within about a second at 100,000 recorded events on one core.
 Advice advise_at_error(const Trace& trace, unsigned threads = 1);
 
+// The part of a recording that the answer at its latest out-of-memory error
+// analyses: the events after the error before it (a process that meets error
+// after error: each answer speaks of what happened since the last), the
+// whole recording when it holds one error. What was live when that part
+// begins is rebuilt from the recorded state, as for a recording whose ring
+// buffer dropped its oldest events; annotations opened before it and not
+// closed stay open at its start.
+Trace since_previous_error(const Trace& trace);
+
 // The lines of the answer (at most eight). `rank` names the rank in each;
 // `device_total` (ExplainOptions) tells memory held outside the allocator;
 // `snapshot_path`, `page_path` and `directory` are named where given.
