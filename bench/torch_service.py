@@ -131,6 +131,12 @@ def verdict_of(message):
     return first
 
 
+def history_events(torch):
+    """Events in the allocator's history now (the live answer keeps the
+    latest 100,000)."""
+    return len(torch.cuda.memory._snapshot()["device_traces"][0])
+
+
 def child(args):
     allocator, settings = MODES[args.child]
     if allocator == "pytorch":
@@ -211,6 +217,13 @@ def child(args):
             out["error_ms_last_100"] = mean_ms(error_s[-100:])
             out["served_ms_first_500"] = mean_ms(served_s[:500])
             out["served_ms_last_500"] = mean_ms(served_s[-500:])
+            # Each tenth of the run: the answer's mean time over its errors,
+            # a served request's over its served requests.
+            out["error_ms_by_tenth"] = [mean_ms(error_s[k * len(error_s) // 10:(k + 1) * len(error_s) // 10])
+                                        for k in range(10)]
+            out["served_ms_by_tenth"] = [mean_ms(served_s[k * len(served_s) // 10:(k + 1) * len(served_s) // 10])
+                                         for k in range(10)]
+            out["history_events"] = history_events(torch)
             out["rss_MiB"] = {"start": round(rss0, 1), "end": round(rss_mib(), 1)}
             out["maxrss_MiB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         import shutil
@@ -276,7 +289,9 @@ def main():
               f"{r['error_ms_last_100']:.1f} ms over the last 100; a served request {r['served_ms_first_500']:.3f} "
               f"/ {r['served_ms_last_500']:.3f} ms (first / last 500); answer folder {r['answer_folder']['files']} "
               f"files, {r['answer_folder']['bytes'] / (1 << 20):.1f} MiB; resident {r['rss_MiB']['start']:.0f} -> "
-              f"{r['rss_MiB']['end']:.0f} MiB; verdicts {r['verdicts']}")
+              f"{r['rss_MiB']['end']:.0f} MiB; verdicts {r['verdicts']}; history {r['history_events']} events")
+        print("  the answer's ms by tenth of the errors:", " ".join(f"{x:.0f}" for x in r["error_ms_by_tenth"]))
+        print("  a served request's ms by tenth:", " ".join(f"{x:.3f}" for x in r["served_ms_by_tenth"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

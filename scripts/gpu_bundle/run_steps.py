@@ -817,6 +817,49 @@ def step_explain_oom(run):
             f"{cost['step']['explain'] / cost['step']['off']:.2f}x of none")
 
 
+def step_service(run):
+    """bench/torch_service.py on the real driver: an inference service of
+    2,000 requests under a 12 GiB memory fraction, each failed request caught
+    and the next served, under PyTorch's default, expandable segments,
+    reservoir's native and policy:native_paged; then 300 requests with the
+    live answer on (its cost per error and its verdict on each failure).
+    native_paged must fail no request the device serves alone and no more than
+    the others; every answer's first line must name the failure's class."""
+    need_torch_cuda(run)
+    if not run.module_python or run.module_python != run.torch_python:
+        raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
+    out = os.path.join(run.scratch, "service.json")
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "torch_service.py"), "--requests", "2000",
+                        "--explained", "300", "--timeout", "200", "--json", out],
+                       env={**run.env_torch, "PYTHONPATH": run.python_path()}, timeout=280, cwd=run.scratch)
+    try:
+        with open(out) as f:
+            figures = json.load(f)
+    except (OSError, ValueError):
+        raise StepFailed(first_error(text))
+    run.results["figures"]["service"] = figures
+    if rc != 0:
+        raise StepFailed(first_error(text))
+    service, explained = figures["service"], figures["explained"]
+    problems = []
+    paged = service["native_paged"]
+    if paged["fragmentation"]:
+        problems.append(f"native_paged failed {paged['fragmentation']} requests the device serves alone")
+    for other in ("default", "expandable"):
+        if paged["failed"] > service[other]["failed"]:
+            problems.append(f"native_paged failed {paged['failed']}, {other} {service[other]['failed']}")
+    for mode, r in explained.items():
+        v = r["verdicts"]
+        if v["disagree"] or v["none"]:
+            problems.append(f"{mode}: {v['disagree']} answers name another cause, {v['none']} none")
+    if problems:
+        raise StepFailed("; ".join(problems))
+    return ("served/failed/fragmentation: " +
+            ", ".join(f"{m} {r['served']}/{r['failed']}/{r['fragmentation']}" for m, r in service.items()) +
+            "; the answer per error: " +
+            ", ".join(f"{m} {r['ms_per_failed']:.0f} ms" for m, r in explained.items()))
+
+
 def step_pytorch_tests(run):
     """PyTorch's own allocator and memory tests (the test_cuda.py given with
     --test-cuda, read from PyTorch's repository at this machine's release)
@@ -874,6 +917,8 @@ STEPS = [
      step_graphs, 300),
     ("explain_oom", "the answer at an out-of-memory error, and its recording's cost",
      step_explain_oom, 300),
+    ("service", "an inference service meeting out-of-memory errors: four settings, the live answer on each",
+     step_service, 300),
     ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
     ("torch_training", "PyTorch training, native vs reservoir: identical losses and stats",
      step_torch_training, 300),

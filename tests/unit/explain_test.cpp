@@ -324,5 +324,37 @@ TEST(Explain, UnderNativePagedTheAnswerCountsTheMemoryMappedNotTheAddressSpace) 
   std::filesystem::remove_all(dir);
 }
 
+// A process that meets error after error: the answer at the second is of
+// what happened since the first (the first's 400 MiB request is not the
+// second's), and only that part is replayed: the same answer as from the
+// whole recording, whatever came before.
+TEST(Explain, TheAnswerAtALaterErrorIsOfWhatHappenedSinceTheOneBefore) {
+  Recorder r("", 300 * kMiB);
+  void* a = r.alloc(200 * kMiB);
+  EXPECT_THROW(r.alloc(200 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(a);
+  r.allocator.empty_cache();
+  void* b = r.alloc(100 * kMiB);
+  void* c = r.alloc(150 * kMiB);
+  EXPECT_THROW(r.alloc(100 * kMiB), OutOfMemoryError);
+  const Trace t = pickled(r.finish());
+  const Trace w = since_previous_error(t);
+  std::size_t first_oom = 0;
+  while (t.events[first_oom].action != TraceAction::oom) ++first_oom;
+  ASSERT_EQ(w.events.size(), t.events.size() - first_oom - 1);
+  EXPECT_EQ(w.events.front().action, TraceAction::free_requested);  // a's free
+  EXPECT_EQ(w.final_state.segments.size(), t.final_state.segments.size());
+  const std::vector<std::string> lines = oom_answer_lines(w, advise_at_error(w), std::nullopt, std::nullopt,
+                                                          false, "", "", "");
+  EXPECT_EQ(lines[0],
+            "reservoir: out of memory on a 100.00 MiB request: too little memory: the recorded part alone "
+            "needs 350.00 MiB at its peak, 50.00 MiB more than the 300.00 MiB there is.");
+  EXPECT_EQ(oom_answer_lines(t, advise_at_error(t), std::nullopt, std::nullopt, false, "", "", "")[0], lines[0]);
+  // A recording of one error is its own window.
+  EXPECT_EQ(since_previous_error(w).events.size(), w.events.size());
+  r.allocator.deallocate(b);
+  r.allocator.deallocate(c);
+}
+
 }  // namespace
 }  // namespace reservoir

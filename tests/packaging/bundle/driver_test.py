@@ -182,6 +182,24 @@ print(json.dumps({"check": "native_paged", "torch": "2.11.0", "ok": True,
                   "pairs": {"2.11 (running)": pair, "pytorch_version:2.15": pair}}))
 '''
 
+# bench/torch_service.py: the arguments the step gives, and its figures
+# written where --json says.
+SERVICE = '''import argparse, json
+p = argparse.ArgumentParser()
+for a in ("--requests", "--explained", "--timeout", "--json"):
+    p.add_argument(a)
+a = p.parse_args()
+assert (a.requests, a.explained) == ("2000", "300"), a
+row = lambda served, failed, frag: {"served": served, "failed": failed, "fragmentation": frag,
+                                    "peak_reserved_GiB": 11.8, "ms_per_request": 0.2}
+service = {"default": row(1640, 360, 21), "expandable": row(1655, 345, 0), "native": row(1640, 360, 21),
+           "native_paged": row(1655, 345, 0)}
+explained = {m: {"failed": 52, "ms_per_failed": ms, "ms_per_failed_without": 0.1,
+                 "verdicts": {"agree": 52, "disagree": 0, "none": 0}}
+             for m, ms in (("default", 310.0), ("expandable", 320.0), ("native", 55.0), ("native_paged", 60.0))}
+json.dump({"service": service, "explained": explained, "errors": None}, open(a.json, "w"))
+'''
+
 # scripts/peer_suites.py --device as-is: the arguments the step gives, the
 # wheels it installed where it says, then a report of three tests.
 PEERS = '''import argparse, json, os, sys
@@ -216,6 +234,7 @@ def make_fake(top, fail_gpu_test):
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
                        ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS),
                        ("explain_oom_check.py", EXPLAIN), ("native_paged_check.py", NATIVE_PAGED),
+                       ("torch_service.py", SERVICE),
                        ("peer_suites.py", PEERS)):
         write(os.path.join(fake, "tests", name), text)
     tools = os.path.join(top, "tools")
@@ -315,6 +334,12 @@ explain = fig.get("explain_oom", [])
 check([c["check"] for c in explain] == ["answer", "recording_cost"], f"explain_oom figures: {explain}")
 check(steps["explain_oom"]["note"] == "answered in 0.40 s; recording: pair 1.20x, step 1.05x of none",
       f"explain_oom note: {steps['explain_oom']['note']}")
+sv = fig.get("service", {})
+check(sorted(sv.get("service", {})) == ["default", "expandable", "native", "native_paged"] and
+      sv["explained"]["native"]["ms_per_failed"] == 55.0, f"service figures: {sv}")
+check(steps["service"]["note"] == "served/failed/fragmentation: default 1640/360/21, expandable 1655/345/0, "
+      "native 1640/360/21, native_paged 1655/345/0; the answer per error: default 310 ms, expandable 320 ms, "
+      "native 55 ms, native_paged 60 ms", f"service note: {steps['service']['note']}")
 np_fig = fig.get("native_paged", [])
 check(len(np_fig) == 1 and sorted(np_fig[0]["pairs"]) == ["2.11 (running)", "pytorch_version:2.15"],
       f"native_paged figures: {np_fig}")
@@ -327,7 +352,7 @@ check(pt.get("counts", {}).get("reservoir") == {"pass": 2, "fail": 1, "skip": 1,
 check(steps["pytorch_tests"]["note"] == "PyTorch 2.11.0's test_cuda.py, 4 tests: PyTorch's allocator passes 2 "
       "(skips 1), reservoir's 2 (skips 1); none passes only under PyTorch's",
       f"pytorch_tests note: {steps['pytorch_tests']['note']}")
-check(r.get("exit_status") == 0 and "PASSED: every step (16)" in summary, "verdict and summary")
+check(r.get("exit_status") == 0 and "PASSED: every step (17)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -336,12 +361,12 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 16, "every step reported")
+check(len(steps) == 17, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 16 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 17 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 # PyTorch's tests alone (--only): the step installs the wheel itself; without
 # --test-cuda it says what it needs.
