@@ -147,25 +147,14 @@ Trace since_previous_error(const Trace& trace) {
   }
   if (previous == trace.events.size()) return trace;
   const std::size_t cut = previous + 1;
-  Trace out;
-  out.name = trace.name;
-  out.format = trace.format;
-  out.recorded_config = trace.recorded_config;
-  out.settings = trace.settings;
-  out.pytorch_since = trace.pytorch_since;
-  out.settings_note = trace.settings_note;
-  out.has_addresses = trace.has_addresses;
-  out.settings_recorded = trace.settings_recorded;
-  out.device = trace.device;
-  out.device_count = trace.device_count;
-  out.port = trace.port;
-  out.events.assign(trace.events.begin() + static_cast<std::ptrdiff_t>(cut), trace.events.end());
-  out.event_pools_recorded = trace.event_pools_recorded;
+  Trace out = trace;
+  out.events.erase(out.events.begin(), out.events.begin() + static_cast<std::ptrdiff_t>(cut));
+  out.event_pools.clear();
   for (const auto& [i, pool] : trace.event_pools) {
     if (i >= cut) out.event_pools.emplace(i - cut, pool);
   }
   out.device_events = {out.events.size()};
-  out.recorded_settings_text = trace.recorded_settings_text;
+  out.annotations.clear();
   // Annotations: those still open at the cut move to its start.
   std::vector<TraceAnnotation> open;
   for (const TraceAnnotation& a : trace.annotations) {
@@ -188,9 +177,6 @@ Trace since_previous_error(const Trace& trace) {
     moved.event = a.event - cut;
     out.annotations.push_back(std::move(moved));
   }
-  out.unknown_keys = trace.unknown_keys;
-  out.skipped_actions = trace.skipped_actions;
-  out.final_state = trace.final_state;
   return out;
 }
 
