@@ -3,8 +3,12 @@
 BUILD ?= build
 JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-DEPS := cmake ninja-build ccache g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
-        libcli11-dev nlohmann-json3-dev clang clang-tidy libclang-rt-14-dev llvm-14 python3 valgrind \
+# What `make run` needs: the command-line tool and what it links, built from
+# Debian's packages alone (CMake's configure step asks for the test and
+# benchmark libraries too, headers and small).
+DEPS_RUN := cmake ninja-build ccache g++ libgtest-dev libgmock-dev libbenchmark-dev libfmt-dev \
+            libcli11-dev nlohmann-json3-dev python3
+DEPS := $(DEPS_RUN) clang clang-tidy libclang-rt-14-dev llvm-14 valgrind \
         python3-torch python3-selenium python3-pil chromium chromium-driver zsh \
         python3-dev pybind11-dev python3-pytest \
         python3-pip python3-venv python3-setuptools python3-setuptools-whl python3-wheel python3-build \
@@ -27,15 +31,23 @@ PACKAGING_REQUIREMENTS := scripts/packaging/headers-torch.txt scripts/packaging/
                           scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
                           scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
 
-.PHONY: deps configure build run test test-releases wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps deps-run tool configure build run test test-releases wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
-deps:
-	@missing=$$(for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+# Installs the Debian packages of the list $(1) that are missing.
+define debian_packages
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:" $$missing; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
+endef
+
+deps-run:
+	$(call debian_packages,$(DEPS_RUN))
+
+deps:
+	$(call debian_packages,$(DEPS))
 	@# PyTorch releases from PyPI, pinned, into the cache outside the checkout
 	@# (once: 2.11 and 2.15 whole, about 5 GB each; 2.12 to 2.14 alone,
 	@# 1.2 GB each; the headers of 2.6 to 2.15, 45 MB each, without their
@@ -43,14 +55,21 @@ deps:
 	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) $(PACKAGING_REQUIREMENTS) >/dev/null
 
 # CMake builds everything; these targets drive it (deps installs what is missing).
+CONFIGURE := cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 configure: deps
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	$(CONFIGURE)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The command-line tool alone (what `make run` runs): nothing from PyPI, no
+# test or benchmark built.
+tool: deps-run
+	$(CONFIGURE)
+	cmake --build $(BUILD) -j $(JOBS) --target reservoir_cli
+
 # Every line it prints fits 100 columns; it ends with where to look next.
-run: build
+run: tool
 	@echo "== Replaying the bundled recordings under four settings, 24 GiB device (reservoir replay)"
 	@$(BUILD)/bin/reservoir replay $(TRACES) $(CONFIGS)
 	@echo; echo "== The smallest device each recording fits, per policy (reservoir replay --min-capacity)"
