@@ -313,11 +313,11 @@ Diagnosis diagnose_with(const Trace& trace, std::optional<std::uint64_t> capacit
     if (v.agreed) d.pytorch_rules = v.pytorch_rules;
     if (captured && taken_at_error && !(v.agreed && v.final_state_checked)) {
       // The replay reached the error but was not shown to hold the recorded
-      // state there: the recorded state is the allocator's own.
+      // state there: the recorded state (taken below) is the allocator's own.
       captured = false;
       d.segments = Snapshot{};
-    }
-    if (captured) {
+      d.source_note = "verify did not show the replay to hold the state recorded at the error";
+    } else if (captured) {
       d.source = "verified";
     } else {
       d.source_note = v.divergence.empty()

@@ -133,20 +133,14 @@ std::vector<std::string> live_sweep(std::string_view pytorch_since) {
 }
 
 Trace since_previous_error(const Trace& trace) {
-  std::size_t latest = trace.events.size();
-  std::size_t previous = trace.events.size();
-  for (std::size_t i = trace.events.size(); i-- > 0;) {
+  // Just after the second oom from the end; 0: the recording holds one.
+  std::size_t cut = 0;
+  std::size_t ooms = 0;
+  for (std::size_t i = trace.events.size(); i-- > 0 && cut == 0;) {
     const TraceEvent& e = trace.events[i];
-    if (e.action != TraceAction::oom || e.size == 0) continue;
-    if (latest == trace.events.size()) {
-      latest = i;
-    } else {
-      previous = i;
-      break;
-    }
+    if (e.action == TraceAction::oom && e.size != 0 && ++ooms == 2) cut = i + 1;
   }
-  if (previous == trace.events.size()) return trace;
-  const std::size_t cut = previous + 1;
+  if (cut == 0) return trace;
   Trace out = trace;
   out.events.erase(out.events.begin(), out.events.begin() + static_cast<std::ptrdiff_t>(cut));
   out.event_pools.clear();
