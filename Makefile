@@ -24,14 +24,19 @@ CONFIGS := -c "" -c "max_split_size_mb:64" -c "roundup_power2_divisions:4" \
 ADVISE_TRACE := $(firstword $(wildcard $(RECORDINGS)/oom/*.pickle) $(SHARED_TRACES) \
                   examples/traces/gpt_training.pickle)
 POLICIES := -c "" -c "expandable_segments:True" -c "policy:paging" -c "policy:native_paged"
-TORCH_REQUIREMENTS := $(wildcard tests/torch/requirements-*.txt tests/torch/releases/requirements-*.txt)
-# The wheelhouse an isolated package build and its test environments use, and auditwheel;
-# CPythons this Debian lacks, from Debian's own packages (scripts/packaging/debian-python.txt).
-PACKAGING_REQUIREMENTS := scripts/packaging/headers-torch.txt scripts/packaging/debian-python.txt \
-                          scripts/packaging/wheelhouse-build.txt $(wildcard scripts/packaging/requirements-*.txt) \
-                          scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
+# What the build takes from PyPI (scripts/pypi_cache.py, into the cache
+# outside the checkout): the headers of each PyTorch release reservoir's own
+# allocator is built for, about 12 MB of each wheel; CUDA 11's and 12's
+# runtime headers for the simulated device's older runtimes. The tests
+# install the rest when they run, each what it uses (cmake/PyPIFolders.cmake).
+BUILD_REQUIREMENTS := scripts/packaging/headers-torch.txt $(wildcard scripts/packaging/requirements-cuda-runtime-*.txt)
+# Everything any test, benchmark or package build takes (make deps-all: for
+# a machine about to work without a network).
+ALL_REQUIREMENTS := $(BUILD_REQUIREMENTS) $(wildcard tests/torch/requirements-*.txt tests/torch/releases/requirements-*.txt) \
+                    scripts/packaging/debian-python.txt scripts/packaging/wheelhouse-build.txt \
+                    $(wildcard scripts/packaging/requirements-auditwheel-*.txt) scripts/gpu_bundle/wheelhouse-gpu-bundle.txt
 
-.PHONY: deps deps-run tool configure build run test test-releases wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
+.PHONY: deps deps-run deps-all tool configure build run test test-releases wheel wheels no-cuda clang tidy tidy-all asan tsan fuzz bench gpu-bundle gpu-bundle-check clean
 
 # Installs the Debian packages of the list $(1) that are missing.
 define debian_packages
@@ -48,11 +53,10 @@ deps-run:
 
 deps:
 	$(call debian_packages,$(DEPS))
-	@# PyTorch releases from PyPI, pinned, into the cache outside the checkout
-	@# (once: 2.11 and 2.15 whole, about 5 GB each; 2.12 to 2.14 alone,
-	@# 1.2 GB each; the headers of 2.6 to 2.15, 45 MB each, without their
-	@# wheels; nothing when already there), and the packaging tools (a few MB).
-	@/usr/bin/python3 scripts/pypi_cache.py $(TORCH_REQUIREMENTS) $(PACKAGING_REQUIREMENTS) >/dev/null
+	@/usr/bin/python3 scripts/pypi_cache.py $(BUILD_REQUIREMENTS) >/dev/null
+
+deps-all: deps
+	@/usr/bin/python3 scripts/pypi_cache.py $(ALL_REQUIREMENTS) >/dev/null
 
 # CMake builds everything; these targets drive it (deps installs what is missing).
 CONFIGURE := cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
@@ -88,15 +92,19 @@ run: tool
 	  docs/tools.md "every command; reservoir <command> --help ends with examples" \
 	  "make test" "the tests (PyTorch on the simulated CUDA device among them)"
 
+# The tests; each PyTorch release's tests install what they use from PyPI
+# when they first run (the newest release whole, the oldest with reservoir's
+# own allocator and one other chosen by the commit, with their CUDA
+# libraries: at most 10 GB).
 test: build
-	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE torch_extra
+	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE 'torch_extra|pypi'
 
-# Every PyTorch release reservoir is built for, on the simulated device: the
-# oldest and newest full suites and each release between (make test runs
-# one of those, chosen by the commit). Run it before a change to the
-# PyTorch integration lands.
+# The rest of the release matrix, on the simulated device: every other
+# PyTorch release reservoir is built for or serves (installing each when it
+# first runs). Run it before a change to the PyTorch integration lands;
+# .ci/run runs it after make test.
 test-releases: build
-	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -L torch
+	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -L torch_extra
 
 # As on a machine without CUDA's headers (used by .ci/run): the same tests,
 # less the CUDA backends' and the interposer's, are registered and pass.
@@ -108,7 +116,7 @@ no-cuda: build
 	  -DRESERVOIR_CUDA=OFF -DRESERVOIR_BUILD_BENCH=OFF >/dev/null
 	cmake --build build-nocuda -j $(JOBS)
 	python3 tests/cmake/no_cuda_check.py $(BUILD) build-nocuda
-	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE wheel
+	cd build-nocuda && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE 'wheel|pypi'
 
 # The layers with clang (used by .ci/run): -Wthread-safety checks the lock
 # annotations of the allocator and the saver. Configured with the tests and
@@ -138,8 +146,8 @@ asan: deps
 	  -DRESERVOIR_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && RESERVOIR_VALIDATE=1 ctest --output-on-failure --no-tests=error -j $(JOBS) \
-	  -LE 'install|cli|browser'
-	cd build-asan && ctest --output-on-failure --no-tests=error -j $(JOBS) -L 'cli|browser' -LE install
+	  -LE 'install|cli|browser|pypi'
+	cd build-asan && ctest --output-on-failure --no-tests=error -j $(JOBS) -L 'cli|browser' -LE 'install|pypi'
 
 tsan: deps
 	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRESERVOIR_BUILD_BENCH=OFF \

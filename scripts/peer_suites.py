@@ -23,8 +23,8 @@ usage: scripts/peer_suites.py [--pytorch TEST_CUDA_PY] [--tms TEST_DIR]
            [--package DIR] [--site DIR ...] [--python PY] [--batch] ...
 
 It needs `make build` (the simulated device, the Python package) and
-`make deps` (PyTorch, torch_memory_saver and the suites' own requirements,
-expecttest and psutil, in the PyPI cache). With `--device as-is` it runs
+PyTorch, torch_memory_saver and the suites' own requirements (expecttest and
+psutil) in the PyPI cache: `make deps-all`, or the tests that run it. With `--device as-is` it runs
 PyTorch's tests on the CUDA device the environment has (a GPU: the GPU
 bundle's pytorch_tests step), with the PyTorch of --python (default: this
 one), reservoir from --package (a folder the package is installed in) and
@@ -239,7 +239,7 @@ def pytorch_suite(args, report):
         sites = [cache / f"torch-{args.release}", cache / "peer-suites"]
         for site in sites:
             if not (site / ".complete").exists():
-                raise SystemExit(f"peer_suites: {site} is not installed: run make deps")
+                raise SystemExit(f"peer_suites: {site} is not installed: run make deps-all")
         package = Path(args.package or Path(args.build) / "python").resolve()
     test_file = Path(args.pytorch).resolve()
     work = Path(tempfile.mkdtemp(prefix="reservoir-peer-pytorch-"))
@@ -272,7 +272,7 @@ def tms_suite(args, report):
     cache = cache_root()
     sites = sorted(cache.glob("torch_memory_saver-*/.complete"))
     if not sites:
-        raise SystemExit("peer_suites: torch_memory_saver is not in the PyPI cache: run make deps")
+        raise SystemExit("peer_suites: torch_memory_saver is not in the PyPI cache: run make deps-all")
     tms_site = sites[-1].parent
     torch_site = cache / f"torch-{args.release}"
     tools = cache / "peer-suites"

@@ -12,10 +12,13 @@ pure-Python wheels unless the file has a line "# pip download: OPTIONS"
 A file named headers-torch.txt lists PyTorch releases (torch==2.6.0, one a
 line) whose C++ headers reservoir builds a library against: for each, the
 folder torch-headers-RELEASE holds the wheel's torch/include, interface
-stubs of the three libraries the build links (libtorch_cuda.so, libc10_cuda.so,
-libc10.so: their dynamic symbols and sonames, made by llvm-ifs, a few MB in
-place of a GB) and the wheel's METADATA (the CUDA it was built for). The
-wheel itself (about 1 GB) is downloaded into a temporary folder and deleted.
+stubs of the three libraries the build links (libc10_cuda.so and libc10.so:
+their dynamic symbols and sonames, made by llvm-ifs; libtorch_cuda.so: its
+soname alone) and the wheel's METADATA (the CUDA it was built for). Only
+those members of the wheel are downloaded, by HTTP range requests on the
+index's file (about 12 MB of a wheel of 0.5 to 0.9 GB, most of which is
+libtorch_cuda.so; what the library takes from it, the pluggable
+allocator's functions, is bound when PyTorch has loaded it).
 
 A file named debian-python.txt lists CPythons (python3.14, one a line) this
 machine lacks, which the wheels are built for: for each, the folder
@@ -36,13 +39,19 @@ import os
 import shutil
 import subprocess
 import sys
+import io
+import json
+import sysconfig
 import tempfile
 import time
+import urllib.request
 import zipfile
 from pathlib import Path
 
-# The libraries reservoir's PyTorch hooks link, by soname.
+# The libraries reservoir's PyTorch hooks link, by soname; those whose
+# symbols the stubs carry.
 TORCH_LINKED = ("libtorch_cuda.so", "libc10_cuda.so", "libc10.so")
+STUBBED = ("libc10_cuda.so", "libc10.so")
 LLVM_IFS = "llvm-ifs-14"
 
 
@@ -108,43 +117,144 @@ def publish(partial: Path, target: Path, wanted: str) -> int:
     return sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
 
 
+class RangeFile(io.RawIOBase):
+    """A file on an HTTP server, read by range requests: what zipfile reads
+    of a wheel (its central directory, the members asked for) is fetched,
+    not the whole file. fetch() reads a span in one request, ahead of
+    zipfile's many small reads there; `fetched` counts the bytes."""
+
+    def __init__(self, url: str, size: int):
+        super().__init__()
+        self.url, self.size, self.pos, self.fetched = url, size, 0, 0
+        self.spans = []  # (start, bytes), fetched
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def fetch(self, start: int, end: int) -> bytes:
+        request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end - 1}"})
+        for attempt in range(4):
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    data = response.read()
+                    if response.status != 206 or len(data) != end - start:
+                        sys.exit(f"pypi cache: {self.url} answered a range request with status "
+                                 f"{response.status} and {len(data)} bytes, not {end - start}")
+                break
+            except OSError as error:
+                if attempt == 3:
+                    sys.exit(f"pypi cache: reading bytes {start}-{end - 1} of {self.url}: {error}")
+                time.sleep(2 ** attempt)
+        self.fetched += len(data)
+        self.spans.append((start, data))
+        return data
+
+    def readinto(self, buffer):
+        n = min(len(buffer), self.size - self.pos)
+        if n <= 0:
+            return 0
+        for start, data in self.spans:
+            if start <= self.pos < start + len(data):
+                chunk = data[self.pos - start:self.pos - start + n]
+                break
+        else:
+            chunk = self.fetch(self.pos, min(self.size, self.pos + max(n, 1 << 16)))[:n]
+        buffer[:len(chunk)] = chunk
+        self.pos += len(chunk)
+        return len(chunk)
+
+
+def index_url() -> str:
+    return (os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple").rstrip("/")
+
+
+def wheel_on_index(name: str, release: str) -> dict:
+    """The index's file entry (PEP 691 JSON: filename, url, size) of NAME
+    RELEASE's x86_64 Linux wheel, this interpreter's where there is one."""
+    request = urllib.request.Request(f"{index_url()}/{name}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        files = json.load(response)["files"]
+    tag = sysconfig.get_config_var("py_version_nodot")
+    wheels = [f for f in files if f["filename"].startswith(f"{name}-{release}-")
+              and f["filename"].endswith("_x86_64.whl") and "linux" in f["filename"] and f.get("size")]
+    if not wheels:
+        sys.exit(f"pypi cache: {index_url()} has no x86_64 Linux wheel of {name}=={release}")
+    wheels.sort(key=lambda f: f"-cp{tag}-cp{tag}-" not in f["filename"])
+    return wheels[0]
+
+
 def torch_headers(release: str) -> Path:
     """torch-headers-RELEASE: what building against PyTorch RELEASE needs."""
-    target, partial = pending(f"torch-headers-{release}", f"torch=={release}\n")
+    wanted = f"torch=={release}\nrecipe 2: the wheel's members by range requests; libtorch_cuda.so's soname\n"
+    target, partial = pending(f"torch-headers-{release}", wanted)
     if partial is None:
         return target
-    wanted = f"torch=={release}\n"
     (partial / "lib").mkdir(parents=True)
     start = time.monotonic()
-    print(f"pypi cache: PyTorch {release}'s headers into {target} (once; the 1 GB wheel is not kept)",
-          file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                        "--disable-pip-version-check", "--quiet", "--only-binary=:all:",
-                        "--dest", scratch, f"torch=={release}"], check=True)
-        wheels = list(Path(scratch).glob("torch-*.whl"))
-        if len(wheels) != 1:
-            sys.exit(f"pypi cache: expected one wheel of torch=={release}, got {wheels}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            for member in wheel.infolist():
+    entry = wheel_on_index("torch", release)
+    print(f"pypi cache: PyTorch {release}'s headers into {target} (once; from {entry['filename']}, "
+          f"{entry['size'] / 1e9:.1f} GB, what the build needs of it)", file=sys.stderr)
+    remote = RangeFile(entry["url"], entry["size"])
+    with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as wheel:
+        members = wheel.infolist()
+        ends = sorted(m.header_offset for m in members) + [remote.size]
+
+        def wanted_member(name):
+            return ((name.startswith("torch/include/") and not name.endswith("/"))
+                    or name.endswith(".dist-info/METADATA")
+                    or (name.startswith("torch/lib/") and name[len("torch/lib/"):] in STUBBED))
+        # The members asked for, in spans of the file read in one request
+        # each (the headers lie together: a few requests in all).
+        spans = []
+        for member in sorted(filter(lambda m: wanted_member(m.filename), members), key=lambda m: m.header_offset):
+            end = next(e for e in ends if e > member.header_offset)
+            if spans and member.header_offset - spans[-1][1] < 1 << 20:
+                spans[-1][1] = end
+            else:
+                spans.append([member.header_offset, end])
+        for first, last in spans:
+            remote.fetch(first, last)
+        with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+            for member in members:
                 name = member.filename
-                if name.startswith("torch/include/") and not name.endswith("/"):
-                    wheel.extract(member, partial)
-                elif name.endswith(".dist-info/METADATA"):
+                if not wanted_member(name):
+                    continue
+                if name.endswith(".dist-info/METADATA"):
                     (partial / "METADATA").write_bytes(wheel.read(member))
-                elif name.startswith("torch/lib/") and name[len("torch/lib/"):] in TORCH_LINKED:
+                elif name.startswith("torch/include/"):
+                    wheel.extract(member, partial)
+                else:
                     real = Path(wheel.extract(member, scratch))
                     subprocess.run([LLVM_IFS, f"--soname={real.name}",
                                     f"--output-elf={partial / 'lib' / real.name}", str(real)], check=True)
                     real.unlink()
+            # libtorch_cuda.so by its soname alone: the library is linked
+            # with --no-as-needed, so that it names it as needed.
+            interface = Path(scratch) / "libtorch_cuda.ifs"
+            interface.write_text("--- !ifs-v1\nIfsVersion: 3.0\nSoName: libtorch_cuda.so\n"
+                                 "Target: { ObjectFormat: ELF, Arch: x86_64, Endianness: little, BitWidth: 64 }\n"
+                                 "Symbols: []\n...\n")
+            subprocess.run([LLVM_IFS, f"--output-elf={partial / 'lib' / 'libtorch_cuda.so'}", str(interface)],
+                           check=True)
     missing = [lib for lib in TORCH_LINKED if not (partial / "lib" / lib).exists()]
     if missing or not (partial / "torch/include/c10/cuda/CUDACachingAllocator.h").exists():
         sys.exit(f"pypi cache: torch=={release}'s wheel lacks {missing or 'CUDACachingAllocator.h'}")
     (partial / "torch/include").rename(partial / "include")
     (partial / "torch").rmdir()
     size = publish(partial, target, wanted)
-    print(f"pypi cache: torch-headers-{release}: {time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB",
-          file=sys.stderr)
+    print(f"pypi cache: torch-headers-{release}: {time.monotonic() - start:.0f} s, "
+          f"{remote.fetched / 1e6:.0f} MB downloaded, {size / 1e6:.0f} MB", file=sys.stderr)
     return target
 
 

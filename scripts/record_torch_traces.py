@@ -3,7 +3,7 @@
 
 Runs training steps of a GPT-style transformer, a ResNet and a diffusion
 UNet on the CPU (with the PyTorch on PYTHONPATH: the tests use the newest
-release make deps installs; Debian's python3-torch 1.13 also works), and
+release the tests install; Debian's python3-torch 1.13 also works), and
 records every storage the step creates and frees through a
 TorchDispatchMode: the bytes a CUDA caching
 allocator would have been asked for, in order, with the Python stack of the

@@ -4,7 +4,7 @@ allocator and under reservoir's (RESERVOIR_TORCH_ALLOCATOR=own), prints the
 table and the counts, and names what passes only the first way, with exit 1.
 
 Environment (ctest): LD_PRELOAD is <build>/simcuda/libcudart.so.13; the
-PyPI cache holds this PyTorch and the suites' requirements (make deps).
+PyPI cache holds this PyTorch and the suites' requirements (the test's fixtures).
 """
 import os
 import subprocess

@@ -1,7 +1,7 @@
 """The real PyTorch from PyPI on reservoir's simulated CUDA device.
 
 Run by ctest once per installed release (tests/torch/requirements-*.txt,
-installed by `make deps`), with the simulated runtime preloaded
+installed by the test's fixtures), with the simulated runtime preloaded
 (LD_PRELOAD=<build>/simcuda/libcudart.so.13) and that release first on
 PYTHONPATH. RESERVOIR names the reservoir CLI.
 
