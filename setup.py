@@ -7,9 +7,20 @@ component holds into the package: the extension module reservoir._core,
 lib/libreservoir_torch.so, lib/libreservoir_preload.so (where CUDA's headers
 are found) and bin/reservoir.
 
+reservoir as PyTorch's own allocator is a library per PyTorch release
+(reservoir/lib/torch-<release>/), built against that release's headers,
+which scripts/pypi_cache.py reads from its wheel on the package index (about
+12 MB of it, once, into the PyPI cache). Which releases: those
+RESERVOIR_TORCH_RELEASES names ("2.15", "2.11,2.15", "all" or "none"); unset,
+the one of the PyTorch installed where the package is being installed (read
+from its site-packages, which build isolation hides from the build but not
+from this file), else every release scripts/packaging/headers-torch.txt
+lists (a wheel for any PyTorch, as `make wheels` builds).
+
 Environment: RESERVOIR_CMAKE_BUILD_DIR (the CMake build folder; default
 build/python-package/<python>/cmake, kept between builds), CMAKE_ARGS (more
--D options for the configure step), CMAKE_BUILD_PARALLEL_LEVEL.
+-D options for the configure step), CMAKE_BUILD_PARALLEL_LEVEL,
+RESERVOIR_TORCH_RELEASES, RESERVOIR_PYPI_CACHE.
 """
 import glob
 import os
@@ -49,6 +60,74 @@ def copy_native_folders(source, package):
         shutil.copytree(os.path.join(source, sub), os.path.join(package, sub))
 
 
+HEADERS_TORCH = os.path.join(ROOT, "scripts", "packaging", "headers-torch.txt")
+
+
+def _minor(version):
+    """(2, 15) of "2.15.0+cu130"."""
+    match = re.match(r"(\d+)\.(\d+)", version.strip())
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def listed_torch_releases():
+    """The releases scripts/packaging/headers-torch.txt lists (torch==2.15.0)."""
+    with open(HEADERS_TORCH, encoding="utf-8") as f:
+        return re.findall(r"^torch==([0-9][0-9.]*)\s*$", f.read(), re.M)
+
+
+def environment_torch():
+    """The version of the PyTorch installed in the environment this package is
+    being installed into (its site-packages' torch/version.py), or None."""
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        version_file = os.path.join(paths[key], "torch", "version.py")
+        if os.path.exists(version_file):
+            with open(version_file, encoding="utf-8") as f:
+                match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+            if match:
+                return match.group(1)
+    return None
+
+
+def torch_hook_releases():
+    """(the PyTorch releases to build reservoir's own allocator for, why)."""
+    listed = listed_torch_releases()
+    asked = os.environ.get("RESERVOIR_TORCH_RELEASES", "").strip()
+    if asked.lower() == "all":
+        return listed, "RESERVOIR_TORCH_RELEASES=all"
+    if asked.lower() == "none":
+        return [], "RESERVOIR_TORCH_RELEASES=none"
+    if asked:
+        chosen = []
+        for item in filter(None, (x.strip() for x in asked.split(","))):
+            match = [r for r in listed if _minor(r) == _minor(item)]
+            if not match:
+                raise RuntimeError(f"RESERVOIR_TORCH_RELEASES={asked!r}: reservoir's own allocator is built for "
+                                   f"{', '.join(listed)}, not {item}")
+            chosen += match
+        return chosen, f"RESERVOIR_TORCH_RELEASES={asked}"
+    version = environment_torch()
+    if version is None:
+        return listed, "no PyTorch in the environment: every release, for whichever is installed later"
+    match = [r for r in listed if _minor(r) == _minor(version)]
+    if not match:
+        return [], (f"PyTorch {version} in the environment, which reservoir's own allocator is not built for "
+                    f"(it is for {', '.join(listed)}): reservoir.install_torch() serves it")
+    return match, f"PyTorch {version} in the environment"
+
+
+def fetch_torch_headers(releases):
+    """Those releases' headers into the PyPI cache (nothing when there)."""
+    if not releases:
+        return
+    script = os.path.join(ROOT, "scripts", "pypi_cache.py")
+    result = subprocess.run([sys.executable, script, "--torch-headers", *releases])
+    if result.returncode != 0:
+        print(f"reservoir: could not fetch PyTorch {', '.join(releases)}'s headers from the package index "
+              "(see above): the package is built without reservoir's own allocator for them "
+              "(reservoir.install_torch() still serves PyTorch)", flush=True)
+
+
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
@@ -76,6 +155,10 @@ class CMakeBuild(build_ext):
             configure.append(f"-Dpybind11_DIR={pybind11.get_cmake_dir()}")
         except ImportError:
             pass
+        releases, why = torch_hook_releases()
+        print(f"reservoir: own allocator for PyTorch {', '.join(releases) or 'none'} ({why})", flush=True)
+        fetch_torch_headers(releases)
+        configure.append(f"-DRESERVOIR_TORCH_HOOK_RELEASES={';'.join(releases) or 'none'}")
         configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         self._run(configure)
         with open(cache, encoding="utf-8") as f:

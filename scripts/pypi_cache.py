@@ -14,7 +14,11 @@ line) whose C++ headers reservoir builds a library against: for each, the
 folder torch-headers-RELEASE holds the wheel's torch/include, interface
 stubs of the three libraries the build links (libc10_cuda.so and libc10.so:
 their dynamic symbols and sonames, made by llvm-ifs; libtorch_cuda.so: its
-soname alone) and the wheel's METADATA (the CUDA it was built for). Only
+soname alone) and the wheel's METADATA (the CUDA it was built for). Where
+there is no llvm-ifs (`pip install .` on a user's machine; RESERVOIR_LLVM_IFS
+names another, or "" for none) every stub carries its soname alone, made by
+the C compiler: the library then finds every symbol when it is loaded, as it
+finds libtorch_cuda.so's. Only
 those members of the wheel are downloaded, by HTTP range requests on the
 index's file (about 12 MB of a wheel of 0.5 to 0.9 GB, most of which is
 libtorch_cuda.so; what the library takes from it, the pluggable
@@ -29,6 +33,8 @@ root's C library and libraries, and ensurepip pointed at that root's wheels,
 so that `debian-NAME/usr/bin/NAME -m venv` works on this machine.
 
 usage: pypi_cache.py REQUIREMENTS...    (prints the folders, one a line)
+       pypi_cache.py --torch-headers RELEASE...
+                                        (those releases' headers alone: setup.py)
 
 The cache is $RESERVOIR_PYPI_CACHE, else ~/.cache/reservoir/pypi. A folder
 is complete when its .complete file holds the requirements it was made
@@ -52,7 +58,7 @@ from pathlib import Path
 # symbols the stubs carry.
 TORCH_LINKED = ("libtorch_cuda.so", "libc10_cuda.so", "libc10.so")
 STUBBED = ("libc10_cuda.so", "libc10.so")
-LLVM_IFS = "llvm-ifs-14"
+LLVM_IFS = os.environ.get("RESERVOIR_LLVM_IFS", "llvm-ifs-14")
 
 
 def cache_root() -> Path:
@@ -194,6 +200,15 @@ def wheel_on_index(name: str, release: str) -> dict:
     return wheels[0]
 
 
+def soname_stub(soname: str, output: Path, scratch: Path) -> None:
+    """A shared library with SONAME and no symbols, made by the C compiler."""
+    empty = scratch / "empty.c"
+    empty.write_text("")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    subprocess.run([compiler, "-shared", "-nostdlib", f"-Wl,-soname,{soname}", "-o", str(output), str(empty)],
+                   check=True)
+
+
 def torch_headers(release: str) -> Path:
     """torch-headers-RELEASE: what building against PyTorch RELEASE needs."""
     wanted = f"torch=={release}\nrecipe 2: the wheel's members by range requests; libtorch_cuda.so's soname\n"
@@ -210,10 +225,12 @@ def torch_headers(release: str) -> Path:
         members = wheel.infolist()
         ends = sorted(m.header_offset for m in members) + [remote.size]
 
+        symbols = bool(LLVM_IFS) and shutil.which(LLVM_IFS) is not None
+
         def wanted_member(name):
             return ((name.startswith("torch/include/") and not name.endswith("/"))
                     or name.endswith(".dist-info/METADATA")
-                    or (name.startswith("torch/lib/") and name[len("torch/lib/"):] in STUBBED))
+                    or (symbols and name.startswith("torch/lib/") and name[len("torch/lib/"):] in STUBBED))
         # The members asked for, in spans of the file read in one request
         # each (the headers lie together: a few requests in all).
         spans = []
@@ -239,14 +256,12 @@ def torch_headers(release: str) -> Path:
                     subprocess.run([LLVM_IFS, f"--soname={real.name}",
                                     f"--output-elf={partial / 'lib' / real.name}", str(real)], check=True)
                     real.unlink()
-            # libtorch_cuda.so by its soname alone: the library is linked
-            # with --no-as-needed, so that it names it as needed.
-            interface = Path(scratch) / "libtorch_cuda.ifs"
-            interface.write_text("--- !ifs-v1\nIfsVersion: 3.0\nSoName: libtorch_cuda.so\n"
-                                 "Target: { ObjectFormat: ELF, Arch: x86_64, Endianness: little, BitWidth: 64 }\n"
-                                 "Symbols: []\n...\n")
-            subprocess.run([LLVM_IFS, f"--output-elf={partial / 'lib' / 'libtorch_cuda.so'}", str(interface)],
-                           check=True)
+            # libtorch_cuda.so (and, without llvm-ifs, every one) by its
+            # soname alone: the library is linked with --no-as-needed, so
+            # that it names them as needed.
+            for lib in TORCH_LINKED:
+                if not (partial / "lib" / lib).exists():
+                    soname_stub(lib, partial / "lib" / lib, Path(scratch))
     missing = [lib for lib in TORCH_LINKED if not (partial / "lib" / lib).exists()]
     if missing or not (partial / "torch/include/c10/cuda/CUDACachingAllocator.h").exists():
         sys.exit(f"pypi cache: torch=={release}'s wheel lacks {missing or 'CUDACachingAllocator.h'}")
@@ -339,6 +354,10 @@ def releases(path: Path) -> list:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--torch-headers"]:
+        for release in sys.argv[2:]:
+            print(torch_headers(release))
+        return
     for arg in sys.argv[1:]:
         path = Path(arg)
         if path.name == "headers-torch.txt":

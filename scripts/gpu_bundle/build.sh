@@ -85,7 +85,7 @@ cmake --build "$bb" -j "$jobs" --target gpu_test gpu_bench reservoir_cli reservo
 # this same build: setup.py configures it with the bundle's own options again
 # (CMAKE_ARGS), so it only gathers what is built. Debian's pure-Python
 # setuptools and wheel serve a 3.12 that has none (no package index here).
-wheel_env=(RESERVOIR_CMAKE_BUILD_DIR="$bb" PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+wheel_env=(RESERVOIR_CMAKE_BUILD_DIR="$bb" RESERVOIR_TORCH_RELEASES=all PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
            CMAKE_ARGS="-DRESERVOIR_BUILD_TESTS=ON -DRESERVOIR_BUILD_BENCH=ON -Dbenchmark_DIR=$bench_cmake")
 if ! "$py312" -c 'import setuptools, wheel' >/dev/null 2>&1; then
   tools=$(python3 "$root/scripts/debian_python_tools.py" "$bb/python-tools" setuptools wheel) ||

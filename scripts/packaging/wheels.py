@@ -106,8 +106,10 @@ def cpythons(explicit=None):
 def build_env(cmake_dir):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_")) and k != "RESERVOIR_CMAKE_BUILD_DIR"}
+    # A release's wheel serves any PyTorch: reservoir's own allocator for
+    # every release (setup.py), whatever the building interpreter holds.
     env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheelhouse(), PIP_DISABLE_PIP_VERSION_CHECK="1",
-               RESERVOIR_CMAKE_BUILD_DIR=cmake_dir)
+               RESERVOIR_CMAKE_BUILD_DIR=cmake_dir, RESERVOIR_TORCH_RELEASES="all")
     return env
 
 

@@ -222,6 +222,7 @@ def offline_wheel(python, args):
     base_env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("RESERVOIR_", "PYTHON", "VIRTUAL_ENV", "PIP_"))}
     build_env = dict(base_env, RESERVOIR_CMAKE_BUILD_DIR=os.path.join(os.path.abspath(args.work), "cmake"),
+                     RESERVOIR_TORCH_RELEASES="all",
                      PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     if not has_modules(python, BUILD_TOOLS, build_env):
         build_env["PYTHONPATH"] = debian_tools(os.path.join(work, "build-tools"), BUILD_TOOLS)
