@@ -1,8 +1,9 @@
 """`make run` builds what it runs and nothing else: after `make run` into a
 fresh build folder, the folder holds the command-line tool and the libraries
 it links, and no object of a test, benchmark, fuzz target, the simulated CUDA
-device, the Python module or the PyTorch plug-in; and the run's output names
-the pages it wrote. (.ci/run runs it with RESERVOIR_PYPI_CACHE pointed at an
+device, the Python module or the PyTorch plug-in; the run's output names
+the pages it wrote, fits 100 columns a line and ends with where to look next
+(README.md, "What `make run` shows"). (.ci/run runs it with RESERVOIR_PYPI_CACHE pointed at an
 empty folder, so that a run that wanted anything from PyPI fails.)
 
 Usage: run_targets_check.py BUILD_DIR RUN_OUTPUT_FILE
@@ -43,6 +44,18 @@ with open(output, errors="replace") as f:
 for page in ("advice.html", "report.html"):
     if os.path.join(build, page) not in text or not os.path.isfile(os.path.join(build, page)):
         problems.append(f"the run did not write and name {os.path.join(build, page)}")
+
+# README.md, "What `make run` shows": every line the run prints fits 100
+# columns, and it ends with where to look next.
+run_lines = text[text.find("== Replaying"):].splitlines() if "== Replaying" in text else []
+if not run_lines:
+    problems.append("the run printed no \"== Replaying\" line")
+wide = [line for line in run_lines if len(line) > 100]
+if wide:
+    problems.append(f"{len(wide)} line(s) of the run wider than 100 columns, the first: {wide[0]!r}")
+headers = [line for line in run_lines if line.startswith("== ")]
+if not headers or headers[-1] != "== Where to look next":
+    problems.append(f"the run does not end with where to look next (its last section: {headers[-1:]})")
 
 if problems:
     print("make run builds more or less than it runs:\n  " + "\n  ".join(problems))
