@@ -29,22 +29,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 
 failures = []
 
-# Runs out of memory from fragmentation on a 1 GiB simulated device: two
-# 400 MiB blocks freed, every other 60 MiB block of twelve kept, 500 MiB asked.
-STEPS = textwrap.dedent("""
-    MiB = 1 << 20
-    a = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-    b = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-    del a, b
-    ts = [torch.empty(60 * MiB, dtype=torch.uint8, device="cuda") for _ in range(12)]
-    keep = ts[::2]
-    del ts
-""")
-FAIL = 'torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")'
+# Runs out of memory from fragmentation on a 1 GiB simulated device
+# (tests/torch/scenarios.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
+from scenarios import FRAGMENTED_REQUEST as FAIL, FRAGMENTING_STEPS  # noqa: E402
+
+STEPS = "MiB = 1 << 20\n" + FRAGMENTING_STEPS
 
 
 def check(condition, what):

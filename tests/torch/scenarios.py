@@ -243,3 +243,23 @@ for attempt in range(2):
     except torch.OutOfMemoryError:
         outcome.append("oom")
 """
+
+
+# Fragmentation on a 1 GiB device (`torch` and `MiB` set before): two 400 MiB
+# blocks freed (one segment of 800 MiB cached), twelve 60 MiB blocks carved
+# from it of which every other one is kept: 440 MiB reserved but unused, in
+# pieces of 60 MiB (the largest 100 MiB with the segment's tail), so a
+# 500 MiB request (FRAGMENTED_REQUEST) finds no room, though 360 MiB is all
+# that is in use. FRAGMENTATION_LINE: reservoir's first line at that error.
+FRAGMENTING_STEPS = """
+a = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+b = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
+del a, b
+ts = [torch.empty(60 * MiB, dtype=torch.uint8, device="cuda") for _ in range(12)]
+keep = ts[::2]
+del ts
+"""
+FRAGMENTED_REQUEST = 'torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")'
+FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
+                      "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
+                      "224.00 MiB free.")

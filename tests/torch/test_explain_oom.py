@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import pytest
+from scenarios import FRAGMENTATION_LINE, FRAGMENTING_STEPS
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("reservoir")
@@ -53,17 +54,9 @@ def fail_big(nbytes, **more):
 FRAGMENTED = """
 if os.environ.get("FRACTION"):
     torch.cuda.set_per_process_memory_fraction(float(os.environ["FRACTION"]))
-a = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-b = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-del a, b
-ts = [torch.empty(60 * MiB, dtype=torch.uint8, device="cuda") for _ in range(12)]
-keep = ts[::2]
-del ts
+""" + FRAGMENTING_STEPS + """
 fail_big(500 * MiB)
 """
-FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
-                      "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
-                      "224.00 MiB free.")
 
 
 

@@ -42,28 +42,19 @@ import wheels as release  # noqa: E402
 
 failures = []
 
-# On a 1 GiB simulated device: two 400 MiB blocks freed, twelve of 60 MiB of
-# which every other one is kept, then 500 MiB asked for: fragmentation.
-PROGRAM = textwrap.dedent("""
-    import json, torch
-    MiB = 1 << 20
-    a = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-    b = torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
-    del a, b
-    ts = [torch.empty(60 * MiB, dtype=torch.uint8, device="cuda") for _ in range(12)]
-    keep = ts[::2]
-    del ts
+# Fragmentation on a 1 GiB simulated device (tests/torch/scenarios.py).
+sys.path.insert(0, os.path.join(HERE, "..", "..", "torch"))
+from scenarios import FRAGMENTATION_LINE as ANSWER, FRAGMENTED_REQUEST, FRAGMENTING_STEPS  # noqa: E402
+
+PROGRAM = "import json, torch\nMiB = 1 << 20\n" + FRAGMENTING_STEPS + textwrap.dedent(f"""
     try:
-        torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")
+        {FRAGMENTED_REQUEST}
         message = None
     except torch.OutOfMemoryError as e:
         message = str(e)
-    print("RESULT " + json.dumps({"backend": torch.cuda.get_allocator_backend(), "message": message,
-                                  "torch": torch.__version__}))
+    print("RESULT " + json.dumps({{"backend": torch.cuda.get_allocator_backend(), "message": message,
+                                  "torch": torch.__version__}}))
 """)
-ANSWER = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
-          "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
-          "224.00 MiB free.")
 
 
 def check(condition, what):
