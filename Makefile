@@ -101,8 +101,7 @@ test: build
 
 # The rest of the release matrix, on the simulated device: every other
 # PyTorch release reservoir is built for or serves (installing each when it
-# first runs). Run it before a change to the PyTorch integration lands;
-# .ci/run runs it after make test.
+# first runs). Run it before a change to the PyTorch integration lands.
 test-releases: build
 	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -L torch_extra
 
