@@ -80,10 +80,8 @@ def main() -> int:
             fixed |= fixtures_of(t)
     now = built + sum(sizes[f] for f in needed)
     base = built + sum(sizes[f] for f in fixed)
-    worst, costliest = 0, ""
-    for name, t in releases.items():
-        if name != oldest_own and base + sum(sizes[f] for f in fixtures_of(t) - fixed) >= worst:
-            worst, costliest = base + sum(sizes[f] for f in fixtures_of(t) - fixed), name
+    worst, costliest = max((base + sum(sizes[f] for f in fixtures_of(t) - fixed), name)
+                           for name, t in releases.items() if name != oldest_own)
     print(f"make test requires {len(needed)} folders from PyPI: {', '.join(sorted(needed))}")
     print(f"this commit ({chosen[0]} chosen): {now / 1e9:.2f} GB, the build's {built / 1e9:.2f} GB included")
     print(f"the costliest choice ({costliest}): {worst / 1e9:.2f} GB; the budget: {budget / 1e9:.2f} GB")
