@@ -431,11 +431,12 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   const VerifyWatch* w = watch ? &watch : nullptr;
   const std::string& since = trace.pytorch_since;
   VerifyResult r = verify_as(trace, options, w, since);
-  if (r.agreed || r.cannot_verify || !trace.settings.pytorch_version.empty()) return r;
+  if (r.agreed || !trace.settings.pytorch_version.empty()) return r;
   // Releases whose snapshots look alike but whose rules differ: a recording
-  // that disagrees under the rules of the release it shows is checked under
-  // theirs too, and verified by the first that agrees (a watch then sees
-  // that run again, from the start). Before 2.4 one division keeps a
+  // that disagrees under the rules of the release it shows, or that cannot
+  // be verified under them (an address a page policy's device memory might
+  // explain), is checked under theirs too, and verified by the first that
+  // agrees (a watch then sees that run again, from the start). Before 2.4 one division keeps a
   // request's size (2.3's rules; 2.0 to 2.2 show no release at all), yet 2.4
   // to 2.8 write the settings 2.3 writes; 2.12 writes the settings 2.3 to
   // 2.11 write, but takes cached blocks of equal size oldest segment first.

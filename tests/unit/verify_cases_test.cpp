@@ -1123,5 +1123,33 @@ TEST(VerifyCases, EachPyTorchReleaseTakesEqualSizeBlocksByItsRule) {
   }
 }
 
+// A recording reservoir's own allocator made under PyTorch 2.12.1 with
+// policy:native_paged through out-of-memory errors (tests/data/torch,
+// native_paged_oom.sh): the device's memory is not recorded, so under the
+// rules of the release the snapshot shows (2.9's, the lowest address) the
+// address that differs cannot be told from a device of another size; that
+// is no reason not to try 2.12's rules, under which every address agrees.
+TEST(VerifyCases, ARecordingThatCannotBeVerifiedUnderOneReleaseIsTriedUnderTheNext) {
+  const std::string dir = std::string(RESERVOIR_SOURCE_DIR) + "/tests/data/torch/";
+  const Trace t = read_trace_file(dir + "native_paged_oom_2.12.1.pickle");
+  EXPECT_EQ(t.pytorch_since, "2.9");
+  const VerifyResult r = verify(t);
+  EXPECT_TRUE(r.agreed) << r.divergence;
+  EXPECT_EQ(r.pytorch_rules, "2.12");
+  EXPECT_EQ(r.events, 263u);
+  EXPECT_EQ(r.allocs_checked, 128u);
+  EXPECT_EQ(r.ooms_checked, 1u);
+  EXPECT_EQ(r.segment_maps_checked, 48u);
+  EXPECT_EQ(r.segment_unmaps_checked, 8u);
+  Trace as_shown = t;
+  as_shown.settings.pytorch_version = "2.9";
+  const VerifyResult shown = verify(as_shown);
+  EXPECT_TRUE(shown.cannot_verify);
+  EXPECT_EQ(shown.divergence_event, 227u);
+  EXPECT_NE(shown.divergence.find("alloc of 2 bytes (rounded to 512, small pool, stream 0)"),
+            std::string::npos)
+      << shown.divergence;
+}
+
 }  // namespace
 }  // namespace reservoir
