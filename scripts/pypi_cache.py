@@ -7,7 +7,9 @@ A file named wheelhouse-NAME.txt is a wheelhouse: its wheels are downloaded,
 not installed, into the folder wheelhouse-NAME, for pip's --find-links (an
 isolated build's requirements, a test environment's tools). They are
 pure-Python wheels unless the file has a line "# pip download: OPTIONS"
-(the Python version and platforms of another machine, say).
+(the Python version and platforms of another machine, say). Any other file
+is installed (pip install --target) for the running interpreter, or for the
+CPython a line "# pip install: OPTIONS" names.
 
 A file named headers-torch.txt lists PyTorch releases (torch==2.6.0, one a
 line) whose C++ headers reservoir builds a library against: for each, the
@@ -106,7 +108,13 @@ def install(requirements: Path) -> Path:
                 target_options = line.split(":", 1)[1].split()
         command = ["download", "--only-binary=:all:", *target_options, *common, "--dest", str(partial)]
     else:
-        command = ["install", *common, "--root-user-action=ignore", "--target", str(partial)]
+        # Installed for this interpreter unless the file has a line "# pip
+        # install: OPTIONS" (another CPython's: --python-version, --abi, ...).
+        target_options = []
+        for line in wanted.splitlines():
+            if line.startswith("# pip install:"):
+                target_options = ["--only-binary=:all:", *line.split(":", 1)[1].split()]
+        command = ["install", *target_options, *common, "--root-user-action=ignore", "--target", str(partial)]
     subprocess.run([sys.executable, "-m", "pip", *command, "-r", str(requirements)], check=True)
     size = publish(partial, target, wanted)
     print(f"pypi cache: {name}: {time.monotonic() - start:.0f} s, {size / 1e9:.1f} GB installed",

@@ -8,7 +8,7 @@ CUDA's headers (simcuda_*, and torch_<release>_simcuda and
 torch_<release>_oracle and torch_<release>_release, which run PyTorch on it, and the PyPI folders
 only those use: pypi_* fixtures, each registered where a test requires it,
 are left out of the comparison, make_test_downloads, which counts those
-folders, and pip_install and readme_sections, which run PyTorch on the
+folders, and pip_install, pip_install_cpythons and readme_sections, which run PyTorch on the
 device); and the instruction budgets, which hold for make test's optimized
 build only (the no-CUDA build is unoptimized, without benchmarks). Every
 other test must be in both.
@@ -35,7 +35,8 @@ OPTIMIZED_BUILD_ONLY = {"instruction_budget"}
 
 
 def cuda_only(name):
-    return (name in ("make_test_downloads", "pip_install", "readme_sections") or "Cuda" in name or name.startswith("preload_") or name.startswith("simcuda_")
+    return (name in ("make_test_downloads", "pip_install", "pip_install_cpythons", "readme_sections")
+            or "Cuda" in name or name.startswith("preload_") or name.startswith("simcuda_")
             or re.fullmatch(r"torch_[0-9.]+_(simcuda|oracle|release)", name) is not None)
 
 

@@ -20,8 +20,14 @@ into a fresh environment without PyTorch: the command and `python -m
 reservoir` work, and reservoir's own allocator is built for every release
 (none to read the release from). Prints how long each `pip install` took.
 
+With --cpython-torch cpXY-torch-RELEASE (repeated), instead: under each of
+those CPythons, `pip install .` into a fresh environment holding PyPI's
+PyTorch for it (3.12 to 3.14: 2.15; 3.10: 2.14.1, pip's newest there), and
+the checks above from that environment.
+
 usage: pip_install_test.py --source CHECKOUT --work DIR --torch-site SITE
                            --simcuda LIBCUDART [--python PYTHON]
+                           [--cpython-torch FOLDER ...]
 """
 import argparse
 import json
@@ -68,8 +74,16 @@ def run(cmd, env, cwd=None, capture=True):
     return subprocess.run(cmd, env=env, cwd=cwd, text=True, capture_output=capture)
 
 
-def environment(python, scratch, name, torch_site):
-    """A fresh virtual environment with PyPI's PyTorch in its site-packages."""
+def distribution(entry):
+    """The distribution a site-packages entry belongs to, normalized
+    ("torch-2.15.0.dist-info" and "torch": "torch")."""
+    return re.split(r"-[0-9]", entry, maxsplit=1)[0].lower().replace("-", "_").removesuffix(".dist_info")
+
+
+def environment(python, scratch, name, torch_site, first=None):
+    """A fresh virtual environment with PyPI's PyTorch in its site-packages
+    (with `first`, a folder of packages built for this CPython, before
+    torch_site's: of a distribution in both, first's alone)."""
     venv = os.path.join(scratch, name)
     r = run([python, "-m", "venv", venv], env=dict(os.environ))
     check(r.returncode == 0, f"{python} -m venv {name} exits 0 ({r.stderr.strip()[-300:]})")
@@ -79,10 +93,14 @@ def environment(python, scratch, name, torch_site):
     # The environment's own pip and setuptools stay (torch needs setuptools
     # only to build extensions).
     own = ("setuptools", "pkg_resources", "_distutils_hack", "distutils-precedence.pth", "pip")
-    for entry in os.listdir(torch_site):
-        if entry.startswith(".") or entry in ("bin", "__pycache__") or entry in own or entry.split("-")[0] in own:
-            continue
-        os.symlink(os.path.join(torch_site, entry), os.path.join(site, entry))
+    taken = set()
+    for folder in ([first] if first else []) + [torch_site]:
+        names = [e for e in os.listdir(folder) if not e.startswith(".") and e not in ("bin", "__pycache__")
+                 and e not in own and e.split("-")[0] not in own]
+        for entry in names:
+            if distribution(entry) not in taken:
+                os.symlink(os.path.join(folder, entry), os.path.join(site, entry))
+        taken |= {distribution(e) for e in names}
     return venv, vpy
 
 
@@ -153,6 +171,10 @@ def main():
     ap.add_argument("--torch-site", required=True)
     ap.add_argument("--simcuda", required=True)
     ap.add_argument("--python", default="/usr/bin/python3")
+    ap.add_argument("--cpython-torch", action="append", default=[], metavar="FOLDER",
+                    help="instead: PyPI's PyTorch for another CPython (a PyPI cache folder cpXY-torch-RELEASE "
+                         "holding its packages built for cpXY; the rest from --torch-site): pip install . "
+                         "into an environment of that CPython holding it, and use it there")
     args = ap.parse_args()
     source = os.path.abspath(args.source)
     files = tracked_files(source)
@@ -171,6 +193,9 @@ def main():
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=release.wheelhouse(), PIP_DISABLE_PIP_VERSION_CHECK="1",
                    CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2"))
 
+        if args.cpython_torch:
+            other_cpythons_with_torch(args, clone, env, scratch, simcuda)
+            return summary()
         # 1. pip install . from the clone; 2. pip install of its sdist.
         sdist = release.build_sdist(clone, os.path.join(scratch, "sdist"), scratch)
         for name, target, cwd, what in (("venv-checkout", ".", clone, "from the checkout"),
@@ -202,12 +227,40 @@ def main():
                 check(hooks == listed, f"{what}: own allocator built for every release, {listed} (got {hooks!r})")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return summary()
+
+
+def summary():
     if failures:
         print(f"{len(failures)} check(s) failed:")
         for f in failures:
             print("  " + f.splitlines()[0])
         return 1
     return 0
+
+
+def other_cpythons_with_torch(args, clone, env, scratch, simcuda):
+    """pip install . from the clone under each CPython named, into a fresh
+    environment holding PyPI's PyTorch for it, then the package used there
+    as under the first CPython (use())."""
+    interpreters = {tag: python for tag, python, _ in release.cpythons()}
+    for folder in args.cpython_torch:
+        m = re.fullmatch(r"(cp3[0-9]+)-torch-([0-9.]+)", os.path.basename(os.path.normpath(folder)))
+        check(m is not None, f"{folder} is named cpXY-torch-RELEASE")
+        if m is None:
+            continue
+        tag, torch_release = m.groups()
+        python = interpreters.get(tag)
+        check(python is not None, f"a CPython {tag} is on this machine (found: {', '.join(interpreters)})")
+        if python is None:
+            continue
+        what = f"{tag} with PyTorch {torch_release}, from the checkout"
+        venv, vpy = environment(python, scratch, f"venv-{tag}-torch", args.torch_site, first=folder)
+        ok, out = pip_install(vpy, ".", env, clone, what)
+        if ok:
+            check(f"reservoir: own allocator for PyTorch {torch_release} (PyTorch {torch_release}" in out,
+                  f"{what}: setup.py builds reservoir's own allocator for the environment's PyTorch")
+            use(venv, vpy, scratch, simcuda, torch_release, what)
 
 
 if __name__ == "__main__":
