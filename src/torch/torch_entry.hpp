@@ -1,6 +1,6 @@
 // reservoir's entry points, as reservoir_torch.cpp exports them, looked up
 // by the per-release libraries (torch_hooks.cpp: the pluggable allocator
-// with every hook; torch_allocator.cpp: reservoir as PyTorch's own
+// with every hook; torch_allocator.hpp: reservoir as PyTorch's own
 // CUDAAllocator). Internal to those libraries.
 #pragma once
 

@@ -1,6 +1,6 @@
 // What each PyTorch release's allocator interface has, named by the release
 // that brought it: the one place the libraries built per release
-// (torch_allocator.cpp, torch_hooks.cpp) differ. Each line was read from the
+// (torch_allocator.hpp and its files, torch_hooks.cpp) differ. Each line was read from the
 // release's own headers (c10/cuda/CUDACachingAllocator.h,
 // c10/core/CachingDeviceAllocator.h, c10/core/AllocatorConfig.h).
 #pragma once

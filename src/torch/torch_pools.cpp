@@ -1,0 +1,84 @@
+// Private pools' routes, users and options (torch_pools.hpp).
+#include "torch_pools.hpp"
+
+namespace reservoir_torch_hooks {
+
+int Pools::call_filter(void* context, cudaStream_t stream) {
+  return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
+}
+
+void Pools::begin_route(c10::DeviceIndex device, MempoolId id,
+                        std::function<bool(cudaStream_t)> filter) {
+  auto owned = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
+  void* context = owned.get();
+  {
+    // A route is a user of the pool too (PyTorch releases it after
+    // endAllocateToPool, as it does a MemPool's).
+    std::lock_guard lock(mutex_);
+    filters_[{device, id}] = std::move(owned);
+    ++users_[{device, id}];
+  }
+  TORCH_CHECK(
+      entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context) == 0,
+      "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
+  // reservoir counts a use of the pool per route begun after its first;
+  // here users_ counts them all, and reservoir hears of the last release
+  // alone: its count stays at one.
+  bool again = false;
+  {
+    std::lock_guard lock(mutex_);
+    again = !routed_.insert({device, id}).second;
+  }
+  if (again) {
+    TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
+                "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
+  }
+}
+
+void Pools::end_route(c10::DeviceIndex device, MempoolId id) {
+  TORCH_CHECK(entry().end_allocate_to_pool(device, id.first, id.second) == 0,
+              "reservoir (PyTorch's allocator): endAllocateToPool: ", entry().error());
+  std::lock_guard lock(mutex_);
+  filters_.erase({device, id});
+}
+
+void Pools::add_user(c10::DeviceIndex device, MempoolId id) {
+  std::lock_guard lock(mutex_);
+  ++users_[{device, id}];
+}
+
+void Pools::release(c10::DeviceIndex device, MempoolId id) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = users_.find({device, id});
+    if (it != users_.end() && --it->second > 0) return;
+    if (it != users_.end()) users_.erase(it);
+    // A pool never allocated to holds nothing in reservoir.
+    if (routed_.erase({device, id}) == 0) return;
+  }
+  TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
+              "reservoir (PyTorch's allocator): releasePool: ", entry().error());
+}
+
+int Pools::users(c10::DeviceIndex device, MempoolId id) {
+  std::lock_guard lock(mutex_);
+  auto it = users_.find({device, id});
+  return it == users_.end() ? 0 : it->second;
+}
+
+bool Pools::known(c10::DeviceIndex device, MempoolId id) {
+  std::lock_guard lock(mutex_);
+  return users_.count({device, id}) > 0;
+}
+
+void Pools::set_use_on_oom(c10::DeviceIndex device, MempoolId id, bool use_on_oom) {
+  TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 0, use_on_oom ? 1 : 0) == 0,
+              "reservoir (PyTorch's allocator): setUseOnOOM: ", entry().error());
+}
+
+void Pools::set_no_split(c10::DeviceIndex device, MempoolId id) {
+  TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 1, 1) == 0,
+              "reservoir (PyTorch's allocator): setNoSplit: ", entry().error());
+}
+
+}  // namespace reservoir_torch_hooks
