@@ -277,6 +277,12 @@ void CachingAllocator::Impl::reset_accumulated_stats() {
   }
 }
 
+std::size_t CachingAllocator::Impl::block_size(DevicePtr ptr) const {
+  detail::LockGuard lock(mutex_);
+  const Block* const* found = allocated_.find(ptr);
+  return found == nullptr ? 0 : (*found)->size;
+}
+
 std::size_t CachingAllocator::Impl::largest_cached_block() const {
   detail::LockGuard lock(mutex_);
   std::size_t largest = 0;

@@ -56,6 +56,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void combine_stats(std::shared_ptr<CombinedStats> combined, bool carry_peaks);
   Snapshot snapshot() const;
   std::size_t largest_cached_block() const;
+  std::size_t block_size(DevicePtr ptr) const;
   std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;
   void attach_oom_observer(OomObserver observer);
   void set_oom_explainer(OomExplainer explainer);

@@ -79,6 +79,9 @@ std::vector<std::pair<DevicePtr, std::size_t>> CachingAllocator::live_allocation
 std::size_t CachingAllocator::largest_cached_block() const {
   return impl_->largest_cached_block();
 }
+std::size_t CachingAllocator::block_size(const void* ptr) const {
+  return impl_->block_size(reinterpret_cast<DevicePtr>(ptr));
+}
 void CachingAllocator::attach_oom_observer(OomObserver observer) {
   impl_->attach_oom_observer(std::move(observer));
 }

@@ -156,6 +156,12 @@ void Saver::deallocate(void* ptr) {
 bool Saver::tagged(const void* ptr) const {
   return impl_->owner_of(ptr) != nullptr;
 }
+std::size_t Saver::block_size(const void* ptr) const {
+  TagState* state = impl_->owner_of(ptr);
+  if (state == nullptr) return impl_->untagged_.block_size(ptr);
+  detail::SharedLock lock(state->mutex);
+  return state->allocator.block_size(ptr);
+}
 void Saver::record_stream(void* ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);
 }

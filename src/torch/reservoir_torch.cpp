@@ -628,6 +628,30 @@ __attribute__((visibility("default"))) char* reservoir_torch_stats_json(int devi
   return out;
 }
 
+// What PyTorch's allocator reports to its profiler for an allocation or a
+// free at ptr: the size of the live block at ptr (0 when none, as after its
+// free; without ptr, `request` rounded as the allocator rounds it: a request
+// that failed), and the device's allocated and reserved bytes now. 0, or -1
+// with last_error.
+__attribute__((visibility("default"))) int reservoir_torch_usage(int device, void* ptr,
+                                                                  unsigned long long request,
+                                                                  unsigned long long* block_size,
+                                                                  unsigned long long* allocated,
+                                                                  unsigned long long* reserved) {
+  return guarded([&] {
+           reservoir::Saver& saver = saver_for(device);
+           *block_size = ptr != nullptr ? saver.block_size(ptr)
+                         : request == 0 ? 0
+                                        : reservoir::CachingAllocator::round_size(
+                                              request, saver.untagged_allocator().config());
+           const reservoir::DeviceStats stats = saver.stats();
+           *allocated = static_cast<unsigned long long>(stats.allocated_bytes[0].current);
+           *reserved = static_cast<unsigned long long>(stats.reserved_bytes[0].current);
+         })
+             ? 0
+             : -1;
+}
+
 // torch.cuda.reset_peak_memory_stats() and reset_accumulated_memory_stats():
 // 0, or -1 with last_error.
 __attribute__((visibility("default"))) int reservoir_torch_reset_peak_stats(int device) {

@@ -3,6 +3,8 @@
 // the methods that join the parts.
 #include "torch_allocator.hpp"
 
+#include "torch_profiler.hpp"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -87,6 +89,7 @@ void ReservoirAllocator::raw_delete(void* ptr) {
   }
   if (recorded) history_.note_free(ptr, std::move(*recorded));
   Live live;
+  std::size_t reported = 0;
   {
     std::lock_guard lock(mutex_);
     auto it = live_.find(ptr);
@@ -95,7 +98,9 @@ void ReservoirAllocator::raw_delete(void* ptr) {
     live = it->second;
     live_.erase(it);
   }
+  reported = block_size_to_report(ptr, live.device);
   entry().free(ptr, static_cast<ssize_t>(live.size), live.device, live.stream);
+  report_free(ptr, reported, live.device);
 }
 
 void* ReservoirAllocator::malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
@@ -113,6 +118,7 @@ void* ReservoirAllocator::malloc_on(size_t size, c10::DeviceIndex device, cudaSt
   if (p == nullptr) {
     if (entry().error_is_oom() != 0) {
       const std::string message = entry().error();
+      report_out_of_memory(size, device);
       std::vector<cca::OutOfMemoryObserver> observers;
       {
         std::lock_guard lock(mutex_);
@@ -134,6 +140,7 @@ void* ReservoirAllocator::malloc_on(size_t size, c10::DeviceIndex device, cudaSt
     live_[p] = Live{size, device, stream};
   }
   if (recorded) history_.note_alloc(p, std::move(*recorded));
+  report_allocation(p, device);
   return p;
 }
 

@@ -15,6 +15,7 @@
 //   torch_stats.cpp      statistics and segments in PyTorch's types
 //   torch_pools.cpp      private pools: routes, users, options
 //   torch_history.cpp    history, snapshots' traces, trace trackers
+//   torch_profiler.cpp   the profiler's memory events
 //   torch_ipc.cpp        CUDA IPC handles in PyTorch's format
 //   torch_install.cpp    installing it into PyTorch; settings at run time
 //

@@ -40,6 +40,8 @@ struct Entry {
   char* (*restore_pool)(int, unsigned long long, unsigned long long, const char*) = nullptr;
   int (*configured_fraction)(double*) = nullptr;
   int (*apply_settings)(const char*, char**) = nullptr;
+  int (*usage)(int, void*, unsigned long long, unsigned long long*, unsigned long long*, unsigned long long*) =
+      nullptr;
 };
 
 // The entry points, once load() found them.

@@ -97,6 +97,7 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_restore_pool", e.restore_pool);
   find(lib, "reservoir_torch_configured_memory_fraction", e.configured_fraction);
   find(lib, "reservoir_torch_apply_settings", e.apply_settings);
+  find(lib, "reservoir_torch_usage", e.usage);
   // The native policy takes this release's decisions (unless configured otherwise).
   int (*set_release)(const char*) = nullptr;
   find(lib, "reservoir_torch_set_pytorch_release", set_release);

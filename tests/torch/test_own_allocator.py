@@ -1137,6 +1137,76 @@ def test_the_cublas_workspace_comes_from_the_allocator():
     assert ours == native == {"grown": 32 * MiB + 512}
 
 
+# torch.profiler.profile(profile_memory=True): the profiler's memory events
+# (each allocation and free: its block's size, negative for a free, and the
+# device's allocated and reserved bytes after it; a failed request: its size
+# rounded, and the totals), in order, with each address as the order of its
+# first event (the simulated device's addresses differ between processes),
+# and the memory each operator allocated by the profiler's own account.
+PROFILER = """
+import collections, tempfile
+from torch.profiler import profile, ProfilerActivity
+keep = torch.empty(100, device="cuda")
+side = torch.cuda.Stream()
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    a = torch.empty(1000, device="cuda")
+    b = torch.empty(3 * MiB, device="cuda")
+    del a
+    c = torch.ones(5 * MiB, device="cuda")
+    with torch.cuda.stream(side):
+        d = torch.empty(2 * MiB + 7, dtype=torch.uint8, device="cuda")
+    d.record_stream(torch.cuda.current_stream())
+    del b, d
+    e = c + 1
+    del c, e
+    torch.cuda.empty_cache()
+    f = torch.empty(10, device="cuda")
+    try:
+        torch.empty((1 << 40) + 3, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        pass
+    del f
+path = tempfile.mktemp(suffix=".json")
+prof.export_chrome_trace(path)
+with open(path) as fh:
+    trace = json.load(fh)["traceEvents"]
+order = {}
+events = []
+for ev in trace:
+    args = ev.get("args", {})
+    if ev.get("name") not in ("[memory]", "[OutOfMemory]") or args.get("Device Type") != 1:
+        continue
+    addr = args.get("Addr", 0)
+    where = order.setdefault(addr, len(order)) if ev["name"] == "[memory]" else None
+    events.append([ev["name"], where, args["Bytes"], args["Total Allocated"], args["Total Reserved"]])
+per_op = collections.Counter()
+for avg in prof.key_averages():
+    per_op[avg.key] += avg.self_device_memory_usage
+emit(events=events, per_op={k: v for k, v in sorted(per_op.items()) if v})
+"""
+
+
+def test_the_profilers_memory_events_are_pytorchs():
+    native, ours = run_both(PROFILER, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
+    assert ours == native
+    memory = [e[1:] for e in ours["events"] if e[0] == "[memory]"]
+    failed = [e[2:] for e in ours["events"] if e[0] == "[OutOfMemory]"]
+    assert len(memory) == 12, ours["events"]
+    # a (4 KiB of the small pool's 2 MiB), b (12 MiB); a freed: its size
+    # back, reserved unchanged.
+    assert memory[:3] == [[0, 4096, 4608, 2 * MiB], [1, 12 * MiB, 12 * MiB + 4608, 14 * MiB],
+                          [0, -4096, 12 * MiB + 512, 14 * MiB]]
+    # d, freed after record_stream: reported when freed, not when its
+    # stream's work is done.
+    assert memory[6] == [3, -(2 * MiB + 512), 20 * MiB + 512, 54 * MiB]
+    # After empty_cache: f alone, in a fresh small segment.
+    assert memory[10] == [0, 512, 1024, 2 * MiB]
+    # The failed request, rounded as the allocator rounds it, with f live.
+    assert failed == [[(1 << 40) + 512, 1024, 2 * MiB]]
+    # The profiler's own account by operator.
+    assert ours["per_op"] == {"[memory]": -56628224, "aten::add": 20 * MiB, "aten::empty": 35656704}
+
+
 # Failing programs on a 2 GiB device: a request too large with memory cached
 # in split segments, the same under a memory fraction, and under expandable
 # segments. reservoir's own allocator writes PyTorch's message for the

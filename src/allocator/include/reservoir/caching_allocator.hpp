@@ -170,6 +170,10 @@ class CachingAllocator {
   Snapshot snapshot() const;
   // Size of the largest cached free block.
   std::size_t largest_cached_block() const;
+  // The size of the live block starting at ptr (the request rounded as it
+  // was allocated): what PyTorch's allocator reports to its profiler. 0 when
+  // ptr starts no live allocation of this allocator.
+  std::size_t block_size(const void* ptr) const;
   // Address and requested size of every live allocation, in address order
   // (what snapshot() reports as active_allocated, without building one).
   std::vector<std::pair<DevicePtr, std::size_t>> live_allocations() const;

@@ -226,6 +226,8 @@ class Saver {
   void deallocate(void* ptr);
   // True when ptr lies in a tag's memory (any tag, paused or running).
   bool tagged(const void* ptr) const;
+  // The size of the live block starting at ptr, tagged or not (0: none).
+  std::size_t block_size(const void* ptr) const;
   void record_stream(void* ptr, StreamId stream);
   // Private pools (PyTorch's MemPool and CUDA-graph pools), as
   // CachingAllocator's, for every allocator of the saver: a route begun
