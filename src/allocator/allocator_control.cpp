@@ -278,6 +278,7 @@ void CachingAllocator::Impl::reset_accumulated_stats() {
 }
 
 std::size_t CachingAllocator::Impl::block_size(DevicePtr ptr) const {
+  if (ptr == 0) return 0;  // the pointer map's empty key
   detail::LockGuard lock(mutex_);
   const Block* const* found = allocated_.find(ptr);
   return found == nullptr ? 0 : (*found)->size;

@@ -59,6 +59,33 @@ TEST(Saver, SnapshotSummaryAndStatsCoverEveryTag) {
   saver.deallocate(b);
 }
 
+// The size of the block an allocation holds (what PyTorch's profiler is
+// told), tagged or not, paused or not; 0 for what starts no live block.
+TEST(Saver, BlockSizeIsTheRoundedBlockOfALiveAllocation) {
+  HostDevice host;
+  Saver saver(host, options());
+  void* small = saver.allocate(1000);   // 512-byte rounding: 1024
+  void* large = saver.allocate(3 * kMiB + 1);  // large pool: 3 MiB + 512
+  void* tagged = nullptr;
+  {
+    auto r = saver.region("weights");
+    tagged = saver.allocate(kMiB + 5);  // the large pool's rounding: 1 MiB + 512
+  }
+  EXPECT_EQ(saver.block_size(small), 1024u);
+  EXPECT_EQ(saver.block_size(large), 3 * kMiB + 512);
+  EXPECT_EQ(saver.block_size(tagged), kMiB + 512);
+  EXPECT_EQ(saver.block_size(static_cast<char*>(large) + 512), 0u);  // inside, not a start
+  EXPECT_EQ(saver.untagged_allocator().block_size(tagged), 0u);  // the tag's, not the untagged one's
+  saver.pause("weights");
+  EXPECT_EQ(saver.block_size(tagged), kMiB + 512);
+  saver.resume("weights");
+  saver.deallocate(large);
+  EXPECT_EQ(saver.block_size(large), 0u);  // freed
+  saver.deallocate(small);
+  saver.deallocate(tagged);
+  EXPECT_EQ(saver.block_size(nullptr), 0u);
+}
+
 // Sum-of-peaks would say 20 MiB here: the untagged 10 MiB were gone before
 // the tag's 10 MiB came.
 TEST(SaverStats, PeaksAreThoseOfTheSumNotTheSumOfPeaks) {
