@@ -60,38 +60,20 @@ trace_types::TraceEntry trace_entry(trace_types::TraceEntry::Action action, int 
                                     std::size_t addr, std::size_t size, Stream stream,
                                     std::shared_ptr<c10::GatheredContext> context,
                                     std::string compile_context, std::string user_metadata) {
+  // clang-format off: one initializer per release's TraceEntry
 #if RESERVOIR_TORCH_USER_METADATA
-  return {action,
-          static_cast<c10::DeviceIndex>(device),
-          addr,
-          size,
-          trace_stream(stream),
-          {0, 0},
-          0,
-          std::move(context),
-          std::move(compile_context),
-          std::move(user_metadata)};
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
+          std::move(context), std::move(compile_context), std::move(user_metadata)};
 #elif RESERVOIR_TORCH_COMPILE_CONTEXT
   (void)user_metadata;
-  return {action,
-          static_cast<c10::DeviceIndex>(device),
-          addr,
-          size,
-          trace_stream(stream),
-          {0, 0},
-          0,
-          std::move(context),
-          std::move(compile_context)};
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), {0, 0}, 0,
+          std::move(context), std::move(compile_context)};
 #else
   (void)user_metadata, (void)compile_context;
-  return {action,
-          static_cast<c10::DeviceIndex>(device),
-          addr,
-          size,
-          trace_stream(stream),
-          0,
+  return {action, static_cast<c10::DeviceIndex>(device), addr, size, trace_stream(stream), 0,
           std::move(context)};
 #endif
+  // clang-format on
 }
 
 // What a method reservoir does not implement says, as PyTorch's own
