@@ -472,9 +472,7 @@ cudaError_t ReservoirAllocator::memcpyAsync(void* dst, int dstDevice, const void
 // torch.multiprocessing's CUDA tensors: the handle of the segment the
 // allocation lies in (torch_ipc.hpp).
 cca::ShareableHandle ReservoirAllocator::shareIpcHandle(void* ptr) {
-  size_t total = 0;
-  void* base = getBaseAllocation(ptr, &total);
-  return ipc_.share(ptr, base);
+  return ipc_.share(ptr, getBaseAllocation(ptr, nullptr));
 }
 
 }  // namespace reservoir_torch_hooks

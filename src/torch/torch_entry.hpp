@@ -8,11 +8,17 @@
 #include <cuda_runtime_api.h>
 #include <sys/types.h>
 
+#include <functional>
 #include <string>
 
 namespace reservoir_torch_hooks {
 
 using StreamFilter = int (*)(void*, cudaStream_t);
+// The StreamFilter of a pool's route whose context is the route's
+// std::function<bool(cudaStream_t)> (PyTorch's filter, kept by the caller).
+inline int call_stream_filter(void* context, cudaStream_t stream) {
+  return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
+}
 using TraceFn = void (*)(void*, int, const char*, size_t, unsigned long long, unsigned long long, void*,
                          long long);
 

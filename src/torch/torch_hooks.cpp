@@ -114,16 +114,13 @@ void load(const char* path, const char* release) {
 namespace {
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using reservoir_torch_hooks::call_stream_filter;
 using reservoir_torch_hooks::entry;
 
 // The stream filters of pools being allocated to, kept until the route ends.
 std::mutex filters_mutex;
 std::map<std::pair<int, c10::cuda::MempoolId_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
     filters;
-
-int call_filter(void* context, cudaStream_t stream) {
-  return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
-}
 
 void check(int rc, const char* what) {
   if (rc != 0) throw std::runtime_error(std::string("reservoir: ") + what + ": " + entry().error());
@@ -160,7 +157,7 @@ void install(const char* path, const char* release) {
           std::lock_guard lock(filters_mutex);
           filters[{device, id}] = std::move(owned);
         }
-        check(entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context),
+        check(entry().begin_allocate_to_pool(device, id.first, id.second, call_stream_filter, context),
               "beginAllocateToPool");
       });
   allocator->set_end_allocate_to_pool_fn([](int device, c10::cuda::MempoolId_t id) {

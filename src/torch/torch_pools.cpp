@@ -3,10 +3,6 @@
 
 namespace reservoir_torch_hooks {
 
-int Pools::call_filter(void* context, cudaStream_t stream) {
-  return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
-}
-
 void Pools::begin_route(c10::DeviceIndex device, MempoolId id,
                         std::function<bool(cudaStream_t)> filter) {
   auto owned = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
@@ -19,7 +15,7 @@ void Pools::begin_route(c10::DeviceIndex device, MempoolId id,
     ++users_[{device, id}];
   }
   TORCH_CHECK(
-      entry().begin_allocate_to_pool(device, id.first, id.second, call_filter, context) == 0,
+      entry().begin_allocate_to_pool(device, id.first, id.second, call_stream_filter, context) == 0,
       "reservoir (PyTorch's allocator): beginAllocateToPool: ", entry().error());
   // reservoir counts a use of the pool per route begun after its first;
   // here users_ counts them all, and reservoir hears of the last release

@@ -37,8 +37,6 @@ class Pools {
 
  private:
   using Key = std::pair<int, MempoolId>;
-  static int call_filter(void* context, cudaStream_t stream);
-
   std::mutex mutex_;
   std::map<Key, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
   std::map<Key, int> users_;

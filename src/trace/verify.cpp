@@ -436,10 +436,11 @@ VerifyResult verify(const Trace& trace, const VerifyOptions& options, const Veri
   // that disagrees under the rules of the release it shows, or that cannot
   // be verified under them (an address a page policy's device memory might
   // explain), is checked under theirs too, and verified by the first that
-  // agrees (a watch then sees that run again, from the start). Before 2.4 one division keeps a
-  // request's size (2.3's rules; 2.0 to 2.2 show no release at all), yet 2.4
-  // to 2.8 write the settings 2.3 writes; 2.12 writes the settings 2.3 to
-  // 2.11 write, but takes cached blocks of equal size oldest segment first.
+  // agrees (a watch then sees that run again, from the start). Before 2.4
+  // one division keeps a request's size (2.3's rules; 2.0 to 2.2 show no
+  // release at all), yet 2.4 to 2.8 write the settings 2.3 writes; 2.12
+  // writes the settings 2.11 writes, but of cached blocks of equal
+  // size takes the one made first.
   std::vector<std::string> others;
   if (since.empty()) others.emplace_back("2.3");
   if (since.empty() || compare_versions(since, "2.4") < 0) others.emplace_back("2.4");
