@@ -15,6 +15,7 @@
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -419,6 +420,17 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void drop_paged_segment_locked(detail::Segment& seg) noexcept RESERVOIR_REQUIRES(mutex_);
   void insert_events(detail::Block* block) RESERVOIR_REQUIRES(mutex_);
   void insert_deferred_events() RESERVOIR_REQUIRES(mutex_);
+  // graph_capture_record_stream_reuse (capture_reuse.cpp), PyTorch 2.9's:
+  // a block freed during a capture after use on other streams is marked
+  // with the nodes its streams' work ends at (when every one of them
+  // captures; else it waits for the capture's end, as without the setting),
+  // before anything changes; a request on a capturing stream first frees
+  // the marked blocks of that stream whose every marker the stream's work
+  // now comes after. end_capture_reuse forgets a pool's capture.
+  void mark_capture_free(const detail::Block* block) RESERVOIR_REQUIRES(mutex_);
+  [[gnu::noinline]] void reuse_freed_in_capture(StreamId stream) RESERVOIR_REQUIRES(mutex_);
+  void end_capture_reuse(PoolId id) RESERVOIR_REQUIRES(mutex_);
+  CaptureFrontier frontier_of(StreamId stream) RESERVOIR_REQUIRES(mutex_);
   // The front event of a queue completed: keep the event, free the block if it was the last.
   void retire_front(std::deque<PendingEvent>& queue) RESERVOIR_REQUIRES(mutex_);
   void process_events() RESERVOIR_REQUIRES(mutex_);
@@ -648,6 +660,14 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<std::pair<PoolId, PoolFilter>> routes_
       RESERVOIR_GUARDED_BY(mutex_);  // PyTorch's captures_underway
   std::vector<detail::Block*> deferred_event_blocks_ RESERVOIR_GUARDED_BY(mutex_);
+  // Of those, the ones freed with markers (mark_capture_free), and for each
+  // capture (by id) the nodes each stream's requests came after so far
+  // (PyTorch's graph_reuse_context); the capture each pool's route met.
+  std::unordered_map<const detail::Block*, std::vector<GraphNode>> capture_markers_
+      RESERVOIR_GUARDED_BY(mutex_);
+  std::map<std::uint64_t, std::map<StreamId, std::unordered_set<GraphNode>>> capture_visited_
+      RESERVOIR_GUARDED_BY(mutex_);
+  std::map<PoolId, std::uint64_t> pool_capture_ RESERVOIR_GUARDED_BY(mutex_);
   std::map<StreamId, std::deque<PendingEvent>> pending_events_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<EventId> idle_events_ RESERVOIR_GUARDED_BY(mutex_);
   std::size_t total_reserved_ RESERVOIR_GUARDED_BY(mutex_) = 0;

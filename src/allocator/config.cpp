@@ -366,8 +366,9 @@ const Entry kTable[] = {
      }},
     {{"graph_capture_record_stream_reuse", kBool, "False", "~2.9+", "2.9",
       "graph_capture_record_stream_reuse",
-      "lets CUDA-graph capture reuse blocks freed on other streams; accepted, not modelled: "
-      "replay does not route allocations to graphs' private pools",
+      "lets CUDA-graph capture reuse blocks freed on other streams once the capture joined them; "
+      "modelled where the capture's graph is known (reservoir as PyTorch's allocator); replay "
+      "follows the recording",
       false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.graph_capture_record_stream_reuse, k);

@@ -229,7 +229,11 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   if (requested == 0) return nullptr;
   if (requested >= kLargestRequest) [[unlikely]] refuse_impossible(requested);
   detail::UniqueLock lock(mutex_);
-  if (events_pending() && routes_.empty()) process_events();
+  if (routes_.empty()) [[likely]] {
+    if (events_pending()) process_events();
+  } else if (config_.graph_capture_record_stream_reuse) {
+    reuse_freed_in_capture(stream);
+  }
   const std::size_t size = rounded(requested);
   AllocParams p{size, 0, stream, &pool_for(size, stream)};
 
@@ -547,9 +551,15 @@ void CachingAllocator::Impl::free_block(Block* block) {
   if (found == nullptr) return false;
   Block* block = *found;
   const bool deferred = !block->stream_uses.empty();
-  // Record stream events first: if the device fails, the block stays allocated
-  // and nothing has changed.
-  if (deferred && routes_.empty()) insert_events(block);
+  // Record stream events (or capture markers) first: if the device fails,
+  // the block stays allocated and nothing has changed.
+  if (deferred) [[unlikely]] {
+    if (routes_.empty()) {
+      insert_events(block);
+    } else if (config_.graph_capture_record_stream_reuse) {
+      mark_capture_free(block);
+    }
+  }
   allocated_.erase_found(found);
   block->allocated = false;
   const std::size_t k = stat_index(*block->pool);

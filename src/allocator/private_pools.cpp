@@ -59,6 +59,7 @@ void CachingAllocator::Impl::end_allocate_to_pool(PoolId id) {
   for (auto it = routes_.begin(); it != routes_.end(); ++it) {
     if (it->first == id) {
       routes_.erase(it);
+      end_capture_reuse(id);
       return;
     }
   }

@@ -56,6 +56,7 @@ void CachingAllocator::Impl::insert_deferred_events() {
     Block* block = deferred_event_blocks_.back();
     insert_events(block);
     deferred_event_blocks_.pop_back();
+    capture_markers_.erase(block);
     if (block->event_count == 0) free_block(block);
   }
 }

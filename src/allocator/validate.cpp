@@ -1,6 +1,7 @@
 // The whole-structure validator: tests call it after every operation.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <unordered_set>
 #include <utility>
@@ -192,6 +193,15 @@ void CachingAllocator::Impl::validate() const {
   std::unordered_map<const Block*, int> events_per_block;
   for (const auto& [stream, queue] : pending_events_) {
     for (const PendingEvent& e : queue) ++events_per_block[e.block];
+  }
+  // Capture markers belong to blocks waiting for their streams, each with some.
+  for (const auto& [block, markers] : capture_markers_) {
+    if (std::find(deferred_event_blocks_.begin(), deferred_event_blocks_.end(), block) ==
+        deferred_event_blocks_.end()) {
+      breach(fmt::format("block at {:#x} has capture markers but does not wait for its streams",
+                         block->ptr));
+    }
+    if (markers.empty()) breach(fmt::format("block at {:#x} has an empty list of capture markers", block->ptr));
   }
 
   for (const auto& [base, seg] : segments_) {

@@ -35,6 +35,8 @@ std::string_view to_string(CallKind kind) noexcept {
     case CallKind::synchronize_device: return "synchronize_device";
     case CallKind::copy_to_host: return "copy_to_host";
     case CallKind::copy_to_device: return "copy_to_device";
+    case CallKind::capture_frontier: return "capture_frontier";
+    case CallKind::node_dependencies: return "node_dependencies";
     case CallKind::count_: break;
   }
   return "unknown";

@@ -3,7 +3,9 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <mutex>
+#include <vector>
 
 #include "reservoir/device.hpp"
 
@@ -56,6 +58,29 @@ bool optional_capture_calls(void* lib, CudaRuntimeApi& t) {
   if (t.cudaStreamIsCapturing == nullptr || t.cudaThreadExchangeStreamCaptureMode == nullptr) {
     t.cudaStreamIsCapturing = nullptr;
     t.cudaThreadExchangeStreamCaptureMode = nullptr;
+  }
+  return true;
+}
+
+// A capture's graph, where the runtime can tell it: CUDA 11's and 12's
+// calls (the query's _v2 is 12's unsuffixed name), else CUDA 13's, which
+// has no _v2 and returns edges too.
+bool optional_capture_graph(void* lib, CudaRuntimeApi& t) {
+  t.cudaStreamGetCaptureInfo_v2 = reinterpret_cast<decltype(t.cudaStreamGetCaptureInfo_v2)>(
+      dlsym(lib, "cudaStreamGetCaptureInfo_v2"));
+  void* dependencies = dlsym(lib, "cudaGraphNodeGetDependencies");
+  if (t.cudaStreamGetCaptureInfo_v2 != nullptr) {
+    t.cudaGraphNodeGetDependencies = reinterpret_cast<decltype(t.cudaGraphNodeGetDependencies)>(dependencies);
+    if (t.cudaGraphNodeGetDependencies == nullptr) t.cudaStreamGetCaptureInfo_v2 = nullptr;
+    return true;
+  }
+  t.cudaStreamGetCaptureInfo13 = reinterpret_cast<decltype(t.cudaStreamGetCaptureInfo13)>(
+      dlsym(lib, "cudaStreamGetCaptureInfo"));
+  t.cudaGraphNodeGetDependencies13 =
+      reinterpret_cast<decltype(t.cudaGraphNodeGetDependencies13)>(dependencies);
+  if (t.cudaStreamGetCaptureInfo13 == nullptr || t.cudaGraphNodeGetDependencies13 == nullptr) {
+    t.cudaStreamGetCaptureInfo13 = nullptr;
+    t.cudaGraphNodeGetDependencies13 = nullptr;
   }
   return true;
 }
@@ -143,11 +168,67 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why) {
                   sym(lib, t.cudaMemcpyAsync, "cudaMemcpyAsync", w) &&
                   sym(lib, t.cudaHostAlloc, "cudaHostAlloc", w) &&
                   sym(lib, t.cudaFreeHost, "cudaFreeHost", w) && optional_capture_calls(lib, t) &&
-                  optional_bus_id(lib, t);
+                  optional_capture_graph(lib, t) && optional_bus_id(lib, t);
          });
   });
   if (l.ok == nullptr && why != nullptr) *why = "CUDA runtime unavailable: " + l.why;
   return l.ok;
+}
+
+Status runtime_capture_frontier(const CudaRuntimeApi& api, StreamId stream, CaptureFrontier* out) noexcept {
+  out->id = 0;
+  out->nodes.clear();
+  auto* s = reinterpret_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  const cudaGraphNode_t* nodes = nullptr;
+  size_t count = 0;
+  cudaError_t r = cudaSuccess;
+  if (api.cudaStreamGetCaptureInfo_v2 != nullptr) {
+    r = api.cudaStreamGetCaptureInfo_v2(s, &status, &id, nullptr, &nodes, &count);
+  } else if (api.cudaStreamGetCaptureInfo13 != nullptr) {
+    const void* edges = nullptr;
+    r = api.cudaStreamGetCaptureInfo13(s, &status, &id, nullptr, &nodes, &edges, &count);
+  } else {
+    return Status::ok;  // this runtime cannot tell: nothing is seen to capture
+  }
+  if (r != cudaSuccess) return status_of(r);
+  if (status == cudaStreamCaptureStatusInvalidated) return Status::device_error;
+  if (status != cudaStreamCaptureStatusActive) return Status::ok;
+  try {
+    out->nodes.reserve(count);
+    for (size_t i = 0; i < count; ++i) out->nodes.push_back(reinterpret_cast<GraphNode>(nodes[i]));
+  } catch (...) {
+    out->nodes.clear();
+    return Status::device_error;
+  }
+  out->id = id;
+  return Status::ok;
+}
+
+Status runtime_node_dependencies(const CudaRuntimeApi& api, GraphNode node,
+                                 std::vector<GraphNode>* out) noexcept {
+  out->clear();
+  auto* n = reinterpret_cast<cudaGraphNode_t>(node);
+  const bool v12 = api.cudaStreamGetCaptureInfo_v2 != nullptr;
+  if (!v12 && api.cudaGraphNodeGetDependencies13 == nullptr) return Status::not_supported;
+  size_t count = 0;
+  cudaError_t r = v12 ? api.cudaGraphNodeGetDependencies(n, nullptr, &count)
+                      : api.cudaGraphNodeGetDependencies13(n, nullptr, nullptr, &count);
+  if (r != cudaSuccess || count == 0) return status_of(r);
+  try {
+    // Given an array, CUDA fills at most its size and says how many it filled.
+    std::vector<cudaGraphNode_t> deps(count);
+    std::vector<std::uint64_t> edges(count);  // cudaGraphEdgeData: 8 bytes each
+    r = v12 ? api.cudaGraphNodeGetDependencies(n, deps.data(), &count)
+            : api.cudaGraphNodeGetDependencies13(n, deps.data(), edges.data(), &count);
+    if (r != cudaSuccess) return status_of(r);
+    for (size_t i = 0; i < count && i < deps.size(); ++i) out->push_back(reinterpret_cast<GraphNode>(deps[i]));
+  } catch (...) {
+    out->clear();
+    return Status::device_error;
+  }
+  return Status::ok;
 }
 
 Status status_of(CUresult r) noexcept {

@@ -78,6 +78,16 @@ struct CudaRuntimeApi {
   cudaError_t (*cudaThreadExchangeStreamCaptureMode)(cudaStreamCaptureMode*);
   // Null where the runtime lacks it (then no process is listed).
   cudaError_t (*cudaDeviceGetPCIBusId)(char*, int, int);
+  // A capture's graph: CUDA 11's and 12's query (_v2) and dependencies,
+  // without edges, or CUDA 13's, with them (the edges' arrays hold
+  // cudaGraphEdgeData, 8 bytes each). One pair or the other is set; where
+  // neither is, nothing is seen to capture.
+  cudaError_t (*cudaStreamGetCaptureInfo_v2)(cudaStream_t, cudaStreamCaptureStatus*, unsigned long long*,
+                                             cudaGraph_t*, const cudaGraphNode_t**, size_t*);
+  cudaError_t (*cudaGraphNodeGetDependencies)(cudaGraphNode_t, cudaGraphNode_t*, size_t*);
+  cudaError_t (*cudaStreamGetCaptureInfo13)(cudaStream_t, cudaStreamCaptureStatus*, unsigned long long*,
+                                            cudaGraph_t*, const cudaGraphNode_t**, const void**, size_t*);
+  cudaError_t (*cudaGraphNodeGetDependencies13)(cudaGraphNode_t, cudaGraphNode_t*, void*, size_t*);
 };
 
 // The process's tables, loaded once; null with *why set when CUDA cannot be
@@ -89,6 +99,12 @@ const CudaRuntimeApi* load_cuda_runtime(std::string* why);
 // bus id from the runtime, as PyTorch finds it). not_supported where NVML
 // (libnvidia-ml.so.1) or the call is missing; device_error where it fails.
 Status nvml_running_processes(int device, std::vector<ProcessMemory>* out) noexcept;
+
+// Device::capture_frontier and node_dependencies through the runtime's
+// table (both CUDA devices: streams and captures are the runtime's).
+Status runtime_capture_frontier(const CudaRuntimeApi& api, StreamId stream, CaptureFrontier* out) noexcept;
+Status runtime_node_dependencies(const CudaRuntimeApi& api, GraphNode node,
+                                 std::vector<GraphNode>* out) noexcept;
 
 // Status for a driver or runtime result.
 Status status_of(CUresult r) noexcept;

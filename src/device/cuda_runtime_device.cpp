@@ -189,6 +189,14 @@ Status CudaRuntimeDevice::destroy_stream(StreamId stream) noexcept {
   return status_of(api_.cudaStreamDestroy(stream_of(stream)));
 }
 
+Status CudaRuntimeDevice::capture_frontier(StreamId stream, CaptureFrontier* out) noexcept {
+  return runtime_capture_frontier(api_, stream, out);
+}
+
+Status CudaRuntimeDevice::node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept {
+  return runtime_node_dependencies(api_, node, out);
+}
+
 Status CudaRuntimeDevice::copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
                                        StreamId stream) noexcept {
   if (dst == nullptr || src == 0) return Status::invalid_argument;

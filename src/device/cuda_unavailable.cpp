@@ -41,6 +41,10 @@ Status CudaPinnedMemory::free(void*) noexcept { return Status::not_supported; }
   Status Device::synchronize_device() noexcept { return Status::not_supported; }                    \
   Status Device::create_stream(StreamId*) noexcept { return Status::not_supported; }                \
   Status Device::destroy_stream(StreamId) noexcept { return Status::not_supported; }                \
+  Status Device::capture_frontier(StreamId, CaptureFrontier*) noexcept { return Status::not_supported; } \
+  Status Device::node_dependencies(GraphNode, std::vector<GraphNode>*) noexcept {                    \
+    return Status::not_supported;                                                                    \
+  }                                                                                                  \
   Status Device::copy_to_host(void*, DevicePtr, std::size_t, StreamId) noexcept {                    \
     return Status::not_supported;                                                                    \
   }                                                                                                  \

@@ -276,6 +276,20 @@ Status CudaVmmDevice::destroy_stream(StreamId stream) noexcept {
   return status_of(api_.cuStreamDestroy(stream_of(stream)));
 }
 
+// Captures are the runtime's: asked of it where the process has one (a
+// program on the driver alone captures nothing the allocator can see).
+Status CudaVmmDevice::capture_frontier(StreamId stream, CaptureFrontier* out) noexcept {
+  const CudaRuntimeApi* runtime = load_cuda_runtime(nullptr);
+  if (runtime == nullptr) return Device::capture_frontier(stream, out);
+  return runtime_capture_frontier(*runtime, stream, out);
+}
+
+Status CudaVmmDevice::node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept {
+  const CudaRuntimeApi* runtime = load_cuda_runtime(nullptr);
+  if (runtime == nullptr) return Device::node_dependencies(node, out);
+  return runtime_node_dependencies(*runtime, node, out);
+}
+
 Status CudaVmmDevice::synchronize_device() noexcept {
   RESERVOIR_CURRENT();
   return status_of(api_.cuCtxSynchronize());

@@ -109,6 +109,12 @@ class TagDevice final : public Device {
   Status synchronize_device() noexcept override { return base_.synchronize_device(); }
   Status create_stream(StreamId* stream) noexcept override { return base_.create_stream(stream); }
   Status destroy_stream(StreamId stream) noexcept override { return base_.destroy_stream(stream); }
+  Status capture_frontier(StreamId stream, CaptureFrontier* out) noexcept override {
+    return base_.capture_frontier(stream, out);
+  }
+  Status node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept override {
+    return base_.node_dependencies(node, out);
+  }
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes,
                       StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,

@@ -263,3 +263,40 @@ FRAGMENTED_REQUEST = 'torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")'
 FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
                       "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
                       "224.00 MiB free.")
+
+
+# A block freed during a capture after use on a side stream (record_stream):
+# with graph_capture_record_stream_reuse:True (2.9 and later) PyTorch reuses
+# it within the capture once the capture stream has waited on the side
+# stream; before that join, on another stream, and without the setting, it
+# waits for the capture to end. `reused` says which of the four requests
+# after the free (before the join, on the side stream, after it, again) got
+# the freed block; `history` is the history of the 3 MiB blocks and the
+# large segments (addresses from the freed block's), when the block came
+# back among it.
+# RESERVOIR_SIMCUDA_KERNELS=skip: the kernels are captured, not run.
+CAPTURE_REUSE = """
+torch.cuda.memory._record_memory_history(max_entries=100000)
+side = torch.cuda.Stream()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    cap = torch.cuda.current_stream()
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    x.fill_(1)
+    side.wait_stream(cap)
+    with torch.cuda.stream(side):
+        x.add_(1)
+    x.record_stream(side)
+    freed = x.data_ptr()
+    del x
+    y = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        s = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    cap.wait_stream(side)
+    z = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    w = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+reused = [t.data_ptr() == freed for t in (y, s, z, w)]
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+history = [[e["action"], e["addr"] - freed, e["size"]] for e in trace
+           if e["size"] == 3 * MiB or (e["action"] == "segment_alloc" and e["size"] >= 20 * MiB)]
+"""

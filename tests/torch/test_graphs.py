@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from scenarios import FIRST_GRAPH, GRAPHS, GRAPHS_PRELUDE as PRELUDE
+from scenarios import CAPTURE_REUSE, FIRST_GRAPH, GRAPHS, GRAPHS_PRELUDE as PRELUDE
 
 torch = pytest.importorskip("torch")
 # The running release, (major, minor).
@@ -41,6 +41,7 @@ def same_everywhere(body, modes=("native", "own", "pluggable"), env=None):
     return native
 
 
+MiB = 1 << 20
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
@@ -217,3 +218,50 @@ def test_verify_follows_the_private_pools_a_recording_names(tmp_path, settings):
         assert r.returncode != 0
         assert "cannot verify" in r.stdout and "does not say which allocations" in r.stdout, \
             r.stdout + r.stderr
+
+
+# scenarios.CAPTURE_REUSE, then the graph replayed and deleted.
+RECORD_STREAM_REUSE = CAPTURE_REUSE + """
+out["reused"] = reused
+out["history"] = history
+record("captured")
+g.replay()
+if os.environ.get("SNAPSHOT"):
+    torch.cuda.memory._dump_snapshot(os.environ["SNAPSHOT"])
+del g, y, z, w, s
+gc.collect()
+torch.cuda.empty_cache()
+record("graph deleted")
+emit()
+"""
+REUSE = {"PYTORCH_CUDA_ALLOC_CONF": "graph_capture_record_stream_reuse:True"}
+
+
+@pytest.mark.skipif(RELEASE < (2, 9), reason="graph_capture_record_stream_reuse is PyTorch 2.9's")
+@pytest.mark.parametrize("settings", [REUSE, {}], ids=["reuse", "default"])
+def test_a_block_freed_after_record_stream_in_a_capture(settings):
+    got = same_everywhere(RECORD_STREAM_REUSE, modes=("native", "own"), env=settings)
+    reused = bool(settings)
+    assert got["reused"] == [False, False, reused, False]
+    # The history, addresses from the freed block's (the capture pool's
+    # first): the side stream's request gets a segment of its own (a
+    # stream's blocks are its own).
+    M = 3 * MiB
+    start = [["segment_alloc", 0, 20 * MiB], ["alloc", 0, M], ["free_requested", 0, M], ["alloc", M, M],
+             ["segment_alloc", 20 * MiB, 20 * MiB], ["alloc", 20 * MiB, M]]
+    assert got["history"] == start + (
+        [["free_completed", 0, M], ["alloc", 0, M], ["alloc", 2 * M, M]] if reused else
+        [["alloc", 2 * M, M], ["alloc", 3 * M, M]])
+    first = [s for s in got["captured"]["layout"] if s[0] == [1, 0]][0]
+    assert first[3] == ([[M, "active_allocated"]] * 3 + [[11 * MiB, "inactive"]] if reused else
+                        [[M, "active_pending_free"]] + [[M, "active_allocated"]] * 3 + [[8 * MiB, "inactive"]])
+
+
+@pytest.mark.skipif(RELEASE < (2, 15), reason="2.15 records each event's pool")
+def test_verify_follows_a_capture_that_reused_a_block(tmp_path):
+    snapshot = tmp_path / "reuse.pickle"
+    run("native", RECORD_STREAM_REUSE, {"SNAPSHOT": str(snapshot), **REUSE})
+    r = subprocess.run([os.environ["RESERVOIR"], "verify", str(snapshot)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "agrees" in r.stdout, r.stdout

@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+from scenarios import CAPTURE_REUSE
 
 torch = pytest.importorskip("torch")
 
@@ -38,9 +39,10 @@ def emit(**kw):
 """
 
 
-def run(mode, body):
+def run(mode, body, env=None):
     code = PRELUDE + textwrap.dedent(body)
-    r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code, mode], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **(env or {})})
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"{mode}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -129,6 +131,31 @@ def test_a_patch_release_of_the_same_minor_gets_its_library_and_a_newer_release_
     major, minor = torch.__version__.split(".")[:2]
     next_built = [b for b in r["built"] if b.startswith(f"{major}.{int(minor) + 1}.")]
     assert (r["path"] is None) == (not next_built), (r["path"], r["built"])
+
+
+# scenarios.CAPTURE_REUSE with the setting made at run time.
+CAPTURE_REUSE_RUN = """
+torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+""" + CAPTURE_REUSE + """
+emit(reused=reused, history=history, stats=torch.cuda.memory_stats())
+"""
+
+
+@own_only
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 9),
+                    reason="graph_capture_record_stream_reuse is PyTorch 2.9's")
+def test_a_capture_reuses_a_block_freed_after_record_stream_as_this_release_does():
+    # This release's CUDA runtime's capture queries (12's _v2 calls or 13's
+    # with edges): the block comes back once the capture stream joined the
+    # side stream, not before.
+    kernels = {"RESERVOIR_SIMCUDA_KERNELS": "skip"}  # captured, never run
+    native = run("native", CAPTURE_REUSE_RUN, kernels)
+    ours = run("reservoir", CAPTURE_REUSE_RUN, kernels)
+    assert native["reused"] == [False, False, True, False]
+    assert ours["reused"] == native["reused"]
+    assert ours["history"] == native["history"]
+    assert ["free_completed", 0, 3 * 2**20] in native["history"]
+    assert ours["stats"] == native["stats"]
 
 
 @pytest.mark.skipif(OWN, reason="this release has its own allocator: the tests above run instead")

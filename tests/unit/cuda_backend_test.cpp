@@ -172,6 +172,51 @@ TEST(CudaRuntime, ASegmentForACapturingStreamIsMadeInTheRelaxedMode) {
   ASSERT_EQ(d.free_segment(q), Status::ok);
 }
 
+// A capture's graph through the runtime, with CUDA 12's calls and with
+// CUDA 13's (edges asked for with an array): a stream's last nodes and the
+// capture's id, nothing for a stream that does not capture, a node's
+// dependencies; an invalidated capture and a failing call are errors.
+TEST(CudaRuntime, ACapturesGraphIsReadThroughEitherRuntimesCalls) {
+  for (const bool v13 : {false, true}) {
+    SCOPED_TRACE(v13 ? "CUDA 13" : "CUDA 12");
+    fake().reset(64 * kMiB);
+    const CudaRuntimeApi api = v13 ? FakeCuda::runtime13() : runtime();
+    CudaRuntimeDevice d(api, 0);
+    fake().frontiers[0x9000] = {0xa1, 0xa2};
+    fake().node_deps = {{0xa1, {0xb1}}, {0xa2, {0xb1, 0xb2}}, {0xb1, {}}, {0xb2, {}}};
+    CaptureFrontier f;
+    ASSERT_EQ(d.capture_frontier(0x9000, &f), Status::ok);
+    EXPECT_EQ(f.id, 77u);
+    EXPECT_EQ(f.nodes, (std::vector<GraphNode>{0xa1, 0xa2}));
+    ASSERT_EQ(d.capture_frontier(0x9100, &f), Status::ok);
+    EXPECT_EQ(f.id, 0u);
+    EXPECT_TRUE(f.nodes.empty());
+    std::vector<GraphNode> deps{0x1};
+    ASSERT_EQ(d.node_dependencies(0xa2, &deps), Status::ok);
+    EXPECT_EQ(deps, (std::vector<GraphNode>{0xb1, 0xb2}));
+    ASSERT_EQ(d.node_dependencies(0xb2, &deps), Status::ok);
+    EXPECT_TRUE(deps.empty());
+    EXPECT_EQ(d.node_dependencies(0xdead, &deps), Status::invalid_argument);
+    fake().fail("cudaGraphNodeGetDependencies", 2, cudaErrorLaunchFailure);  // the second call: the array's
+    EXPECT_EQ(d.node_dependencies(0xa1, &deps), Status::device_error);
+    EXPECT_TRUE(deps.empty());
+    fake().fail("cudaStreamGetCaptureInfo", 1, cudaErrorStreamCaptureImplicit);
+    EXPECT_EQ(d.capture_frontier(0x9000, &f), Status::device_error);
+    fake().invalidated = true;
+    EXPECT_EQ(d.capture_frontier(0x9000, &f), Status::device_error);
+  }
+  // A runtime without the calls: nothing is seen to capture.
+  CudaRuntimeApi none = runtime();
+  none.cudaStreamGetCaptureInfo_v2 = nullptr;
+  none.cudaGraphNodeGetDependencies = nullptr;
+  CudaRuntimeDevice d(none, 0);
+  CaptureFrontier f{5, {1}};
+  ASSERT_EQ(d.capture_frontier(0x9000, &f), Status::ok);
+  EXPECT_EQ(f.id, 0u);
+  std::vector<GraphNode> deps;
+  EXPECT_EQ(d.node_dependencies(0xa1, &deps), Status::not_supported);
+}
+
 TEST(CudaRuntime, CallsRunOnItsDeviceAndRestoreTheCallers) {
   fake().reset(64 * kMiB);
   fake().runtime_device = 0;

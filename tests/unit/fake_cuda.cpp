@@ -1,5 +1,7 @@
 #include "fake_cuda.hpp"
 
+#include <algorithm>
+
 namespace reservoir::testing {
 namespace {
 
@@ -264,6 +266,56 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* statu
   return cudaSuccess;
 }
 
+// A capture's graph as a test lays it out (FakeCuda::frontiers, node_deps):
+// CUDA 12's calls and CUDA 13's (with edges, which must be asked for with
+// an array as long as the nodes').
+cudaError_t capture_info(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id,
+                         const cudaGraphNode_t** nodes, size_t* count) {
+  auto it = f().frontiers.find(reinterpret_cast<std::uintptr_t>(s));
+  *status = it == f().frontiers.end() ? cudaStreamCaptureStatusNone
+            : f().invalidated         ? cudaStreamCaptureStatusInvalidated
+                                      : cudaStreamCaptureStatusActive;
+  *id = it == f().frontiers.end() ? 0 : 77;
+  *nodes = it == f().frontiers.end() || it->second.empty()
+               ? nullptr
+               : reinterpret_cast<const cudaGraphNode_t*>(it->second.data());
+  *count = it == f().frontiers.end() ? 0 : it->second.size();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamGetCaptureInfo_v2(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id,
+                                        cudaGraph_t*, const cudaGraphNode_t** nodes, size_t* count) {
+  FAIL_IF_INJECTED("cudaStreamGetCaptureInfo", cudaError_t);
+  return capture_info(s, status, id, nodes, count);
+}
+cudaError_t cudaStreamGetCaptureInfo13(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id,
+                                       cudaGraph_t*, const cudaGraphNode_t** nodes, const void** edges,
+                                       size_t* count) {
+  FAIL_IF_INJECTED("cudaStreamGetCaptureInfo", cudaError_t);
+  *edges = nullptr;
+  return capture_info(s, status, id, nodes, count);
+}
+cudaError_t node_dependencies(cudaGraphNode_t node, cudaGraphNode_t* deps, size_t* count) {
+  auto it = f().node_deps.find(reinterpret_cast<std::uintptr_t>(node));
+  if (it == f().node_deps.end()) return cudaErrorInvalidValue;
+  if (deps == nullptr) {
+    *count = it->second.size();
+    return cudaSuccess;
+  }
+  const size_t n = std::min(*count, it->second.size());
+  for (size_t i = 0; i < n; ++i) deps[i] = reinterpret_cast<cudaGraphNode_t>(it->second[i]);
+  *count = n;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t node, cudaGraphNode_t* deps, size_t* count) {
+  FAIL_IF_INJECTED("cudaGraphNodeGetDependencies", cudaError_t);
+  return node_dependencies(node, deps, count);
+}
+cudaError_t cudaGraphNodeGetDependencies13(cudaGraphNode_t node, cudaGraphNode_t* deps, void* edges, size_t* count) {
+  FAIL_IF_INJECTED("cudaGraphNodeGetDependencies", cudaError_t);
+  if (deps != nullptr && edges == nullptr) return cudaErrorLossyQuery;
+  return node_dependencies(node, deps, count);
+}
+
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
   FAIL_IF_INJECTED("cudaThreadExchangeStreamCaptureMode", cudaError_t);
   const int was = f().capture_mode;
@@ -329,7 +381,17 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaStreamSynchronize, cudaStreamCreateWithFlags, cudaStreamDestroy,
                         cudaDeviceSynchronize, cudaMemcpyAsync,
                         cudaHostAlloc,   cudaFreeHost, cudaStreamIsCapturing,
-                        cudaThreadExchangeStreamCaptureMode, nullptr};
+                        cudaThreadExchangeStreamCaptureMode, nullptr,
+                        cudaStreamGetCaptureInfo_v2, cudaGraphNodeGetDependencies, nullptr, nullptr};
+}
+
+CudaRuntimeApi FakeCuda::runtime13() {
+  CudaRuntimeApi api = runtime();
+  api.cudaStreamGetCaptureInfo_v2 = nullptr;
+  api.cudaGraphNodeGetDependencies = nullptr;
+  api.cudaStreamGetCaptureInfo13 = cudaStreamGetCaptureInfo13;
+  api.cudaGraphNodeGetDependencies13 = cudaGraphNodeGetDependencies13;
+  return api;
 }
 
 }  // namespace reservoir::testing

@@ -23,7 +23,8 @@ struct FakeCuda {
   void reset(std::size_t capacity, std::size_t granularity = std::size_t{2} << 20,
              bool vmm = true, bool rdma = true);
   static CudaDriverApi driver();
-  static CudaRuntimeApi runtime();
+  static CudaRuntimeApi runtime();    // CUDA 12's capture calls
+  static CudaRuntimeApi runtime13();  // CUDA 13's
 
   // Makes the n-th next call (1 = the next) of `function` fail with `result`
   // (a CUresult or cudaError_t value).
@@ -62,6 +63,11 @@ struct FakeCuda {
   std::map<std::uintptr_t, Mapping> mappings;
   std::set<std::uintptr_t> events;
   std::set<std::uintptr_t> capturing;  // streams under graph capture
+  // A capture's graph (capture id 77): each capturing stream's last nodes,
+  // each node's dependencies; `invalidated` invalidates the capture.
+  std::map<std::uintptr_t, std::vector<std::uintptr_t>> frontiers;
+  std::map<std::uintptr_t, std::vector<std::uintptr_t>> node_deps;
+  bool invalidated = false;
   int capture_mode = 0;                // the thread's (cudaStreamCaptureModeGlobal)
   std::vector<int> malloc_modes;       // the capture mode at each cudaMalloc
   std::vector<std::string> calls;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -103,6 +104,34 @@ class FaultyDevice final : public Device {
     return Status::ok;
   }
   Status destroy_stream(StreamId) noexcept override { return Status::ok; }
+  // A capture's graph, as a test lays it out: what stream `s` would make
+  // its next work depend on (set_capture; id 0: not capturing), and each
+  // node's dependencies (add_node).
+  void set_capture(StreamId s, std::uint64_t id, std::vector<GraphNode> frontier) {
+    std::lock_guard lock(mutex_);
+    captures_[s] = CaptureFrontier{id, std::move(frontier)};
+  }
+  void add_node(GraphNode node, std::vector<GraphNode> deps) {
+    std::lock_guard lock(mutex_);
+    nodes_[node] = std::move(deps);
+  }
+  Status capture_frontier(StreamId s, CaptureFrontier* out) noexcept override {
+    return guard(CallKind::capture_frontier, [&] {
+      std::lock_guard lock(mutex_);
+      auto it = captures_.find(s);
+      *out = it == captures_.end() ? CaptureFrontier{} : it->second;
+      return Status::ok;
+    });
+  }
+  Status node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept override {
+    return guard(CallKind::node_dependencies, [&] {
+      std::lock_guard lock(mutex_);
+      auto it = nodes_.find(node);
+      if (it == nodes_.end()) return Status::invalid_argument;
+      *out = it->second;
+      return Status::ok;
+    });
+  }
   Status copy_to_host(void* d, DevicePtr s, std::size_t b, StreamId st) noexcept override {
     log(st, b);
     return guard(CallKind::copy_to_host, [&] { return base_.copy_to_host(d, s, b, st); });
@@ -138,6 +167,8 @@ class FaultyDevice final : public Device {
   std::vector<StreamId> copy_streams_;
   std::vector<std::size_t> copy_sizes_;
   std::vector<CallKind> order_;
+  std::map<StreamId, CaptureFrontier> captures_;
+  std::map<GraphNode, std::vector<GraphNode>> nodes_;
 };
 
 }  // namespace reservoir::testing

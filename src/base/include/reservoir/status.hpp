@@ -47,7 +47,9 @@ enum class CallKind : std::uint8_t {
   synchronize_device,
   copy_to_host,
   copy_to_device,
-  count_,  // number of kinds, not a kind
+  capture_frontier,   // a stream's capture and its last nodes
+  node_dependencies,  // a captured node's dependencies
+  count_,             // number of kinds, not a kind
 };
 inline constexpr std::size_t kCallKindCount = static_cast<std::size_t>(CallKind::count_);
 std::string_view to_string(CallKind kind) noexcept;

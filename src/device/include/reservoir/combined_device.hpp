@@ -44,6 +44,13 @@ class CombinedDevice final : public Device {
   Status synchronize_device() noexcept override;
   Status create_stream(StreamId* stream) noexcept override;
   Status destroy_stream(StreamId stream) noexcept override;
+  // Streams and their captures are the segment device's (the runtime's).
+  Status capture_frontier(StreamId stream, CaptureFrontier* out) noexcept override {
+    return segments_.capture_frontier(stream, out);
+  }
+  Status node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept override {
+    return segments_.node_dependencies(node, out);
+  }
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes, StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes, StreamId stream) noexcept override;
 

@@ -71,6 +71,8 @@ class CudaRuntimeDevice final : public Device {
   Status synchronize_device() noexcept override;
   Status create_stream(StreamId* stream) noexcept override;
   Status destroy_stream(StreamId stream) noexcept override;
+  Status capture_frontier(StreamId stream, CaptureFrontier* out) noexcept override;
+  Status node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept override;
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes, StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
                         StreamId stream) noexcept override;
@@ -144,6 +146,8 @@ class CudaVmmDevice final : public Device {
   Status synchronize_device() noexcept override;
   Status create_stream(StreamId* stream) noexcept override;
   Status destroy_stream(StreamId stream) noexcept override;
+  Status capture_frontier(StreamId stream, CaptureFrontier* out) noexcept override;
+  Status node_dependencies(GraphNode node, std::vector<GraphNode>* out) noexcept override;
   Status copy_to_host(void* dst, DevicePtr src, std::size_t bytes, StreamId stream) noexcept override;
   Status copy_to_device(DevicePtr dst, const void* src, std::size_t bytes,
                         StreamId stream) noexcept override;

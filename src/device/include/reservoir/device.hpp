@@ -12,6 +12,8 @@
 //   stream    an ordered queue of device work; 0 is the default stream.
 //   event     a marker recorded on a stream; it completes when the work
 //             queued before it completes.
+//   capture   a stream recording its work into a CUDA graph instead of
+//             running it; the graph's nodes are what the work became.
 //
 // Thread safety: every backend is safe to call from several threads at once.
 #pragma once
@@ -36,6 +38,14 @@ struct MemoryInfo {
 struct ProcessMemory {
   unsigned int pid = 0;
   std::uint64_t used = 0;
+};
+
+// A node of a CUDA graph being captured (cudaGraphNode_t), and what a
+// capturing stream's next work would depend on (Device::capture_frontier).
+using GraphNode = std::uintptr_t;
+struct CaptureFrontier {
+  std::uint64_t id = 0;  // the capture's id; 0: the stream does not capture
+  std::vector<GraphNode> nodes;
 };
 
 class Device {
@@ -114,6 +124,23 @@ class Device {
   virtual Status create_stream(StreamId* /*stream*/) noexcept { return Status::not_supported; }
   // destroy_stream: stream came from create_stream; work queued on it completes first.
   virtual Status destroy_stream(StreamId /*stream*/) noexcept { return Status::not_supported; }
+
+  // ---- stream capture (optional) -----------------------------------------
+  // The CUDA graph capture `stream` takes part in (cudaStreamGetCaptureInfo):
+  // its id (0 when the stream does not capture) and the nodes the next work
+  // queued on the stream would depend on. Backends without capture keep the
+  // default: nothing captures. An invalidated capture is a device_error.
+  virtual Status capture_frontier(StreamId /*stream*/, CaptureFrontier* out) noexcept {
+    out->id = 0;
+    out->nodes.clear();
+    return Status::ok;
+  }
+  // The nodes a node of a capture's graph depends on
+  // (cudaGraphNodeGetDependencies), into *out.
+  virtual Status node_dependencies(GraphNode /*node*/, std::vector<GraphNode>* out) noexcept {
+    out->clear();
+    return Status::not_supported;
+  }
 
   // ---- copies (for backup) ------------------------------------------------
   // Ranges lie inside live, accessible device memory; ordered on stream.
