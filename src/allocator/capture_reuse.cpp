@@ -35,20 +35,17 @@ void CachingAllocator::Impl::mark_capture_free(const Block* block) {
   // Every stream's last nodes, each once; none (the block waits for the
   // capture's end) when one of the streams does not capture or captures
   // into another graph.
+  std::vector<StreamId> streams{block->stream};
+  streams.insert(streams.end(), block->stream_uses.begin(), block->stream_uses.end());
   std::vector<GraphNode> markers;
   std::uint64_t capture = 0;
-  auto add = [&](StreamId s) {
+  for (StreamId s : streams) {
     const CaptureFrontier f = frontier_of(s);
-    if (f.id == 0 || (capture != 0 && f.id != capture)) return false;
+    if (f.id == 0 || (capture != 0 && f.id != capture)) return;
     capture = f.id;
     for (GraphNode n : f.nodes) {
       if (std::find(markers.begin(), markers.end(), n) == markers.end()) markers.push_back(n);
     }
-    return true;
-  };
-  if (!add(block->stream)) return;
-  for (StreamId s : block->stream_uses) {
-    if (!add(s)) return;
   }
   if (!markers.empty()) capture_markers_[block] = std::move(markers);
 }

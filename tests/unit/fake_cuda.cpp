@@ -282,8 +282,8 @@ cudaError_t capture_info(cudaStream_t s, cudaStreamCaptureStatus* status, unsign
   *count = it == f().frontiers.end() ? 0 : it->second.size();
   return cudaSuccess;
 }
-cudaError_t cudaStreamGetCaptureInfo_v2(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id,
-                                        cudaGraph_t*, const cudaGraphNode_t** nodes, size_t* count) {
+cudaError_t cudaStreamGetCaptureInfoV2(cudaStream_t s, cudaStreamCaptureStatus* status, unsigned long long* id,
+                                       cudaGraph_t*, const cudaGraphNode_t** nodes, size_t* count) {
   FAIL_IF_INJECTED("cudaStreamGetCaptureInfo", cudaError_t);
   return capture_info(s, status, id, nodes, count);
 }
@@ -382,7 +382,7 @@ CudaRuntimeApi FakeCuda::runtime() {
                         cudaDeviceSynchronize, cudaMemcpyAsync,
                         cudaHostAlloc,   cudaFreeHost, cudaStreamIsCapturing,
                         cudaThreadExchangeStreamCaptureMode, nullptr,
-                        cudaStreamGetCaptureInfo_v2, cudaGraphNodeGetDependencies, nullptr, nullptr};
+                        cudaStreamGetCaptureInfoV2, cudaGraphNodeGetDependencies, nullptr, nullptr};
 }
 
 CudaRuntimeApi FakeCuda::runtime13() {
