@@ -104,6 +104,50 @@ del a
 b = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # may reuse a's block only once side is idle
 side.synchronize()
 del b
+# graph_capture_record_stream_reuse:True (PyTorch 2.9+): a block freed in a
+# capture after use on a side stream, reused once the capture stream waited
+# on it, not before (the real runtime's capture graph); the replay computes
+# what eager does. Not under the pluggable allocator (PyTorch's pluggable
+# interface has no such setting).
+capture_reuse = "not asked"
+if (config == "native" or api == "own") and hasattr(torch.cuda.memory, "_set_allocator_settings"):
+    try:
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+        side2 = torch.cuda.Stream()
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            cap = torch.cuda.current_stream()
+            xx = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+            xx.fill_(1)
+            side2.wait_stream(cap)
+            with torch.cuda.stream(side2):
+                out2 = xx.to(torch.int32).sum().reshape(1)
+            xx.record_stream(side2)
+            freed = xx.data_ptr()
+            del xx
+            yy = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+            cap.wait_stream(side2)
+            zz = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+            zz.fill_(7)
+        g2.replay()
+        torch.cuda.synchronize()
+        capture_reuse = {"reused": [yy.data_ptr() == freed, zz.data_ptr() == freed],
+                         "sum": int(out2.item()), "filled": bool((zz == 7).all())}
+        del g2, yy, zz, out2
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+    except (RuntimeError, AttributeError) as e:
+        capture_reuse = str(e)[:300]
+# The profiler's memory events: PyTorch's allocator reports each allocation
+# and free (and reservoir's own allocator does too).
+profiler_events = "not asked"
+if config == "native" or api == "own":
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pe = torch.empty(5 << 20, dtype=torch.uint8, device=dev)
+        del pe
+    usage = [getattr(e, "device_memory_usage", getattr(e, "cuda_memory_usage", 0)) for e in prof.events()
+             if e.name == "[memory]"]
+    profiler_events = sorted(u for u in usage if u != 0)
 total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction((reserved + (256 << 20)) / total)
 try:
@@ -115,7 +159,8 @@ if snapshot_path:
     torch.cuda.memory._dump_snapshot(snapshot_path)
 print("RESULT " + json.dumps({"config": config, "losses": losses, "seconds": seconds, "live": live,
                               "reserved_after_empty_cache": reserved, "oom_under_fraction": oom,
-                              "graph_same_as_eager": graph_same, "checkpoint": checkpoint}))
+                              "graph_same_as_eager": graph_same, "checkpoint": checkpoint,
+                              "capture_reuse": capture_reuse, "profiler_events": profiler_events}))
 '''
 
 
@@ -212,9 +257,21 @@ def main():
     if args.api == "own":
         failures += ipc_round_trips(scratch)
     native = results.get("native")
+    if native and isinstance(native["capture_reuse"], dict) and native["capture_reuse"]["reused"] != [False, True]:
+        failures.append(f"PyTorch's allocator did not reuse the block as expected: {native['capture_reuse']}")
     for config, r in results.items():
         if native and r["losses"] != native["losses"]:
             failures.append(f"{config}: losses differ from native's ({r['losses'][:2]} vs {native['losses'][:2]})")
+        # A capture's reuse of a block freed after record_stream, and the
+        # profiler's memory events: PyTorch's under reservoir's native policy.
+        if native and config == "" and r["capture_reuse"] != native["capture_reuse"]:
+            failures.append(f"capture reuse: PyTorch {native['capture_reuse']}, reservoir {r['capture_reuse']}")
+        if native and config == "" and r["profiler_events"] != native["profiler_events"]:
+            failures.append(f"profiler memory events: PyTorch {native['profiler_events']}, "
+                            f"reservoir {r['profiler_events']}")
+        if isinstance(r["capture_reuse"], dict) and (r["capture_reuse"]["sum"] != 3 << 20 or
+                                                     not r["capture_reuse"]["filled"]):
+            failures.append(f"{config}: the graph that reused a block computed {r['capture_reuse']}")
     # reservoir's native policy makes PyTorch's decisions: the same memory live and reserved after empty_cache.
     if native and "" in results:
         for key in ("live", "reserved_after_empty_cache"):
