@@ -235,6 +235,8 @@ record("graph deleted")
 emit()
 """
 REUSE = {"PYTORCH_CUDA_ALLOC_CONF": "graph_capture_record_stream_reuse:True"}
+# What training recipes that capture whole iterations set (Megatron's).
+EXPANDABLE_REUSE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,graph_capture_record_stream_reuse:True"}
 
 
 @pytest.mark.skipif(RELEASE < (2, 9), reason="graph_capture_record_stream_reuse is PyTorch 2.9's")
@@ -255,6 +257,16 @@ def test_a_block_freed_after_record_stream_in_a_capture(settings):
     first = [s for s in got["captured"]["layout"] if s[0] == [1, 0]][0]
     assert first[3] == ([[M, "active_allocated"]] * 3 + [[11 * MiB, "inactive"]] if reused else
                         [[M, "active_pending_free"]] + [[M, "active_allocated"]] * 3 + [[8 * MiB, "inactive"]])
+
+
+@pytest.mark.skipif(RELEASE < (2, 9), reason="graph_capture_record_stream_reuse is PyTorch 2.9's")
+def test_a_block_freed_after_record_stream_in_a_capture_under_expandable_segments():
+    # The pool's memory in expandable segments (a reservation per stream):
+    # the same reuse, the same pages mapped, the same history.
+    got = same_everywhere(RECORD_STREAM_REUSE, modes=("native", "own"), env=EXPANDABLE_REUSE)
+    assert got["reused"] == [False, False, True, False]
+    assert ["free_completed", 0, 3 * MiB] in got["history"]
+    assert {s[4] for s in got["captured"]["layout"]} == {True}
 
 
 @pytest.mark.skipif(RELEASE < (2, 15), reason="2.15 records each event's pool")
