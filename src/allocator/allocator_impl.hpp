@@ -281,6 +281,16 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
     // small requests share pages with large ones.
     return size <= kSmallSize && traits_.small_pool ? small_ : large_;
   }
+  // pool_for for a new request: while a route is open, the blocks a
+  // capture has made safe to reuse on this stream are freed first
+  // (graph_capture_record_stream_reuse), on the branch routes already take.
+  detail::BlockPool& request_pool(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_) {
+    if (!routes_.empty()) [[unlikely]] {
+      if (config_.graph_capture_record_stream_reuse) reuse_freed_in_capture(stream);
+      if (detail::BlockPool* routed = routed_pool(size, stream)) return *routed;
+    }
+    return size <= kSmallSize && traits_.small_pool ? small_ : large_;
+  }
   // The private pool a route sends the request to, or nullptr.
   detail::BlockPool* routed_pool(std::size_t size, StreamId stream) RESERVOIR_REQUIRES(mutex_);
   // Rounds a request as round_size does, without looking up divisions when

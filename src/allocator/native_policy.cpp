@@ -229,13 +229,9 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   if (requested == 0) return nullptr;
   if (requested >= kLargestRequest) [[unlikely]] refuse_impossible(requested);
   detail::UniqueLock lock(mutex_);
-  if (routes_.empty()) [[likely]] {
-    if (events_pending()) process_events();
-  } else if (config_.graph_capture_record_stream_reuse) {
-    reuse_freed_in_capture(stream);
-  }
+  if (events_pending() && routes_.empty()) process_events();
   const std::size_t size = rounded(requested);
-  AllocParams p{size, 0, stream, &pool_for(size, stream)};
+  AllocParams p{size, 0, stream, &request_pool(size, stream)};
 
   const bool found = get_free_block(p);
   // A native_paged segment's block may need pages mapped first (allocate_slow),
