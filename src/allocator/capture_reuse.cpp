@@ -1,4 +1,4 @@
-// graph_capture_record_stream_reuse:True (PyTorch 2.9 and later): during a
+// graph_capture_record_stream_reuse:True (PyTorch 2.10 and later): during a
 // CUDA graph capture, a block freed after use on other streams
 // (record_stream) need not wait for the capture to end. It is marked with
 // the nodes each of its streams' work ends at when it is freed (its "free
@@ -9,7 +9,10 @@
 // stream, which an event would otherwise have to tell, and events cannot
 // be asked during a capture. The walk's findings are kept per capture and
 // stream (the graph only grows), and forgotten when the capture's route
-// ends, as PyTorch's allocator does.
+// ends, as PyTorch's allocator does from 2.10. (2.9, where the setting came
+// in, marks a freed block with empty nodes it adds to the capture after
+// each stream's last nodes, each then the stream's only dependency; not
+// modelled: under 2.9 reservoir marks as 2.10 does.)
 #include <fmt/format.h>
 
 #include <algorithm>
