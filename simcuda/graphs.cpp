@@ -797,6 +797,27 @@ SIMCUDA_API cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t node, cudaG
 }
 #endif
 
+// An empty node added by hand after `deps` (every CUDA version's call), to
+// a graph or to a capture's (PyTorch 2.9's allocator marks a block freed
+// during a capture with one after each stream's last nodes).
+SIMCUDA_API cudaError_t cudaGraphAddEmptyNode(cudaGraphNode_t* node, cudaGraph_t graph, const cudaGraphNode_t* deps,
+                                              size_t count) {
+  ENTER("cudaGraphAddEmptyNode", false);
+  if (node == nullptr) return result(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = graphs.find(reinterpret_cast<Graph*>(graph));
+  if (it == graphs.end()) return result(cudaErrorInvalidValue);
+  std::vector<Node*> after;
+  for (size_t i = 0; i < count; ++i) {
+    if (deps == nullptr || deps[i] == nullptr || deps[i]->graph != it->first) return result(cudaErrorInvalidValue);
+    after.push_back(deps[i]);
+  }
+  Step step;
+  step.kind = Kind::Empty;
+  *node = add_node(it->first, std::move(step), after);
+  return cudaSuccess;
+}
+
 #if CUDART_VERSION >= 12000  // CUDA 12.2's
 // Nodes added by hand: empty, kernel, memset, host, event record and wait.
 SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphAddNode, _v2)(cudaGraphNode_t* node, cudaGraph_t graph,

@@ -9,10 +9,11 @@
 // stream, which an event would otherwise have to tell, and events cannot
 // be asked during a capture. The walk's findings are kept per capture and
 // stream (the graph only grows), and forgotten when the capture's route
-// ends, as PyTorch's allocator does from 2.10. (2.9, where the setting came
+// ends, as PyTorch's allocator does from 2.10. 2.9, where the setting came
 // in, marks a freed block with empty nodes it adds to the capture after
-// each stream's last nodes, each then the stream's only dependency; not
-// modelled: under 2.9 reservoir marks as 2.10 does.)
+// each stream's last nodes; on the simulated device its allocator gave such
+// a block back only at the capture's end (test_release.py's program), and
+// under 2.9 reservoir leaves it to the end too (as without the setting).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -35,6 +36,7 @@ CaptureFrontier CachingAllocator::Impl::frontier_of(StreamId stream) {
 }
 
 void CachingAllocator::Impl::mark_capture_free(const Block* block) {
+  if (!config_.pytorch_version.empty() && compare_versions(config_.pytorch_version, "2.10") < 0) return;
   // Every stream's last nodes, each once; none (the block waits for the
   // capture's end) when one of the streams does not capture or captures
   // into another graph.

@@ -527,6 +527,53 @@ def test_a_graph_holds_host_nodes_and_user_objects():
     assert out == ["1", "1", "True", "host,host,host", "host,host,host,destroyed", "1"]
 
 
+def test_an_empty_node_added_to_a_capture_orders_what_the_stream_captures_next():
+    # What PyTorch 2.9's allocator does when it frees a block during a
+    # capture: an empty node after the stream's last nodes
+    # (cudaGraphAddEmptyNode into the capture's graph), made the stream's only
+    # dependency; the stream's next work depends on it. Bad arguments are
+    # refused.
+    out, _ = run_captured("""
+        s = stream()
+        dev = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(dev), 8192) == 0
+        assert rt.cudaStreamBeginCapture(s, 0) == 0
+        assert rt.cudaMemsetAsync(dev, 1, ctypes.c_size_t(4096), s) == 0
+        graph, status, ident = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_ulonglong()
+        deps, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
+        assert rt.cudaStreamGetCaptureInfo(s, ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                                           ctypes.byref(deps), None, ctypes.byref(n)) == 0
+        memset = deps[0]
+        empty = ctypes.c_void_p()
+        after = (ctypes.c_void_p * 1)(memset)
+        assert rt.cudaGraphAddEmptyNode(ctypes.byref(empty), graph, after, ctypes.c_size_t(1)) == 0
+        marker = (ctypes.c_void_p * 1)(empty.value)
+        assert rt.cudaStreamUpdateCaptureDependencies(s, marker, None, ctypes.c_size_t(1), 1) == 0
+        assert rt.cudaMemsetAsync(ctypes.c_void_p(dev.value + 4096), 2, ctypes.c_size_t(4096), s) == 0
+        assert rt.cudaStreamGetCaptureInfo(s, ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                                           ctypes.byref(deps), None, ctypes.byref(n)) == 0
+        last = deps[0]
+        got, k = (ctypes.c_void_p * 2)(), ctypes.c_size_t(2)
+        edges = (ctypes.c_ubyte * 16)()
+        assert rt.cudaGraphNodeGetDependencies(ctypes.c_void_p(last), got, edges, ctypes.byref(k)) == 0
+        kind = ctypes.c_int()
+        assert rt.cudaGraphNodeGetType(empty, ctypes.byref(kind)) == 0
+        print(k.value, got[0] == empty.value, kind.value)
+        k = ctypes.c_size_t(2)
+        assert rt.cudaGraphNodeGetDependencies(empty, got, edges, ctypes.byref(k)) == 0
+        print(k.value, got[0] == memset)
+        print(rt.cudaGraphAddEmptyNode(None, graph, None, ctypes.c_size_t(0)),
+              rt.cudaGraphAddEmptyNode(ctypes.byref(empty), ctypes.c_void_p(12345), None, ctypes.c_size_t(0)),
+              rt.cudaGraphAddEmptyNode(ctypes.byref(empty), graph, None, ctypes.c_size_t(1)))
+        code, g = end(s)
+        count = ctypes.c_size_t(0)
+        assert rt.cudaGraphGetNodes(g, None, ctypes.byref(count)) == 0
+        print(code, count.value)
+    """)
+    # cudaGraphNodeTypeEmpty is 5; cudaErrorInvalidValue 1.
+    assert out == ["1", "True", "5", "1", "True", "1", "1", "1", "0", "3"]
+
+
 def test_graph_calls_take_injected_faults():
     # Each graph call answers an injected failure (an unknown error) and
     # leaves no capture behind.
