@@ -666,6 +666,22 @@ cudaError_t exec_update(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUp
   return cudaSuccess;
 }
 
+// A node added by hand to `graph` after `deps` (cudaGraphAddEmptyNode,
+// cudaGraphAddNode): into *node.
+cudaError_t add_by_hand(cudaGraphNode_t* node, cudaGraph_t graph, const cudaGraphNode_t* deps, size_t count,
+                        Step step) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = graphs.find(reinterpret_cast<Graph*>(graph));
+  if (it == graphs.end()) return result(cudaErrorInvalidValue);
+  std::vector<Node*> after;
+  for (size_t i = 0; i < count; ++i) {
+    if (deps == nullptr || deps[i] == nullptr || deps[i]->graph != it->first) return result(cudaErrorInvalidValue);
+    after.push_back(deps[i]);
+  }
+  *node = add_node(it->first, std::move(step), after);
+  return cudaSuccess;
+}
+
 }  // namespace
 
 extern "C" {
@@ -804,18 +820,9 @@ SIMCUDA_API cudaError_t cudaGraphAddEmptyNode(cudaGraphNode_t* node, cudaGraph_t
                                               size_t count) {
   ENTER("cudaGraphAddEmptyNode", false);
   if (node == nullptr) return result(cudaErrorInvalidValue);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = graphs.find(reinterpret_cast<Graph*>(graph));
-  if (it == graphs.end()) return result(cudaErrorInvalidValue);
-  std::vector<Node*> after;
-  for (size_t i = 0; i < count; ++i) {
-    if (deps == nullptr || deps[i] == nullptr || deps[i]->graph != it->first) return result(cudaErrorInvalidValue);
-    after.push_back(deps[i]);
-  }
   Step step;
   step.kind = Kind::Empty;
-  *node = add_node(it->first, std::move(step), after);
-  return cudaSuccess;
+  return add_by_hand(node, graph, deps, count, std::move(step));
 }
 
 #if CUDART_VERSION >= 12000  // CUDA 12.2's
@@ -865,16 +872,7 @@ SIMCUDA_API cudaError_t SIMCUDA_12_NAME(cudaGraphAddNode, _v2)(cudaGraphNode_t* 
                                           ? "cudaGraphAddNode (a conditional node)"
                                           : "cudaGraphAddNode (this kind of node)"));
   }
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = graphs.find(reinterpret_cast<Graph*>(graph));
-  if (it == graphs.end()) return result(cudaErrorInvalidValue);
-  std::vector<Node*> after;
-  for (size_t i = 0; i < count; ++i) {
-    if (deps == nullptr || deps[i] == nullptr || deps[i]->graph != it->first) return result(cudaErrorInvalidValue);
-    after.push_back(deps[i]);
-  }
-  *node = add_node(it->first, std::move(step), after);
-  return cudaSuccess;
+  return add_by_hand(node, graph, deps, count, std::move(step));
 }
 
 SIMCUDA_API cudaError_t cudaGraphConditionalHandleCreate(cudaGraphConditionalHandle* handle, cudaGraph_t graph,
