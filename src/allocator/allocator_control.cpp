@@ -58,7 +58,10 @@ CachingAllocator::Impl::~Impl() {
     } else if (segment->paged) {
       drop_paged_segment_locked(*segment);
     } else {
-      (void)device_.free_segment(base);
+      try {
+        free_classic_segment(*segment);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): failures cannot be reported from here
+      }
     }
   }
   if (address_arena_.active()) {

@@ -69,6 +69,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void release_pool(PoolId id);
   void set_pool_use_on_oom(PoolId id, bool use_on_oom);
   void set_pool_no_split(PoolId id);
+  void set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator);
   void empty_pool_cache(PoolId id);
   std::map<PoolId, StatArray> private_pool_reserved() const;
   PoolCheckpoint checkpoint_pool(PoolId id);
@@ -122,6 +123,11 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // A classic segment of p.alloc_size bytes from the device, its head block
   // in p.block; false when the device is out of memory.
   bool new_segment(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // The same from the pool's own allocator (MemPool(allocator=...)).
+  bool new_pool_segment(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  // Gives a classic segment back to where it came from: the device, or its
+  // pool's allocator. Throws DeviceError (or the pool allocator's error).
+  void free_classic_segment(const detail::Segment& segment) RESERVOIR_REQUIRES(mutex_);
   // PyTorch's try_allocate_expandable_block: map pages until a free run of
   // p.size bytes exists in a VM segment of the source's kind; leaves it in
   // p.block. With `recycling` (paging under pressure), whole free handles
@@ -664,6 +670,8 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId> freeable_pools_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
   std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
+  // MemPool(allocator=...) set before the pool's first route.
+  std::map<PoolId, std::shared_ptr<PoolSegmentAllocator>> pool_allocators_ RESERVOIR_GUARDED_BY(mutex_);
   // Bytes reserved per private pool, from its first segment on (PyTorch
   // 2.13's reserved_bytes_by_private_pools and later).
   std::map<PoolId, StatArray> pool_reserved_ RESERVOIR_GUARDED_BY(mutex_);

@@ -31,6 +31,10 @@
 #include "reservoir/device.hpp"
 #include "reservoir/snapshot.hpp"
 
+namespace reservoir {
+class PoolSegmentAllocator;
+}
+
 namespace reservoir::detail {
 
 struct BlockPool;
@@ -268,6 +272,9 @@ struct Segment {
   // native rules place, split and merge its blocks) on an address
   // reservation whose pages are mapped as its blocks are handed out.
   std::unique_ptr<VmState> paged;
+  // A private pool's segment from its own allocator (MemPool(allocator=...)),
+  // which goes back to it; null for the device's.
+  std::shared_ptr<PoolSegmentAllocator> from;
 };
 
 struct PrivatePool {
@@ -277,6 +284,8 @@ struct PrivatePool {
   int use_count = 1;
   int device_alloc_count = 0;  // segments still held (PyTorch's cudaMalloc_count)
   bool no_split = false;       // MemPool(no_split=True): blocks handed out whole
+  // MemPool(allocator=...): where its segments come from (else the device).
+  std::shared_ptr<PoolSegmentAllocator> segments;
   BlockPool large;
   BlockPool small;
 };

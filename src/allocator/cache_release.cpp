@@ -142,6 +142,19 @@ void CachingAllocator::Impl::release_blocks(BlockPool& pool) {
   release_vm_blocks(to_unmap);
 }
 
+void CachingAllocator::Impl::free_classic_segment(const Segment& segment) {
+  if (segment.from) {
+    segment.from->free(segment.base, segment.size, segment.stream);
+    return;
+  }
+  const Status status = device_.free_segment(segment.base);
+  if (status != Status::ok) {
+    throw DeviceError(
+        CallKind::free_segment, status,
+        fmt::format("freeing the segment at {:#x} ({} bytes)", segment.base, segment.size));
+  }
+}
+
 void CachingAllocator::Impl::release_block(Block* block) {
   if (block->segment->paged) {
     release_paged_segment(block, /*in_pool=*/true);
@@ -153,12 +166,7 @@ void CachingAllocator::Impl::release_block(Block* block) {
     unmap_block(block);
     return;
   }
-  const Status status = device_.free_segment(block->ptr);
-  if (status != Status::ok) {
-    throw DeviceError(
-        CallKind::free_segment, status,
-        fmt::format("freeing the segment at {:#x} ({} bytes)", block->ptr, block->size));
-  }
+  free_classic_segment(*block->segment);
   ++stats_.num_device_free;
   trace(TraceAction::segment_free, block->ptr, block->size, block->stream);
   total_reserved_ -= block->size;

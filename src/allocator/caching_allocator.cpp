@@ -122,6 +122,9 @@ void CachingAllocator::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
 void CachingAllocator::set_pool_no_split(PoolId id) {
   impl_->checked(&Impl::set_pool_no_split, id);
 }
+void CachingAllocator::set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator) {
+  impl_->checked(&Impl::set_pool_allocator, id, std::move(allocator));
+}
 PoolCheckpoint CachingAllocator::checkpoint_pool(PoolId id) {
   return impl_->checked(&Impl::checkpoint_pool, id);
 }

@@ -142,12 +142,14 @@ bool CachingAllocator::Impl::alloc_block(AllocParams& p, bool is_retry) {
   // keep classic segments unless the source serves them too (PyTorch's
   // expandable segments from 2.5).
   PrivatePool* const owner = p.pool->owner;
-  const bool from_source = owner == nullptr || traits_.private_pools;
+  // A pool over another allocator (MemPool(allocator=...)) never takes the
+  // source's virtual memory.
+  const bool from_source = owner == nullptr || (traits_.private_pools && !owner->segments);
   if (set_fraction_ && !(from_source && traits_.checks_fraction) &&
       total_reserved_ + p.alloc_size > allowed_memory_maximum_) {
     return false;
   }
-  if (!from_source) return new_segment(p);
+  if (!from_source) return owner != nullptr && owner->segments ? new_pool_segment(p) : new_segment(p);
   if (!source_->obtain(p)) return false;
   // PyTorch counts one device allocation of a private pool per request
   // served by mapping, and one release per unmapping (unmap_pages).
@@ -169,6 +171,20 @@ bool CachingAllocator::Impl::new_segment(AllocParams& p) {
   count_segment_alloc(*p.pool, size);
   trace(TraceAction::segment_alloc, ptr, size, p.stream);
   p.block = block;
+  return true;
+}
+
+bool CachingAllocator::Impl::new_pool_segment(AllocParams& p) {
+  const std::size_t size = p.alloc_size;
+  std::shared_ptr<PoolSegmentAllocator> from = p.pool->owner->segments;
+  const DevicePtr ptr = from->allocate(size, p.stream);
+  if (ptr == 0) return false;  // out of memory: the retry ladder follows
+  detail::Segment* segment = add_segment(ptr, size, p.stream, p.pool);
+  segment->from = std::move(from);
+  ++p.pool->owner->device_alloc_count;
+  count_segment_alloc(*p.pool, size);
+  trace(TraceAction::segment_alloc, ptr, size, p.stream);
+  p.block = segment->head;
   return true;
 }
 

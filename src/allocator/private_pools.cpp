@@ -41,6 +41,7 @@ void CachingAllocator::Impl::begin_allocate_to_pool(PoolId id, PoolFilter filter
   if (it == private_pools_.end()) {
     auto pool = std::make_unique<PrivatePool>(id, &node_resource_);
     pool->no_split = std::find(no_split_pools_.begin(), no_split_pools_.end(), id) != no_split_pools_.end();
+    if (auto a = pool_allocators_.find(id); a != pool_allocators_.end()) pool->segments = a->second;
     pool->large.set_order(tie_order() != detail::TieOrder::address);
     pool->small.set_order(tie_order() != detail::TieOrder::address);
     private_pools_.emplace(id, std::move(pool));
@@ -78,6 +79,7 @@ void CachingAllocator::Impl::release_pool(PoolId id) {
     // A released pool's options go with it.
     std::erase(use_on_oom_pools_, id);
     std::erase(no_split_pools_, id);
+    pool_allocators_.erase(id);  // the pool (and each of its segments) keeps its own
   }
 }
 
@@ -100,6 +102,25 @@ void CachingAllocator::Impl::set_pool_no_split(PoolId id) {
   if (auto it = private_pools_.find(id); it != private_pools_.end()) it->second->no_split = true;
 }
 
+void CachingAllocator::Impl::set_pool_allocator(PoolId id,
+                                                std::shared_ptr<PoolSegmentAllocator> allocator) {
+  detail::LockGuard lock(mutex_);
+  auto it = private_pools_.find(id);
+  if (it != private_pools_.end() && it->second->segments != allocator &&
+      !pool_segments(*it->second).empty()) {
+    throw UsageError(fmt::format(
+        "set_pool_allocator: pool ({}, {}) holds segments already; its allocator is chosen "
+        "before its first segment",
+        id.first, id.second));
+  }
+  if (it != private_pools_.end() && it->second->use_count > 0) it->second->segments = allocator;
+  // A null allocator forgets the setting (a pool that was never routed to).
+  if (allocator) {
+    pool_allocators_[id] = std::move(allocator);
+  } else {
+    pool_allocators_.erase(id);
+  }
+}
 
 PrivatePool& CachingAllocator::Impl::live_pool(PoolId id, const char* operation) {
   auto it = private_pools_.find(id);

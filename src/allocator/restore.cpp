@@ -32,7 +32,10 @@ void CachingAllocator::Impl::drop_all_locked() noexcept {
     if (seg->vm) {
       drop_vm_segment_locked(*seg);
     } else {
-      (void)device_.free_segment(base);
+      try {
+        free_classic_segment(*seg);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): dropping everything; nothing to report to
+      }
     }
     for (Block* b = seg->head; b != nullptr;) {
       Block* next = b->next;

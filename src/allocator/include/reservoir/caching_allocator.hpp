@@ -66,6 +66,25 @@ using TraceTracker = std::function<void(const TraceEvent&)>;
 // Chooses whether an allocation on this stream goes to a private pool.
 using PoolFilter = std::function<bool(StreamId)>;
 
+// Where a private pool's segments come from instead of the device: PyTorch's
+// MemPool(allocator=...) (NCCL's ncclMemAlloc for registered user buffers, a
+// program's own allocator). The pool's blocks are cached, split and merged
+// as any pool's; only new segments and their release go through it. It is
+// called with the allocator's lock held (as PyTorch's allocator calls a
+// pool's allocator): it must not call this allocator back.
+class PoolSegmentAllocator {
+ public:
+  virtual ~PoolSegmentAllocator() = default;
+  // A segment of `size` bytes for a request on `stream`, or 0 when it has no
+  // memory to give (the allocator's retry ladder follows, as after the
+  // device's out-of-memory). Any other failure throws (DeviceError, or the
+  // allocator's own error), leaving nothing allocated.
+  virtual DevicePtr allocate(std::size_t size, StreamId stream) = 0;
+  // Gives back a segment allocate() returned. Throws on failure; the
+  // segment then stays the pool's.
+  virtual void free(DevicePtr ptr, std::size_t size, StreamId stream) = 0;
+};
+
 // A private pool's layout, as PyTorch's CUDA graph trees checkpoint it
 // (getCheckpointState): each of its segments (in address order) as its blocks
 // in address order, each block allocated or free.
@@ -210,6 +229,13 @@ class CachingAllocator {
   // PyTorch's MemPool(no_split=True): this pool's blocks are never split; a
   // request takes a whole block.
   void set_pool_no_split(PoolId id);
+  // PyTorch's MemPool(allocator=...): pool `id`'s new segments come from
+  // `allocator` (never from the policy's virtual memory, as under PyTorch),
+  // and go back to it when released. Set before the pool's first segment;
+  // each segment keeps its allocator alive until it is released, after the
+  // pool and its last user are gone too. Throws UsageError for a null
+  // allocator, or a pool that holds segments already.
+  void set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator);
 
   // PyTorch's getCheckpointState: the layout of private pool `id`. Stream
   // uses freed earlier get their events first; throws UsageError for an
