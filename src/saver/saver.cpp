@@ -174,6 +174,9 @@ void Saver::end_allocate_to_pool(PoolId id) {
 void Saver::release_pool(PoolId id) {
   impl_->release_pool(id);
 }
+void Saver::set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator) {
+  impl_->set_pool_allocator(id, std::move(allocator));
+}
 void Saver::empty_cache() {
   impl_->empty_cache();
 }

@@ -156,11 +156,47 @@ void* Saver::Impl::allocate(std::size_t size, StreamId stream) {
   }
 }
 
+namespace {
+// A pool's own allocator (MemPool(allocator=...)) as a tag's allocator uses
+// it: the segments it gives are the tag's in the saver's index, so that
+// their blocks are freed into the tag's allocator as the tag's own are.
+class TagPoolAllocator final : public PoolSegmentAllocator {
+ public:
+  TagPoolAllocator(std::shared_ptr<PoolSegmentAllocator> inner, detail::RangeIndex& index, TagState* owner)
+      : inner_(std::move(inner)), index_(index), owner_(owner) {}
+  DevicePtr allocate(std::size_t size, StreamId stream) override {
+    const DevicePtr p = inner_->allocate(size, stream);
+    if (p != 0) {
+      try {
+        index_.insert(p, size, owner_);
+      } catch (...) {
+        inner_->free(p, size, stream);
+        throw;
+      }
+    }
+    return p;
+  }
+  void free(DevicePtr ptr, std::size_t size, StreamId stream) override {
+    inner_->free(ptr, size, stream);
+    index_.erase(ptr);
+  }
+
+ private:
+  std::shared_ptr<PoolSegmentAllocator> inner_;
+  detail::RangeIndex& index_;
+  TagState* owner_;
+};
+}  // namespace
+
 void Saver::Impl::route_into(TagState& state, StreamId stream) {
   detail::LockGuard lock(routes_mutex_);
   for (Route& r : routes_) {
     if (std::find(r.begun.begin(), r.begun.end(), &state.allocator) != r.begun.end()) continue;
     if (!r.filter(stream)) continue;
+    if (auto a = pool_allocators_.find(r.id); a != pool_allocators_.end()) {
+      state.allocator.set_pool_allocator(r.id,
+                                         std::make_shared<TagPoolAllocator>(a->second, index_, &state));
+    }
     state.allocator.begin_allocate_to_pool(r.id, r.filter);
     r.begun.push_back(&state.allocator);
     tag_pool_uses_[r.id].push_back(&state.allocator);
@@ -189,6 +225,7 @@ void Saver::Impl::end_allocate_to_pool(PoolId id) {
 void Saver::Impl::release_pool(PoolId id) {
   detail::LockGuard lock(routes_mutex_);
   untagged_.release_pool(id);
+  pool_allocators_.erase(id);  // each allocator's pool keeps its own
   auto it = tag_pool_uses_.find(id);
   if (it == tag_pool_uses_.end()) return;
   // One use per allocator, as the untagged allocator gives up one.
@@ -204,6 +241,23 @@ void Saver::Impl::release_pool(PoolId id) {
     u = uses.erase(u);
   }
   if (uses.empty()) tag_pool_uses_.erase(it);
+}
+
+void Saver::Impl::set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator) {
+  detail::LockGuard lock(routes_mutex_);
+  untagged_.set_pool_allocator(id, allocator);  // says what is wrong first
+  if (auto it = tag_pool_uses_.find(id); it != tag_pool_uses_.end()) {
+    for (TagState* state : all_tags()) {
+      if (std::find(it->second.begin(), it->second.end(), &state->allocator) == it->second.end()) continue;
+      state->allocator.set_pool_allocator(
+          id, allocator ? std::make_shared<TagPoolAllocator>(allocator, index_, state) : nullptr);
+    }
+  }
+  if (allocator) {
+    pool_allocators_[id] = std::move(allocator);
+  } else {
+    pool_allocators_.erase(id);
+  }
 }
 
 TagState* Saver::Impl::owner_of(const void* ptr) const {

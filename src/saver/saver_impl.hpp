@@ -120,6 +120,7 @@ class Saver::Impl {
   void begin_allocate_to_pool(PoolId id, PoolFilter filter);
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);
+  void set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator);
   // Begins, in the tag's allocator, the routes whose filter passes `stream`
   // (a route begun outside the region).
   void route_into(TagState& state, StreamId stream);
@@ -169,6 +170,8 @@ class Saver::Impl {
   std::vector<Route> routes_ RESERVOIR_GUARDED_BY(routes_mutex_);
   // Per pool, the tag allocators holding a use of it (one per begin there).
   std::map<PoolId, std::vector<CachingAllocator*>> tag_pool_uses_ RESERVOIR_GUARDED_BY(routes_mutex_);
+  // Pools over another allocator, given to each tag's allocator with the route.
+  std::map<PoolId, std::shared_ptr<PoolSegmentAllocator>> pool_allocators_ RESERVOIR_GUARDED_BY(routes_mutex_);
 
   // ---- backup and margin settings ----
   std::atomic<bool> retain_backup_{false};

@@ -339,6 +339,101 @@ void say_error() {
   last_said = last_error;
   std::fprintf(stderr, "reservoir: %s (repeats on this thread are not printed)\n", last_error.c_str());
 }
+
+// ---- pools over another allocator (MemPool(allocator=...)) ----
+using PoolAllocFn = void* (*)(void* context, size_t size, CUstream_st* stream, const char** error);
+using PoolFreeFn = int (*)(void* context, void* ptr, size_t size, CUstream_st* stream,
+                           const char** error);
+using PoolDropFn = void (*)(void* context);
+
+// Calls into a pool's allocator in progress, in the process and on this
+// thread: reservoir's lock is held through them, so a pool's allocator that
+// calls reservoir's own allocator back would wait on itself; it gets an
+// error instead. (The process-wide count keeps the thread-local read off
+// every allocation.)
+std::atomic<int> pool_allocator_calls{0};
+thread_local int pool_allocator_depth = 0;
+thread_local std::string reentry_refused;  // what refuse_reentry said inside the call
+
+void refuse_reentry(const char* what) {
+  if (pool_allocator_calls.load(std::memory_order_relaxed) > 0 && pool_allocator_depth > 0)
+      [[unlikely]] {
+    reentry_refused = fmt::format(
+        "{} called by the allocator of a MemPool(allocator=...) that reservoir is serving: a "
+        "pool's allocator must not allocate from or free to reservoir's own allocator (a pool "
+        "of reservoir's allocator needs no allocator of its own)",
+        what);
+    throw reservoir::UsageError(reentry_refused);
+  }
+}
+
+class PoolCall {
+ public:
+  PoolCall() {
+    pool_allocator_calls.fetch_add(1, std::memory_order_relaxed);
+    ++pool_allocator_depth;
+  }
+  ~PoolCall() {
+    --pool_allocator_depth;
+    pool_allocator_calls.fetch_sub(1, std::memory_order_relaxed);
+  }
+  PoolCall(const PoolCall&) = delete;
+  PoolCall& operator=(const PoolCall&) = delete;
+};
+
+// A pool's allocator as the per-release library hands it over: C callbacks
+// over PyTorch's CUDAAllocator (raw_alloc and raw_delete), and its context,
+// dropped when the last segment and pool holding it are gone.
+class CallbackPoolAllocator final : public reservoir::PoolSegmentAllocator {
+ public:
+  CallbackPoolAllocator(int device, PoolAllocFn alloc, PoolFreeFn free, PoolDropFn drop, void* context)
+      : device_(device), alloc_(alloc), free_(free), drop_(drop), context_(context) {}
+  ~CallbackPoolAllocator() override {
+    if (drop_ != nullptr) drop_(context_);
+  }
+  CallbackPoolAllocator(const CallbackPoolAllocator&) = delete;
+  CallbackPoolAllocator& operator=(const CallbackPoolAllocator&) = delete;
+
+  reservoir::DevicePtr allocate(std::size_t size, reservoir::StreamId stream) override {
+    const char* error = nullptr;
+    void* p = nullptr;
+    reentry_refused.clear();
+    {
+      PoolCall call;
+      p = alloc_(context_, size, reinterpret_cast<CUstream_st*>(stream), &error);
+    }
+    // (PyTorch's pluggable allocator hands back null without a reason.)
+    if (p == nullptr && !reentry_refused.empty()) throw reservoir::UsageError(reentry_refused);
+    if (p == nullptr && error != nullptr) {
+      throw std::runtime_error(fmt::format(
+          "the allocator of a MemPool(allocator=...) on device {} failed allocating {} bytes: {}",
+          device_, size, error));
+    }
+    return reinterpret_cast<reservoir::DevicePtr>(p);
+  }
+  void free(reservoir::DevicePtr ptr, std::size_t size, reservoir::StreamId stream) override {
+    const char* error = nullptr;
+    int rc = 0;
+    {
+      PoolCall call;
+      rc = free_(context_, reinterpret_cast<void*>(ptr), size, reinterpret_cast<CUstream_st*>(stream),
+                 &error);
+    }
+    if (rc != 0) {
+      throw std::runtime_error(fmt::format(
+          "the allocator of a MemPool(allocator=...) on device {} failed freeing its segment at "
+          "{:#x} ({} bytes): {}",
+          device_, ptr, size, error != nullptr ? error : "no reason given"));
+    }
+  }
+
+ private:
+  int device_;
+  PoolAllocFn alloc_;
+  PoolFreeFn free_;
+  PoolDropFn drop_;
+  void* context_;
+};
 }  // namespace
 
 extern "C" {
@@ -347,6 +442,7 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
                                                                      CUstream_st* stream) {
   void* p = nullptr;
   if (!guarded([&] {
+        refuse_reentry("reservoir_torch_malloc");
         p = saver_for(device).allocate(static_cast<std::size_t>(size),
                                        reinterpret_cast<reservoir::StreamId>(stream));
       })) {
@@ -357,7 +453,12 @@ __attribute__((visibility("default"))) void* reservoir_torch_malloc(ssize_t size
 
 __attribute__((visibility("default"))) void reservoir_torch_free(void* ptr, ssize_t, int device,
                                                                  CUstream_st*) {
-  if (!guarded([&] { saver_for(device).deallocate(ptr); })) say_error();
+  if (!guarded([&] {
+        refuse_reentry("reservoir_torch_free");
+        saver_for(device).deallocate(ptr);
+      })) {
+    say_error();
+  }
 }
 
 __attribute__((visibility("default"))) void reservoir_torch_init(int device_count) {
@@ -457,6 +558,28 @@ __attribute__((visibility("default"))) int reservoir_torch_set_pool_option(
       throw reservoir::UsageError(fmt::format("set_pool_option: option {} is not 0 (use_on_oom) or 1 (no_split)",
                                               option));
     }
+  }) ? 0 : -1;
+}
+
+// MemPool(allocator=...): the pool's segments come from `alloc` and go back
+// to `free` (in every allocator of the device's saver); `drop` is called
+// with `context` when nothing holds it any more (after the pool and its last
+// segment are gone; at once when the call fails). A null `alloc` forgets a
+// pool's allocator (a pool never routed to). 0, or -1 with last_error.
+__attribute__((visibility("default"))) int reservoir_torch_set_pool_allocator(
+    int device, unsigned long long pool_first, unsigned long long pool_second, PoolAllocFn alloc,
+    PoolFreeFn free, PoolDropFn drop, void* context) {
+  std::shared_ptr<reservoir::PoolSegmentAllocator> allocator;
+  if (alloc != nullptr) {
+    if (free == nullptr) {
+      if (drop != nullptr) drop(context);
+      last_error = "set_pool_allocator: an allocator without a free function";
+      return -1;
+    }
+    allocator = std::make_shared<CallbackPoolAllocator>(device, alloc, free, drop, context);
+  }
+  return guarded([&] {
+    saver_for(device).set_pool_allocator({pool_first, pool_second}, std::move(allocator));
   }) ? 0 : -1;
 }
 

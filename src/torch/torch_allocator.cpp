@@ -264,10 +264,12 @@ void* ReservoirAllocator::getBaseAllocation(void* ptr, size_t* size) {
 // ---- pools and graphs ----
 
 void ReservoirAllocator::create_or_incref_pool(c10::DeviceIndex device, MempoolId id,
-                                               const CUDAAllocator* allocator) {
-  if (allocator != nullptr && allocator != this) {
-    unsupported("createOrIncrefPool with another allocator (MemPool(allocator=...))",
-                "a pool of reservoir's allocator is served by reservoir itself");
+                                               CUDAAllocator* allocator,
+                                               std::shared_ptr<CUDAAllocator> owner) {
+  // MemPool(allocator=...): set when the pool is made (its first user);
+  // reservoir's own allocator as a pool's is reservoir serving the pool.
+  if (allocator != nullptr && allocator != this && !pools_.known(device, id)) {
+    pools_.set_allocator(device, id, allocator, std::move(owner));
   }
   pools_.add_user(device, id);
 }

@@ -101,6 +101,15 @@ class ReservoirAllocator final : public CUDAAllocator {
   }
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
+#if !RESERVOIR_TORCH_CREATE_OR_INCREF_POOL
+    // 2.6 and 2.7: a MemPool's own allocator is the active pool's
+    // (use_mem_pool makes it active before routing to it).
+    if (c10::cuda::MemPool* active = c10::cuda::MemPoolContext::getActiveMemPool();
+        active != nullptr && active->id() == id && active->allocator() != nullptr &&
+        active->allocator() != this && !pools_.has_allocator(device, id)) {
+      pools_.set_allocator(device, id, active->allocator(), nullptr);
+    }
+#endif
     pools_.begin_route(device, id, std::move(filter));
   }
   void endAllocateToPool(c10::DeviceIndex device, MempoolId id) override {
@@ -109,16 +118,16 @@ class ReservoirAllocator final : public CUDAAllocator {
 #if RESERVOIR_TORCH_POOL_ALLOCATOR_SHARED
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
                           std::shared_ptr<CUDAAllocator> allocator) override {
-    create_or_incref_pool(device, id, allocator.get());
+    create_or_incref_pool(device, id, allocator.get(), allocator);
   }
 #elif RESERVOIR_TORCH_CREATE_OR_INCREF_POOL
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId id,
                           CUDAAllocator* allocator) override {
-    create_or_incref_pool(device, id, allocator);
+    create_or_incref_pool(device, id, allocator, nullptr);
   }
 #else
   void ensureExistsAndIncrefPool(c10::DeviceIndex device, MempoolId id) override {
-    create_or_incref_pool(device, id, nullptr);
+    create_or_incref_pool(device, id, nullptr, nullptr);
   }
 #endif
   int getPoolUseCount(c10::DeviceIndex device, MempoolId id) override {
@@ -273,7 +282,8 @@ class ReservoirAllocator final : public CUDAAllocator {
   void* uncached_allocate(size_t size);
   void* malloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream);
   void empty_cache(MempoolId mempool_id);
-  void create_or_incref_pool(c10::DeviceIndex device, MempoolId id, const CUDAAllocator* allocator);
+  void create_or_incref_pool(c10::DeviceIndex device, MempoolId id, CUDAAllocator* allocator,
+                             std::shared_ptr<CUDAAllocator> owner);
   cca::SnapshotInfo take_snapshot(MempoolId mempool_id, bool include_traces);
   void record_history(bool enabled, cca::CreateContextFn context_recorder,
                       size_t alloc_trace_max_entries, cca::RecordContext when, bool clear,

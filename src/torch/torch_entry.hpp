@@ -19,6 +19,10 @@ using StreamFilter = int (*)(void*, cudaStream_t);
 inline int call_stream_filter(void* context, cudaStream_t stream) {
   return (*static_cast<std::function<bool(cudaStream_t)>*>(context))(stream) ? 1 : 0;
 }
+// A MemPool's own allocator, as reservoir_torch_set_pool_allocator takes it.
+using PoolAllocFn = void* (*)(void*, size_t, cudaStream_t, const char**);
+using PoolFreeFn = int (*)(void*, void*, size_t, cudaStream_t, const char**);
+using PoolDropFn = void (*)(void*);
 using TraceFn = void (*)(void*, int, const char*, size_t, unsigned long long, unsigned long long, void*,
                          long long);
 
@@ -42,6 +46,8 @@ struct Entry {
   int (*attach_trace_tracker)(int, TraceFn, void*) = nullptr;
   int (*set_pool_option)(int, unsigned long long, unsigned long long, int, int) = nullptr;
   int (*empty_pool_cache)(int, unsigned long long, unsigned long long) = nullptr;
+  int (*set_pool_allocator)(int, unsigned long long, unsigned long long, PoolAllocFn, PoolFreeFn,
+                            PoolDropFn, void*) = nullptr;
   char* (*checkpoint_pool)(int, unsigned long long, unsigned long long) = nullptr;
   char* (*restore_pool)(int, unsigned long long, unsigned long long, const char*) = nullptr;
   int (*configured_fraction)(double*) = nullptr;

@@ -92,6 +92,7 @@ void load(const char* path, const char* release) {
   find(lib, "reservoir_torch_record_history", e.record_history);
   find(lib, "reservoir_torch_attach_trace_tracker", e.attach_trace_tracker);
   find(lib, "reservoir_torch_set_pool_option", e.set_pool_option);
+  find(lib, "reservoir_torch_set_pool_allocator", e.set_pool_allocator);
   find(lib, "reservoir_torch_empty_pool_cache", e.empty_pool_cache);
   find(lib, "reservoir_torch_checkpoint_pool", e.checkpoint_pool);
   find(lib, "reservoir_torch_restore_pool", e.restore_pool);

@@ -1,6 +1,8 @@
 // Private pools' routes, users and options (torch_pools.hpp).
 #include "torch_pools.hpp"
 
+#include <string>
+
 namespace reservoir_torch_hooks {
 
 void Pools::begin_route(c10::DeviceIndex device, MempoolId id,
@@ -49,8 +51,17 @@ void Pools::release(c10::DeviceIndex device, MempoolId id) {
     auto it = users_.find({device, id});
     if (it != users_.end() && --it->second > 0) return;
     if (it != users_.end()) users_.erase(it);
-    // A pool never allocated to holds nothing in reservoir.
-    if (routed_.erase({device, id}) == 0) return;
+    // A pool never allocated to holds nothing in reservoir (but its
+    // allocator, which it forgets).
+    const bool had_allocator = with_allocator_.erase({device, id}) > 0;
+    if (routed_.erase({device, id}) == 0) {
+      if (had_allocator) {
+        TORCH_CHECK(entry().set_pool_allocator(device, id.first, id.second, nullptr, nullptr,
+                                               nullptr, nullptr) == 0,
+                    "reservoir (PyTorch's allocator): releasePool: ", entry().error());
+      }
+      return;
+    }
   }
   TORCH_CHECK(entry().release_pool(device, id.first, id.second) == 0,
               "reservoir (PyTorch's allocator): releasePool: ", entry().error());
@@ -70,6 +81,61 @@ bool Pools::known(c10::DeviceIndex device, MempoolId id) {
 void Pools::set_use_on_oom(c10::DeviceIndex device, MempoolId id, bool use_on_oom) {
   TORCH_CHECK(entry().set_pool_option(device, id.first, id.second, 0, use_on_oom ? 1 : 0) == 0,
               "reservoir (PyTorch's allocator): setUseOnOOM: ", entry().error());
+}
+
+namespace {
+// The pool's allocator, as reservoir's callbacks reach it.
+struct PoolAllocatorRef {
+  CUDAAllocator* allocator;
+  std::shared_ptr<CUDAAllocator> owner;
+};
+
+thread_local std::string pool_allocator_error;
+
+void* pool_alloc(void* context, size_t size, cudaStream_t, const char** error) {
+  try {
+    // PyTorch asks raw_alloc (the current device's current stream: the
+    // request's), and takes null as the device's out-of-memory.
+    return static_cast<PoolAllocatorRef*>(context)->allocator->raw_alloc(size);
+  } catch (const c10::Error& e) {
+    pool_allocator_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    pool_allocator_error = e.what();
+  }
+  *error = pool_allocator_error.c_str();
+  return nullptr;
+}
+
+int pool_free(void* context, void* ptr, size_t, cudaStream_t, const char** error) {
+  try {
+    static_cast<PoolAllocatorRef*>(context)->allocator->raw_delete(ptr);
+    return 0;
+  } catch (const c10::Error& e) {
+    pool_allocator_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    pool_allocator_error = e.what();
+  }
+  *error = pool_allocator_error.c_str();
+  return -1;
+}
+
+void pool_drop(void* context) { delete static_cast<PoolAllocatorRef*>(context); }
+}  // namespace
+
+void Pools::set_allocator(c10::DeviceIndex device, MempoolId id, CUDAAllocator* allocator,
+                          std::shared_ptr<CUDAAllocator> owner) {
+  auto* ref = new PoolAllocatorRef{allocator, std::move(owner)};
+  // (reservoir drops the reference, also when the call fails.)
+  TORCH_CHECK(entry().set_pool_allocator(device, id.first, id.second, pool_alloc, pool_free, pool_drop,
+                                         ref) == 0,
+              "reservoir (PyTorch's allocator): MemPool(allocator=...): ", entry().error());
+  std::lock_guard lock(mutex_);
+  with_allocator_.insert({device, id});
+}
+
+bool Pools::has_allocator(c10::DeviceIndex device, MempoolId id) {
+  std::lock_guard lock(mutex_);
+  return with_allocator_.count({device, id}) > 0;
 }
 
 void Pools::set_no_split(c10::DeviceIndex device, MempoolId id) {

@@ -34,6 +34,15 @@ class Pools {
   // before running out; MemPool(no_split=True): its blocks are handed out whole.
   static void set_use_on_oom(c10::DeviceIndex device, MempoolId id, bool use_on_oom);
   static void set_no_split(c10::DeviceIndex device, MempoolId id);
+  // MemPool(allocator=...): the pool's segments come from `allocator`'s
+  // raw_alloc and go back to its raw_delete, as under PyTorch's allocator.
+  // `owner` keeps it alive while a segment of it is held (PyTorch 2.11 and
+  // later hand it over shared); null where the release hands a bare pointer,
+  // which lives as long as the MemPool (as PyTorch's own pool keeps it).
+  // Forgotten again by release() when the pool was never routed to.
+  void set_allocator(c10::DeviceIndex device, MempoolId id, CUDAAllocator* allocator,
+                     std::shared_ptr<CUDAAllocator> owner);
+  bool has_allocator(c10::DeviceIndex device, MempoolId id);
 
  private:
   using Key = std::pair<int, MempoolId>;
@@ -41,6 +50,7 @@ class Pools {
   std::map<Key, std::unique_ptr<std::function<bool(cudaStream_t)>>> filters_;
   std::map<Key, int> users_;
   std::set<Key> routed_;  // pools reservoir holds (begun at least once)
+  std::set<Key> with_allocator_;  // pools given an allocator of their own
 };
 
 }  // namespace reservoir_torch_hooks

@@ -76,12 +76,6 @@ trace_types::TraceEntry trace_entry(trace_types::TraceEntry::Action action, int 
   // clang-format on
 }
 
-// What a method reservoir does not implement says, as PyTorch's own
-// allocators do: the method, and why.
-[[noreturn]] inline void unsupported(const char* method, const char* why) {
-  TORCH_CHECK(false, "reservoir (PyTorch's allocator): ", method, " is not supported: ", why);
-}
-
 // The pool a segment of reservoir's snapshot JSON belongs to (kDefaultPools: the default pools).
 inline MempoolId pool_of(const nlohmann::json& segment) {
   return {segment["pool"][0].get<unsigned long long>(),

@@ -300,3 +300,52 @@ trace = torch.cuda.memory._snapshot()["device_traces"][0]
 history = [[e["action"], e["addr"] - freed, e["size"]] for e in trace
            if e["size"] == 3 * MiB or (e["action"] == "segment_alloc" and e["size"] >= 20 * MiB)]
 """
+
+
+# torch.cuda.MemPool(allocator=...): the other allocator
+# (tests/torch/lib/pool_allocator.c, RESERVOIR_TEST_POOL_ALLOCATOR) as a
+# CUDAPluggableAllocator, its log of calls and counters, and a snapshot's
+# segments as a comparable layout (addresses from `base`).
+POOL_ALLOCATOR_PRELUDE = """
+import ctypes, json, os
+LIB = os.environ["RESERVOIR_TEST_POOL_ALLOCATOR"]
+lib = ctypes.CDLL(LIB)
+def calls():
+    return ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, "calls"))).value.decode()
+def counter(name):
+    return ctypes.c_int.in_dll(lib, name).value
+other = torch.cuda.memory.CUDAPluggableAllocator(LIB, "pool_alloc", "pool_free")
+def emit(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+def layout(segments, base):
+    return sorted((s["address"] - base, s["total_size"], s["segment_type"],
+                   [(b["size"], b["state"]) for b in s["blocks"]]) for s in segments)
+"""
+
+# Both pools of the MemPool, a split and its reuse, a block outside the pool,
+# empty_cache with the pool alive, then the pool deleted.
+POOL_ALLOCATOR_STEPS = """
+pool = torch.cuda.MemPool(other.allocator())
+with torch.cuda.use_mem_pool(pool):
+    a = torch.empty(MiB, dtype=torch.uint8, device="cuda")       # the small pool: 2 MiB
+    b = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")   # 20 MiB, split
+    c = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    big = torch.empty(25 * MiB, dtype=torch.uint8, device="cuda")  # a segment of its own
+base = a.data_ptr()
+outside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")  # PyTorch's own memory
+steps = [dict(calls=calls(), stats=torch.cuda.memory_stats(),
+              segments=layout(torch.cuda.memory_snapshot(), base))]
+del b
+with torch.cuda.use_mem_pool(pool):
+    d = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")  # in b's place
+steps.append(dict(d=d.data_ptr() - base, stats=torch.cuda.memory_stats(),
+                  segments=layout(torch.cuda.memory_snapshot(), base)))
+del a, c, d, big
+torch.cuda.empty_cache()  # the pool is alive: its segments stay
+steps.append(dict(calls=calls(), stats=torch.cuda.memory_stats()))
+del pool
+torch.cuda.empty_cache()
+steps.append(dict(calls=calls(), frees=counter("free_calls"), stats=torch.cuda.memory_stats(),
+                  segments=layout(torch.cuda.memory_snapshot(), base)))
+emit(steps=steps, outside=outside.data_ptr() - base)
+"""

@@ -263,24 +263,6 @@ def test_cache_info_and_base_allocation_answer_as_the_native_allocator_does():
     assert ours["from_one"] == 30 * (1 << 20) and ours["from_zero_at_least_free"]
 
 
-def test_what_is_not_supported_names_the_method_and_why():
-    body = """
-    try:
-        torch.cuda.memory._get_current_allocator()
-        torch._C._cuda_cudaCachingAllocator_raw_alloc(0, 0)
-        a = torch.empty(10, device="cuda")
-        torch.cuda.caching_allocator_alloc(10)
-        torch.cuda.MemPool(torch.cuda.memory.CUDAPluggableAllocator(
-            reservoir.library_path(), "reservoir_torch_malloc", "reservoir_torch_free").allocator())
-        emit(error="")
-    except RuntimeError as e:
-        emit(error=str(e))
-    """
-    r = run("reservoir", body)
-    assert ("createOrIncrefPool with another allocator (MemPool(allocator=...)) is not supported: a pool of "
-            "reservoir's allocator is served by reservoir itself") in r["error"], r
-
-
 def test_a_release_newer_than_every_library_is_refused_with_what_to_do():
     body = """
     import reservoir

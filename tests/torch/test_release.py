@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-from scenarios import CAPTURE_REUSE
+from scenarios import CAPTURE_REUSE, POOL_ALLOCATOR_PRELUDE, POOL_ALLOCATOR_STEPS
 
 torch = pytest.importorskip("torch")
 
@@ -159,6 +159,22 @@ def test_a_capture_reuses_a_block_freed_after_record_stream_as_this_release_does
     assert ours["history"] == native["history"]
     assert (["free_completed", 0, 3 * 2**20] in native["history"]) == (release >= (2, 10))
     assert ours["stats"] == native["stats"]
+
+
+@own_only
+@pytest.mark.skipif(not os.path.isfile(os.environ.get("RESERVOIR_TEST_POOL_ALLOCATOR", "")),
+                    reason="RESERVOIR_TEST_POOL_ALLOCATOR (ctest sets it)")
+def test_a_mempool_over_another_allocator_as_this_release_serves_it():
+    # MemPool(allocator=...): the other allocator's calls in order, the
+    # pool's segments and blocks and the statistics after each step, as this
+    # release's own allocator has them (2.6 and 2.7 read the allocator from
+    # the active pool; 2.8 to 2.10 get it with the pool; 2.11 and later
+    # shared). tests/torch/test_pool_allocator.py has the rest.
+    program = POOL_ALLOCATOR_PRELUDE + textwrap.dedent(POOL_ALLOCATOR_STEPS)
+    native = run("native", program)
+    ours = run("reservoir", program)
+    assert ours == native
+    assert native["steps"][0]["calls"] == f"a {2 << 20};a {20 << 20};a {26 << 20};"
 
 
 @pytest.mark.skipif(OWN, reason="this release has its own allocator: the tests above run instead")

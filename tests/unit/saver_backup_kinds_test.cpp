@@ -278,6 +278,63 @@ TEST(SaverPools, ARouteBegunOutsideARegionServesTheRegionFromThatTagsPool) {
   saver.validate();
 }
 
+// MemPool(allocator=...) in a region: the pool's segment comes from its own
+// allocator (another HostDevice here: real memory) in the tag too; pausing
+// the tag releases the tag's own memory and keeps that segment, contents
+// and address intact; the tag's allocator gives it back to its allocator
+// when the pool goes.
+TEST(SaverPools, APoolOverAnotherAllocatorInARegionKeepsItsSegmentThroughPause) {
+  class Other final : public PoolSegmentAllocator {
+   public:
+    DevicePtr allocate(std::size_t size, StreamId) override {
+      DevicePtr p = 0;
+      if (memory.allocate_segment(size, &p) != Status::ok) return 0;
+      ++allocated;
+      return p;
+    }
+    void free(DevicePtr ptr, std::size_t, StreamId) override {
+      ASSERT_EQ(memory.free_segment(ptr), Status::ok);
+      ++freed;
+    }
+    HostDevice memory;
+    int allocated = 0;
+    int freed = 0;
+  };
+  HostDevice host;
+  Saver saver(host, options());
+  auto other = std::make_shared<Other>();
+  const PoolId pool{0, 11};
+  saver.set_pool_allocator(pool, other);
+  saver.begin_allocate_to_pool(pool, [](StreamId) { return true; });
+  void* in_pool = nullptr;
+  void* own = nullptr;
+  {
+    auto r = saver.region("kv", {.cpu_backup = true});
+    in_pool = saver.allocate(3 * kMiB, 0);  // tag kv, pool (0, 11): the other allocator's
+  }
+  saver.end_allocate_to_pool(pool);
+  {
+    auto r = saver.region("kv", {.cpu_backup = true});
+    own = saver.allocate(3 * kMiB, 0);  // tag kv's own memory
+  }
+  EXPECT_EQ(other->allocated, 1);
+  EXPECT_TRUE(saver.tagged(in_pool));
+  fill(in_pool, 3 * kMiB, 5);
+  fill(own, 3 * kMiB, 6);
+  saver.pause("kv");
+  EXPECT_EQ(other->freed, 0);
+  EXPECT_EQ(mismatch(in_pool, 3 * kMiB, 5), -1);  // never unmapped
+  saver.resume("kv");
+  EXPECT_EQ(mismatch(in_pool, 3 * kMiB, 5), -1);
+  EXPECT_EQ(mismatch(own, 3 * kMiB, 6), -1);
+  saver.deallocate(in_pool);
+  saver.deallocate(own);
+  saver.release_pool(pool);
+  saver.empty_cache();
+  EXPECT_EQ(other->freed, 1);
+  saver.validate();
+}
+
 TEST(SaverPools, RoutesAreCheckedAsTheAllocatorChecksThem) {
   HostDevice host;
   Saver saver(host, options());

@@ -240,6 +240,11 @@ class Saver {
   void begin_allocate_to_pool(PoolId id, PoolFilter filter);
   void end_allocate_to_pool(PoolId id);
   void release_pool(PoolId id);
+  // PyTorch's MemPool(allocator=...), as CachingAllocator::set_pool_allocator,
+  // for every allocator of the saver: inside a region too, the pool's
+  // segments come from `allocator` (its memory is that allocator's: pausing
+  // the tag keeps those segments, and their contents, where they are).
+  void set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAllocator> allocator);
   // Empties the cache of the untagged allocator and of every tag (of a paused
   // tag: its cached segments are given up and not restored on resume).
   void empty_cache();
