@@ -395,6 +395,31 @@ def test_cublas_handles_without_math():
     assert out[9] == "0"
 
 
+
+def test_cupti_answers_that_there_is_nothing_to_trace():
+    # CUPTI as the runtime loads it (the same library by soname): its
+    # version, result names, and every other call refused with
+    # CUPTI_ERROR_NOT_SUPPORTED (27), saying so once on stderr.
+    out, err = run("""
+        cupti = ctypes.CDLL(os.path.join(os.path.dirname(rt._name), "libcupti.so.13"))
+        v = ctypes.c_uint32()
+        print(cupti.cuptiGetVersion(ctypes.byref(v)), v.value, cupti.cuptiGetVersion(None))
+        text = ctypes.c_char_p()
+        print(cupti.cuptiGetResultString(27, ctypes.byref(text)), text.value.decode().split()[0])
+        print(cupti.cuptiGetResultString(12345, ctypes.byref(text)), text.value.decode())
+        sub = ctypes.c_void_p()
+        print(cupti.cuptiSubscribe(ctypes.byref(sub), None, None), cupti.cuptiActivityEnable(10),
+              cupti.cuptiActivityFlushAll(0), cupti.cuptiFinalize())
+        # The runtime's own library, not another found on the path.
+        import re
+        maps = open("/proc/self/maps").read()
+        print(sorted(set(re.findall(r"\\S*libcupti\\.so\\.13", maps))) == [os.path.join(os.path.dirname(rt._name), "libcupti.so.13")])
+    """)
+    assert out == ["0", "130001", "1", "0", "CUPTI_ERROR_NOT_SUPPORTED", "1", "CUPTI_ERROR_UNKNOWN",
+                   "27", "27", "27", "27", "True"]
+    assert err.count("CUPTI is not served by the simulated device (cuptiSubscribe)") == 1
+    assert err.count("CUPTI is not served") == 1
+
 def test_a_copy_into_unmapped_address_space_is_a_sticky_illegal_address():
     # As a GPU: reserved but unmapped (or mapped without access) memory
     # faults with error 700 instead of being touched, and the context is lost:

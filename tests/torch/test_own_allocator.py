@@ -1189,6 +1189,41 @@ def test_the_profilers_memory_events_are_pytorchs():
     assert ours["per_op"] == {"[memory]": -56628224, "aten::add": 20 * MiB, "aten::empty": 35656704}
 
 
+# The profiler as people start it, with its default activities (CUDA's
+# among them, which load CUPTI: the simulated device's says there is no GPU
+# activity to trace, and the profiler goes on), and PyTorch's memory viewer
+# made from it (torch.cuda._memory_viz's profile_plot and
+# _profile_to_snapshot): the memory events come from the allocator either
+# way. Before the simulated device had a CUPTI of its own, PyTorch 2.15's
+# (13.2) recursed until the stack overflowed when the profiler started.
+PROFILER_DEFAULT_ACTIVITIES = """
+from torch.profiler import profile
+from torch.cuda._memory_viz import profile_plot, _profile_to_snapshot
+with profile(with_stack=True, profile_memory=True, record_shapes=True) as prof:
+    x = torch.ones(128, 128, device="cuda")
+    y = x * x + x * x
+    del x
+    z = torch.zeros(3 * MiB, device="cuda")
+    del y, z
+snapshot = _profile_to_snapshot(prof)
+page = profile_plot(prof)
+emit(traces=[[e["action"], e["size"]] for e in snapshot["device_traces"][0]],
+     page="Active Memory Timeline" in page)
+"""
+
+
+def test_the_profiler_with_its_default_activities():
+    native, ours = run_both(PROFILER_DEFAULT_ACTIVITIES, {"RESERVOIR_SIMCUDA_KERNELS": "skip"})
+    assert ours == native
+    kib64 = 128 * 128 * 4
+    # The viewer's account (tensors it can follow from their allocation):
+    # three of 64 KiB made and freed, then z's 12 MiB.
+    assert ours["traces"] == ([["alloc", kib64]] * 3 + [["free_requested", kib64], ["free_completed", kib64]] * 3
+                              + [["alloc", 12 * MiB], ["free_requested", 12 * MiB], ["free_completed", 12 * MiB]])
+    assert ours["page"] is True
+    assert "CUPTI is not served by the simulated device" in run_both.stderr
+
+
 # Failing programs on a 2 GiB device: a request too large with memory cached
 # in split segments, the same under a memory fraction, and under expandable
 # segments. reservoir's own allocator writes PyTorch's message for the
