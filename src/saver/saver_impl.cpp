@@ -186,6 +186,12 @@ class TagPoolAllocator final : public PoolSegmentAllocator {
   detail::RangeIndex& index_;
   TagState* owner_;
 };
+
+// The pool's allocator as the tag's allocator uses it (null: none).
+std::shared_ptr<PoolSegmentAllocator> for_tag(const std::shared_ptr<PoolSegmentAllocator>& allocator,
+                                              detail::RangeIndex& index, TagState& state) {
+  return allocator ? std::make_shared<TagPoolAllocator>(allocator, index, &state) : nullptr;
+}
 }  // namespace
 
 void Saver::Impl::route_into(TagState& state, StreamId stream) {
@@ -194,12 +200,11 @@ void Saver::Impl::route_into(TagState& state, StreamId stream) {
     if (std::find(r.begun.begin(), r.begun.end(), &state.allocator) != r.begun.end()) continue;
     if (!r.filter(stream)) continue;
     if (auto a = pool_allocators_.find(r.id); a != pool_allocators_.end()) {
-      state.allocator.set_pool_allocator(r.id,
-                                         std::make_shared<TagPoolAllocator>(a->second, index_, &state));
+      state.allocator.set_pool_allocator(r.id, for_tag(a->second, index_, state));
     }
     state.allocator.begin_allocate_to_pool(r.id, r.filter);
     r.begun.push_back(&state.allocator);
-    tag_pool_uses_[r.id].push_back(&state.allocator);
+    tag_pool_uses_[r.id].push_back(&state);
   }
 }
 
@@ -229,14 +234,14 @@ void Saver::Impl::release_pool(PoolId id) {
   auto it = tag_pool_uses_.find(id);
   if (it == tag_pool_uses_.end()) return;
   // One use per allocator, as the untagged allocator gives up one.
-  std::vector<CachingAllocator*>& uses = it->second;
-  std::vector<CachingAllocator*> released;
+  std::vector<TagState*>& uses = it->second;
+  std::vector<TagState*> released;
   for (auto u = uses.begin(); u != uses.end();) {
     if (std::find(released.begin(), released.end(), *u) != released.end()) {
       ++u;
       continue;
     }
-    (*u)->release_pool(id);
+    (*u)->allocator.release_pool(id);
     released.push_back(*u);
     u = uses.erase(u);
   }
@@ -247,10 +252,11 @@ void Saver::Impl::set_pool_allocator(PoolId id, std::shared_ptr<PoolSegmentAlloc
   detail::LockGuard lock(routes_mutex_);
   untagged_.set_pool_allocator(id, allocator);  // says what is wrong first
   if (auto it = tag_pool_uses_.find(id); it != tag_pool_uses_.end()) {
-    for (TagState* state : all_tags()) {
-      if (std::find(it->second.begin(), it->second.end(), &state->allocator) == it->second.end()) continue;
-      state->allocator.set_pool_allocator(
-          id, allocator ? std::make_shared<TagPoolAllocator>(allocator, index_, state) : nullptr);
+    std::vector<TagState*> done;  // a tag may use the pool more than once
+    for (TagState* state : it->second) {
+      if (std::find(done.begin(), done.end(), state) != done.end()) continue;
+      state->allocator.set_pool_allocator(id, for_tag(allocator, index_, *state));
+      done.push_back(state);
     }
   }
   if (allocator) {

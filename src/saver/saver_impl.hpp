@@ -168,8 +168,8 @@ class Saver::Impl {
   std::atomic<int> active_routes_{0};
   mutable detail::Mutex routes_mutex_;
   std::vector<Route> routes_ RESERVOIR_GUARDED_BY(routes_mutex_);
-  // Per pool, the tag allocators holding a use of it (one per begin there).
-  std::map<PoolId, std::vector<CachingAllocator*>> tag_pool_uses_ RESERVOIR_GUARDED_BY(routes_mutex_);
+  // Per pool, the tags whose allocators hold a use of it (one per begin there).
+  std::map<PoolId, std::vector<TagState*>> tag_pool_uses_ RESERVOIR_GUARDED_BY(routes_mutex_);
   // Pools over another allocator, given to each tag's allocator with the route.
   std::map<PoolId, std::shared_ptr<PoolSegmentAllocator>> pool_allocators_ RESERVOIR_GUARDED_BY(routes_mutex_);
 

@@ -70,7 +70,8 @@ void load(const char* path, const char* release);
 // reservoir's; c10::Error when either refuses.
 void set_memory_fraction(double fraction, int device);
 
-// The message of the last failed call, for Python.
+// The message of this thread's last failed call, for Python and for
+// reservoir (a pool allocator's error).
 std::string& last_error();
 
 // Runs f for an exported C function: 0, or -1 with PyTorch's or the

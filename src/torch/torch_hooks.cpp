@@ -38,7 +38,7 @@ namespace reservoir_torch_hooks {
 namespace {
 
 Entry the_entry;
-std::string the_last_error;
+thread_local std::string the_last_error;  // each thread reads its own call's
 
 template <typename F>
 void find(void* lib, const char* name, F& out) {

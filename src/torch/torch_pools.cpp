@@ -90,33 +90,22 @@ struct PoolAllocatorRef {
   std::shared_ptr<CUDAAllocator> owner;
 };
 
-thread_local std::string pool_allocator_error;
-
+// The other allocator's exceptions come back as reservoir's errors, with
+// PyTorch's message (last_error(): this thread's, read at once).
 void* pool_alloc(void* context, size_t size, cudaStream_t, const char** error) {
-  try {
-    // PyTorch asks raw_alloc (the current device's current stream: the
-    // request's), and takes null as the device's out-of-memory.
-    return static_cast<PoolAllocatorRef*>(context)->allocator->raw_alloc(size);
-  } catch (const c10::Error& e) {
-    pool_allocator_error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    pool_allocator_error = e.what();
+  void* out = nullptr;
+  // PyTorch asks raw_alloc (the current device's current stream: the
+  // request's), and takes null as the device's out-of-memory.
+  if (guarded([&] { out = static_cast<PoolAllocatorRef*>(context)->allocator->raw_alloc(size); }) != 0) {
+    *error = last_error().c_str();
   }
-  *error = pool_allocator_error.c_str();
-  return nullptr;
+  return out;
 }
 
 int pool_free(void* context, void* ptr, size_t, cudaStream_t, const char** error) {
-  try {
-    static_cast<PoolAllocatorRef*>(context)->allocator->raw_delete(ptr);
-    return 0;
-  } catch (const c10::Error& e) {
-    pool_allocator_error = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    pool_allocator_error = e.what();
-  }
-  *error = pool_allocator_error.c_str();
-  return -1;
+  const int rc = guarded([&] { static_cast<PoolAllocatorRef*>(context)->allocator->raw_delete(ptr); });
+  if (rc != 0) *error = last_error().c_str();
+  return rc;
 }
 
 void pool_drop(void* context) { delete static_cast<PoolAllocatorRef*>(context); }
