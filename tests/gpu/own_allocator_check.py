@@ -138,11 +138,14 @@ if (config == "native" or api == "own") and hasattr(torch.cuda.memory, "_set_all
     except (RuntimeError, AttributeError) as e:
         capture_reuse = str(e)[:300]
 # The profiler's memory events: PyTorch's allocator reports each allocation
-# and free (and reservoir's own allocator does too).
+# and free (and reservoir's own allocator does too). With the profiler's
+# default activities, as people start it: the GPU's, through the real CUPTI,
+# beside the allocator's events (the simulated device has no GPU activity to
+# trace).
 profiler_events = "not asked"
 if config == "native" or api == "own":
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from torch.profiler import profile
+    with profile(profile_memory=True) as prof:
         pe = torch.empty(5 << 20, dtype=torch.uint8, device=dev)
         del pe
     usage = [getattr(e, "device_memory_usage", getattr(e, "cuda_memory_usage", 0)) for e in prof.events()
