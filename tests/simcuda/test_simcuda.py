@@ -395,7 +395,6 @@ def test_cublas_handles_without_math():
     assert out[9] == "0"
 
 
-
 def test_cupti_answers_that_there_is_nothing_to_trace():
     # CUPTI as the runtime loads it (the same library by soname): its
     # version, result names, and every other call refused with
@@ -419,6 +418,7 @@ def test_cupti_answers_that_there_is_nothing_to_trace():
                    "27", "27", "27", "27", "True"]
     assert err.count("CUPTI is not served by the simulated device (cuptiSubscribe)") == 1
     assert err.count("CUPTI is not served") == 1
+
 
 def test_a_copy_into_unmapped_address_space_is_a_sticky_illegal_address():
     # As a GPU: reserved but unmapped (or mapped without access) memory
