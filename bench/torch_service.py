@@ -119,16 +119,18 @@ def folder_usage(path):
 
 
 def verdict_of(message):
-    """The class the answer's first line names, or None."""
+    """The class the answer's first line names, or None. Its causes are
+    joined by "; and ", each headed by its class ("fragmentation: ...",
+    "too little memory: ..."), after what refused the request where that
+    was the process's memory fraction; a line naming both classes names
+    neither (the whole line is returned)."""
     at = message.find("\nreservoir: out of memory on a ")
     if at < 0:
         return None
     first = message[at + 1:].split("\n", 1)[0]
-    if ": fragmentation" in first:
-        return "fragmentation"
-    if ": too little memory" in first:
-        return "too little memory"
-    return first
+    named = [c for c in ("fragmentation", "too little memory")
+             if f": {c}: " in first or f"; and {c}: " in first]
+    return named[0] if len(named) == 1 else first
 
 
 def history_events(torch):

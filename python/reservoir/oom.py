@@ -122,8 +122,13 @@ def _observer(device, alloc, device_total, device_free):
         import torch
 
         data = pickle.dumps(torch.cuda.memory._snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
+        # Under a memory fraction PyTorch gives its observers the limit in
+        # place of the device's total: the answer judges against the limit,
+        # and tells memory held outside the allocator by the device's total.
+        whole = torch.cuda.get_device_properties(int(device)).total_memory
+        limit = int(device_total) if 0 < int(device_total) < whole else 0
         answer = _core._explain_snapshot(data, int(device), directory, -1 if rank is None else rank,
-                                         int(device_total), _advise_command())
+                                         int(whole if limit else device_total), _advise_command(), limit)
         lines = list(answer["lines"])
     except BaseException as e:  # noqa: BLE001 - the error in hand is PyTorch's, never ours
         lines = [f"reservoir: could not explain this out-of-memory error: {type(e).__name__}: {e}"]

@@ -51,7 +51,7 @@ ExplainOptions explain_options(const std::string& directory, int rank, const std
 }
 
 py::dict explain_snapshot(const py::bytes& data, int device, const std::string& directory, int rank,
-                          std::uint64_t device_total, const std::string& advise_command) {
+                          std::uint64_t device_total, const std::string& advise_command, std::uint64_t memory_limit) {
   const std::string_view bytes = data;
   OomExplanation e;
   {
@@ -59,6 +59,7 @@ py::dict explain_snapshot(const py::bytes& data, int device, const std::string& 
     const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
     ExplainOptions options = explain_options(directory, rank, advise_command);
     if (device_total > 0) options.device_total = device_total;
+    if (memory_limit > 0) options.memory_limit = memory_limit;
     try {
       const Trace trace = read_pytorch_snapshot(span, "snapshot at the error", device);
       e = explain_oom(trace, span, options);
@@ -321,8 +322,10 @@ PYBIND11_MODULE(_core, m) {
         "RESERVOIR_ALLOC_CONF and RESERVOIR_TORCH_DEVICE)");
   m.def("_explain_snapshot", &explain_snapshot, py::arg("data"), py::arg("device"), py::arg("directory"),
         py::arg("rank") = -1, py::arg("device_total") = 0, py::arg("advise_command") = "",
+        py::arg("memory_limit") = 0,
         "The answer to an out-of-memory error from PyTorch's snapshot (pickle bytes) of that moment: "
-        "{lines, snapshot_path, page_path, seconds}; the files go to directory ('' writes none)");
+        "{lines, snapshot_path, page_path, seconds}; the files go to directory ('' writes none). "
+        "device_total: the device's memory; memory_limit: the process's own limit, 0 for none");
   m.def(
       "_explain_torch_allocator",
       [](const std::string& directory, int rank, std::size_t max_entries, const std::string& advise_command) {

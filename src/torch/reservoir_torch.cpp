@@ -123,7 +123,22 @@ reservoir::DeviceKind backend_kind(const AllocatorConfig& config) {
 // torch_explain_oom's settings, for the savers made after it.
 std::optional<std::pair<reservoir::ExplainOptions, std::size_t>> explaining;
 
-void explain_on(reservoir::Saver& saver) {
+// Each device's fraction from torch.cuda.set_per_process_memory_fraction (0:
+// none, or removed by 1.0 from 2.10), for the answer at an error.
+std::array<std::atomic<double>, kMaxDevices> run_time_fractions{};
+
+// The process's limit on `allocator`'s device when one is set (PyTorch's
+// allowed_memory_maximum: the fraction of the device's total), else none.
+std::optional<std::uint64_t> memory_limit(int device, const reservoir::CachingAllocator& allocator,
+                                          std::uint64_t device_total) {
+  double fraction = 0.0;
+  if (device >= 0 && device < kMaxDevices) fraction = run_time_fractions[static_cast<std::size_t>(device)].load();
+  if (fraction <= 0.0) fraction = allocator.config().per_process_memory_fraction;
+  if (fraction <= 0.0 || fraction >= 1.0 || device_total == 0) return std::nullopt;
+  return static_cast<std::uint64_t>(fraction * static_cast<double>(device_total));
+}
+
+void explain_on(reservoir::Saver& saver, int device) {
   reservoir::HistoryOptions history;
   history.max_entries = explaining->second;
   history.stacks = false;
@@ -132,9 +147,11 @@ void explain_on(reservoir::Saver& saver) {
   // settings included), the running release's rules named (pytorch_version):
   // the analysis replays that release's decisions, and the snapshot written
   // says which they were, for `reservoir verify`.
-  saver.set_oom_explainer([&saver, options = explaining->first](const reservoir::OutOfMemoryError& e) {
+  saver.set_oom_explainer([&saver, device, options = explaining->first](const reservoir::OutOfMemoryError& e) {
+    reservoir::ExplainOptions with_limit = options;
+    with_limit.memory_limit = memory_limit(device, saver.untagged_allocator(), e.device_total());
     const reservoir::OomExplainer explain = reservoir::oom_explainer(
-        [&saver] { return saver.snapshot(); }, options, saver.untagged_allocator().config().to_string());
+        [&saver] { return saver.snapshot(); }, with_limit, saver.untagged_allocator().config().to_string());
     std::string text = explain(e);
     // Before the error, where a dying job's log shows it.
     if (!text.empty()) std::fprintf(stderr, "%s\n", text.c_str());
@@ -177,7 +194,7 @@ reservoir::Saver& saver_for(int device) {
     reservoir::read_saver_environment(options);
     d.saver = std::make_unique<reservoir::Saver>(*d.device, options);
     for (EveryDeviceRegion& region : every_device_regions) enter_on(region, device, *d.saver);
-    if (explaining) explain_on(*d.saver);
+    if (explaining) explain_on(*d.saver, device);
   }
   return *d.saver;
 }
@@ -197,8 +214,8 @@ Saver& torch_saver(int device) { return saver_for(device); }
 void torch_explain_oom(const ExplainOptions& options, std::size_t max_entries) {
   std::lock_guard lock(mutex);
   explaining.emplace(options, max_entries);
-  for (PerDevice& d : devices) {
-    if (d.saver) explain_on(*d.saver);
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i].saver) explain_on(*devices[i].saver, static_cast<int>(i));
   }
 }
 
@@ -483,8 +500,10 @@ __attribute__((visibility("default"))) int reservoir_torch_set_memory_fraction(d
            const std::string release = allocator.config().pytorch_version;
            if (fraction == 1.0 && !release.empty() && reservoir::compare_versions(release, "2.10") >= 0) {
              allocator.clear_memory_fraction();
+             run_time_fractions[static_cast<std::size_t>(device)] = 0.0;
            } else {
              allocator.set_memory_fraction(fraction);
+             run_time_fractions[static_cast<std::size_t>(device)] = fraction;
            }
          })
              ? 0

@@ -61,11 +61,23 @@ void write_bytes(const std::filesystem::path& path, std::span<const std::uint8_t
 
 // Why the request failed, in one sentence: the process's own limit, memory
 // held outside the allocator, fragmentation, or simply too little memory.
-std::string why(const Advice& a, const std::optional<std::uint64_t>& device_total) {
+// `limit`: the process's limit where the error reported it; else one is
+// inferred (Diagnosis::limit_at_least) where the device had room.
+std::string why(const Advice& a, const std::optional<std::uint64_t>& device_total,
+                const std::optional<std::uint64_t>& limit) {
   const Diagnosis& d = a.diagnosis;
   const std::uint64_t unusable = d.reserved_bytes > d.allocated_bytes ? d.reserved_bytes - d.allocated_bytes : 0;
+  // The known limit refused the request when a new segment would have
+  // passed it (PyTorch checks the limit before it asks the device).
+  const bool limit_refused = limit && d.request && d.reserved_bytes + d.request->segment_size > *limit;
   std::vector<std::string> causes;
-  if (d.limit_at_least) {
+  if (limit_refused) {
+    causes.push_back(fmt::format(
+        "the process's memory fraction (set_per_process_memory_fraction) refused it: it allows {}, the "
+        "process had {} reserved{}",
+        format_size(*limit), format_size(d.reserved_bytes),
+        d.device_free_bytes ? fmt::format(" and the device {} free", format_size(*d.device_free_bytes)) : ""));
+  } else if (!limit && d.limit_at_least) {
     causes.push_back(fmt::format(
         "the process's memory fraction (set_per_process_memory_fraction) refused it: the device "
         "had {} free, the process was at its limit with {} reserved",
@@ -73,7 +85,7 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
   }
   // Beyond a twentieth of the device (a GPU's own context and libraries
   // take a few hundred MiB of 80 GiB).
-  if (!d.limit_at_least && device_total && d.device_free_bytes &&
+  if (!limit_refused && !(!limit && d.limit_at_least) && device_total && d.device_free_bytes &&
       *device_total > d.reserved_bytes + *d.device_free_bytes) {
     const std::uint64_t outside = *device_total - d.reserved_bytes - *d.device_free_bytes;
     if (outside * 20 > *device_total) {
@@ -83,26 +95,32 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
     }
   }
   // Fragmentation: what was in use and the request would have fit in what
-  // the allocator held and the device had free, but the held memory sat in
-  // pieces too small for it.
+  // the allocator held and the device had free (within the process's limit
+  // where it has one), but the held memory sat in pieces too small for it.
   // (Under a page policy a segment's address space counts as reserved
   // whether its pages are mapped or not: what is in use and the request
   // must also fit the device.)
-  if (d.request && unusable > 0 && d.device_free_bytes &&
-      unusable + *d.device_free_bytes >= d.request->rounded &&
-      (!device_total || d.allocated_bytes + d.request->rounded <= *device_total)) {
+  std::optional<std::uint64_t> room = d.device_free_bytes;
+  if (limit) {
+    const std::uint64_t under_limit = *limit > d.reserved_bytes ? *limit - d.reserved_bytes : 0;
+    room = room ? std::min(*room, under_limit) : under_limit;
+  }
+  if (d.request && unusable > 0 && room && unusable + *room >= d.request->rounded &&
+      (!device_total || d.allocated_bytes + d.request->rounded <= *device_total) &&
+      (!limit || d.allocated_bytes + d.request->rounded <= *limit)) {
     causes.push_back(fmt::format(
-        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), "
-        "and the device had {} free",
+        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), {}",
         format_size(unusable),
         format_size(std::max(d.request->largest_same_stream, d.request->largest_other_stream)),
-        format_size(*d.device_free_bytes)));
+        limit ? fmt::format("and {} more was within the limit", format_size(*room))
+              : fmt::format("and the device had {} free", format_size(*room))));
   }
   if (a.shrink_bytes) {
     causes.push_back(fmt::format("too little memory: the recorded part alone needs {} at its peak, {} "
-                                 "more than the {} there is",
+                                 "more than the {} {}",
                                  format_size(a.peak_requested_bytes), format_size(*a.shrink_bytes),
-                                 format_size(*a.capacity_bytes)));
+                                 format_size(*a.capacity_bytes),
+                                 limit ? "its memory fraction allows" : "there is"));
   }
   if (causes.empty()) {
     causes.push_back(fmt::format("too little memory: {} was in use and {} reserved",
@@ -174,9 +192,10 @@ Trace since_previous_error(const Trace& trace) {
   return out;
 }
 
-Advice advise_at_error(const Trace& trace, unsigned threads) {
+Advice advise_at_error(const Trace& trace, unsigned threads, std::optional<std::uint64_t> memory_limit) {
   AdviseOptions options;
   options.threads = threads;
+  options.capacity = memory_limit;
   // The other settings' minimum capacities within 1/32 (the page shows them
   // so); the recorded and the best ones exact, as the lines give them.
   options.tolerance = 1.0 / 32;
@@ -185,18 +204,22 @@ Advice advise_at_error(const Trace& trace, unsigned threads) {
   bool have_recorded = false;
   for (const std::string& c : options.configs) have_recorded |= AllocatorConfig::parse(c) == recorded;
   if (!have_recorded) options.configs.push_back(trace.recorded_config);
-  return advise(trace, options);
+  Advice advice = advise(trace, options);
+  if (memory_limit) advice.capacity_source = "the process's memory limit (set_per_process_memory_fraction)";
+  return advice;
 }
 
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const std::optional<int>& rank,
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path, const std::string& page_path,
-                                          const std::string& directory, const std::string& advise_command) {
+                                          const std::string& directory, const std::string& advise_command,
+                                          const std::optional<std::uint64_t>& memory_limit) {
   const std::string p = prefix(rank);
   const Diagnosis& d = a.diagnosis;
   std::vector<std::string> lines;
   if (d.moment == "oom" && d.request) {
-    lines.push_back(fmt::format("{}out of memory on a {} request: {}.", p, format_size(d.request->size), why(a, device_total)));
+    lines.push_back(fmt::format("{}out of memory on a {} request: {}.", p, format_size(d.request->size),
+                                why(a, device_total, memory_limit)));
   } else {
     lines.push_back(fmt::format("{}the recording shows no failed request to explain ({} events).", p,
                                 trace.events.size()));
@@ -223,7 +246,9 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
                               : std::string(),
         format_size(best->min_capacity_bytes),
         format_size(recorded->min_capacity_bytes - best->min_capacity_bytes),
-        a.capacity_bytes ? fmt::format(", and the device had {}", format_size(*a.capacity_bytes)) : ""));
+        a.capacity_bytes ? fmt::format(", and {} {}", memory_limit ? "its memory fraction allows" : "the device had",
+                                       format_size(*a.capacity_bytes))
+                         : ""));
     if (!fits && best_any.reservoir_only && best_any.min_capacity_bytes < best->min_capacity_bytes) {
       lines.push_back(fmt::format("{}reservoir's {} needs {} (RESERVOIR_ALLOC_CONF={}).", p, best_any.config,
                                   format_size(best_any.min_capacity_bytes), best_any.config));
@@ -374,7 +399,7 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
   }
   try {
     const Trace window = since_previous_error(trace);
-    out.advice = advise_at_error(window, options.threads);
+    out.advice = advise_at_error(window, options.threads, options.memory_limit);
     if (!stem.empty() && options.page) {
       try {
         const std::string html = options.page(window, *out.advice);
@@ -387,7 +412,8 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     }
     out.lines = oom_answer_lines(window, *out.advice, rank, options.device_total, options.on_reservoir,
                                  out.snapshot_path, out.page_path,
-                                 out.snapshot_path.empty() ? "" : options.directory, options.advise_command);
+                                 out.snapshot_path.empty() ? "" : options.directory, options.advise_command,
+                                 options.memory_limit);
   } catch (const std::exception& e) {
     out.advice.reset();
     out.lines.push_back(fmt::format("{}could not analyse the recording: {}", prefix(rank), e.what()));

@@ -163,6 +163,78 @@ TEST(Explain, MemoryHeldOutsideTheAllocatorIsNamed) {
             "than the 300.00 MiB there is.");
 }
 
+// A 1 GiB device and a process limited to 256 MiB of it: 100 MiB of weights,
+// then one 60 MiB segment per entry of `live` (MiB of it kept, the rest
+// freed inside it: cached, not releasable), then the request.
+Trace under_a_limit(const std::vector<std::size_t>& live, std::size_t request) {
+  Recorder r("", 1024 * kMiB);
+  r.allocator.set_memory_fraction(0.25);
+  void* weights = r.alloc(100 * kMiB);
+  std::vector<void*> kept;
+  std::vector<void*> filler;
+  for (std::size_t mib : live) {
+    r.allocator.deallocate(r.alloc(60 * kMiB));
+    kept.push_back(r.alloc(mib * kMiB));
+    filler.push_back(r.alloc((60 - mib) * kMiB));  // the segment's rest: the next one is new
+  }
+  for (void* p : filler) r.allocator.deallocate(p);
+  EXPECT_THROW(r.alloc(request), OutOfMemoryError);
+  for (void* p : kept) r.allocator.deallocate(p);
+  r.allocator.deallocate(weights);
+  return pickled(r.finish());
+}
+
+TEST(Explain, AKnownMemoryLimitIsWhatTooLittleMemoryIsMeasuredAgainst) {
+  // 120 MiB in use, 160 reserved, a 150 MiB request: 270 MiB at the peak,
+  // 14 MiB more than the limit allows. From the recording alone the limit
+  // is at least what the allocator held (160 MiB) and below that and the
+  // new segment (310 MiB), so the answer cannot tell fragmentation from
+  // too little memory and names both, measured against 160 MiB; the error
+  // reports the limit (PyTorch's observers are given it), and the answer is
+  // then the program's real shortfall alone.
+  const Trace t = under_a_limit({20}, 150 * kMiB);
+  const std::vector<std::string> inferred =
+      oom_answer_lines(t, advise_at_error(t), std::nullopt, 1024 * kMiB, false, "", "", "");
+  EXPECT_EQ(inferred[0],
+            "reservoir: out of memory on a 150.00 MiB request: the process's memory fraction "
+            "(set_per_process_memory_fraction) refused it: the device had 864.00 MiB free, the process was "
+            "at its limit with 160.00 MiB reserved; and fragmentation: 40.00 MiB sat reserved but unused, in "
+            "pieces too small for it (the largest 40.00 MiB), and the device had 864.00 MiB free; and too "
+            "little memory: the recorded part alone needs 270.00 MiB at its peak, 110.00 MiB more than the "
+            "160.00 MiB there is.");
+  const Advice advice = advise_at_error(t, 1, 256 * kMiB);
+  EXPECT_EQ(advice.capacity_bytes, 256 * kMiB);
+  EXPECT_EQ(advice.capacity_source, "the process's memory limit (set_per_process_memory_fraction)");
+  const std::vector<std::string> lines =
+      oom_answer_lines(t, advice, std::nullopt, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0],
+            "reservoir: out of memory on a 150.00 MiB request: the process's memory fraction "
+            "(set_per_process_memory_fraction) refused it: it allows 256.00 MiB, the process had 160.00 MiB "
+            "reserved and the device 864.00 MiB free; and too little memory: the recorded part alone needs "
+            "270.00 MiB at its peak, 14.00 MiB more than the 256.00 MiB its memory fraction allows.");
+  EXPECT_EQ(lines[1],
+            "reservoir: no setting helps: the program must need 14.00 MiB less (smaller batches, activation "
+            "checkpointing, lower precision).");
+}
+
+TEST(Explain, FragmentationUnderAKnownMemoryLimit) {
+  // Two 60 MiB segments holding 20 MiB each beside the weights: 140 MiB in
+  // use, 220 reserved, 80 MiB free in pieces of 40. A 60 MiB request needs
+  // a new segment the limit refuses (280 MiB), though what is in use and
+  // the request (200 MiB) fit under it: fragmentation, and nothing else.
+  const Trace t = under_a_limit({20, 20}, 60 * kMiB);
+  const Advice advice = advise_at_error(t, 1, 256 * kMiB);
+  const std::vector<std::string> lines =
+      oom_answer_lines(t, advice, std::nullopt, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines[0],
+            "reservoir: out of memory on a 60.00 MiB request: the process's memory fraction "
+            "(set_per_process_memory_fraction) refused it: it allows 256.00 MiB, the process had 220.00 MiB "
+            "reserved and the device 804.00 MiB free; and fragmentation: 80.00 MiB sat reserved but unused, "
+            "in pieces too small for it (the largest 40.00 MiB), and 36.00 MiB more was within the limit.");
+}
+
 TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_files";
   std::filesystem::remove_all(dir);

@@ -33,6 +33,12 @@ struct ExplainOptions {
   // device held beyond this allocator's reserved memory and its free memory
   // was held outside it (another process, CUDA's context, other libraries).
   std::optional<std::uint64_t> device_total;
+  // The process's own limit (torch.cuda.set_per_process_memory_fraction),
+  // where one was set and the error reported it (PyTorch's out-of-memory
+  // observers are given it in place of the device's total): what fits is
+  // judged against it, and what refused the request is said with it. None:
+  // inferred from the recording where it can be (Diagnosis::limit_at_least).
+  std::optional<std::uint64_t> memory_limit;
   // The program runs on a reservoir allocator: settings are named as
   // RESERVOIR_ALLOC_CONF=..., which it reads first (oom_explainer sets it).
   bool on_reservoir = false;
@@ -70,8 +76,10 @@ struct OomExplanation {
 // the release knows its keys), and reservoir's own policy.
 std::vector<std::string> live_sweep(std::string_view pytorch_since);
 
-// Advice within about a second at 100,000 recorded events on one core.
-Advice advise_at_error(const Trace& trace, unsigned threads = 1);
+// Advice within about a second at 100,000 recorded events on one core;
+// judged against `memory_limit` where the process's limit is known.
+Advice advise_at_error(const Trace& trace, unsigned threads = 1,
+                       std::optional<std::uint64_t> memory_limit = std::nullopt);
 
 // The part of a recording that the answer at its latest out-of-memory error
 // analyses: the events after the error before it (a process that meets error
@@ -83,15 +91,18 @@ Advice advise_at_error(const Trace& trace, unsigned threads = 1);
 Trace since_previous_error(const Trace& trace);
 
 // The lines of the answer (at most eight). `rank` names the rank in each;
-// `device_total` (ExplainOptions) tells memory held outside the allocator;
-// `snapshot_path`, `page_path` and `directory` are named where given.
+// `device_total` (ExplainOptions) tells memory held outside the allocator,
+// `memory_limit` the process's own limit (advice judged against it:
+// advise_at_error's); `snapshot_path`, `page_path` and `directory` are
+// named where given.
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advice,
                                           const std::optional<int>& rank,
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path,
                                           const std::string& page_path,
                                           const std::string& directory,
-                                          const std::string& advise_command = "reservoir advise");
+                                          const std::string& advise_command = "reservoir advise",
+                                          const std::optional<std::uint64_t>& memory_limit = std::nullopt);
 
 // The whole answer: analysis, files, lines. `snapshot_bytes` is the
 // recording as the program took it (PyTorch's pickle), written as it is;
