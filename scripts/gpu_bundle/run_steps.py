@@ -41,6 +41,7 @@ class Run:
     def __init__(self, out, budget):
         self.out = out
         self.deadline = time.monotonic() + budget
+        self.step_deadline = None  # the running step's own limit (STEPS), when it has one
         self.log = open(os.path.join(out, "log.txt"), "w")
         self.results = {"facts": {}, "steps": {}, "figures": {}}
         self.scratch = tempfile.mkdtemp(prefix="reservoir-gpu-bundle-")
@@ -64,6 +65,11 @@ class Run:
         self.log.flush()
 
     def left(self):
+        """Seconds left to the run, or to the running step's limit if sooner."""
+        deadline = self.deadline if self.step_deadline is None else min(self.deadline, self.step_deadline)
+        return deadline - time.monotonic()
+
+    def run_left(self):
         return self.deadline - time.monotonic()
 
     def cmd(self, argv, env=None, timeout=120, cwd=None):
@@ -797,8 +803,11 @@ def step_graphs(run):
 def step_explain_oom(run):
     """The answer at an out-of-memory error with real CUDA (reservoir.explain_oom):
     a fragmenting program under a 2 GiB memory fraction gets PyTorch's message
-    then reservoir's lines, with the snapshot and the page written; and the
-    cost of its recording per allocate/free pair and per training step."""
+    then reservoir's lines, with the snapshot and the page written; a
+    batch-size finder under a 4 GiB fraction, RESERVOIR_EXPLAIN_OOM=1, under
+    PyTorch's allocator and reservoir's own: the batch and errors of the loop
+    with nothing explained, each error answered for itself, the cost per
+    error; the cost of the recording per allocate/free pair and training step."""
     need_torch_cuda(run)
     if not run.module_python or run.module_python != run.torch_python:
         raise StepSkipped("the Python with PyTorch is not CPython 3.12, the module's version")
@@ -808,12 +817,17 @@ def step_explain_oom(run):
     checks = check_lines(text)
     run.results["figures"]["explain_oom"] = checks
     failed = [c["check"] for c in checks if not c.get("ok")]
-    if rc != 0 or failed or len(checks) != 2:
-        raise StepFailed("failed: " + (", ".join(failed) or first_error(text)))
+    if rc != 0 or failed or len(checks) != 3:
+        problems = [f"{c['check']}: {'; '.join(c.get('problems') or [c.get('error', '')])}"[:300]
+                    for c in checks if not c.get("ok")]
+        raise StepFailed("failed: " + ("; ".join(problems) or first_error(text)))
     cost = next(c for c in checks if c["check"] == "recording_cost")
     at = next(c for c in checks if c["check"] == "answer")
-    return (f"answered in {at['seconds_at_error']:.2f} s; recording: pair "
-            f"{cost['pair']['explain'] / cost['pair']['off']:.2f}x, step "
+    finder = next(c for c in checks if c["check"] == "batch_finder")
+    return (f"answered in {at['seconds_at_error']:.2f} s; batch finder: batch {finder['batch']} after "
+            f"{finder['errors']} errors, each answered, "
+            + ", ".join(f"{m} {r['ms_per_error']:.0f} ms" for m, r in finder["explained"].items())
+            + f" per error; recording: pair {cost['pair']['explain'] / cost['pair']['off']:.2f}x, step "
             f"{cost['step']['explain'] / cost['step']['off']:.2f}x of none")
 
 
@@ -886,9 +900,12 @@ def step_pytorch_tests(run):
         if rc != 0:
             raise StepFailed("the bundle's wheel does not install: " + first_error(text))
     report = os.path.join(run.scratch, "pytorch_tests.json")
+    # Within the step's limit: each way's batch gets 4 x --timeout, a test
+    # run again alone --timeout (a tenth of what is left, 20 to 120 s).
+    per_test = int(max(20, min(120, run.left() / 10)))
     rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "peer_suites.py"), "--device", "as-is",
                         "--pytorch", os.path.abspath(test_file), "--package", package, "--site", site,
-                        "--batch", "--jobs", "1", "--timeout", "120", "--json", report],
+                        "--batch", "--jobs", "1", "--timeout", str(per_test), "--json", report],
                        env=run.env_torch, timeout=560, cwd=run.scratch)
     try:
         with open(report) as f:
@@ -912,16 +929,27 @@ def step_pytorch_tests(run):
 
 
 STEPS = [
-    ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 300),
+    # Most needed first (what has never run on a GPU), then what the first
+    # GPU run proved on 2026-11-25. The last column is each step's limit in
+    # seconds; the run's budget (--budget) skips the steps that no longer fit.
+    ("bundle", "the bundle loads; checks that need no GPU", step_bundle, 90),
+    ("pytorch_tests", "PyTorch's test_cuda.py allocator tests under PyTorch's allocator and reservoir's",
+     step_pytorch_tests, 240),
+    ("own_allocator", "reservoir as PyTorch's own allocator: training, stats, a CUDA graph, a verified snapshot",
+     step_own_allocator, 150),
+    ("native_paged", "policy:native_paged vs native on the real driver: reserved at every call, steps/s",
+     step_native_paged, 120),
     ("graphs", "CUDA graphs: capture answers, pools as PyTorch's, replays equal eager after a pause",
-     step_graphs, 300),
+     step_graphs, 120),
     ("explain_oom", "the answer at an out-of-memory error, and its recording's cost",
-     step_explain_oom, 300),
+     step_explain_oom, 150),
     ("service", "an inference service meeting out-of-memory errors: four settings, the live answer on each",
-     step_service, 300),
-    ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
+     step_service, 240),
+    ("tms_beside_reservoir", "the real torch_memory_saver and reservoir's drop-in on the same tensors",
+     step_tms_beside_reservoir, 120),
     ("torch_training", "PyTorch training, native vs reservoir: identical losses and stats",
      step_torch_training, 300),
+    ("gpu_test", "GPU test suite: both CUDA backends, every policy, the saver", step_gpu_test, 240),
     ("torch_pause", "PyTorch pause/resume of weights and KV cache, every policy", step_torch_pause, 300),
     ("preload_cuda_program", "LD_PRELOAD interposer under a plain CUDA program",
      step_preload_cuda_program, 240),
@@ -932,25 +960,20 @@ STEPS = [
      step_torch_native_bench, 420),
     ("pause_resume_bench", "pause/resume of 1, 4, 16 GiB vs a pinned copy; without backup per policy",
      step_pause_resume_bench, 400),
-    ("tms_beside_reservoir", "the real torch_memory_saver and reservoir's drop-in on the same tensors",
-     step_tms_beside_reservoir, 300),
     ("rmm_beside_reservoir", "RMM's pool, arena, cuda_async resources vs reservoir's cache hit and growth",
      step_rmm_beside_reservoir, 300),
-    ("own_allocator", "reservoir as PyTorch's own allocator: training, stats, a CUDA graph, a verified snapshot",
-     step_own_allocator, 300),
-    ("native_paged", "policy:native_paged vs native on the real driver: reserved at every call, steps/s",
-     step_native_paged, 300),
-    ("pytorch_tests", "PyTorch's test_cuda.py allocator tests under PyTorch's allocator and reservoir's",
-     step_pytorch_tests, 570),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description="Run the GPU proofs of the reservoir bundle.")
     parser.add_argument("outdir")
-    parser.add_argument("--budget", type=float, default=float(os.environ.get("RESERVOIR_BUNDLE_BUDGET", 470)),
-                        help="seconds for the whole run (default 470); steps that do not fit are skipped")
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("RESERVOIR_BUNDLE_BUDGET", 420)),
+                        help="seconds for the whole run (default 420); steps that do not fit are skipped")
     parser.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
+    parser.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
+                        help="another time limit for a step (again for each step); the defaults are "
+                             "README.txt's")
     parser.add_argument("--test-cuda", default="",
                         help="PyTorch's test/test_cuda.py at this machine's release (the pytorch_tests step)")
     args = parser.parse_args()
@@ -960,6 +983,18 @@ def main():
         if x not in names:
             print(f"run.sh: unknown step '{x}'; the steps are: {', '.join(names)}", file=sys.stderr)
             return 2
+    limits = {name: limit for name, _, _, limit in STEPS}
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = 0
+        if name not in limits or value <= 0:
+            print(f"run.sh: --limit {item}: expected STEP=SECONDS with a step of {', '.join(names)} "
+                  "and a positive number", file=sys.stderr)
+            return 2
+        limits[name] = value
     os.makedirs(args.outdir, exist_ok=True)
     run = Run(args.outdir, args.budget)
     run.test_cuda = args.test_cuda
@@ -989,14 +1024,16 @@ def main():
     run.say(f"== CUDA libraries: {facts['cuda_libraries']}")
 
     outcomes = []
-    for name, title, fn, limit in STEPS:
+    for name, title, fn, _ in STEPS:
+        limit = limits[name]
         if only and name not in only:
             continue
         run.say(f"\n== {name}: {title}")
         t0 = time.monotonic()
-        if run.left() < 20:
+        if run.run_left() < 20:
             status, note = "skipped", f"the run's {args.budget:.0f} s budget was spent"
         else:
+            run.step_deadline = t0 + limit
             try:
                 note = fn(run) or ""
                 status = "passed"
@@ -1006,6 +1043,9 @@ def main():
                 status, note = "failed", str(e)
             except Exception as e:  # a broken step must not stop the others
                 status, note = "failed", f"{type(e).__name__}: {e}"
+            run.step_deadline = None
+            if status == "failed" and time.monotonic() - t0 >= limit - 1:
+                note = f"stopped at its {limit:.0f} s limit: {note}"
         seconds = time.monotonic() - t0
         run.results["steps"][name] = {"status": status, "note": note, "seconds": round(seconds, 1)}
         outcomes.append((name, status, note, seconds))

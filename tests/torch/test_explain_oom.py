@@ -430,3 +430,35 @@ def test_a_batch_size_finder_gets_each_error_explained_for_itself(tmp_path, allo
     assert kept_said == 1
     assert len(glob.glob(str(tmp_path / "oom" / "*.pickle"))) == 3
     assert len(glob.glob(str(tmp_path / "oom" / "*-advice.html"))) == 3
+
+
+def test_the_gpu_bundles_batch_finder_check_runs_here(tmp_path):
+    # tests/gpu/explain_oom_check.py's batch_finder (the GPU bundle's
+    # explain_oom step) on the simulated device, under a 1 GiB memory
+    # fraction: 256 MiB of weights, then batches of 16,384 samples shrunk by
+    # an eighth until the three activations (192 KiB a sample) fit beside
+    # them. 3,769 would fit into an empty 1 GiB, but the segments cached from
+    # the batches that failed before it, each split for its smaller
+    # activations, leave its last one no room (fragmentation): 3,297 after
+    # 12 errors, under PyTorch's allocator with nothing explained, and with
+    # every error explained under PyTorch's allocator and reservoir's own.
+    script = os.path.join(os.path.dirname(__file__), "..", "gpu", "explain_oom_check.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESERVOIR_EXPLAIN", "PYTORCH_"))}
+    env.update({"RESERVOIR_SIMCUDA_KERNELS": "skip", "TMPDIR": str(tmp_path)})
+    r = subprocess.run([sys.executable, script, "--only", "batch_finder", "--finder-gib", "1"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert [x.get("check") for x in lines] == ["batch_finder", None] and lines[-1] == {"checks": {"batch_finder": True}}
+    finder = lines[0]
+    assert finder["ok"] and finder["problems"] == [], finder
+    assert (finder["cap_bytes"], finder["batch"], finder["errors"]) == (1 << 30, 3297, 12), finder
+    assert {m: (x["allocator"], x["errors"]) for m, x in finder["explained"].items()} == \
+        {"pytorch": ("native", 12), "own": ("reservoir", 12)}
+    # The first error's answer: the 1 GiB request (16,384 x 64 KiB) beside
+    # 256 MiB of weights, refused by the memory fraction, more than it allows.
+    for mode in ("pytorch", "own"):
+        first = finder["explained"][mode]["first_answer"]
+        assert first.startswith("reservoir: out of memory on a 1024.00 MiB request: the process's memory fraction "
+                                "(set_per_process_memory_fraction) refused it: "), first
+        assert "the recorded part alone needs 1.25 GiB at its peak" in first, first

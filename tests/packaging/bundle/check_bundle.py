@@ -87,6 +87,16 @@ for path in sorted(elves):
     if rel == "bin/cuda_probe":
         check("libcudart.so.13" in needed, "bin/cuda_probe links the shared CUDA runtime (for LD_PRELOAD)")
 
+# README.txt names every step in the driver's order, with its limit.
+sys.path.insert(0, bundle)
+import run_steps  # noqa: E402 - the bundle's own driver
+
+with open(os.path.join(bundle, "README.txt")) as f:
+    readme = [line.split() for line in f if line.startswith("  ") and not line.startswith("   ")]
+listed = [(words[0], words[1]) for words in readme if len(words) == 2 and words[1].startswith("[")]
+check(listed == [(name, f"[{limit}]") for name, _, _, limit in run_steps.STEPS],
+      f"README.txt lists the {len(run_steps.STEPS)} steps in order with their limits ({listed})")
+
 with open(os.path.join(bundle, "BUILD_INFO.json")) as f:
     info = json.load(f)
 check(info.get("python_module_built_for", "").startswith("3.12."),
@@ -125,7 +135,7 @@ def check_no_gpu_run(env_extra, label, module_checked):
         check(False, f"{label}: results.json readable ({e})")
         return
     steps = r.get("steps", {})
-    names = ["bundle", "gpu_test", "torch_training", "torch_pause", "preload_cuda_program",
+    names = ["bundle", "torch_training", "gpu_test", "torch_pause", "preload_cuda_program",
              "preload_torch", "gpu_bench", "torch_native_bench", "pause_resume_bench"]
     check([k for k in steps if k in names] == names, f"{label}: every step reported, in order")
     check(steps.get("bundle", {}).get("status") == "passed",

@@ -156,7 +156,8 @@ print("identical losses under 3 reservoir policies and native (own allocator)")
 '''
 
 
-GRAPHS = '''import json
+GRAPHS = '''import json, os, time
+time.sleep(float(os.environ.get("STANDIN_SLEEP", "0")))  # a step that outlives its limit
 print(json.dumps({"check": "stream_capture", "ok": True, "answers": 61, "differ": {"merge: wait": {"gpu": 905,
                   "simulated": 902}}}))
 print(json.dumps({"check": "pools", "ok": True, "differ": [], "errors": {}}))
@@ -168,9 +169,14 @@ print(json.dumps({"checks": {"stream_capture": True, "pools": True, "eager_vs_gr
 EXPLAIN = '''import json
 print(json.dumps({"check": "answer", "ok": True, "lines": ["reservoir: out of memory on a 1000.00 MiB request: x"],
                   "files": ["h-1.pickle", "h-1-advice.html"], "seconds_at_error": 0.4}))
+print(json.dumps({"check": "batch_finder", "ok": True, "problems": [], "cap_bytes": 4 << 30, "batch": 14000,
+                  "errors": 11, "plain_seconds": 0.2,
+                  "explained": {
+                      "pytorch": {"allocator": "native", "errors": 11, "seconds": 3.5, "ms_per_error": 300.0},
+                      "own": {"allocator": "reservoir", "errors": 11, "seconds": 1.3, "ms_per_error": 100.0}}}))
 print(json.dumps({"check": "recording_cost", "ok": True, "pair": {"off": 10.0, "explain": 12.0, "stacks": 30.0},
                   "step": {"off": 2.0, "explain": 2.1, "stacks": 3.0}}))
-print(json.dumps({"checks": {"answer": True, "recording_cost": True}}))
+print(json.dumps({"checks": {"answer": True, "batch_finder": True, "recording_cost": True}}))
 '''
 
 NATIVE_PAGED = '''import json
@@ -253,15 +259,18 @@ def make_fake(top, fail_gpu_test):
     return fake, tools
 
 
-def run(fail_gpu_test, *args):
+def run(fail_gpu_test, *args, env=None, results=True):
     top = tempfile.mkdtemp(prefix="bundle-driver-")
     fake, tools = make_fake(top, fail_gpu_test)
     write(os.path.join(top, "peers", "test_cuda.py"), "# test_cuda.py\n")
     out = os.path.join(top, "out")
-    env = {"PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "HOME": top}
+    env = {"PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin", "HOME": top, **(env or {})}
     args = args or ("--test-cuda", "peers/test_cuda.py")
     p = subprocess.run(["/bin/bash", os.path.join(fake, "run.sh"), out, *args], env=env, cwd=top,
                        capture_output=True, text=True, timeout=600)
+    if not results:
+        shutil.rmtree(top, ignore_errors=True)
+        return p.returncode, p.stdout + p.stderr, None, None
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
     with open(os.path.join(out, "summary.txt")) as f:
@@ -331,8 +340,9 @@ check([c["check"] for c in graphs] == ["stream_capture", "pools", "eager_vs_grap
 check(steps["graphs"]["note"] == "pools as PyTorch's; replays equal eager after pause under 4 policies; "
       "1 stream-capture answers differ from the simulated device's", f"graphs note: {steps['graphs']['note']}")
 explain = fig.get("explain_oom", [])
-check([c["check"] for c in explain] == ["answer", "recording_cost"], f"explain_oom figures: {explain}")
-check(steps["explain_oom"]["note"] == "answered in 0.40 s; recording: pair 1.20x, step 1.05x of none",
+check([c["check"] for c in explain] == ["answer", "batch_finder", "recording_cost"], f"explain_oom figures: {explain}")
+check(steps["explain_oom"]["note"] == "answered in 0.40 s; batch finder: batch 14000 after 11 errors, each "
+      "answered, pytorch 300 ms, own 100 ms per error; recording: pair 1.20x, step 1.05x of none",
       f"explain_oom note: {steps['explain_oom']['note']}")
 sv = fig.get("service", {})
 check(sorted(sv.get("service", {})) == ["default", "expandable", "native", "native_paged"] and
@@ -352,6 +362,11 @@ check(pt.get("counts", {}).get("reservoir") == {"pass": 2, "fail": 1, "skip": 1,
 check(steps["pytorch_tests"]["note"] == "PyTorch 2.11.0's test_cuda.py, 4 tests: PyTorch's allocator passes 2 "
       "(skips 1), reservoir's 2 (skips 1); none passes only under PyTorch's",
       f"pytorch_tests note: {steps['pytorch_tests']['note']}")
+check(list(steps) == ["bundle", "pytorch_tests", "own_allocator", "native_paged", "graphs", "explain_oom",
+                      "service", "tms_beside_reservoir", "torch_training", "gpu_test", "torch_pause",
+                      "preload_cuda_program", "preload_torch", "gpu_bench", "torch_native_bench",
+                      "pause_resume_bench", "rmm_beside_reservoir"],
+      f"the steps in their order, most needed first: {list(steps)}")
 check(r.get("exit_status") == 0 and "PASSED: every step (17)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
@@ -376,5 +391,18 @@ rc, text, r, summary = run(False, "--only", "pytorch_tests")
 check(r["steps"]["pytorch_tests"] == {"status": "skipped", "seconds": r["steps"]["pytorch_tests"]["seconds"],
       "note": "no copy of PyTorch's test/test_cuda.py given (run.sh OUT --test-cuda FILE; the file of the "
               "release this machine runs, 2.11.0+cu130)"}, f"without the file: {r['steps']['pytorch_tests']}")
+
+# A step that outlives its limit is stopped there and says so; the next one
+# still runs. A limit of no step, or not a number, is refused.
+start = __import__("time").monotonic()
+rc, text, r, summary = run(False, "--only", "graphs,explain_oom", "--limit", "graphs=3", env={"STANDIN_SLEEP": "30"})
+took = __import__("time").monotonic() - start
+check(rc == 1 and r["steps"]["graphs"]["status"] == "failed" and
+      r["steps"]["graphs"]["note"].startswith("stopped at its 3 s limit: ") and r["steps"]["graphs"]["seconds"] < 10,
+      f"a step stopped at its limit: {r['steps']['graphs']}")
+check(r["steps"]["explain_oom"]["status"] == "passed" and took < 25, f"the next step ran: {summary} ({took:.0f} s)")
+for bad in ("graphs", "graph=10", "graphs=x", "graphs=0"):
+    rc, text, r, summary = run(False, "--only", "graphs", "--limit", bad, results=False)
+    check(rc == 2 and f"--limit {bad}: expected STEP=SECONDS" in text, f"--limit {bad}: exit {rc}, {text[-300:]}")
 
 finish("driver checks")
