@@ -73,8 +73,8 @@ SIMCUDA_API void __cudaRegisterFatBinaryEnd(void** handle) { (void)handle; }
 SIMCUDA_API void __cudaUnregisterFatBinary(void** handle) { (void)handle; }
 SIMCUDA_API void __cudaRegisterFunction(void** handle, const char* host, char* device, const char* name,
                                         int limit, uint3* tid, uint3* bid, dim3* bdim, dim3* gdim, int* wsize) {
-  (void)handle, (void)device, (void)limit, (void)tid, (void)bid, (void)bdim, (void)gdim, (void)wsize;
-  Sim::get().register_function(host, name);  // which kernel a launch of the stub is
+  (void)handle, (void)device, (void)tid, (void)bid, (void)bdim, (void)gdim, (void)wsize;
+  Sim::get().register_function(host, name, limit);  // which kernel a launch of the stub is
 }
 SIMCUDA_API void __cudaRegisterVar(void** handle, char* host, char* device, const char* name, int ext,
                                    size_t size, int constant, int global) {
@@ -362,11 +362,6 @@ SIMCUDA_API cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   p->accessPolicyMaxWindowSize = 134213632;
   p->reservedSharedMemPerBlock = 1024;
   return cudaSuccess;
-}
-
-SIMCUDA_API cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
-  (void)attr, (void)func;
-  return result(Sim::get().refuse("cudaFuncGetAttributes"));
 }
 
 // ---- memory -----------------------------------------------------------------

@@ -834,15 +834,22 @@ void Sim::device_synchronize(int device) {
   wait_until(until);
 }
 
-void Sim::register_function(const void* host, const char* name) {
+void Sim::register_function(const void* host, const char* name, int thread_limit) {
   std::lock_guard<std::mutex> lock(mu_);
-  functions_[host] = name != nullptr ? name : "";
+  Kernel& k = functions_[host];
+  k.name = name != nullptr ? name : "";
+  k.thread_limit = thread_limit;
 }
 
 std::string Sim::function_name(const void* host) {
+  const Kernel* k = kernel(host);
+  return k == nullptr ? std::string() : k->name;
+}
+
+const Sim::Kernel* Sim::kernel(const void* host) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = functions_.find(host);
-  return it == functions_.end() ? std::string() : it->second;
+  return it == functions_.end() ? nullptr : &it->second;
 }
 
 void Sim::complete_all() {

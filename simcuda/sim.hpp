@@ -216,8 +216,15 @@ class SIMCUDA_API Sim {
   int stream_wait_event(void* stream, int device, const Event* e);
   void device_synchronize(int device);
   // The device function a host stub was registered for (__cudaRegisterFunction).
-  void register_function(const void* host, const char* name);
+  void register_function(const void* host, const char* name, int thread_limit = -1);
   std::string function_name(const void* host);
+  // The kernel registered for `host` (its name stays valid for the
+  // process), or null for a pointer that is no registered kernel.
+  struct Kernel {
+    std::string name;
+    int thread_limit = -1;  // __launch_bounds__ as registered, -1 for none
+  };
+  const Kernel* kernel(const void* host);
   void hold_events(bool held);
   bool allow_kernels() const { return kernels_; }
   void set_allow_kernels(bool allow) { kernels_ = allow; }
@@ -280,7 +287,7 @@ class SIMCUDA_API Sim {
   std::vector<std::unique_ptr<Stream>> streams_;
   std::vector<double> legacy_busy_ms_;      // per device: the legacy default stream
   std::vector<double> per_thread_busy_ms_;  // per device: cudaStreamPerThread
-  std::unordered_map<const void*, std::string> functions_;
+  std::unordered_map<const void*, Kernel> functions_;  // nodes: their names stay put
   // Under mu_: where the work of `stream` ends (its own queue; `joined`: with
   // what a blocking stream waits for on the legacy one and the other way round).
   double busy_until(void* stream, int device, bool joined);
