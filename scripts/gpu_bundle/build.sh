@@ -142,7 +142,7 @@ install -m 644 "$root"/tests/gpu/torch_*.py "$root/tests/gpu/torch_native_bench.
   "$root/tests/gpu/rmm_compare.py" "$root/tests/gpu/own_allocator_check.py" \
   "$root/tests/gpu/graphs_check.py" "$root/tests/gpu/stream_capture_sim.json" "$root/tests/torch/scenarios.py" \
   "$root/tests/gpu/explain_oom_check.py" "$root/bench/torch_recording_bench.py" "$root/bench/torch_service.py" \
-  "$root/tests/gpu/native_paged_check.py" "$root/scripts/peer_suites.py" \
+  "$root/tests/gpu/native_paged_check.py" "$root/tests/gpu/cudnn_workspaces.py" "$root/scripts/peer_suites.py" \
   "$root/tests/python/test_reservoir.py" "$root/scripts/gpu_bundle/module_smoke.py" \
   "$root/tests/packaging/wheel/installed_check.py" "$out/tests/"
 install -m 644 "$root/examples/traces/resnet_training.pickle" "$out/traces/"

@@ -800,6 +800,26 @@ def step_graphs(run):
             f"{len(differ)} stream-capture answers differ from the simulated device's")
 
 
+def step_cudnn(run):
+    """cuDNN's requests on the GPU (tests/cudnn_workspaces.py): the allocation
+    sequences of a convolution net, an LSTM and cuDNN attention, forward and
+    backward, which the simulated cuDNN's model is corrected by."""
+    need_torch_cuda(run)
+    rc, text = run.cmd([run.torch_python, os.path.join(TESTS, "cudnn_workspaces.py")], env=run.env_torch,
+                       timeout=60, cwd=run.scratch)
+    if rc == NO_GPU:
+        raise StepSkipped(first_error(text))
+    checks = [c for c in check_lines(text) if c.get("check") == "cudnn"]
+    if checks:
+        run.results["figures"]["cudnn"] = checks[0]
+    if rc != 0 or not checks or not checks[0].get("ok"):
+        errors = checks[0].get("errors", {}) if checks else {}
+        raise StepFailed("failed: " + (", ".join(f"{k} ({v})" for k, v in errors.items()) or first_error(text)))
+    r = checks[0]
+    return (f"cuDNN {r['cudnn']}: {len(r['requests'])} programs' requests recorded "
+            f"({sum(len(v) for v in r['requests'].values())} allocations)")
+
+
 def step_explain_oom(run):
     """The answer at an out-of-memory error with real CUDA (reservoir.explain_oom):
     a fragmenting program under a 2 GiB memory fraction gets PyTorch's message
@@ -941,6 +961,8 @@ STEPS = [
      step_native_paged, 120),
     ("graphs", "CUDA graphs: capture answers, pools as PyTorch's, replays equal eager after a pause",
      step_graphs, 120),
+    ("cudnn", "what cuDNN asks the allocator for: a convolution net, an LSTM, cuDNN attention",
+     step_cudnn, 60),
     ("explain_oom", "the answer at an out-of-memory error, and its recording's cost",
      step_explain_oom, 150),
     ("service", "an inference service meeting out-of-memory errors: four settings, the live answer on each",

@@ -38,7 +38,7 @@ EXPECTED = ["run.sh", "run_steps.py", "README.txt", "BUILD_INFO.json",
             "tests/torch_saver_compare.py", "tests/rmm_compare.py", "tests/own_allocator_check.py",
             "tests/graphs_check.py", "tests/stream_capture_sim.json", "tests/scenarios.py",
             "tests/explain_oom_check.py", "tests/torch_recording_bench.py", "tests/torch_service.py",
-            "tests/native_paged_check.py",
+            "tests/native_paged_check.py", "tests/cudnn_workspaces.py",
             "tests/peer_suites.py",
             f"python/reservoir/lib/torch-{GPU_TORCH}/libreservoir_torch_hooks.so"]
 

@@ -166,6 +166,12 @@ print(json.dumps({"check": "rl_loop", "ok": True, "runs": {}}))
 print(json.dumps({"checks": {"stream_capture": True, "pools": True, "eager_vs_graph": True, "rl_loop": True}}))
 '''
 
+CUDNN = '''import json
+print(json.dumps({"check": "cudnn", "ok": True, "cudnn": 92600, "device": "NVIDIA H100 80GB HBM3",
+                  "torch": "2.11.0", "requests": {"conv_float16": [131072, 156672], "lstm": [233472]},
+                  "errors": {}}))
+'''
+
 EXPLAIN = '''import json
 print(json.dumps({"check": "answer", "ok": True, "lines": ["reservoir: out of memory on a 1000.00 MiB request: x"],
                   "files": ["h-1.pickle", "h-1-advice.html"], "seconds_at_error": 0.4}))
@@ -240,6 +246,7 @@ def make_fake(top, fail_gpu_test):
                        ("torch_saver_compare.py", SAVERS), ("rmm_compare.py", RMM),
                        ("own_allocator_check.py", OWN), ("graphs_check.py", GRAPHS),
                        ("explain_oom_check.py", EXPLAIN), ("native_paged_check.py", NATIVE_PAGED),
+                       ("cudnn_workspaces.py", CUDNN),
                        ("torch_service.py", SERVICE),
                        ("peer_suites.py", PEERS)):
         write(os.path.join(fake, "tests", name), text)
@@ -362,12 +369,15 @@ check(pt.get("counts", {}).get("reservoir") == {"pass": 2, "fail": 1, "skip": 1,
 check(steps["pytorch_tests"]["note"] == "PyTorch 2.11.0's test_cuda.py, 4 tests: PyTorch's allocator passes 2 "
       "(skips 1), reservoir's 2 (skips 1); none passes only under PyTorch's",
       f"pytorch_tests note: {steps['pytorch_tests']['note']}")
-check(list(steps) == ["bundle", "pytorch_tests", "own_allocator", "native_paged", "graphs", "explain_oom",
+check(steps["cudnn"]["note"] == "cuDNN 92600: 2 programs' requests recorded (3 allocations)",
+      f"cudnn note: {steps['cudnn']['note']}")
+check(fig.get("cudnn", {}).get("requests", {}).get("lstm") == [233472], f"cudnn figures: {fig.get('cudnn')}")
+check(list(steps) == ["bundle", "pytorch_tests", "own_allocator", "native_paged", "graphs", "cudnn", "explain_oom",
                       "service", "tms_beside_reservoir", "torch_training", "gpu_test", "torch_pause",
                       "preload_cuda_program", "preload_torch", "gpu_bench", "torch_native_bench",
                       "pause_resume_bench", "rmm_beside_reservoir"],
       f"the steps in their order, most needed first: {list(steps)}")
-check(r.get("exit_status") == 0 and "PASSED: every step (17)" in summary, "verdict and summary")
+check(r.get("exit_status") == 0 and "PASSED: every step (18)" in summary, "verdict and summary")
 check(summary.splitlines()[0].startswith("reservoir GPU bundle") and "NVIDIA H100 80GB HBM3" in summary,
       "summary names the GPU")
 
@@ -376,12 +386,12 @@ rc, text, r, summary = run(True)
 print(summary)
 steps = r["steps"]
 check(rc == 1, f"a failing step: exit {rc}")
-check(len(steps) == 17, "every step reported")
+check(len(steps) == 18, "every step reported")
 check(steps["gpu_test"]["status"] == "failed" and "gpu_test.cpp:70: Failure" in steps["gpu_test"]["note"]
       and "Expected equality" in steps["gpu_test"]["note"], f"first error: {steps['gpu_test']['note']}")
 check(all(s["status"] == "passed" for k, s in steps.items() if k != "gpu_test"),
       "the other steps still ran and passed")
-check("FAILED: 1 of 17 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
+check("FAILED: 1 of 18 steps failed" in summary and "FAILED   gpu_test" in summary, "summary says which")
 
 # PyTorch's tests alone (--only): the step installs the wheel itself; without
 # --test-cuda it says what it needs.
