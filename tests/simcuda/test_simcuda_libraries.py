@@ -286,3 +286,28 @@ def test_an_lstms_weight_space_is_laid_out_as_pytorch_checks_it():
                    "20480", "64", "64", "25024",
                    "25088", "64", "64", "57856",
                    "2000"]
+
+
+def test_a_library_opening_the_runtime_by_path_gets_the_simulated_one():
+    # As vLLM's CudaRTLibrary does (the path of the libcudart it finds
+    # mapped), or a program naming the toolkit's or the driver's files: the
+    # simulated library already loaded under that soname, never the file.
+    out, _ = run("""
+        mine = ctypes.CDLL("libcudart.so.13")
+        for path in ("/opt/elsewhere/libcudart.so.13", "/opt/elsewhere/libcudart.so.13.2.86",
+                     "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05", "libcudnn.so.9", "libcublas.so"):
+            lib = ctypes.CDLL(path)
+            print(path.rsplit("/", 1)[-1], hasattr(lib, "cudaMalloc") and
+                  ctypes.cast(lib.cudaMalloc, vp).value == ctypes.cast(mine.cudaMalloc, vp).value)
+        print(ctypes.CDLL("/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05").reservoirSimCudaIsSimulated())
+        for path in ("/opt/elsewhere/libcudart.so.12", "/opt/elsewhere/libcudnn_graph.so.9"):
+            try:
+                ctypes.CDLL(path)
+                print("opened", path)
+            except OSError:
+                print("refused")
+    """, LD_PRELOAD=os.path.join(SIMCUDA, "libcudart.so.13"))
+    # Another CUDA's runtime and a library the simulation is not are the C
+    # library's to open (here: no such files).
+    assert out == ["libcudart.so.13", "True", "libcudart.so.13.2.86", "True", "libcuda.so.580.95.05", "False",
+                   "libcudnn.so.9", "False", "libcublas.so", "False", "1", "refused", "refused"]
