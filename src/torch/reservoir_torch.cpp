@@ -67,7 +67,12 @@ struct PerDevice {
 };
 
 std::mutex mutex;
-std::array<PerDevice, kMaxDevices> devices;
+// Never destroyed, as PyTorch's own caching allocator is not: at exit the
+// memory goes with the process, and a private pool's segments are not handed
+// back to its allocator (MemPool(allocator=...): vLLM's CuMemAllocator frees
+// through a Python callback, after the interpreter has been finalized, which
+// crashed the process at exit) nor anything to a driver already unloading.
+std::array<PerDevice, kMaxDevices>& devices = *new std::array<PerDevice, kMaxDevices>();
 
 // Regions on every device (torch_memory_saver's regions tag allocations on
 // whichever device they are made): per thread, the regions open, innermost
