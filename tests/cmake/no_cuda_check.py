@@ -5,7 +5,8 @@ CUDA backends' (on the fake CUDA: names with "Cuda"), the LD_PRELOAD
 interposer's (which needs CUDA's headers for the signatures it intercepts:
 names starting with "preload_") and the simulated CUDA device's, built from
 CUDA's headers (simcuda_*, and torch_<release>_simcuda and
-torch_<release>_oracle, torch_<release>_release and torch_<release>_release_oracle, which run PyTorch on it, and the PyPI folders
+torch_<release>_oracle, torch_<release>_release and torch_<release>_release_oracle, which run PyTorch on it,
+vllm-<release>_sleep, which runs vLLM on it, and the PyPI folders
 only those use: pypi_* fixtures, each registered where a test requires it,
 are left out of the comparison, make_test_downloads, which counts those
 folders, and pip_install, pip_install_cpythons and readme_sections, which run PyTorch on the
@@ -37,7 +38,8 @@ OPTIMIZED_BUILD_ONLY = {"instruction_budget"}
 def cuda_only(name):
     return (name in ("make_test_downloads", "pip_install", "pip_install_cpythons", "readme_sections")
             or "Cuda" in name or name.startswith("preload_") or name.startswith("simcuda_")
-            or re.fullmatch(r"torch_[0-9.]+_(simcuda|oracle|release|release_oracle)", name) is not None)
+            or re.fullmatch(r"torch_[0-9.]+_(simcuda|oracle|release|release_oracle)", name) is not None
+            or re.fullmatch(r"vllm-[0-9.]+_sleep", name) is not None)
 
 
 with_cuda, without = registered(sys.argv[1]), registered(sys.argv[2])
