@@ -95,7 +95,7 @@ run: tool
 # The tests; each PyTorch release's tests install what they use from PyPI
 # when they first run (the newest release whole, the oldest with reservoir's
 # own allocator and one other chosen by the commit, with their CUDA
-# libraries: at most 10 GB).
+# libraries, and vLLM with the release it pins: at most 12 GB, tests/cmake/make_test_downloads.py).
 test: build
 	cd $(BUILD) && ctest --output-on-failure --no-tests=error -j $(JOBS) -LE 'torch_extra|pypi'
 
