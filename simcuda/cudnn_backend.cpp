@@ -14,14 +14,12 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cudnn_internal.hpp"
 #include "cudnn_model.hpp"
+#include "handles.hpp"
 
 namespace model = reservoir::simcuda::cudnn;
 
@@ -47,33 +45,9 @@ struct Descriptor {
   std::size_t workspace = 0;
 };
 
-class Registry {
- public:
-  Descriptor* make(cudnnBackendDescriptorType_t type) {
-    auto d = std::make_unique<Descriptor>();
-    d->type = type;
-    Descriptor* raw = d.get();
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.emplace(raw, std::move(d));
-    return raw;
-  }
-  Descriptor* find(const void* p) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = live_.find(p);
-    return it == live_.end() ? nullptr : it->second.get();
-  }
-  bool destroy(const void* p) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return live_.erase(p) != 0;
-  }
-
- private:
-  std::mutex mu_;
-  std::unordered_map<const void*, std::unique_ptr<Descriptor>> live_;
-};
-
-Registry& registry() {
-  static Registry r;
+// Live descriptors (handles.hpp: a destroyed or foreign one is not found).
+reservoir::simcuda::Handles<Descriptor>& registry() {
+  static reservoir::simcuda::Handles<Descriptor> r;
   return r;
 }
 
@@ -507,7 +481,11 @@ extern "C" {
 SIMCUDA_API cudnnStatus_t cudnnBackendCreateDescriptor(cudnnBackendDescriptorType_t type,
                                                        cudnnBackendDescriptor_t* out) {
   if (out == nullptr) return CUDNN_STATUS_BAD_PARAM_NULL_POINTER;
-  *out = reinterpret_cast<cudnnBackendDescriptor_t>(registry().make(type));
+  Descriptor* made = registry().make();
+  if (made == nullptr)
+    return fail(CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED, "cudnnBackendCreateDescriptor");
+  made->type = type;
+  *out = reinterpret_cast<cudnnBackendDescriptor_t>(made);
   return logged("cudnnBackendCreateDescriptor", *out, type, -1, CUDNN_STATUS_SUCCESS);
 }
 
