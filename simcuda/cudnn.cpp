@@ -173,6 +173,16 @@ bool computes(const std::string& name) {
   return false;
 }
 
+// A size query's answer: a live handle and somewhere to write it, or a bad
+// parameter.
+template <typename F>
+cudnnStatus_t sized(cudnnHandle_t h, size_t* bytes, F&& size) {
+  if (!reservoir::simcuda::cudnn::valid_handle(h) || bytes == nullptr)
+    return CUDNN_STATUS_BAD_PARAM;
+  *bytes = size();
+  return CUDNN_STATUS_SUCCESS;
+}
+
 }  // namespace
 
 namespace reservoir::simcuda::cudnn {
@@ -489,28 +499,28 @@ SIMCUDA_API cudnnStatus_t cudnnGetConvolutionForwardWorkspaceSize(
     const cudnnConvolutionDescriptor_t conv, const cudnnTensorDescriptor_t y,
     cudnnConvolutionFwdAlgo_t algo, size_t* bytes) {
   (void)conv;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = legacy_workspace(legacy_graph(x, w, y), algo,
+  return sized(h, bytes, [&] {
+    return legacy_workspace(legacy_graph(x, w, y), algo,
                             CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM);
-  return CUDNN_STATUS_SUCCESS;
+  });
 }
 SIMCUDA_API cudnnStatus_t cudnnGetConvolutionBackwardDataWorkspaceSize(
     cudnnHandle_t h, const cudnnFilterDescriptor_t w, const cudnnTensorDescriptor_t dy,
     const cudnnConvolutionDescriptor_t conv, const cudnnTensorDescriptor_t dx,
     cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) {
   (void)conv;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = legacy_workspace(legacy_graph(dx, w, dy), algo, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] {
+    return legacy_workspace(legacy_graph(dx, w, dy), algo, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
+  });
 }
 SIMCUDA_API cudnnStatus_t cudnnGetConvolutionBackwardFilterWorkspaceSize(
     cudnnHandle_t h, const cudnnTensorDescriptor_t x, const cudnnTensorDescriptor_t dy,
     const cudnnConvolutionDescriptor_t conv, const cudnnFilterDescriptor_t dw,
     cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) {
   (void)conv;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = legacy_workspace(legacy_graph(x, dw, dy), algo, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] {
+    return legacy_workspace(legacy_graph(x, dw, dy), algo, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
+  });
 }
 
 // ---- activations, pooling, spatial transformers, CTC loss -----------------
@@ -611,9 +621,7 @@ SIMCUDA_API cudnnStatus_t cudnnGetBatchNormalizationForwardTrainingExWorkspaceSi
     const cudnnTensorDescriptor_t y, const cudnnTensorDescriptor_t scale,
     const cudnnActivationDescriptor_t activation, size_t* bytes) {
   (void)ops, (void)z, (void)y, (void)scale, (void)activation;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = model::batch_norm_workspace(mode, shape_of(x), false);
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] { return model::batch_norm_workspace(mode, shape_of(x), false); });
 }
 SIMCUDA_API cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(
     cudnnHandle_t h, cudnnBatchNormMode_t mode, cudnnBatchNormOps_t ops,
@@ -622,17 +630,13 @@ SIMCUDA_API cudnnStatus_t cudnnGetBatchNormalizationBackwardExWorkspaceSize(
     const cudnnTensorDescriptor_t dx, const cudnnTensorDescriptor_t dscale,
     const cudnnActivationDescriptor_t activation, size_t* bytes) {
   (void)ops, (void)y, (void)dy, (void)dz, (void)dx, (void)dscale, (void)activation;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = model::batch_norm_workspace(mode, shape_of(x), true);
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] { return model::batch_norm_workspace(mode, shape_of(x), true); });
 }
 SIMCUDA_API cudnnStatus_t cudnnGetBatchNormalizationTrainingExReserveSpaceSize(
     cudnnHandle_t h, cudnnBatchNormMode_t mode, cudnnBatchNormOps_t ops,
     const cudnnActivationDescriptor_t activation, const cudnnTensorDescriptor_t x, size_t* bytes) {
   (void)activation;
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = model::batch_norm_reserve(mode, ops, shape_of(x));
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] { return model::batch_norm_reserve(mode, ops, shape_of(x)); });
 }
 
 // ---- dropout -------------------------------------------------------------
@@ -644,9 +648,7 @@ SIMCUDA_API cudnnStatus_t cudnnDestroyDropoutDescriptor(cudnnDropoutDescriptor_t
   return destroy<DropoutDesc>(d);
 }
 SIMCUDA_API cudnnStatus_t cudnnDropoutGetStatesSize(cudnnHandle_t h, size_t* bytes) {
-  if (!model::valid_handle(h) || bytes == nullptr) return CUDNN_STATUS_BAD_PARAM;
-  *bytes = model::dropout_states_bytes();
-  return CUDNN_STATUS_SUCCESS;
+  return sized(h, bytes, [&] { return model::dropout_states_bytes(); });
 }
 SIMCUDA_API cudnnStatus_t cudnnDropoutGetReserveSpaceSize(cudnnTensorDescriptor_t x,
                                                           size_t* bytes) {
