@@ -123,11 +123,15 @@ no-cuda: build
 # The layers with clang (used by .ci/run): -Wthread-safety checks the lock
 # annotations of the allocator and the saver. Configured with the tests and
 # tools too, so compile_commands.json covers every source clang-tidy checks.
+# The same tree builds the fuzzers (make fuzz): its sources are compiled
+# with libFuzzer's coverage, ASan and UBSan, so that one clang tree serves
+# the analysis, clang-tidy and the fuzzers.
 CLANG_TARGETS := reservoir_base reservoir_device reservoir_allocator reservoir_saver reservoir_trace \
                  reservoir_capi reservoir_torch
+FUZZERS := config pickle text_trace snapshot_json rmm_csv verify hostile_snapshot
 clang: deps
 	CC=clang CXX=clang++ cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug \
-	  -DRESERVOIR_BUILD_BENCH=OFF -DRESERVOIR_BUILD_PYTHON=OFF >/dev/null
+	  -DRESERVOIR_BUILD_BENCH=OFF -DRESERVOIR_BUILD_PYTHON=OFF -DRESERVOIR_BUILD_FUZZ=ON >/dev/null
 	cmake --build build-clang -j $(JOBS) --target $(CLANG_TARGETS)
 
 # clang-tidy with the committed .clang-tidy: on the sources changed since the
@@ -166,22 +170,19 @@ tsan: deps
 # the sanitizer's report and the input (base64) into the log, so that a CI
 # run that found one says what it was.
 FUZZ_SECONDS ?= 20
-fuzz: deps
-	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DRESERVOIR_BUILD_FUZZ=ON -DRESERVOIR_BUILD_TESTS=OFF -DRESERVOIR_BUILD_BENCH=OFF \
-	  -DRESERVOIR_BUILD_TOOLS=OFF >/dev/null
-	cmake --build build-fuzz -j $(JOBS)
+fuzz: clang
+	cmake --build build-clang -j $(JOBS) --target $(addprefix fuzz_,$(FUZZERS))
 	@# $(JOBS) fuzzers at a time; a crash in any fails the target.
-	printf '%s\n' config pickle text_trace snapshot_json rmm_csv verify hostile_snapshot | \
-	  xargs -P $(JOBS) -I{} sh -c 'mkdir -p build-fuzz/corpus-{} && \
-	    build-fuzz/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
-	      -artifact_prefix=build-fuzz/{}- build-fuzz/corpus-{} tests/fuzz/corpus/{} \
-	      > build-fuzz/fuzz-{}.log 2>&1 || \
-	    { for f in build-fuzz/{}-crash-* build-fuzz/{}-timeout-* build-fuzz/{}-oom-*; do \
+	printf '%s\n' $(FUZZERS) | \
+	  xargs -P $(JOBS) -I{} sh -c 'mkdir -p build-clang/corpus-{} && \
+	    build-clang/bin/fuzz_{} -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
+	      -artifact_prefix=build-clang/{}- build-clang/corpus-{} tests/fuzz/corpus/{} \
+	      > build-clang/fuzz-{}.log 2>&1 || \
+	    { for f in build-clang/{}-crash-* build-clang/{}-timeout-* build-clang/{}-oom-*; do \
 	        [ -f "$$f" ] && { echo "$$f, gzip | base64:"; gzip -9c "$$f" | base64 -w 120; }; done; \
-	      grep -m1 -A16 "ERROR: \|ALARM\|out-of-memory (" build-fuzz/fuzz-{}.log; \
-	      echo "fuzz_{} failed (build-fuzz/fuzz-{}.log)"; exit 255; }; \
-	    tail -1 build-fuzz/fuzz-{}.log'
+	      grep -m1 -A16 "ERROR: \|ALARM\|out-of-memory (" build-clang/fuzz-{}.log; \
+	      echo "fuzz_{} failed (build-clang/fuzz-{}.log)"; exit 255; }; \
+	    tail -1 build-clang/fuzz-{}.log'
 
 bench: build
 	$(BUILD)/bin/allocator_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
@@ -213,4 +214,4 @@ wheels: configure
 	cmake --build $(BUILD) --target wheels
 
 clean:
-	rm -rf build build-nocuda build-clang build-asan build-tsan build-fuzz build-bundle
+	rm -rf build build-nocuda build-clang build-asan build-tsan build-bundle
