@@ -103,13 +103,19 @@ def cpythons(explicit=None):
     return [chosen[tag] for tag in sorted(chosen, key=lambda t: int(t[3:]))]
 
 
-def build_env(cmake_dir):
+def build_env(cmake_dir, releases="all"):
+    """The environment of a build under isolation. A release's wheel serves
+    any PyTorch: reservoir's own allocator for every release (setup.py),
+    whatever the building interpreter holds; releases=None leaves the choice
+    to setup.py (under build isolation, which hides any PyTorch: every
+    release too)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_")) and k != "RESERVOIR_CMAKE_BUILD_DIR"}
-    # A release's wheel serves any PyTorch: reservoir's own allocator for
-    # every release (setup.py), whatever the building interpreter holds.
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_"))
+           and k not in ("RESERVOIR_CMAKE_BUILD_DIR", "RESERVOIR_TORCH_RELEASES")}
     env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheelhouse(), PIP_DISABLE_PIP_VERSION_CHECK="1",
-               RESERVOIR_CMAKE_BUILD_DIR=cmake_dir, RESERVOIR_TORCH_RELEASES="all")
+               RESERVOIR_CMAKE_BUILD_DIR=cmake_dir)
+    if releases is not None:
+        env["RESERVOIR_TORCH_RELEASES"] = releases
     return env
 
 
@@ -141,11 +147,12 @@ def unpack_sdist(sdist, work):
     return os.path.join(target, top)
 
 
-def build_wheel(python, project, out, cmake_dir):
+def build_wheel(python, project, out, cmake_dir, releases="all"):
     """`pip wheel` of the project with build isolation: the wheel pip makes
-    for `pip install .`."""
+    for `pip install .` (releases: as build_env's)."""
     fresh = fresh_folder(out)
-    run([python, "-m", "pip", "wheel", project, "--no-deps", "--wheel-dir", fresh], env=build_env(cmake_dir))
+    run([python, "-m", "pip", "wheel", project, "--no-deps", "--wheel-dir", fresh],
+        env=build_env(cmake_dir, releases))
     return move_one(fresh, out, "pip wheel")
 
 

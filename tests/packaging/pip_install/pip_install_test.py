@@ -14,11 +14,11 @@ the environment's bin/ and the system's on PATH:
     GPU needs), RESERVOIR_TORCH_ALLOCATOR=own makes reservoir PyTorch's
     allocator, and RESERVOIR_EXPLAIN_OOM=1 puts the answer into PyTorch's
     out-of-memory error, under PyTorch's allocator and under reservoir's.
-Then `pip install .` under every other CPython 3.10+ on the machine (pyenv's,
-Debian's 3.14 from the PyPI cache: scripts/packaging/wheels.py finds them),
-into a fresh environment without PyTorch: the command and `python -m
-reservoir` work, and reservoir's own allocator is built for every release
-(none to read the release from). Prints how long each `pip install` took.
+Every other CPython 3.10+ builds reservoir without PyTorch to read a release
+from (reservoir's own allocator for every release) in python_wheel
+(tests/packaging/wheel/wheel_test.py: `pip wheel` of the sdist under each,
+installed, its suite run), so that each release's library is compiled once
+for the packages, not once more for each test. Prints how long each `pip install` took.
 
 With --cpython-torch cpXY-torch-RELEASE (repeated), instead: under each of
 those CPythons, `pip install .` into a fresh environment holding PyPI's
@@ -207,24 +207,6 @@ def main():
                       f"{what}: setup.py says which release it builds reservoir's own allocator for, and why")
                 use(venv, vpy, scratch, simcuda, torch_release, what)
 
-        # 3. Every other CPython, without PyTorch.
-        with open(os.path.join(source, "scripts", "packaging", "headers-torch.txt")) as f:
-            listed = ",".join(re.findall(r"^torch==([0-9.]+)$", f.read(), re.M))
-        used = subprocess.run([args.python, "-c", "import sys; print('cp%d%d' % sys.version_info[:2])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        others = [(tag, python) for tag, python, _ in release.cpythons() if tag != used]
-        check(len(others) >= 4, f"every other CPython 3.10+ is here: {', '.join(t for t, _ in others)}")
-        for tag, python in others:
-            what = f"{tag}, from the checkout"
-            venv = os.path.join(scratch, f"venv-{tag}")
-            r = run([python, "-m", "venv", venv], env=dict(os.environ))
-            check(r.returncode == 0, f"{python} -m venv exits 0 ({r.stderr.strip()[-300:]})")
-            vpy = os.path.join(venv, "bin", "python")
-            ok, out = pip_install(vpy, ".", env, clone, what)
-            if ok:
-                venv_env, run_dir = commands(venv, vpy, scratch, what)
-                hooks = hook_releases(vpy, venv_env, run_dir)
-                check(hooks == listed, f"{what}: own allocator built for every release, {listed} (got {hooks!r})")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return summary()
