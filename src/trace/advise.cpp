@@ -1,15 +1,12 @@
 // Advice from one recording: the diagnosis at the moment that matters and a
 // sweep of allocator settings, each replayed to its minimum capacity.
 #include "reservoir/advise.hpp"
+#include "reservoir/detail/parallel.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 
 #include "reservoir/errors.hpp"
@@ -517,55 +514,32 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   // every core. Replays share nothing but the program.
   std::vector<std::uint64_t> peak_requested(texts.size(), 0);
   std::vector<MinCapacityResult> searches(texts.size());
-  std::atomic<std::size_t> next{0};
-  std::mutex mutex;
-  std::size_t done = 0;
-  std::exception_ptr failure;
-  auto work = [&] {
-    for (std::size_t i = next++; i < texts.size(); i = next++) {
-      try {
-        Candidate& c = advice.candidates[i];
-        ReplayOptions o;
-        o.memory_fraction = c.memory_fraction;
-        o.min_capacity_tolerance = options.tolerance;
-        // The replays with no limit and at the capacity are probes of the search.
-        searches[i] = min_capacity(program, configs[i], texts[i], o, advice.capacity_bytes);
-        const MinCapacityResult& m = searches[i];
-        const ReplayResult& unlimited = m.unlimited;
-        const ReplayResult& measured = m.at_capacity ? *m.at_capacity : unlimited;
-        c.min_capacity_bytes = m.bytes;
-        c.min_capacity_exact = m.bytes <= m.below + (std::uint64_t{2} << 20);
-        c.replays = m.replays;
-        c.peak_reserved_bytes = unlimited.peak_reserved_bytes;
-        peak_requested[i] = unlimited.peak_requested_bytes;
-        c.min_capacity_over_requested =
-            unlimited.peak_requested_bytes
-                ? static_cast<double>(m.bytes) / static_cast<double>(unlimited.peak_requested_bytes)
-                : 1.0;
-        c.device_calls_per_1000_allocs =
-            measured.allocations ? 1000.0 * static_cast<double>(measured.device_calls) /
-                                       static_cast<double>(measured.allocations)
-                                 : 0.0;
-        c.device_call_seconds = measured.device_call_seconds;
-        if (advice.capacity_bytes) c.ooms_at_capacity = measured.num_ooms;
-        const std::lock_guard<std::mutex> lock(mutex);
-        ++done;
-        if (options.progress) options.progress(done, texts.size());
-      } catch (...) {
-        const std::lock_guard<std::mutex> lock(mutex);
-        if (!failure) failure = std::current_exception();
-        next = texts.size();
-      }
-    }
-  };
-  unsigned threads = options.threads != 0 ? options.threads : std::thread::hardware_concurrency();
-  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(texts.size())));
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (failure) std::rethrow_exception(failure);
+  detail::parallel_for(texts.size(), options.threads, [&](std::size_t i) {
+    Candidate& c = advice.candidates[i];
+    ReplayOptions o;
+    o.memory_fraction = c.memory_fraction;
+    o.min_capacity_tolerance = options.tolerance;
+    // The replays with no limit and at the capacity are probes of the search.
+    searches[i] = min_capacity(program, configs[i], texts[i], o, advice.capacity_bytes);
+    const MinCapacityResult& m = searches[i];
+    const ReplayResult& unlimited = m.unlimited;
+    const ReplayResult& measured = m.at_capacity ? *m.at_capacity : unlimited;
+    c.min_capacity_bytes = m.bytes;
+    c.min_capacity_exact = m.bytes <= m.below + (std::uint64_t{2} << 20);
+    c.replays = m.replays;
+    c.peak_reserved_bytes = unlimited.peak_reserved_bytes;
+    peak_requested[i] = unlimited.peak_requested_bytes;
+    c.min_capacity_over_requested =
+        unlimited.peak_requested_bytes
+            ? static_cast<double>(m.bytes) / static_cast<double>(unlimited.peak_requested_bytes)
+            : 1.0;
+    c.device_calls_per_1000_allocs =
+        measured.allocations ? 1000.0 * static_cast<double>(measured.device_calls) /
+                                   static_cast<double>(measured.allocations)
+                             : 0.0;
+    c.device_call_seconds = measured.device_call_seconds;
+    if (advice.capacity_bytes) c.ooms_at_capacity = measured.num_ooms;
+  }, options.progress);
 
   advice.peak_requested_bytes = *std::max_element(peak_requested.begin(), peak_requested.end());
   // Smallest minimum capacity; ties to fewer device calls, then list order.

@@ -6,19 +6,17 @@
 #include <glob.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <regex>
 #include <set>
-#include <thread>
 #include <tuple>
 
 #include "reservoir/advise.hpp"
+#include "reservoir/detail/parallel.hpp"
 #include "reservoir/errors.hpp"
 
 namespace reservoir {
@@ -194,43 +192,30 @@ JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& op
   const auto start = std::chrono::steady_clock::now();
   JobAdvice job;
   std::vector<std::vector<RankAdvice>> per_file(paths.size());
-  std::atomic<std::size_t> next{0};
-  std::mutex mutex;
-  std::size_t done = 0;
   AdviseOptions one;
   one.capacity = options.capacity;
   one.torch_version = options.torch_version;
   one.configs = options.configs;
   one.threads = 1;  // the files are the parallel work
-  auto work = [&] {
-    for (std::size_t i = next++; i < paths.size(); i = next++) {
-      std::vector<RankAdvice>& out = per_file[i];
-      try {
-        const std::vector<Trace> devices = select_devices(read_trace_devices(paths[i]), options.device);
-        for (const Trace& trace : devices) {
-          const Advice advice = advise(trace, one);
-          out.push_back(summarize(trace, advice, paths[i], devices.size() > 1));
-          if (options.on_rank) options.on_rank(trace, advice, out.back());
-        }
-      } catch (const std::exception& e) {  // this rank's file; the others go on
-        RankAdvice bad;
-        bad.path = paths[i];
-        bad.name = rank_name(paths[i]);
-        bad.error = e.what();
-        out.clear();
-        out.push_back(std::move(bad));
+  // A rank's error is its own (in its RankAdvice): the other files go on.
+  detail::parallel_for(paths.size(), options.threads, [&](std::size_t i) {
+    std::vector<RankAdvice>& out = per_file[i];
+    try {
+      const std::vector<Trace> devices = select_devices(read_trace_devices(paths[i]), options.device);
+      for (const Trace& trace : devices) {
+        const Advice advice = advise(trace, one);
+        out.push_back(summarize(trace, advice, paths[i], devices.size() > 1));
+        if (options.on_rank) options.on_rank(trace, advice, out.back());
       }
-      const std::lock_guard<std::mutex> lock(mutex);
-      ++done;
-      if (options.progress) options.progress(done, paths.size());
+    } catch (const std::exception& e) {  // this rank's file; the others go on
+      RankAdvice bad;
+      bad.path = paths[i];
+      bad.name = rank_name(paths[i]);
+      bad.error = e.what();
+      out.clear();
+      out.push_back(std::move(bad));
     }
-  };
-  unsigned workers = options.threads != 0 ? options.threads : std::thread::hardware_concurrency();
-  workers = std::max(1u, std::min<unsigned>(workers, static_cast<unsigned>(paths.size())));
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < workers; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  }, options.progress);
   for (auto& f : per_file) {
     for (RankAdvice& r : f) job.ranks.push_back(std::move(r));
   }
