@@ -127,12 +127,14 @@ no-cuda: build
 # tools too, so compile_commands.json covers every source clang-tidy checks.
 # The same tree builds the fuzzers (make fuzz): its sources are compiled
 # with libFuzzer's coverage, ASan and UBSan, so that one clang tree serves
-# the analysis, clang-tidy and the fuzzers.
+# the analysis, clang-tidy and the fuzzers; -O1, as the sanitizers advise
+# (at -O0 the slowest fuzzer ran 64 inputs in its 15 s).
 CLANG_TARGETS := reservoir_base reservoir_device reservoir_allocator reservoir_saver reservoir_trace \
                  reservoir_capi reservoir_torch
 FUZZERS := config pickle text_trace snapshot_json rmm_csv verify hostile_snapshot
 clang: deps
 	CC=clang CXX=clang++ cmake -S . -B build-clang -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
 	  -DRESERVOIR_BUILD_BENCH=OFF -DRESERVOIR_BUILD_PYTHON=OFF -DRESERVOIR_BUILD_FUZZ=ON >/dev/null
 	cmake --build build-clang -j $(JOBS) --target $(CLANG_TARGETS)
 
