@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Other projects' own test suites against reservoir, on the simulated CUDA
-device: PyTorch's allocator and memory tests (test/test_cuda.py) under
+device: PyTorch's allocator and memory tests (test/test_cuda.py), and its
+tests of the paths that ask the allocator for workspaces (convolutions,
+attention backends, sorting; any test file given), under
 PyTorch's allocator and under reservoir's (RESERVOIR_TORCH_ALLOCATOR=own),
 and torch_memory_saver's suite (its test/ folder) against the real package
 and against reservoir's drop-in (reservoir.memory_saver). Every test runs in
@@ -13,13 +15,15 @@ it (docs/integrations.md, "Other projects' suites"):
 
   test_cuda.py   PyTorch's test/test_cuda.py at the release under test
                  (https://github.com/pytorch/pytorch/blob/v2.15.0/test/test_cuda.py)
+  others         any of its test files at that release: test/nn/test_convolution.py,
+                 test/test_transformers.py, test/test_sort_and_select.py, ...
   tms/test       torch_memory_saver's test/ at the commit whose Python files
                  equal the wheel in the PyPI cache (0.0.10)
 
-usage: scripts/peer_suites.py [--pytorch TEST_CUDA_PY] [--tms TEST_DIR]
+usage: scripts/peer_suites.py [--pytorch TEST_FILE ...] [--tms TEST_DIR]
            [--release 2.15.0] [--build build] [-k REGEX] [--jobs 2]
            [--timeout 600] [--batch] [--json OUT]
-       scripts/peer_suites.py --device as-is --pytorch TEST_CUDA_PY
+       scripts/peer_suites.py --device as-is --pytorch TEST_FILE ...
            [--package DIR] [--site DIR ...] [--python PY] [--batch] ...
 
 It needs `make build` (the simulated device, the Python package) and
@@ -231,6 +235,9 @@ def release_of(python, env):
 
 
 def pytorch_suite(args, report):
+    """Each of PyTorch's test files given (--pytorch, repeatable) both ways;
+    report["pytorch"] holds them all (test ids begin with the file's name),
+    with each file's counts under "files"."""
     if args.device == "as-is":
         sites = [Path(s).resolve() for s in args.site]
         package = Path(args.package).resolve()
@@ -241,9 +248,7 @@ def pytorch_suite(args, report):
             if not (site / ".complete").exists():
                 raise SystemExit(f"peer_suites: {site} is not installed: run make deps-all")
         package = Path(args.package or Path(args.build) / "python").resolve()
-    test_file = Path(args.pytorch).resolve()
     work = Path(tempfile.mkdtemp(prefix="reservoir-peer-pytorch-"))
-    shutil.copy(test_file, work / "test_cuda.py")
     # The reservoir package and its start-up hook (as the installed wheel's .pth).
     hook = work / "hook"
     hook.mkdir()
@@ -252,20 +257,40 @@ def pytorch_suite(args, report):
     ours = dict(base_env(args, [hook] + sites), RESERVOIR_TORCH_ALLOCATOR="own")
     if args.device == "as-is":
         args.release = release_of(args.python, plain)
-    ids = collect("test_cuda.py", work, plain, args.k or PYTORCH_SELECTION, None if args.k else PYTORCH_CLASSES)
-    print(f"PyTorch {args.release}: {len(ids)} tests of {test_file} selected", flush=True)
-    results, outputs = run_pair(ids, work, [plain, ours], args)
-    names = sorted(results)
-    table(f"PyTorch {args.release}'s test_cuda.py", ("PyTorch", "reservoir"), names, results)
-    differ = [n for n in names if results[n][0] == "pass" and results[n][1] != "pass"]
-    counts = {side: sum(results[n][k] == "pass" for n in names) for k, side in enumerate(("pytorch", "reservoir"))}
-    print(f"\npasses: PyTorch's allocator {counts['pytorch']} of {len(names)}, reservoir's {counts['reservoir']}")
-    for n in differ:
-        print(f"\n-- {n} passes under PyTorch's allocator and not under reservoir's:")
-        print("\n".join(outputs[(n, 1)].splitlines()[-25:]))
-    report["pytorch"] = {"release": args.release, "results": results, "differ": differ, "passes": counts}
+    merged = {"release": args.release, "results": {}, "differ": [], "passes": {"pytorch": 0, "reservoir": 0},
+              "files": {}}
+    for given in args.pytorch:
+        test_file = Path(given).resolve()
+        name = test_file.name
+        if name in merged["files"]:
+            raise SystemExit(f"peer_suites: two test files named {name}: give each once")
+        shutil.copy(test_file, work / name)
+        # test_cuda.py: the allocator's tests by default; another file: all of its tests.
+        if args.k:
+            selection, classes = args.k, None
+        elif name == "test_cuda.py":
+            selection, classes = PYTORCH_SELECTION, PYTORCH_CLASSES
+        else:
+            selection, classes = ".", None
+        ids = collect(name, work, plain, selection, classes)
+        print(f"PyTorch {args.release}: {len(ids)} tests of {test_file} selected", flush=True)
+        results, outputs = run_pair(ids, work, [plain, ours], args)
+        names = sorted(results)
+        table(f"PyTorch {args.release}'s {name}", ("PyTorch", "reservoir"), names, results)
+        differ = [n for n in names if results[n][0] == "pass" and results[n][1] != "pass"]
+        counts = {side: sum(results[n][k] == "pass" for n in names) for k, side in enumerate(("pytorch", "reservoir"))}
+        print(f"\npasses: PyTorch's allocator {counts['pytorch']} of {len(names)}, reservoir's {counts['reservoir']}")
+        for n in differ:
+            print(f"\n-- {n} passes under PyTorch's allocator and not under reservoir's:")
+            print("\n".join(outputs[(n, 1)].splitlines()[-25:]))
+        merged["results"].update(results)
+        merged["differ"] += differ
+        for side in counts:
+            merged["passes"][side] += counts[side]
+        merged["files"][name] = dict(counts, tests=len(names))
+    report["pytorch"] = merged
     shutil.rmtree(work, ignore_errors=True)
-    return not differ
+    return not merged["differ"]
 
 
 def tms_suite(args, report):
@@ -317,7 +342,9 @@ def tms_suite(args, report):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pytorch", help="PyTorch's test/test_cuda.py (a local copy)")
+    p.add_argument("--pytorch", action="append",
+                   help="a PyTorch test file, a local copy (test/test_cuda.py: its allocator tests by default; "
+                        "another file: all its tests); repeatable")
     p.add_argument("--tms", help="torch_memory_saver's test/ folder (a local copy)")
     p.add_argument("--release", default="2.15.0", help="the PyTorch release in the PyPI cache (2.15.0)")
     p.add_argument("--build", default=str(ROOT / "build"), help="the CMake build folder (build)")
@@ -338,7 +365,7 @@ def main():
         p.error("give --pytorch, --tms or both")
     if args.device == "as-is" and (args.tms or not args.package):
         p.error("--device as-is runs PyTorch's tests (--pytorch) and needs --package")
-    for path in (args.pytorch, args.tms):
+    for path in (args.pytorch or []) + [args.tms]:
         if path and not Path(path).exists():
             p.error(f"{path} does not exist")
     report = {}

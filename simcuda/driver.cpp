@@ -27,6 +27,11 @@ CUcontext context_of(int device) {
   return reinterpret_cast<CUcontext>(&contexts[device]);
 }
 int device_of(CUcontext ctx) { return reinterpret_cast<Ctx*>(ctx)->device; }
+// A context this driver handed out (a primary context of a device).
+bool known_context(CUcontext ctx) {
+  const auto* c = reinterpret_cast<const Ctx*>(ctx);
+  return c >= contexts && c < contexts + 64 && Sim::get().valid(static_cast<int>(c - contexts));
+}
 
 CUresult code(int c) { return static_cast<CUresult>(c); }
 
@@ -171,6 +176,15 @@ SIMCUDA_API CUresult cuCtxGetDevice(CUdevice* device) {
   return CUDA_SUCCESS;
 }
 
+// CUDA 13's form: the device of a given context (the current one for null).
+SIMCUDA_API CUresult cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
+  ENTER("cuCtxGetDevice_v2", false);
+  if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (ctx != nullptr && !known_context(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+  *device = ctx == nullptr ? current_device() : device_of(ctx);
+  return CUDA_SUCCESS;
+}
+
 SIMCUDA_API CUresult cuCtxSynchronize(void) {
   ENTER("cuCtxSynchronize", false);
   Sim::get().device_synchronize(current_device());
@@ -186,6 +200,7 @@ SIMCUDA_API CUresult cuGetErrorString(CUresult error, const char** text) {
     case CUDA_ERROR_INVALID_DEVICE: *text = "invalid device ordinal"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "invalid resource handle"; break;
     case CUDA_ERROR_NOT_READY: *text = "device not ready"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *text = "invalid device context"; break;
     case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "an illegal memory access was encountered"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = Sim::get().refused_text(); break;
     default: *text = "unknown error"; break;
@@ -202,6 +217,7 @@ SIMCUDA_API CUresult cuGetErrorName(CUresult error, const char** text) {
     case CUDA_ERROR_INVALID_DEVICE: *text = "CUDA_ERROR_INVALID_DEVICE"; break;
     case CUDA_ERROR_INVALID_HANDLE: *text = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_READY: *text = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *text = "CUDA_ERROR_INVALID_CONTEXT"; break;
     case CUDA_ERROR_ILLEGAL_ADDRESS: *text = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *text = "CUDA_ERROR_NOT_SUPPORTED"; break;
     default: *text = "CUDA_ERROR_UNKNOWN"; break;

@@ -158,6 +158,27 @@ def test_several_devices_and_their_names():
     assert out == ["3", "0", str(2 * MiB), "SimGPU", "101"]
 
 
+def test_a_contexts_device_in_cuda_13s_form():
+    """cuCtxGetDevice_v2 (what cuda-bindings 13 calls for cuCtxGetDevice,
+    Numba's first question): a context's device, the current one's for
+    null, and a pointer the driver never handed out refused."""
+    out, _ = run("""
+        assert drv.cuInit(0) == 0
+        ctx, dev = ctypes.c_void_p(), ctypes.c_int(-1)
+        assert drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0
+        print(drv.cuCtxGetDevice_v2(ctypes.byref(dev), ctx), dev.value)
+        assert drv.cuCtxSetCurrent(ctx) == 0
+        dev.value = -1
+        print(drv.cuCtxGetDevice_v2(ctypes.byref(dev), None), dev.value)
+        bogus = ctypes.create_string_buffer(16)
+        name = ctypes.c_char_p()
+        code = drv.cuCtxGetDevice_v2(ctypes.byref(dev), ctypes.cast(bogus, ctypes.c_void_p))
+        assert drv.cuGetErrorName(code, ctypes.byref(name)) == 0
+        print(code, name.value.decode(), drv.cuCtxGetDevice_v2(None, ctx))
+    """, RESERVOIR_SIMCUDA_DEVICES="2")
+    assert out == ["0", "1", "0", "1", "201", "CUDA_ERROR_INVALID_CONTEXT", "1"]
+
+
 def test_events_complete_when_recorded_or_when_released():
     out, _ = run("""
         e = ctypes.c_void_p()

@@ -40,13 +40,39 @@ if __name__ == "__main__":
     run_tests()
 '''
 
+# Another of PyTorch's test files (a sort's workspace through CUB, in the
+# device-type layout its test_sort_and_select.py has): every test of it is
+# taken, whatever its name.
+SORT_SUITE = '''
+import torch
+from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.common_device_type import instantiate_device_type_tests
+
+
+class TestSortAndSelect(TestCase):
+    def test_stride_of_a_sorted_view(self, device):
+        values, indices = torch.randn(3, 5, device=device)[:, 0].sort()
+        self.assertEqual(values.stride(), (1,))
+        self.assertEqual(indices.shape, (3,))
+
+
+instantiate_device_type_tests(TestSortAndSelect, globals(), only_for=("cuda",))
+
+if __name__ == "__main__":
+    run_tests()
+'''
+
 
 def test_the_table_counts_and_differences_of_a_suite(tmp_path):
     suite = tmp_path / "test_cuda.py"
     suite.write_text(textwrap.dedent(SUITE))
+    (tmp_path / "more").mkdir()
+    sort_suite = tmp_path / "more" / "test_sort_and_select.py"
+    sort_suite.write_text(SORT_SUITE)
     release = torch.__version__.split("+")[0]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "peer_suites.py"), "--pytorch", str(suite),
-                        "--release", release, "--build", BUILD, "--json", str(tmp_path / "out.json")],
+                        "--pytorch", str(sort_suite), "--release", release, "--build", BUILD,
+                        "--json", str(tmp_path / "out.json")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
@@ -57,12 +83,20 @@ def test_the_table_counts_and_differences_of_a_suite(tmp_path):
     row = [x for x in lines if "::test_memory_backend_is_native" in x and "differs" in x][0].split()
     assert row[1:3] == ["pass", "fail"]
     assert "passes: PyTorch's allocator 2 of 2, reservoir's 1" in lines
+    assert f"PyTorch {release}: 1 tests of {sort_suite} selected" in lines
+    row = [x for x in lines if "::test_stride_of_a_sorted_view_cuda" in x][0].split()
+    assert row[1:] == ["pass", "pass"]
+    assert "passes: PyTorch's allocator 1 of 1, reservoir's 1" in lines
     assert any("test_memory_backend_is_native passes under PyTorch's allocator and not under reservoir's" in x
                for x in lines)
     import json
     report = json.loads((tmp_path / "out.json").read_text())["pytorch"]
-    assert report["passes"] == {"pytorch": 2, "reservoir": 1}
+    assert report["passes"] == {"pytorch": 3, "reservoir": 2}
+    assert report["files"] == {"test_cuda.py": {"pytorch": 2, "reservoir": 1, "tests": 2},
+                               "test_sort_and_select.py": {"pytorch": 1, "reservoir": 1, "tests": 1}}
     assert [d.split("::")[-1] for d in report["differ"]] == ["test_memory_backend_is_native"]
+    assert sorted(k.split("::")[0] for k in report["results"]) == ["test_cuda.py", "test_cuda.py",
+                                                                   "test_sort_and_select.py"]
 
 
 def test_the_gpu_bundles_way_on_the_device_it_is_given(tmp_path):
