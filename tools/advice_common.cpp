@@ -83,6 +83,9 @@ std::string written_for(const Advice& a) {
   if (a.torch_version_given) {
     return fmt::format("for PyTorch {}, as --torch-version asks: {}", a.pytorch_since, a.pytorch_env);
   }
+  if (a.pytorch_release_known) {
+    return fmt::format("for PyTorch {}, the release it ran under: {}", a.pytorch_since, a.pytorch_env);
+  }
   if (a.pytorch_since.empty()) {
     return fmt::format("for PyTorch before 2.3, as the snapshot records no settings: {}",
                        a.pytorch_env);

@@ -158,7 +158,9 @@ std::string job_text(const JobAdvice& job) {
   }
   if (!job.candidates.empty()) {
     out += fmt::format("\nOne setting for every rank (for PyTorch {}: {})\n",
-                       job.pytorch_since.empty() ? std::string("before 2.3") : job.pytorch_since + " or newer",
+                       job.pytorch_since.empty()    ? std::string("before 2.3")
+                       : job.pytorch_release_known ? job.pytorch_since
+                                                   : job.pytorch_since + " or newer",
                        job.pytorch_env);
     if (job.best_pytorch) {
       const JobCandidate& c = job.candidates[*job.best_pytorch];

@@ -27,7 +27,7 @@ import os
 import sys
 
 VARIABLE = "RESERVOIR_TORCH_ALLOCATOR"
-# reservoir.explain_oom() for a program that cannot be changed (docs/advise.md).
+# reservoir.explain_oom() for a program that cannot be changed (docs/tools.md).
 EXPLAIN_VARIABLE = "RESERVOIR_EXPLAIN_OOM"
 CHOICES = ("own", "pluggable")
 

@@ -56,10 +56,58 @@ def _directory(directory):
 
 
 def _rank(rank):
-    if rank is not None:
-        return int(rank)
-    value = os.environ.get("RANK", "")
-    return int(value) if value.isdigit() else None
+    """The rank given to explain_oom; None: the library takes it at each
+    error from torch.distributed (as _follow_distributed_rank tells it) or
+    from the launcher's variables (RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK,
+    PMI_RANK, PMIX_RANK, MV2_COMM_WORLD_RANK)."""
+    return None if rank is None else int(rank)
+
+
+def _distributed_rank(torch):
+    """torch.distributed's rank where a process group is made, else None."""
+    try:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001 - a half-made process group tells nothing
+        pass
+    return None
+
+
+def _follow_distributed_rank(torch):
+    """Tells the library the process's rank once torch.distributed knows it:
+    a job started by torch.multiprocessing.spawn (PyTorch's DDP tutorial)
+    passes the rank to init_process_group and sets no variable. Every way
+    of making the default process group (init_process_group, device meshes,
+    Lightning's and accelerate's launchers) ends in distributed_c10d's
+    _update_default_pg, which is wrapped; init_process_group too, for
+    releases without it."""
+    current = _distributed_rank(torch)
+    if current is not None:
+        _core._set_process_rank(current)
+    try:
+        c10d = torch.distributed.distributed_c10d
+    except Exception:  # noqa: BLE001 - a PyTorch built without distributed
+        return
+    if getattr(c10d, "_reservoir_follows_rank", False):
+        return
+
+    def after(original):
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            rank = _distributed_rank(torch)
+            if rank is not None:
+                _core._set_process_rank(rank)
+            return result
+        wrapped.__wrapped__ = original
+        return wrapped
+
+    for module in (c10d, torch.distributed):
+        for name in ("_update_default_pg", "init_process_group"):
+            original = getattr(module, name, None)
+            if callable(original) and not hasattr(original, "__wrapped__"):
+                setattr(module, name, after(original))
+    c10d._reservoir_follows_rank = True
 
 
 def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stacks=False, keep=None):
@@ -80,6 +128,7 @@ def explain_oom(directory=None, max_entries=DEFAULT_MAX_ENTRIES, rank=None, stac
         os.environ[KEEP_VARIABLE] = str(keep)
     directory = _directory(directory)
     rank = _rank(rank)
+    _follow_distributed_rank(torch)
     with _lock:
         _settings = (directory, rank)
         from . import torch_installed
@@ -116,6 +165,10 @@ def _observer(device, alloc, device_total, device_free):
         return
     directory, rank = settings
     me = threading.get_ident()
+    if rank is None:
+        import torch
+
+        rank = _distributed_rank(torch)
     with _lock:
         _pending[:] = [p for p in _pending if p[0] != me]
     try:

@@ -58,6 +58,7 @@ py::dict explain_snapshot(const py::bytes& data, int device, const std::string& 
     py::gil_scoped_release release;
     const std::span<const std::uint8_t> span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
     ExplainOptions options = explain_options(directory, rank, advise_command);
+    if (device >= 0) options.device = device;
     if (device_total > 0) options.device_total = device_total;
     if (memory_limit > 0) options.memory_limit = memory_limit;
     try {
@@ -333,5 +334,9 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("directory"), py::arg("rank") = -1, py::arg("max_entries") = 100000, py::arg("advise_command") = "",
       "Under reservoir as PyTorch's allocator: every device's out-of-memory error carries the answer");
+  m.def(
+      "_set_process_rank", [](int rank) { set_process_rank(rank >= 0 ? std::optional<int>(rank) : std::nullopt); },
+      py::arg("rank"),
+      "The process's rank as torch.distributed knows it, for the answers at later errors (-1: none)");
   m.def("rss_bytes", &current_rss_bytes, "Resident memory of this process, in bytes");
 }

@@ -154,6 +154,7 @@ void explain_on(reservoir::Saver& saver, int device) {
   // says which they were, for `reservoir verify`.
   saver.set_oom_explainer([&saver, device, options = explaining->first](const reservoir::OutOfMemoryError& e) {
     reservoir::ExplainOptions with_limit = options;
+    with_limit.device = device;
     with_limit.memory_limit = memory_limit(device, saver.untagged_allocator(), e.device_total());
     const reservoir::OomExplainer explain = reservoir::oom_explainer(
         [&saver] { return saver.snapshot(); }, with_limit, saver.untagged_allocator().config().to_string());

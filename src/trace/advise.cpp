@@ -458,6 +458,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
   advice.trace = trace.name;
   advice.recorded_config = trace.recorded_config;
   advice.pytorch_since = trace.pytorch_since;
+  advice.pytorch_release_known = trace.pytorch_release_known;
   if (!options.torch_version.empty()) {
     if (!valid_version(options.torch_version)) {
       throw UsageError(fmt::format("--torch-version '{}': expected a release such as 2.5 or 2.11.0",

@@ -38,6 +38,12 @@ std::string rank_name(const std::string& path) {
   return base;
 }
 
+// The answer at the error's file names carry the device: HOST-rank1-gpu1-....
+bool names_gpu(const std::string& path) {
+  static const std::regex kGpu(R"((^|[-_])gpu\d+($|[-_.]))");
+  return std::regex_search(std::filesystem::path(path).filename().string(), kGpu);
+}
+
 // Natural order: digit runs compare as numbers.
 bool natural_less(const std::string& a, const std::string& b) {
   std::size_t i = 0;
@@ -73,7 +79,9 @@ RankAdvice summarize(const Trace& trace, const Advice& advice, const std::string
   r.path = path;
   r.device = trace.device;
   r.name = rank_name(path);
-  if (several_devices) r.name += fmt::format(" (device {})", trace.device);
+  // The device as the answer at the error names it (its files say "-gpuD"),
+  // or as the file's devices tell them apart.
+  if (several_devices || names_gpu(path)) r.name += fmt::format(" (GPU {})", trace.device);
   r.ok = true;
   const Diagnosis& d = advice.diagnosis;
   r.ran_out = d.moment == "oom";
@@ -95,6 +103,7 @@ RankAdvice summarize(const Trace& trace, const Advice& advice, const std::string
   r.during = d.during;
   r.candidates = advice.candidates;
   r.pytorch_since = advice.pytorch_since;
+  r.pytorch_release_known = advice.pytorch_release_known;
   return r;
 }
 
@@ -241,6 +250,11 @@ JobAdvice advise_job(const std::vector<std::string>& paths, const JobOptions& op
   }
   if (options.capacity) job.capacity_bytes = options.capacity;
   if (!all_versions) job.pytorch_since.clear();
+  job.pytorch_release_known = !job.ranks.empty() && !job.pytorch_since.empty();
+  for (const RankAdvice& r : job.ranks) {
+    if (!r.ok) continue;
+    if (!r.pytorch_release_known || r.pytorch_since != job.pytorch_since) job.pytorch_release_known = false;
+  }
   job.pytorch_env = std::string(pytorch_env_var(job.pytorch_since));
   if (first != nullptr) {
     for (const Candidate& c : first->candidates) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -21,10 +22,6 @@
 
 namespace reservoir {
 namespace {
-
-std::string prefix(const std::optional<int>& rank) {
-  return rank ? fmt::format("reservoir [rank {}]: ", *rank) : std::string("reservoir: ");
-}
 
 std::string host_name(const ExplainOptions& options) {
   if (!options.host.empty()) return options.host;
@@ -209,12 +206,25 @@ Advice advise_at_error(const Trace& trace, unsigned threads, std::optional<std::
   return advice;
 }
 
-std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const std::optional<int>& rank,
+std::string ErrorSite::prefix() const {
+  if (rank && device) return fmt::format("reservoir [rank {}, GPU {}]: ", *rank, *device);
+  if (rank) return fmt::format("reservoir [rank {}]: ", *rank);
+  // A process outside a job names its device where it is not the first.
+  if (device && *device != 0) return fmt::format("reservoir [GPU {}]: ", *device);
+  return "reservoir: ";
+}
+
+std::string ErrorSite::file_part() const {
+  return fmt::format("{}{}", rank ? fmt::format("-rank{}", *rank) : std::string(),
+                     device ? fmt::format("-gpu{}", *device) : std::string());
+}
+
+std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, const ErrorSite& site,
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path, const std::string& page_path,
                                           const std::string& directory, const std::string& advise_command,
                                           const std::optional<std::uint64_t>& memory_limit) {
-  const std::string p = prefix(rank);
+  const std::string p = site.prefix();
   const Diagnosis& d = a.diagnosis;
   std::vector<std::string> lines;
   if (d.moment == "oom" && d.request) {
@@ -281,21 +291,39 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
     // advise weighs every one the release knows, and may name another.
     lines.push_back(fmt::format("{}{}: {} {} (it weighs every setting of your release, not only the {} "
                                 "weighed here)",
-                                p, rank ? "for the whole job" : "next", advise_command, directory,
+                                p, site.rank ? "for the whole job" : "next", advise_command, directory,
                                 a.candidates.size()));
   }
   if (lines.size() > 8) lines.resize(8);
   return lines;
 }
 
-std::optional<int> explain_rank(const ExplainOptions& options) {
-  if (options.rank) return options.rank;
-  const char* r = std::getenv("RANK");
+namespace {
+std::atomic<int> framework_rank{-1};  // set_process_rank's; -1: none
+
+std::optional<int> rank_variable(const char* name) {
+  const char* r = std::getenv(name);
   if (r == nullptr || *r == '\0') return std::nullopt;
   char* end = nullptr;
+  errno = 0;
   const long v = std::strtol(r, &end, 10);
-  if (*end != '\0' || v < 0 || v > 1'000'000) return std::nullopt;
+  if (*end != '\0' || errno != 0 || v < 0 || v > 1'000'000 || r[0] == '+' || r[0] == ' ') return std::nullopt;
   return static_cast<int>(v);
+}
+}  // namespace
+
+void set_process_rank(std::optional<int> rank) {
+  framework_rank.store(rank && *rank >= 0 ? *rank : -1, std::memory_order_relaxed);
+}
+
+std::optional<int> process_rank(const ExplainOptions& options) {
+  if (options.rank) return options.rank;
+  if (const int r = framework_rank.load(std::memory_order_relaxed); r >= 0) return r;
+  for (const char* name : {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                           "MV2_COMM_WORLD_RANK"}) {
+    if (const auto r = rank_variable(name)) return r;
+  }
+  return std::nullopt;
 }
 
 std::size_t files_kept(const ExplainOptions& options) {
@@ -370,14 +398,13 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
                            const ExplainOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   OomExplanation out;
-  const std::optional<int> rank = explain_rank(options);
+  const ErrorSite site{process_rank(options), options.device};
   std::vector<std::string> problems;
   std::filesystem::path stem;
   if (!options.directory.empty()) {
     try {
       std::filesystem::create_directories(options.directory);
-      const std::string name = fmt::format("{}{}-{}", file_part(host_name(options)),
-                                           rank ? fmt::format("-rank{}", *rank) : std::string(), utc_stamp());
+      const std::string name = fmt::format("{}{}-{}", file_part(host_name(options)), site.file_part(), utc_stamp());
       stem = std::filesystem::path(options.directory) / name;
       // Two errors in one second: the second's files get "-2", and so on.
       for (int n = 2; std::filesystem::exists(stem.string() + ".pickle") ||
@@ -410,15 +437,15 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
         problems.push_back(fmt::format("the page could not be written: {}", e.what()));
       }
     }
-    out.lines = oom_answer_lines(window, *out.advice, rank, options.device_total, options.on_reservoir,
+    out.lines = oom_answer_lines(window, *out.advice, site, options.device_total, options.on_reservoir,
                                  out.snapshot_path, out.page_path,
                                  out.snapshot_path.empty() ? "" : options.directory, options.advise_command,
                                  options.memory_limit);
   } catch (const std::exception& e) {
     out.advice.reset();
-    out.lines.push_back(fmt::format("{}could not analyse the recording: {}", prefix(rank), e.what()));
+    out.lines.push_back(fmt::format("{}could not analyse the recording: {}", site.prefix(), e.what()));
     if (!out.snapshot_path.empty()) {
-      out.lines.push_back(fmt::format("{}snapshot: {} (reservoir advise {})", prefix(rank), out.snapshot_path,
+      out.lines.push_back(fmt::format("{}snapshot: {} (reservoir advise {})", site.prefix(), out.snapshot_path,
                                       out.snapshot_path));
     }
   }
@@ -430,14 +457,14 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
       if (!said.empty()) {
         // Said once per process: in place of the last line where all eight are taken.
         if (out.lines.size() >= 8) out.lines.resize(7);
-        out.lines.push_back(prefix(rank) + said);
+        out.lines.push_back(site.prefix() + said);
       }
     } catch (const std::exception& e) {
       problems.push_back(e.what());
     }
   }
   for (const std::string& problem : problems) {
-    if (out.lines.size() < 8) out.lines.push_back(prefix(rank) + problem);
+    if (out.lines.size() < 8) out.lines.push_back(site.prefix() + problem);
   }
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
@@ -446,7 +473,8 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
 OomExplainer oom_explainer(std::function<Snapshot()> state, ExplainOptions options, std::string recorded_config) {
   return [state = std::move(state), options = std::move(options),
           recorded_config = std::move(recorded_config)](const OutOfMemoryError& error) {
-    const Trace trace = to_trace(state(), "this process", recorded_config);
+    Trace trace = to_trace(state(), "this process", recorded_config);
+    if (options.device) trace.device = *options.device;
     ExplainOptions with_total = options;
     with_total.on_reservoir = true;
     if (!with_total.device_total && error.device_total() > 0) with_total.device_total = error.device_total();

@@ -83,7 +83,10 @@ class SnapshotBuilder {
       set_context(ev, e.context);
       events->items.push_back(ev);
     }
+    // PyTorch's list of every device's events: those of devices before this
+    // one are empty (the file speaks of one device).
     Value* traces = b_.list();
+    for (int i = 0; i < trace_.device; ++i) traces->items.push_back(b_.list());
     traces->items.push_back(events);
     b_.set(root, "device_traces", traces);
     b_.set(root, "allocator_settings", settings());
@@ -245,6 +248,11 @@ Trace to_trace(Snapshot snapshot, std::string name, const std::string& recorded_
   trace.events = std::move(snapshot.history);
   snapshot.history.clear();
   trace.final_state = std::move(snapshot);
+  // A reservoir allocator's settings name the release whose rules it runs.
+  if (!trace.settings.pytorch_version.empty()) {
+    trace.pytorch_since = trace.settings.pytorch_version;
+    trace.pytorch_release_known = true;
+  }
   return trace;
 }
 

@@ -212,17 +212,94 @@ def test_each_rank_writes_its_own_files_and_advise_reads_the_job(tmp_path):
                           env={"RESERVOIR_EXPLAIN_OOM": "1", "RANK": str(rank)})
     for rank, got in ranks.items():
         _, lines = answer_of(got["message"])
-        assert all(x.startswith(f"reservoir [rank {rank}]: ") for x in lines), lines
-        assert lines[-1].startswith(f"reservoir [rank {rank}]: for the whole job: {ADVISE} {tmp_path / 'oom'} "
-                                    "(it weighs every setting of your release, not only the "), lines[-1]
+        assert all(x.startswith(f"reservoir [rank {rank}, GPU 0]: ") for x in lines), lines
+        assert lines[-1].startswith(f"reservoir [rank {rank}, GPU 0]: for the whole job: {ADVISE} "
+                                    f"{tmp_path / 'oom'} (it weighs every setting of your release, not only the "), \
+            lines[-1]
     snaps = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "oom" / "*.pickle")))
-    assert len(snaps) == 2 and "-rank0-" in snaps[0] and "-rank1-" in snaps[1]
+    assert len(snaps) == 2 and "-rank0-gpu0-" in snaps[0] and "-rank1-gpu0-" in snaps[1], snaps
     r = subprocess.run([os.environ["RESERVOIR"], "advise", str(tmp_path / "oom"), "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     job = json.loads(r.stdout)
-    assert sorted(x["name"] for x in job["ranks"]) == ["rank 0", "rank 1"]
+    assert sorted(x["name"] for x in job["ranks"]) == ["rank 0 (GPU 0)", "rank 1 (GPU 0)"]
     assert all(x["ran_out"] for x in job["ranks"])
+
+
+@pytest.mark.parametrize("variable", ["SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"])
+def test_each_launchers_rank_variable_names_the_rank(tmp_path, variable):
+    # srun, Open MPI's mpirun, MPICH's Hydra and PMIx set no RANK: their own
+    # variable names the rank, in the lines and the file's name.
+    got = run(FRAGMENTED, tmp_path, code_change=False, env={"RESERVOIR_EXPLAIN_OOM": "1", variable: "3"})
+    _, lines = answer_of(got["message"])
+    assert lines and all(x.startswith("reservoir [rank 3, GPU 0]: ") for x in lines), lines
+    snaps = [os.path.basename(p) for p in glob.glob(str(tmp_path / "oom" / "*.pickle"))]
+    assert len(snaps) == 1 and "-rank3-gpu0-" in snaps[0], snaps
+
+
+# PyTorch's DDP tutorial: torch.multiprocessing.spawn starts one process a
+# device and passes each its rank; init_process_group takes it, and no
+# variable says it. Each rank fragments its own device (cuda:rank) and
+# fails; the answers and files name the rank and the device.
+SPAWNED = """
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def worker(rank, init, out):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+""" + textwrap.indent(FRAGMENTING_STEPS.strip("\n"), "    ") + """
+    try:
+        torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")
+        message = None
+    except torch.OutOfMemoryError as e:
+        message = str(e)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"message": message}, f)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    init, out = sys.argv[1], sys.argv[2]
+    mp.spawn(worker, args=(init, out), nprocs=2, join=True)
+    report(done=True)
+"""
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "own"])
+def test_a_spawned_jobs_ranks_are_named_from_torch_distributed(tmp_path, allocator):
+    env = {**os.environ, "RESERVOIR_SIMCUDA_KERNELS": "skip", "RESERVOIR_SIMCUDA_MEMORY": DEVICE,
+           "RESERVOIR_SIMCUDA_DEVICES": "2", "RESERVOIR_OOM_DIR": str(tmp_path / "oom"),
+           "RESERVOIR_EXPLAIN_OOM": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                 "PMIX_RANK", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "RESERVOIR_TORCH_ALLOCATOR"):
+        env.pop(name, None)
+    if allocator == "own":
+        env["RESERVOIR_TORCH_ALLOCATOR"] = "own"
+    site_dir = os.path.dirname(os.path.dirname(os.path.abspath(__import__("reservoir").__file__)))
+    script = tmp_path / "job.py"
+    script.write_text(f"import site; site.addsitedir({site_dir!r})\n" + PRELUDE + textwrap.dedent(SPAWNED))
+    out = tmp_path / "result"
+    r = subprocess.run([sys.executable, "-W", "ignore", str(script), f"file://{tmp_path / 'store'}", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        message = json.load(open(f"{out}.{rank}"))["message"]
+        _, lines = answer_of(message)
+        assert lines and all(x.startswith(f"reservoir [rank {rank}, GPU {rank}]: ") for x in lines), lines
+        assert "GPU %d has a total capacity" % rank in message
+    snaps = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "oom" / "*.pickle")))
+    assert len(snaps) == 2 and "-rank0-gpu0-" in snaps[0] and "-rank1-gpu1-" in snaps[1], snaps
+    r = subprocess.run([os.environ["RESERVOIR"], "advise", str(tmp_path / "oom")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("2 of 2 ranks ran out of memory: rank 0 (GPU 0), rank 1 (GPU 1).\n"), r.stdout
+    assert "  ran out of memory: rank 0 (GPU 0), rank 1 (GPU 1)\n" in r.stdout, r.stdout
+    # One variable for the release, whichever allocator wrote the files (the
+    # own allocator's name the release it ran under).
+    m = re.search(r"One setting for every rank \(for PyTorch (\S+)(?: or newer)?: (\w+)\)", r.stdout)
+    assert m and m.group(2) == "PYTORCH_ALLOC_CONF", r.stdout
+    if allocator == "own":
+        assert m.group(1) == torch.__version__.split("+")[0].rsplit(".", 1)[0] and "or newer" not in m.group(0)
 
 
 def test_reservoir_as_pytorchs_allocator_answers_from_its_own_state(tmp_path):

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -105,7 +106,7 @@ TEST(Explain, TooLittleMemorySaysNoSettingHelpsAndByHowMuch) {
   r.allocator.deallocate(a);
   const Trace t = pickled(r.finish());
   const Advice advice = advise_at_error(t);
-  const std::vector<std::string> lines = oom_answer_lines(t, advice, 3, std::nullopt, false, "", "", "");
+  const std::vector<std::string> lines = oom_answer_lines(t, advice, ErrorSite{3, std::nullopt}, std::nullopt, false, "", "", "");
   ASSERT_EQ(lines.size(), 3u);
   EXPECT_EQ(lines[0],
             "reservoir [rank 3]: out of memory on a 200.00 MiB request: too little memory: the "
@@ -138,7 +139,7 @@ TEST(Explain, WhereNoStockSettingFitsButNativePagedDoesTheAnswerNamesIt) {
   for (void* p : live) r.allocator.deallocate(p);
   const Trace t = pickled(r.finish());
   const Advice advice = advise_at_error(t);
-  const std::vector<std::string> lines = oom_answer_lines(t, advice, std::nullopt, std::nullopt, false, "", "", "");
+  const std::vector<std::string> lines = oom_answer_lines(t, advice, ErrorSite{}, std::nullopt, false, "", "", "");
   std::string all;
   for (const std::string& l : lines) all += l + "\n";
   ASSERT_EQ(lines.size(), 3u) << all;
@@ -155,7 +156,7 @@ TEST(Explain, MemoryHeldOutsideTheAllocatorIsNamed) {
   r.allocator.deallocate(a);
   const Trace t = pickled(r.finish());
   const std::vector<std::string> lines =
-      oom_answer_lines(t, advise_at_error(t), std::nullopt, 400 * kMiB, false, "", "", "");
+      oom_answer_lines(t, advise_at_error(t), ErrorSite{}, 400 * kMiB, false, "", "", "");
   EXPECT_EQ(lines[0],
             "reservoir: out of memory on a 150.00 MiB request: 100.00 MiB of the device's 400.00 MiB "
             "was held outside this allocator (another process, or other libraries of this one); and "
@@ -194,7 +195,7 @@ TEST(Explain, AKnownMemoryLimitIsWhatTooLittleMemoryIsMeasuredAgainst) {
   // then the program's real shortfall alone.
   const Trace t = under_a_limit({20}, 150 * kMiB);
   const std::vector<std::string> inferred =
-      oom_answer_lines(t, advise_at_error(t), std::nullopt, 1024 * kMiB, false, "", "", "");
+      oom_answer_lines(t, advise_at_error(t), ErrorSite{}, 1024 * kMiB, false, "", "", "");
   EXPECT_EQ(inferred[0],
             "reservoir: out of memory on a 150.00 MiB request: the process's memory fraction "
             "(set_per_process_memory_fraction) refused it: the device had 864.00 MiB free, the process was "
@@ -206,7 +207,7 @@ TEST(Explain, AKnownMemoryLimitIsWhatTooLittleMemoryIsMeasuredAgainst) {
   EXPECT_EQ(advice.capacity_bytes, 256 * kMiB);
   EXPECT_EQ(advice.capacity_source, "the process's memory limit (set_per_process_memory_fraction)");
   const std::vector<std::string> lines =
-      oom_answer_lines(t, advice, std::nullopt, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
+      oom_answer_lines(t, advice, ErrorSite{}, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
   ASSERT_EQ(lines.size(), 3u);
   EXPECT_EQ(lines[0],
             "reservoir: out of memory on a 150.00 MiB request: the process's memory fraction "
@@ -226,13 +227,120 @@ TEST(Explain, FragmentationUnderAKnownMemoryLimit) {
   const Trace t = under_a_limit({20, 20}, 60 * kMiB);
   const Advice advice = advise_at_error(t, 1, 256 * kMiB);
   const std::vector<std::string> lines =
-      oom_answer_lines(t, advice, std::nullopt, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
+      oom_answer_lines(t, advice, ErrorSite{}, 1024 * kMiB, false, "", "", "", "reservoir advise", 256 * kMiB);
   ASSERT_FALSE(lines.empty());
   EXPECT_EQ(lines[0],
             "reservoir: out of memory on a 60.00 MiB request: the process's memory fraction "
             "(set_per_process_memory_fraction) refused it: it allows 256.00 MiB, the process had 220.00 MiB "
             "reserved and the device 804.00 MiB free; and fragmentation: 80.00 MiB sat reserved but unused, "
             "in pieces too small for it (the largest 40.00 MiB), and 36.00 MiB more was within the limit.");
+}
+
+TEST(Explain, EveryLineNamesTheRankAndTheDevice) {
+  EXPECT_EQ((ErrorSite{1, 1}).prefix(), "reservoir [rank 1, GPU 1]: ");
+  EXPECT_EQ((ErrorSite{0, 0}).prefix(), "reservoir [rank 0, GPU 0]: ");
+  EXPECT_EQ((ErrorSite{4, std::nullopt}).prefix(), "reservoir [rank 4]: ");
+  EXPECT_EQ((ErrorSite{std::nullopt, 3}).prefix(), "reservoir [GPU 3]: ");
+  EXPECT_EQ((ErrorSite{std::nullopt, 0}).prefix(), "reservoir: ");
+  EXPECT_EQ((ErrorSite{}).prefix(), "reservoir: ");
+  EXPECT_EQ((ErrorSite{1, 1}).file_part(), "-rank1-gpu1");
+  EXPECT_EQ((ErrorSite{std::nullopt, 0}).file_part(), "-gpu0");
+  EXPECT_EQ((ErrorSite{}).file_part(), "");
+  const Trace t = fragmented_oom();
+  for (const std::string& line : oom_answer_lines(t, advise_at_error(t), ErrorSite{2, 1}, std::nullopt, false,
+                                                  "", "", "dir")) {
+    EXPECT_EQ(line.rfind("reservoir [rank 2, GPU 1]: ", 0), 0u) << line;
+  }
+}
+
+// The launchers' variables, each alone, then their order; torch.distributed's
+// rank (set_process_rank) before them all; an explicit rank before that.
+TEST(Explain, TheRankIsTakenFromEveryLauncher) {
+  const char* const names[] = {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                               "MV2_COMM_WORLD_RANK"};
+  std::map<std::string, std::string> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n)) saved[n] = v;
+    ::unsetenv(n);
+  }
+  set_process_rank(std::nullopt);
+  EXPECT_EQ(process_rank({}), std::nullopt);
+  int value = 10;
+  for (const char* n : names) {
+    ::setenv(n, std::to_string(value).c_str(), 1);
+    EXPECT_EQ(process_rank({}), value) << n;
+    ::unsetenv(n);
+    ++value;
+  }
+  ::setenv("PMI_RANK", "7", 1);
+  ::setenv("SLURM_PROCID", "6", 1);
+  EXPECT_EQ(process_rank({}), 6);  // srun's before PMI's: torchrun or srun started this process
+  ::setenv("SLURM_PROCID", "x6", 1);
+  EXPECT_EQ(process_rank({}), 7);  // a value that is not a rank is passed over
+  set_process_rank(2);
+  EXPECT_EQ(process_rank({}), 2);
+  ExplainOptions given;
+  given.rank = 9;
+  EXPECT_EQ(process_rank(given), 9);
+  set_process_rank(std::nullopt);
+  EXPECT_EQ(process_rank({}), 7);
+  for (const char* n : names) ::unsetenv(n);
+  for (const auto& [n, v] : saved) ::setenv(n.c_str(), v.c_str(), 1);
+}
+
+TEST(Explain, TheFilesOfAnErrorOnAnotherDeviceNameItAndHoldItsEvents) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_device_files";
+  std::filesystem::remove_all(dir);
+  Trace t = fragmented_oom();
+  t.device = 1;
+  for (SegmentInfo& seg : t.final_state.segments) seg.device = 1;
+  ExplainOptions options;
+  options.directory = dir.string();
+  options.host = "node";
+  options.rank = 1;
+  options.device = 1;
+  const OomExplanation e = explain_oom(t, {}, options);
+  const std::string name = std::filesystem::path(e.snapshot_path).filename().string();
+  EXPECT_EQ(name.rfind("node-rank1-gpu1-", 0), 0u) << name;
+  EXPECT_EQ(e.lines.front().rfind("reservoir [rank 1, GPU 1]: out of memory", 0), 0u) << e.lines.front();
+  // The snapshot keeps the events as device 1's, as PyTorch's does.
+  const std::vector<Trace> devices = select_devices(read_trace_devices(e.snapshot_path), std::nullopt);
+  ASSERT_EQ(devices.size(), 1u);
+  EXPECT_EQ(devices[0].device, 1);
+  EXPECT_EQ(devices[0].events.size(), t.events.size());
+  const JobAdvice job = advise_job({e.snapshot_path}, {});
+  ASSERT_EQ(job.ranks.size(), 1u);
+  EXPECT_EQ(job.ranks[0].name, "rank 1 (GPU 1)");
+  std::filesystem::remove_all(dir);
+}
+
+// A reservoir allocator's recording names the release it runs (its
+// settings' pytorch_version): its snapshot says so, and the advice names
+// that release's variable, as PyTorch's allocator's recording of the same
+// release gets it (2.13 or newer there: PYTORCH_ALLOC_CONF).
+TEST(Explain, TheOwnAllocatorsSnapshotCarriesItsRelease) {
+  for (const auto& [release, variable] : std::vector<std::pair<std::string, std::string>>{
+           {"2.15", "PYTORCH_ALLOC_CONF"}, {"2.6", "PYTORCH_CUDA_ALLOC_CONF"}}) {
+    Recorder r("pytorch_version:" + release, 300 * kMiB);
+    HistoryOptions history;
+    history.max_entries = 100;
+    r.allocator.record_history(history);
+    void* kept = r.alloc(100 * kMiB);
+    r.allocator.deallocate(r.alloc(50 * kMiB));
+    const Trace own = to_trace(r.allocator.snapshot(), "own", r.allocator.config().to_string());
+    EXPECT_EQ(own.pytorch_since, release);
+    EXPECT_TRUE(own.pytorch_release_known);
+    const Trace back = read_pytorch_snapshot(bytes(write_pytorch_snapshot(own)), "own");
+    EXPECT_EQ(back.pytorch_since, release);
+    EXPECT_TRUE(back.pytorch_release_known);
+    const Advice a = advise_at_error(back);
+    EXPECT_EQ(a.pytorch_env, variable) << release;
+    EXPECT_TRUE(a.pytorch_release_known);
+    r.allocator.deallocate(kept);
+  }
+  // PyTorch's own recording tells only the oldest release that writes it.
+  const Trace pytorch = fragmented_oom();
+  EXPECT_FALSE(pytorch.pytorch_release_known);
 }
 
 TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
@@ -416,12 +524,12 @@ TEST(Explain, TheAnswerAtALaterErrorIsOfWhatHappenedSinceTheOneBefore) {
   ASSERT_EQ(w.events.size(), t.events.size() - first_oom - 1);
   EXPECT_EQ(w.events.front().action, TraceAction::free_requested);  // a's free
   EXPECT_EQ(w.final_state.segments.size(), t.final_state.segments.size());
-  const std::vector<std::string> lines = oom_answer_lines(w, advise_at_error(w), std::nullopt, std::nullopt,
+  const std::vector<std::string> lines = oom_answer_lines(w, advise_at_error(w), ErrorSite{}, std::nullopt,
                                                           false, "", "", "");
   EXPECT_EQ(lines[0],
             "reservoir: out of memory on a 100.00 MiB request: too little memory: the recorded part alone "
             "needs 350.00 MiB at its peak, 50.00 MiB more than the 300.00 MiB there is.");
-  EXPECT_EQ(oom_answer_lines(t, advise_at_error(t), std::nullopt, std::nullopt, false, "", "", "")[0], lines[0]);
+  EXPECT_EQ(oom_answer_lines(t, advise_at_error(t), ErrorSite{}, std::nullopt, false, "", "", "")[0], lines[0]);
   // A recording of one error is its own window.
   EXPECT_EQ(since_previous_error(w).events.size(), w.events.size());
   r.allocator.deallocate(b);

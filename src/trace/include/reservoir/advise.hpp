@@ -140,6 +140,8 @@ struct Advice {
   std::string pytorch_env = "PYTORCH_CUDA_ALLOC_CONF";
   // pytorch_since is AdviseOptions::torch_version, not what the recording shows.
   bool torch_version_given = false;
+  // The recording names the release it ran under (Trace::pytorch_release_known).
+  bool pytorch_release_known = false;
   std::uint64_t peak_requested_bytes = 0;
   // The memory the allocator may have: --capacity, else what the oom event
   // shows it had (reserved + device free); empty when neither is known.
@@ -227,6 +229,7 @@ struct RankAdvice {
   std::vector<std::string> during;            // the diagnosis's
   std::vector<Candidate> candidates;          // as the rank's own advice sweeps them
   std::string pytorch_since;
+  bool pytorch_release_known = false;         // Advice::pytorch_release_known
 };
 
 // One setting across the job: the capacity its hungriest rank needs.
@@ -249,6 +252,7 @@ struct JobAdvice {
   std::optional<bool> fits;
   std::string pytorch_env = "PYTORCH_CUDA_ALLOC_CONF";
   std::string pytorch_since;
+  bool pytorch_release_known = false;  // every rank names the same release it ran under
   std::size_t unreadable = 0;
   double seconds = 0.0;
 };

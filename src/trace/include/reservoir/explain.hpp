@@ -5,7 +5,7 @@
 // lines for the error message and stderr: what failed and why, the setting
 // that fits what was recorded, where the snapshot (and the full page) went.
 //
-// Python: reservoir.explain_oom() and RESERVOIR_EXPLAIN_OOM=1 (docs/advise.md).
+// Python: reservoir.explain_oom() and RESERVOIR_EXPLAIN_OOM=1 (docs/tools.md).
 // C++: explain_oom_errors() on an allocator appends the answer to its
 // OutOfMemoryError.
 #pragma once
@@ -22,12 +22,26 @@
 
 namespace reservoir {
 
+// Where an error happened, as every line and file name of its answer says
+// it: the job's rank (none for a process outside a job) and the CUDA device.
+struct ErrorSite {
+  std::optional<int> rank;
+  std::optional<int> device;
+  // "reservoir [rank 1, GPU 1]: " in a job; outside one "reservoir [GPU 3]: ",
+  // or "reservoir: " on the first device (or where the device is not said).
+  std::string prefix() const;
+  // "-rank1-gpu1", "-gpu0", "": the part of a file name after the host's.
+  std::string file_part() const;
+};
+
 struct ExplainOptions {
   // Where the snapshot and the page are written ("" writes nothing). The
-  // files are named by host, rank and time: HOST-rankR-YYYYmmdd-HHMMSS.pickle.
+  // files are named by host, rank, device and time:
+  // HOST-rankR-gpuD-YYYYmmdd-HHMMSS.pickle.
   std::string directory;
   std::string host;           // "": this machine's name
-  std::optional<int> rank;    // none: RANK from the environment, when set (torchrun)
+  std::optional<int> rank;    // none: process_rank() (torch.distributed's, else a launcher's variables)
+  std::optional<int> device;  // the device of the error (CUDA's index); none: not said
   unsigned threads = 1;       // replays in parallel (1: the analysis keeps to one core)
   // The device's whole memory, as the error saw it (CUDA's total): what the
   // device held beyond this allocator's reserved memory and its free memory
@@ -90,13 +104,13 @@ Advice advise_at_error(const Trace& trace, unsigned threads = 1,
 // closed stay open at its start.
 Trace since_previous_error(const Trace& trace);
 
-// The lines of the answer (at most eight). `rank` names the rank in each;
+// The lines of the answer (at most eight). `site` names the rank and device in each;
 // `device_total` (ExplainOptions) tells memory held outside the allocator,
 // `memory_limit` the process's own limit (advice judged against it:
 // advise_at_error's); `snapshot_path`, `page_path` and `directory` are
 // named where given.
 std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advice,
-                                          const std::optional<int>& rank,
+                                          const ErrorSite& site,
                                           const std::optional<std::uint64_t>& device_total,
                                           bool on_reservoir, const std::string& snapshot_path,
                                           const std::string& page_path,
@@ -111,8 +125,18 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& advi
 OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> snapshot_bytes,
                            const ExplainOptions& options);
 
-// The rank of this process: options.rank, else RANK from the environment.
-std::optional<int> explain_rank(const ExplainOptions& options);
+// The rank of this process in its job: options.rank, else the one
+// set_process_rank() was given (the Python module gives torch.distributed's
+// once a process group is made: torch.multiprocessing.spawn's jobs set no
+// variable), else the first of the launchers' variables that is set: RANK
+// (torchrun, torch.distributed.launch), SLURM_PROCID (srun), OMPI_COMM_WORLD_RANK
+// (Open MPI's mpirun), PMI_RANK (MPICH's and Intel MPI's Hydra), PMIX_RANK
+// (PMIx launchers), MV2_COMM_WORLD_RANK (MVAPICH). None outside a job.
+std::optional<int> process_rank(const ExplainOptions& options);
+
+// The process's rank as the program's own framework knows it (none: take it
+// from the launchers' variables again). Thread-safe; later errors use it.
+void set_process_rank(std::optional<int> rank);
 
 // An explainer for a reservoir allocator (CachingAllocator::set_oom_explainer,
 // Saver::set_oom_explainer): `state` returns the allocator's snapshot with its

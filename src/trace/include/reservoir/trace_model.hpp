@@ -37,6 +37,9 @@ struct Trace {
   // allocator_settings' keys, the keys of its settings text): "2.9" means
   // 2.9 or newer; "" when nothing tells.
   std::string pytorch_since;
+  // The recording names the release it ran under (a reservoir allocator's
+  // settings hold pytorch_version): pytorch_since is that release itself.
+  bool pytorch_release_known = false;
   // Why the recorded settings text was not used as written (a key this
   // reservoir does not know, a backend it does not model); "" when it was.
   std::string settings_note;
