@@ -45,6 +45,10 @@ void run(const ReplayArgs& args) {
   std::vector<std::pair<std::string, AllocatorConfig>> configs;
   for (const std::string& c : args.configs) {
     configs.emplace_back(c, AllocatorConfig::parse(c));
+    // What the release ignores with a warning (an invalid reserve), said as it says it.
+    for (const std::string& w : configs.back().second.warnings.list) {
+      fmt::print(stderr, "{}", wrapped(fmt::format("warning: [{}]: {}\n", c, w)));
+    }
     // PyTorch collects garbage only under a memory fraction: said, so that a
     // replay without one is not taken for what advise (which sets one) claims.
     if (configs.back().second.garbage_collection_threshold > 0.0 && !args.fraction) {

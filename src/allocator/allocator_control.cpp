@@ -121,6 +121,15 @@ void CachingAllocator::Impl::collect_garbage(std::size_t bytes) {
   if (bytes > 0) collect_garbage_locked(bytes);
 }
 
+void CachingAllocator::Impl::set_stream_reserve_class(StreamId stream, const std::string& reserve_class) {
+  detail::LockGuard lock(mutex_);
+  if (reserve_class.empty()) {
+    reserve_classes_.erase(stream);
+  } else {
+    reserve_classes_[stream] = reserve_class;
+  }
+}
+
 void CachingAllocator::Impl::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw UsageError(

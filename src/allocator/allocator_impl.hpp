@@ -48,6 +48,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   void process_completed_frees();
   void collect_garbage(std::size_t bytes);
   void set_memory_fraction(double fraction);
+  void set_stream_reserve_class(StreamId stream, const std::string& reserve_class);
   void clear_memory_fraction();
   void set_config(const AllocatorConfig& config);
   AllocatorConfig config() const;
@@ -135,7 +136,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   bool try_alloc_vm_block(AllocParams& p, bool recycling = false) RESERVOIR_REQUIRES(mutex_);
   // The free range of a VM segment of the source's kind that p grows into
   // (a new segment when none has room); nullptr when no address space is left.
-  detail::Block* find_vm_candidate(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  detail::Block* find_vm_candidate(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Paging: unmaps whole free handles, largest first, until `bytes` are
   // released; leaves `keep` alone. Cached stitched blocks give their pages
   // back to the blocks that lent them first, which then merge with their
@@ -549,7 +550,7 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   // is off); false when no block of p's stream does.
   inline bool vm_candidate(const AllocParams& p, detail::BlockSet::iterator& it)
       RESERVOIR_REQUIRES(mutex_);
-  detail::Block* new_vm_segment(const AllocParams& p) RESERVOIR_REQUIRES(mutex_);
+  detail::Block* new_vm_segment(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // try_alloc_vm_block's work, with recycling_ set as asked.
   bool grow_vm_block(AllocParams& p) RESERVOIR_REQUIRES(mutex_);
   // Maps the pages under the first `bytes` of an unmapped block; false on
@@ -669,6 +670,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
       RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> freeable_pools_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
+  // Each stream's expandable-segment reserve class (set_stream_reserve_class).
+  std::unordered_map<StreamId, std::string> reserve_classes_ RESERVOIR_GUARDED_BY(mutex_);
+  // The class of the last request a stream's reserve refused (AllocParams::reserve_refused).
+  std::string refused_reserve_class_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
   // MemPool(allocator=...) set before the pool's first route.
   std::map<PoolId, std::shared_ptr<PoolSegmentAllocator>> pool_allocators_ RESERVOIR_GUARDED_BY(mutex_);

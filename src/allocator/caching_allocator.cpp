@@ -38,6 +38,9 @@ void CachingAllocator::clear_memory_fraction() { impl_->checked(&Impl::clear_mem
 void CachingAllocator::set_memory_fraction(double fraction) {
   impl_->checked(&Impl::set_memory_fraction, fraction);
 }
+void CachingAllocator::set_stream_reserve_class(StreamId stream, const std::string& reserve_class) {
+  impl_->checked(&Impl::set_stream_reserve_class, stream, reserve_class);
+}
 void CachingAllocator::set_config(const AllocatorConfig& config) {
   impl_->checked(&Impl::set_config, config);
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <charconv>
+#include <cmath>
 #include <iterator>
 #include <cstdlib>
 #include <string_view>
@@ -235,6 +236,63 @@ class Parser {
     if (!closed) fail(fmt::format("key '{}': list is not closed with ']'", key));
   }
 
+  // A reserve value as PyTorch 2.15 reads it: a positive, finite fraction of
+  // the device ("0.5") or a number of GiB ("40G"); anything else is ignored
+  // with its warning, the default kept.
+  std::optional<AllocatorConfig::Reserve> reserve_value(AllocatorConfig& c, const std::string& token) {
+    const bool gib = !token.empty() && (token.back() == 'G' || token.back() == 'g');
+    const std::string number = gib ? token.substr(0, token.size() - 1) : token;
+    char* end = nullptr;
+    const double v = number.empty() ? 0.0 : std::strtod(number.c_str(), &end);
+    if (number.empty() || end != number.c_str() + number.size() || !std::isfinite(v) || !(v > 0.0)) {
+      c.warnings.list.push_back(fmt::format(
+          "Ignoring invalid expandable-segment reserve value '{}' in PYTORCH_CUDA_ALLOC_CONF (expected a "
+          "positive, finite fraction like 0.5 or an absolute size like 40G); using default.",
+          token));
+      return std::nullopt;
+    }
+    return AllocatorConfig::Reserve{!gib, v};
+  }
+
+  void parse_reserve(AllocatorConfig& c, const std::string& key) {
+    const std::string token = value_token(key, kReserveAccepted);
+    if (const auto r = reserve_value(c, token)) c.expandable_segments_reserve = *r;
+  }
+
+  // [name:value,...]: the list replaces any before it; a bad value skips its
+  // entry (with the warning), the others apply.
+  void parse_reserve_classes(AllocatorConfig& c, const std::string& key) {
+    expect(key, "[");
+    std::vector<std::pair<std::string, AllocatorConfig::Reserve>> parsed;
+    bool closed = false;
+    while (const Token* t = peek()) {
+      if (t->text == "]") {
+        ++pos_;
+        closed = true;
+        break;
+      }
+      const std::string name = value_token(key, "[class:value,...]");
+      expect(key, ":");
+      const std::string token = value_token(key, kReserveAccepted);
+      if (const auto r = reserve_value(c, token)) {
+        const auto it = std::find_if(parsed.begin(), parsed.end(), [&](const auto& e) { return e.first == name; });
+        if (it != parsed.end()) {
+          it->second = *r;
+        } else {
+          parsed.emplace_back(name, *r);
+        }
+      }
+      const Token* sep = peek();
+      if (sep != nullptr && sep->text == ",") ++pos_;
+    }
+    if (!closed) fail(fmt::format("key '{}': list is not closed with ']'", key));
+    std::sort(parsed.begin(), parsed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    c.expandable_segments_reserve_by_class = std::move(parsed);
+  }
+
+  static constexpr std::string_view kReserveAccepted =
+      "a positive fraction of the device's memory (0.5) or a number of GiB (40G)";
+
   const std::string& text_;
   std::vector<Token> tokens_;
   std::size_t pos_ = 0;
@@ -274,6 +332,11 @@ constexpr std::string_view kDivisions =
     "power-of-two (or 0) divisions";
 
 void set_bool(Parser& p, bool& field, const std::string& key) { field = p.bool_value(key); }
+
+// "0.5", "40G": as the setting is written.
+std::string reserve_text(const AllocatorConfig::Reserve& r) {
+  return fmt::format("{}{}", r.value, r.fraction ? "" : "G");
+}
 
 const Entry kTable[] = {
     {{"max_split_size_mb", kMibFromLargeSegment, "unlimited", "2.0+", "2.0", "max_split_size",
@@ -351,6 +414,33 @@ const Entry kTable[] = {
      },
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.expandable_segments) out.emplace_back("expandable_segments:True");
+     }},
+    {{"expandable_segments_reserve", "a positive fraction of the device (0.5) or GiB (40G)",
+      "9/8 of the device", "2.15+", "2.15", "",
+      "the address space each expandable segment reserves (at most 9/8 of the device), for streams "
+      "without a reserve class of their own; a request larger than it fails; an invalid value is "
+      "ignored with a warning",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) { p.parse_reserve(c, k); },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.expandable_segments_reserve) {
+         out.push_back("expandable_segments_reserve:" + reserve_text(*c.expandable_segments_reserve));
+       }
+     }},
+    {{"expandable_segments_reserve_by_class", "[class:value,...], each value as for expandable_segments_reserve",
+      "[]", "2.15+", "2.15", "",
+      "the reserve of the expandable segments of streams given a class "
+      "(setExpandableSegmentReserveClassForStream); an entry with an invalid value is ignored "
+      "with a warning",
+      true},
+     [](Parser& p, AllocatorConfig& c, const std::string& k) { p.parse_reserve_classes(c, k); },
+     [](const AllocatorConfig& c, std::vector<std::string>& out) {
+       if (c.expandable_segments_reserve_by_class.empty()) return;
+       std::vector<std::string> entries;
+       for (const auto& [name, r] : c.expandable_segments_reserve_by_class) {
+         entries.push_back(name + ":" + reserve_text(r));
+       }
+       out.push_back(fmt::format("expandable_segments_reserve_by_class:[{}]", fmt::join(entries, ",")));
      }},
     {{"per_process_memory_fraction", "a number in [0.0, 1.0]", "1.0", "~2.10+", "2.10", "",
       "as torch.cuda.set_per_process_memory_fraction before the first allocation: reserved "
@@ -591,6 +681,21 @@ const Entry kTable[] = {
 };
 
 }  // namespace
+
+std::size_t AllocatorConfig::Reserve::bytes(std::size_t device_total) const noexcept {
+  const double b = fraction ? value * static_cast<double>(device_total) : value * static_cast<double>(std::size_t{1} << 30);
+  if (!(b < static_cast<double>(std::numeric_limits<std::size_t>::max()))) return std::numeric_limits<std::size_t>::max();
+  return static_cast<std::size_t>(b);
+}
+
+std::size_t AllocatorConfig::segment_reserve(std::string_view reserve_class, std::size_t device_total) const {
+  const std::size_t full = device_total + device_total / 8;
+  for (const auto& [name, r] : expandable_segments_reserve_by_class) {
+    if (name == reserve_class) return std::min(r.bytes(device_total), full);
+  }
+  if (expandable_segments_reserve) return std::min(expandable_segments_reserve->bytes(device_total), full);
+  return full;
+}
 
 bool AllocatorConfig::empty_cache_spares_default_pools_while_routed() const {
   return pytorch_version.empty() || compare_versions(pytorch_version, "2.15") < 0;

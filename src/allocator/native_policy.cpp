@@ -393,8 +393,20 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
   const bool advises_address_space =
       (config_.expandable_segments || config_.policy == Policy::expandable) && !release.empty() &&
       compare_versions(release, "2.15") >= 0;
+  // A request no new expandable segment could hold (expandable_segments_reserve):
+  // 2.15 says so in place of that advice.
   const std::string advice =
-      advises_address_space
+      p.reserve_refused != 0
+          ? fmt::format(" This allocation exceeds the expandable-segment reserve of {} {}, and a single "
+                        "allocation cannot span expandable segments. Raise PYTORCH_CUDA_ALLOC_CONF "
+                        "expandable_segments_reserve or expandable_segments_reserve_by_class (or unset it) so "
+                        "that a segment is at least {}.",
+                        format_size(p.reserve_refused),
+                        refused_reserve_class_.empty()
+                            ? std::string("for this stream")
+                            : fmt::format("for stream reserve class '{}'", refused_reserve_class_),
+                        format_size(p.alloc_size))
+      : advises_address_space
           ? std::string(
                 " expandable_segments is enabled. If instead the process is running out of virtual "
                 "address space (VSZ), expandable segments may be over-reserving VA (each segment "

@@ -26,6 +26,7 @@ std::string_view to_string(TraceAction action) noexcept {
     case TraceAction::snapshot: return "snapshot";
     case TraceAction::oom: return "oom";
     case TraceAction::empty_cache: return "empty_cache";
+    case TraceAction::annotate: return "annotate";
   }
   return "unknown";
 }

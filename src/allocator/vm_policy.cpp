@@ -80,7 +80,7 @@ std::size_t CachingAllocator::Impl::mapping_headroom() {
   return headroom;
 }
 
-Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
+Block* CachingAllocator::Impl::new_vm_segment(AllocParams& p) {
   RESERVOIR_DEBUG_ASSERT(vm_source_ != nullptr);
   const std::size_t granularity = std::max<std::size_t>(device_.granularity(), 1);
   std::size_t page = vm_source_->page_size(*p.pool, granularity, config_);
@@ -90,9 +90,29 @@ Block* CachingAllocator::Impl::new_vm_segment(const AllocParams& p) {
   if (info_status != Status::ok) {
     throw DeviceError(CallKind::memory_info, info_status, "sizing a virtual-memory segment");
   }
-  // 1 1/8 of the device, as PyTorch: room to map pages beyond a hole.
-  const std::size_t space = info.total + info.total / 8;
-  const std::size_t pages = std::max<std::size_t>((space + page - 1) / page, 1);
+  // 1 1/8 of the device, as PyTorch: room to map pages beyond a hole; for
+  // PyTorch's expandable segments the stream's reserve where one is set
+  // (2.15's expandable_segments_reserve, at most that much). No segment of
+  // it can hold a larger request: none is made, and the request goes down
+  // the ladder to its out-of-memory error, which says why.
+  // (The message names the reserve only where the setting is why: a request
+  // larger than 9/8 of the device fits no segment anyway.)
+  const std::size_t full = info.total + info.total / 8;
+  std::size_t space = full;
+  std::string reserve_class;
+  if (vm_source_->lowest_fit()) {
+    if (const auto it = reserve_classes_.find(p.stream); it != reserve_classes_.end()) reserve_class = it->second;
+    space = config_.segment_reserve(reserve_class, info.total);
+  }
+  const auto pages_of = [page](std::size_t bytes) { return std::max<std::size_t>((bytes + page - 1) / page, 1); };
+  const std::size_t pages = pages_of(space);
+  if (pages * page < p.size) {
+    if (pages_of(full) * page >= p.size) {
+      p.reserve_refused = space;
+      refused_reserve_class_ = reserve_class;
+    }
+    return nullptr;
+  }
   DevicePtr va = 0;
   const Status status = device_.reserve(pages * page, 0, &va);
   if (status == Status::out_of_memory) return nullptr;
@@ -128,7 +148,7 @@ std::size_t CachingAllocator::Impl::unmapped_within(const Block* b, std::size_t 
   return bytes >= size ? unmapped : std::numeric_limits<std::size_t>::max();
 }
 
-Block* CachingAllocator::Impl::find_vm_candidate(const AllocParams& p) {
+Block* CachingAllocator::Impl::find_vm_candidate(AllocParams& p) {
   BlockPool& pool = *p.pool;
   constexpr std::size_t kNoRoom = std::numeric_limits<std::size_t>::max();
   RESERVOIR_DEBUG_ASSERT(vm_source_ != nullptr);

@@ -391,6 +391,7 @@ class Reader {
       if (!v.empty() && compare_versions(v, since) > 0) since = std::string(v);
     };
     std::string text;
+    std::string release;  // the one the settings name, if any
     for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
       if (std::string_view t = optional_text(settings, name, path); !t.empty()) text = t;
     }
@@ -398,8 +399,13 @@ class Reader {
     // The text first: it holds keys the dict does not (max_non_split_rounding_mb, ...).
     std::vector<std::string> parts;
     try {
-      const std::string written = AllocatorConfig::parse(text).to_string();
+      const AllocatorConfig parsed = AllocatorConfig::parse(text);
+      const std::string written = parsed.to_string();
       if (!written.empty()) parts.push_back(written);
+      // A reservoir allocator's file names the release it ran under.
+      if (!parsed.pytorch_version.empty()) {
+        release = parsed.pytorch_version;
+      }
       for (const std::string& item : split_items(text)) {
         if (const SettingInfo* s = find_setting(item.substr(0, item.find(':')))) at_least(s->since);
       }
@@ -452,7 +458,8 @@ class Reader {
       fail(path, e.what());
     }
     trace.recorded_config = trace.settings.to_string();
-    trace.pytorch_since = since;
+    trace.pytorch_since = release.empty() ? since : release;
+    trace.pytorch_release_known = !release.empty();
   }
 
   // A settings text's entries, split at the commas outside brackets.
@@ -1018,6 +1025,7 @@ std::optional<TraceAction> action_of(std::string_view a) {
   if (a == "segment_unmap") return TraceAction::segment_unmap;
   if (a == "snapshot") return TraceAction::snapshot;
   if (a == "oom") return TraceAction::oom;
+  if (a == "annotate") return TraceAction::annotate;
   return std::nullopt;
 }
 

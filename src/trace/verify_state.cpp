@@ -36,6 +36,12 @@ std::string Verifier::paged_late_start() const {
         }
         break;
       case TraceAction::free_completed: allocated.erase(e.addr); break;
+      case TraceAction::annotate:
+        // Metadata is attached to an allocation the program holds.
+        if (allocated.count(e.addr) == 0) {
+          return late(i, fmt::format("an annotation of {:#x}, which it never allocated", e.addr));
+        }
+        break;
       case TraceAction::segment_map: {
         // Kept merged: one unmap may span pages mapped by several maps.
         DevicePtr lo = e.addr;

@@ -46,6 +46,8 @@ if fraction is not None:
     torch.cuda.set_per_process_memory_fraction(fraction)
 streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
 MiB = 1 << 20
+# PyTorch 2.15's annotations of live allocations (trace action "annotate").
+annotate = getattr(torch.cuda.memory, "_annotate_tensor", None)
 
 
 def program(rng):
@@ -68,6 +70,8 @@ def program(rng):
                     continue
                 if rng.random() < 0.05:
                     live[-1].record_stream(rng.choice(streams))
+                if annotate is not None and rng.random() < 0.05:
+                    annotate(live[-1][n // 2:], f"tensor {len(live)}")
                 if oom and rng.random() < 0.3:
                     live.pop(rng.randrange(len(live)))
             elif r < 0.98:

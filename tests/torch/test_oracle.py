@@ -24,11 +24,14 @@ def release_key(version):
 RELEASE = release_key(importlib.metadata.version("torch"))
 # Every setting the running release knows (an unknown key is refused):
 # expandable segments and roundup_power2_divisions' list form came with
-# PyTorch 2.1, large_segment_size_mb with 2.11.
+# PyTorch 2.1, large_segment_size_mb with 2.11, expandable_segments_reserve
+# with 2.15 (whose programs annotate some of their tensors too).
 SETTINGS = ["", "max_split_size_mb:64", "roundup_power2_divisions:4",
             *(["roundup_power2_divisions:[256:1,512:2,>:8]", "expandable_segments:True"]
               if RELEASE >= (2, 1) else []),
             *(["large_segment_size_mb:40"] if RELEASE >= (2, 11) else []),
+            # 2.15's reserve of each expandable segment: a quarter of the device.
+            *(["expandable_segments:True,expandable_segments_reserve:0.25"] if RELEASE >= (2, 15) else []),
             "garbage_collection_threshold:0.6,max_split_size_mb:128"]
 
 

@@ -1264,6 +1264,46 @@ def test_the_out_of_memory_message_is_pytorchs_sentence_for_sentence(settings):
         assert mine == theirs
 
 
+# PyTorch 2.15's expandable_segments_reserve on a 1 GiB device: 5% (51.20
+# MiB, three 20 MiB pages) a segment; 55 MiB fits a new segment, 61 MiB fits
+# none and fails with 2.15's sentence on the reserve; an invalid value is
+# ignored with PyTorch's warning (the default reserve kept: 61 MiB fits).
+RESERVE = """
+messages = []
+def fail(n):
+    try:
+        torch.empty(n, dtype=torch.uint8, device="cuda")
+        messages.append("no error")
+    except torch.OutOfMemoryError as e:
+        messages.append(str(e))
+keep = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+fail(55 * MiB)
+fail(61 * MiB)
+stats = torch.cuda.memory_stats()
+emit(messages=messages, ooms=stats["num_ooms"], retries=stats["num_alloc_retries"],
+     reserved=stats["reserved_bytes.all.current"])
+"""
+
+
+@pytest.mark.parametrize("reserve", ["0.05", "0.05G", "none"])
+def test_the_expandable_segment_reserve_is_215s(reserve):
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15):
+        pytest.skip("expandable_segments_reserve arrived in PyTorch 2.15")
+    settings = f"expandable_segments:True,expandable_segments_reserve:{reserve}"
+    env = {"RESERVOIR_SIMCUDA_MEMORY": "1GiB", "PYTORCH_CUDA_ALLOC_CONF": settings}
+    native = run("native", RESERVE, env)
+    ours = run(settings, RESERVE, env)
+    assert ours == native
+    if reserve == "none":
+        assert native["messages"] == ["no error", "no error"] and native["ooms"] == 0
+    else:
+        assert native["messages"][0] == "no error" and native["ooms"] == 1 and native["retries"] == 1
+        assert native["messages"][1].endswith(
+            "This allocation exceeds the expandable-segment reserve of 51.20 MiB for this stream, and a single "
+            "allocation cannot span expandable segments. Raise PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve "
+            "or expandable_segments_reserve_by_class (or unset it) so that a segment is at least 62.00 MiB.")
+
+
 # The pending-free case of pytorch/pytorch#189504 (scenarios.py).
 PENDING_FREE_STATS = PENDING_FREE + """
 stats = torch.cuda.memory_stats()

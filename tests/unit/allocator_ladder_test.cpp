@@ -109,6 +109,49 @@ TEST_F(Ladder, OutOfMemoryMessageNamesTheProcessesUsingTheDevice) {
   release(a);
 }
 
+// PyTorch 2.15's expandable_segments_reserve: each segment reserves 5% of a
+// 1 GiB device (51.20 MiB: three 20 MiB pages). A 55 MiB request fits a new
+// segment; a 61 MiB one (62 MiB rounded) fits none, goes down the ladder
+// (one retry) and fails with the message 2.15 writes, naming the stream's
+// class where it has one. Measured on PyTorch 2.15 (simulated device, 1 GiB).
+TEST_F(Ladder, ARequestBeyondTheExpandableSegmentReserveFailsAs215Says) {
+  const std::string fits_none =
+      " This allocation exceeds the expandable-segment reserve of 51.20 MiB {}, and a single allocation "
+      "cannot span expandable segments. Raise PYTORCH_CUDA_ALLOC_CONF expandable_segments_reserve or "
+      "expandable_segments_reserve_by_class (or unset it) so that a segment is at least 62.00 MiB.";
+  for (const std::string config : {"expandable_segments_reserve:0.05", "expandable_segments_reserve:0.05G",
+                                   "expandable_segments_reserve_by_class:[tiny:0.05]"}) {
+    allocator_.reset();
+    make("expandable_segments:True,pytorch_version:2.15," + config, 1024 * kMiB);
+    const bool by_class = config.find("by_class") != std::string::npos;
+    if (by_class) allocator_->set_stream_reserve_class(0, "tiny");
+    const DevicePtr kept = alloc(30 * kMiB);
+    const DevicePtr a = alloc(55 * kMiB);  // a segment of its own: 3 pages hold it
+    release(a);
+    try {
+      (void)allocator_->allocate(61 * kMiB);
+      ADD_FAILURE() << "expected OutOfMemoryError: " << config;
+    } catch (const OutOfMemoryError& e) {
+      const std::string what = e.what();
+      const std::string unallocated = "reserved by PyTorch but unallocated.";
+      EXPECT_EQ(what.substr(what.find(unallocated) + unallocated.size()),
+                fmt::format(fmt::runtime(fits_none),
+                            by_class ? "for stream reserve class 'tiny'" : "for this stream"))
+          << config;
+      EXPECT_TRUE(what.starts_with("CUDA out of memory. Tried to allocate 62.00 MiB.")) << what;
+    }
+    EXPECT_EQ(stat("num_ooms"), 1);
+    EXPECT_EQ(stat("num_alloc_retries"), 1);
+    allocator_->set_stream_reserve_class(0, "");
+    if (by_class) {
+      // Without its class the stream takes 9/8 of the device again.
+      const DevicePtr big = alloc(61 * kMiB);
+      release(big);
+    }
+    release(kept);
+  }
+}
+
 // 2.15 under expandable segments ends on the address space instead.
 TEST_F(Ladder, OutOfMemoryMessageUnderExpandableSegmentsEndsAs215WritesIt) {
   for (const std::string release : {"2.14", "2.15"}) {

@@ -178,6 +178,7 @@ TEST(Config, ErrorsNameKeyValueAndWhatIsAccepted) {
             "allocator config \"foo:123\": unknown key 'foo'; accepted keys: "
             "max_split_size_mb, max_non_split_rounding_mb, large_segment_size_mb, "
             "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, "
+            "expandable_segments_reserve, expandable_segments_reserve_by_class, "
             "per_process_memory_fraction, graph_capture_record_stream_reuse, "
             "throw_on_cudamalloc_oom, release_lock_on_cudamalloc, release_lock_on_hipmalloc, "
             "pinned_use_cuda_host_register, pinned_use_hip_host_register, "
@@ -325,7 +326,52 @@ TEST(Config, TheTableIsTheDocsAndTheParser) {
     }
   }
   EXPECT_EQ(find_setting("no_such_key"), nullptr);
-  EXPECT_EQ(keys.size(), 26u);
+  EXPECT_EQ(keys.size(), 28u);
+}
+
+// PyTorch 2.15's reserve of each expandable segment: a fraction of the
+// device or GiB; an invalid value is ignored with PyTorch's warning (its
+// default kept), a list's bad entry alone; the list replaces an earlier one.
+TEST(Config, TheExpandableSegmentReserveIsReadAsPyTorch215ReadsIt) {
+  constexpr std::size_t kGiB = std::size_t{1} << 30;
+  const std::size_t total = 80 * kGiB;
+  const AllocatorConfig none = AllocatorConfig::parse("expandable_segments:True");
+  EXPECT_EQ(none.segment_reserve("", total), total + total / 8);
+  const AllocatorConfig half = AllocatorConfig::parse("expandable_segments:True,expandable_segments_reserve:0.5");
+  EXPECT_EQ(half.segment_reserve("", total), total / 2);
+  EXPECT_EQ(half.segment_reserve("decode", total), total / 2);  // a class without an entry takes the global one
+  EXPECT_TRUE(half.warnings.list.empty());
+  EXPECT_EQ(half.to_string(), "expandable_segments:True,expandable_segments_reserve:0.5");
+  const AllocatorConfig gib = AllocatorConfig::parse("expandable_segments_reserve:40G");
+  EXPECT_EQ(gib.segment_reserve("", total), 40 * kGiB);
+  EXPECT_EQ(AllocatorConfig::parse("expandable_segments_reserve:1e20G").segment_reserve("", total),
+            total + total / 8);  // at most 9/8 of the device
+  EXPECT_EQ(AllocatorConfig::parse("expandable_segments_reserve:2").segment_reserve("", total), total + total / 8);
+  const AllocatorConfig classes = AllocatorConfig::parse(
+      "expandable_segments_reserve:0.25,expandable_segments_reserve_by_class:[prefill:0.5,decode:4G,bad:x]");
+  EXPECT_EQ(classes.segment_reserve("prefill", total), total / 2);
+  EXPECT_EQ(classes.segment_reserve("decode", total), 4 * kGiB);
+  EXPECT_EQ(classes.segment_reserve("bad", total), total / 4);
+  EXPECT_EQ(classes.segment_reserve("", total), total / 4);
+  ASSERT_EQ(classes.warnings.list.size(), 1u);
+  EXPECT_EQ(classes.warnings.list[0],
+            "Ignoring invalid expandable-segment reserve value 'x' in PYTORCH_CUDA_ALLOC_CONF (expected a "
+            "positive, finite fraction like 0.5 or an absolute size like 40G); using default.");
+  EXPECT_EQ(classes.to_string(),
+            "expandable_segments_reserve:0.25,expandable_segments_reserve_by_class:[decode:4G,prefill:0.5]");
+  EXPECT_EQ(AllocatorConfig::parse(classes.to_string()), classes);
+  for (const char* bad : {"0", "-0.5", "inf", "nan", "G", "0.5GB", "abc"}) {
+    const AllocatorConfig c = AllocatorConfig::parse(std::string("expandable_segments_reserve:") + bad);
+    EXPECT_FALSE(c.expandable_segments_reserve.has_value()) << bad;
+    EXPECT_EQ(c.warnings.list.size(), 1u) << bad;
+    EXPECT_EQ(c, AllocatorConfig{}) << bad;
+  }
+  EXPECT_EQ(AllocatorConfig::parse("expandable_segments_reserve_by_class:[a:0.5],"
+                                   "expandable_segments_reserve_by_class:[b:0.25]")
+                .expandable_segments_reserve_by_class.size(),
+            1u);
+  EXPECT_THROW(AllocatorConfig::parse("expandable_segments_reserve_by_class:[a:0.5"), ConfigError);
+  EXPECT_THROW(AllocatorConfig::parse("expandable_segments_reserve_by_class:a"), ConfigError);
 }
 
 TEST(Config, VersionsCompareByNumber) {

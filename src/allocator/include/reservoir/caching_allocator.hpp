@@ -165,6 +165,12 @@ class CachingAllocator {
   // out-of-memory message, no garbage collection by threshold).
   void clear_memory_fraction();
 
+  // PyTorch 2.15's setExpandableSegmentReserveClassForStream: the expandable
+  // segments made for `stream` from now on reserve what
+  // expandable_segments_reserve_by_class gives `reserve_class` ("" clears it:
+  // the stream takes expandable_segments_reserve, else 9/8 of the device).
+  void set_stream_reserve_class(StreamId stream, const std::string& reserve_class);
+
   void set_config(const AllocatorConfig& config);
   AllocatorConfig config() const;
   int device_index() const noexcept;

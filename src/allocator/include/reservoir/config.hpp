@@ -12,9 +12,12 @@
 #include <array>
 #include <cstddef>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace reservoir {
 
@@ -71,6 +74,34 @@ struct AllocatorConfig {
   bool retry_searches_pool = true;
   // set_per_process_memory_fraction from the config string (1.0: none).
   double per_process_memory_fraction = 1.0;
+  // PyTorch 2.15's virtual-address reserve of each expandable segment: a
+  // fraction of the device's memory ("0.5") or GiB ("40G"); the segment
+  // reserves that much (at most 9/8 of the device, its reserve without the
+  // setting). expandable_segments_reserve applies to every stream without a
+  // class of its own; _by_class to the streams given that class
+  // (CachingAllocator::set_stream_reserve_class, PyTorch's
+  // setExpandableSegmentReserveClassForStream). A request larger than its
+  // stream's reserve fails: no segment can hold it.
+  struct Reserve {
+    bool fraction = true;  // of the device's memory; else GiB
+    double value = 0.0;
+    // Resolved against the device's memory, saturating.
+    std::size_t bytes(std::size_t device_total) const noexcept;
+    bool operator==(const Reserve&) const = default;
+  };
+  std::optional<Reserve> expandable_segments_reserve;
+  std::vector<std::pair<std::string, Reserve>> expandable_segments_reserve_by_class;  // by name
+  // The reserve of a segment for a stream of `reserve_class` ("" none) on a
+  // device of `device_total` bytes: as PyTorch 2.15 decides it.
+  std::size_t segment_reserve(std::string_view reserve_class, std::size_t device_total) const;
+  // What the text set that its release ignores with a warning rather than
+  // refuses (an invalid reserve value: PyTorch keeps its default), in the
+  // order given. Not compared.
+  struct Warnings {
+    std::vector<std::string> list;
+    bool operator==(const Warnings&) const { return true; }
+  };
+  Warnings warnings;
   Policy policy = Policy::native;
   // policy:paging: cached memory (reserved minus allocated) kept after a
   // free; whole free handles beyond it go back to the device at once rather

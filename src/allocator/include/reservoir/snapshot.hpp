@@ -56,6 +56,9 @@ enum class TraceAction : std::uint8_t {
   snapshot,
   oom,          // an allocation of size bytes failed; addr = device free bytes
   empty_cache,  // text traces: the program called empty_cache()
+  // PyTorch 2.15's torch.cuda.memory._annotate_tensor: metadata attached to
+  // the live allocation at addr (size: its size); no allocator work.
+  annotate,
 };
 std::string_view to_string(TraceAction action) noexcept;
 
