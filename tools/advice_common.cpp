@@ -352,13 +352,20 @@ JobAnswer job_answer_of(const JobAdvice& job) {
           static_cast<double>(ans.saves_bytes) / double(1 << 30), ans.saves_percent,
           format_size(*ans.recorded_worst), ans.recorded_worst_rank, job_headroom(job, best));
     } else if (ans.recorded_worst) {
+      // reservoir's policy is named only where its own replay needs less
+      // than the program's settings do (on the hungriest rank under it).
+      const JobCandidate* ours = job.candidates.empty() ? nullptr : &job.candidates[job.best_reservoir];
+      const bool ours_helps = ours != nullptr && ours->reservoir_only &&
+                              ours->worst_min_capacity_bytes < *ans.recorded_worst;
       ans.action = fmt::format(
           "Your settings are already within {:.1f}% of the best stock PyTorch setting: the hungriest "
           "rank ({}) needs {} under them. What would help instead: less live memory on that rank at "
-          "its peak (its own advice names the allocations), or reservoir's policy ({}).",
+          "its peak (its own advice names the allocations){}.",
           std::max(0.0, ans.saves_percent), ans.recorded_worst_rank, format_size(*ans.recorded_worst),
-          job.candidates.empty() ? std::string("RESERVOIR_ALLOC_CONF=policy:paging")
-                                 : job_env_line(job, job.candidates[job.best_reservoir], true));
+          ours_helps ? fmt::format(", or reservoir's {} ({}: the hungriest rank, {}, needs {} under it)",
+                                   ours->config, job_env_line(job, *ours, true), ours->worst_rank,
+                                   format_size(ours->worst_min_capacity_bytes))
+                     : std::string());
     }
   }
   return ans;

@@ -5,6 +5,7 @@ Usage: tools_test.py RESERVOIR_BINARY WORK_DIR SOURCE_DIR
 """
 import json
 import os
+import shutil
 import pty
 import subprocess
 import sys
@@ -301,6 +302,20 @@ check(not fine["answer"]["settings_matter"] and fine["answer"]["line"] == "" and
       fine["answer"]["action"] == "Your settings are already within 0.0% of the best stock PyTorch "
       "setting; the program itself needs 256.00 MiB at its peak. What would help instead: less live "
       "memory at the peak (the allocations listed below).", fine["answer"])
+# The same for a job: reservoir's policy is named only where its own replay
+# needs less than the settings the program runs with (native_paged serves the
+# fragmented request in 256 MiB); with only stock settings swept, none is named.
+job_a, job_b = os.path.join(work, "rank0.pickle"), os.path.join(work, "rank1.pickle")
+shutil.copyfile(classic, job_a)
+shutil.copyfile(classic, job_b)
+stock = json.loads(run("advise", job_a, job_b, "--json", "-c", "", "-c", "roundup_power2_divisions:4").stdout)
+check(stock["answer"]["action"].endswith("(its own advice names the allocations).") and
+      "reservoir's" not in stock["answer"]["action"], stock["answer"])
+paged = json.loads(run("advise", job_a, job_b, "--json", "-c", "", "-c", "policy:native_paged").stdout)
+check(paged["answer"]["action"].endswith(
+    "(its own advice names the allocations), or reservoir's policy:native_paged "
+    "(RESERVOIR_ALLOC_CONF=policy:native_paged: the hungriest rank, rank 0, needs 256.00 MiB under it)."),
+    paged["answer"])
 # A capacity too small for the program itself: how much it must shrink.
 small = json.loads(run("advise", classic, "--capacity", "200MiB", "--json", "-c", "").stdout)
 check(small["fits"] is False and small["recommendation"]["shrink_bytes"] == 56 * MiB, small)
