@@ -105,12 +105,18 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
   if (d.request && unusable > 0 && room && unusable + *room >= d.request->rounded &&
       (!device_total || d.allocated_bytes + d.request->rounded <= *device_total) &&
       (!limit || d.allocated_bytes + d.request->rounded <= *limit)) {
+    // What is known is that this request would have fit; where the step had
+    // not finished (the recording ends at the error), not whether the rest
+    // of it fits: said, so that the cause is not read as the whole story.
     causes.push_back(fmt::format(
-        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), {}",
+        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), {}{}",
         format_size(unusable),
         format_size(std::max(d.request->largest_same_stream, d.request->largest_other_stream)),
         limit ? fmt::format("and {} more was within the limit", format_size(*room))
-              : fmt::format("and the device had {} free", format_size(*room))));
+              : fmt::format("and the device had {} free", format_size(*room)),
+        d.ends_at_error && !a.shrink_bytes ? ": this request would have fit without it; whether the rest of the step fits is "
+                          "not known (it had not run)"
+                        : ""));
   }
   if (a.shrink_bytes) {
     causes.push_back(fmt::format("too little memory: the recorded part alone needs {} at its peak, {} "

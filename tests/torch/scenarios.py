@@ -262,7 +262,8 @@ del ts
 FRAGMENTED_REQUEST = 'torch.empty(500 * MiB, dtype=torch.uint8, device="cuda")'
 FRAGMENTATION_LINE = ("reservoir: out of memory on a 500.00 MiB request: fragmentation: 440.00 MiB sat reserved "
                       "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
-                      "224.00 MiB free.")
+                      "224.00 MiB free: this request would have fit without it; whether the rest of the step "
+                      "fits is not known (it had not run).")
 
 
 # A block freed during a capture after use on a side stream (record_stream):

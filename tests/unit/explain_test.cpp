@@ -79,7 +79,8 @@ TEST(Explain, TheAllocatorsOwnErrorCarriesTheAnswerAfterItsMessage) {
   EXPECT_EQ(lines[1],
             "reservoir: out of memory on a 160.00 MiB request: fragmentation: 200.00 MiB sat reserved "
             "but unused, in pieces too small for it (the largest 100.00 MiB), and the device had "
-            "44.00 MiB free.");
+            "44.00 MiB free: this request would have fit without it; whether the rest of the step fits is "
+            "not known (it had not run).");
   // On reservoir's allocator, in the variable it reads first.
   EXPECT_EQ(lines[2].rfind("reservoir: set RESERVOIR_ALLOC_CONF=", 0), 0u) << lines[2];
   EXPECT_EQ(lines[3],
@@ -233,7 +234,9 @@ TEST(Explain, FragmentationUnderAKnownMemoryLimit) {
             "reservoir: out of memory on a 60.00 MiB request: the process's memory fraction "
             "(set_per_process_memory_fraction) refused it: it allows 256.00 MiB, the process had 220.00 MiB "
             "reserved and the device 804.00 MiB free; and fragmentation: 80.00 MiB sat reserved but unused, "
-            "in pieces too small for it (the largest 40.00 MiB), and 36.00 MiB more was within the limit.");
+            "in pieces too small for it (the largest 40.00 MiB), and 36.00 MiB more was within the limit: "
+            "this request would have fit without it; whether the rest of the step fits is not known (it had "
+            "not run).");
 }
 
 TEST(Explain, EveryLineNamesTheRankAndTheDevice) {
