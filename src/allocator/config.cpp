@@ -348,7 +348,7 @@ const Entry kTable[] = {
        if (c.max_split_size != AllocatorConfig{}.max_split_size)
          out.push_back("max_split_size_mb:" + mib(c.max_split_size));
      }},
-    {{"max_non_split_rounding_mb", kMib20, "20", "~2.4+", "2.4", "",
+    {{"max_non_split_rounding_mb", kMib20, "20", "2.6+", "2.6", "",
       "a request >= max_split_size takes a cached block only if it is less than this much "
       "larger",
       true},
@@ -359,7 +359,7 @@ const Entry kTable[] = {
        if (c.max_non_split_rounding_size != AllocatorConfig{}.max_non_split_rounding_size)
          out.push_back("max_non_split_rounding_mb:" + mib(c.max_non_split_rounding_size));
      }},
-    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "~2.11+", "2.11", "",
+    {{"large_segment_size_mb", "an even whole number of MiB >= 2", "20", "2.11+", "2.11", "",
       "the segment a large-pool request below 10 MiB gets (20 MiB before), and the large "
       "pool's page under expandable segments",
       true},
@@ -442,7 +442,7 @@ const Entry kTable[] = {
        }
        out.push_back(fmt::format("expandable_segments_reserve_by_class:[{}]", fmt::join(entries, ",")));
      }},
-    {{"per_process_memory_fraction", "a number in [0.0, 1.0]", "1.0", "~2.10+", "2.10", "",
+    {{"per_process_memory_fraction", "a number in [0.0, 1.0]", "1.0", "2.10+", "2.10", "",
       "as torch.cuda.set_per_process_memory_fraction before the first allocation: reserved "
       "memory may not exceed this fraction of the device (enables garbage collection; 0.0 "
       "allows none)",
@@ -454,7 +454,7 @@ const Entry kTable[] = {
        if (c.per_process_memory_fraction != 1.0)
          out.push_back(fmt::format("per_process_memory_fraction:{}", c.per_process_memory_fraction));
      }},
-    {{"graph_capture_record_stream_reuse", kBool, "False", "~2.9+", "2.9",
+    {{"graph_capture_record_stream_reuse", kBool, "False", "2.9+", "2.9",
       "graph_capture_record_stream_reuse",
       "lets CUDA-graph capture reuse blocks freed on other streams once the capture joined them; "
       "modelled where the capture's graph is known (reservoir as PyTorch's allocator); replay "
@@ -521,7 +521,7 @@ const Entry kTable[] = {
        if (c.pinned_num_register_threads != 1)
          out.push_back(fmt::format("pinned_num_register_threads:{}", c.pinned_num_register_threads));
      }},
-    {{"pinned_use_background_threads", kBool, "False", "~2.5+", "2.5", "",
+    {{"pinned_use_background_threads", kBool, "False", "2.6+", "2.6", "",
       "pinned host allocator's background event processing", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        set_bool(p, c.pinned_use_background_threads, k);
@@ -529,7 +529,7 @@ const Entry kTable[] = {
      [](const AllocatorConfig& c, std::vector<std::string>& out) {
        if (c.pinned_use_background_threads) out.emplace_back("pinned_use_background_threads:True");
      }},
-    {{"pinned_reserve_segment_size_mb", "a whole number of MiB", "0", "~2.10+", "2.10", "",
+    {{"pinned_reserve_segment_size_mb", "a whole number of MiB", "0", "2.10+", "2.10", "",
       "pinned host memory reserved up front; accepted, not modelled", false},
      [](Parser& p, AllocatorConfig& c, const std::string& k) {
        c.pinned_reserve_segment_size = p.mib_value(k, 0, "a whole number of MiB");

@@ -13,6 +13,7 @@ addresses are compared relative to the first allocation of each process.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -278,3 +279,40 @@ def test_the_drop_in_pauses_and_resumes_tagged_memory(through):
     # Each pause gives its tag's memory back to the device (MiB), addresses
     # and the backed-up bytes hold, and the device's free memory is as before.
     assert run_plain(code, preload=preload) == ["128", "64", "True", "True", "True", "True", "True", "True"]
+
+
+KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allocator_keys.py")
+
+
+def reservoir_settings():
+    """reservoir's settings table (`reservoir settings`): each PyTorch key
+    with the first release that knows it; reservoir's own keys left out."""
+    out = subprocess.run([os.environ["RESERVOIR"], "settings"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {}
+    for line in out.stdout.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        key, pytorch = cells[0].strip("`"), cells[3]
+        if pytorch != "reservoir":
+            rows[key] = tuple(int(x) for x in re.search(r"(\d+)\.(\d+)", pytorch).groups())
+    return rows
+
+
+def test_every_key_this_release_accepts_is_reservoirs_and_no_other():
+    # The keys the release's own parser accepts, read from its libraries
+    # (allocator_keys.py), against reservoir's table: the same set, each
+    # from the release the table names.
+    ours = reservoir_settings()
+    r = subprocess.run([sys.executable, "-W", "ignore", KEYS, *ours], capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
+    found = json.loads(lines[-1][len("RESULT "):])
+    theirs = set(found["keys"])
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    unknown = sorted(theirs - set(ours))
+    assert not unknown, f"PyTorch {torch.__version__} accepts keys reservoir does not know: {unknown}"
+    expected = {k for k, since in ours.items() if since <= release}
+    assert sorted(theirs) == sorted(expected), (
+        f"PyTorch {torch.__version__} accepts {sorted(theirs - expected)} beyond reservoir's table and refuses "
+        f"{sorted(expected - theirs)} that it names for this release")
+    assert found["candidates"] > len(ours)  # the libraries' strings were read
