@@ -162,6 +162,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   // Requests refused, counted here too: one of 1 EiB or more is refused
   // ahead of the allocator's statistics, as PyTorch refuses it.
   std::int64_t refused = 0;
+  bool stopped = false;  // stop_at_first_oom met its out-of-memory error
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
       case ReplayOp::Kind::alloc:
@@ -170,6 +171,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
           pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
           ++refused;
+          stopped = options.stop_at_first_oom;
           if (result.first_oom.empty()) {
             result.first_oom = fmt::format("op {}: {}", op_index, e.what());
           }
@@ -205,8 +207,14 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
     }
     ++op_index;
   };
-  for (const ReplayOp& op : program.initial) run(op);
-  for (const ReplayOp& op : program.ops) run(op);
+  for (const ReplayOp& op : program.initial) {
+    if (stopped) break;
+    run(op);
+  }
+  for (const ReplayOp& op : program.ops) {
+    if (stopped) break;
+    run(op);
+  }
   result.wall_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -278,11 +286,14 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   probe.validate_each_step = false;
   probe.keep_reserved = false;
   probe.native_reserved = nullptr;
-  std::string last_oom;  // the first out-of-memory error of the last probe that had one
+  std::string last_oom;
+  // The bisection's probes need only whether the trace fits.
+  ReplayOptions bisecting = probe;
+  bisecting.stop_at_first_oom = true;  // the first out-of-memory error of the last probe that had one
   auto fits = [&](std::uint64_t capacity) {
-    probe.capacity = capacity;
+    bisecting.capacity = capacity;
     ++out.replays;
-    ReplayResult r = replay(program, config, config_text, probe);
+    ReplayResult r = replay(program, config, config_text, bisecting);
     if (r.num_ooms != 0) last_oom = std::move(r.first_oom);
     return r.num_ooms == 0;
   };
@@ -340,6 +351,7 @@ void refine_min_capacity(const ReplayProgram& program, const AllocatorConfig& co
   probe.validate_each_step = false;
   probe.keep_reserved = false;
   probe.native_reserved = nullptr;
+  probe.stop_at_first_oom = true;
   auto fits = [&](std::uint64_t capacity) {
     probe.capacity = capacity;
     ++result.replays;

@@ -108,6 +108,10 @@ struct ReplayOptions {
   // min_capacity stops bisecting once the range is within this fraction of
   // its upper end (0: to the 2 MiB step, exact); refine_min_capacity ends it.
   double min_capacity_tolerance = 0.0;
+  // Stop at the first request that runs out of memory (the result's other
+  // figures then cover the ops up to it): what min_capacity's probes need to
+  // know, sooner.
+  bool stop_at_first_oom = false;
   // The simulated device gives a segment the lowest freed range it fits
   // (SimDeviceOptions::reuse_freed_addresses), as a real driver can.
   bool reuse_freed_addresses = false;
