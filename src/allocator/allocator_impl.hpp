@@ -672,7 +672,10 @@ class CachingAllocator::Impl final : private CombinedStats::Member {
   std::vector<PoolId> use_on_oom_pools_ RESERVOIR_GUARDED_BY(mutex_);  // in the order marked
   // Each stream's expandable-segment reserve class (set_stream_reserve_class).
   std::unordered_map<StreamId, std::string> reserve_classes_ RESERVOIR_GUARDED_BY(mutex_);
-  // The class of the last request a stream's reserve refused (AllocParams::reserve_refused).
+  // The reserve (expandable_segments_reserve) that no new segment for the
+  // request in hand could exceed, and its stream's class: the out-of-memory
+  // message names them (0: none refused it). Reset as a request misses the cache.
+  std::size_t refused_reserve_ RESERVOIR_GUARDED_BY(mutex_) = 0;
   std::string refused_reserve_class_ RESERVOIR_GUARDED_BY(mutex_);
   std::vector<PoolId> no_split_pools_ RESERVOIR_GUARDED_BY(mutex_);
   // MemPool(allocator=...) set before the pool's first route.

@@ -265,6 +265,7 @@ bool CachingAllocator::Impl::new_pool_segment(AllocParams& p) {
 void* CachingAllocator::Impl::allocate_slow(AllocParams& p, std::size_t requested, bool found,
                                             detail::UniqueLock<ClaimingMutex>& lock) {
   p.requested = requested;  // back_block maps the pages under it
+  refused_reserve_ = 0;
   if (found) {
     if (back_block(p)) return reinterpret_cast<void*>(alloc_found_block(p, requested)->ptr);
     found = false;
@@ -396,12 +397,12 @@ CachingAllocator::Impl::Oom CachingAllocator::Impl::out_of_memory(const AllocPar
   // A request no new expandable segment could hold (expandable_segments_reserve):
   // 2.15 says so in place of that advice.
   const std::string advice =
-      p.reserve_refused != 0
+      refused_reserve_ != 0
           ? fmt::format(" This allocation exceeds the expandable-segment reserve of {} {}, and a single "
                         "allocation cannot span expandable segments. Raise PYTORCH_CUDA_ALLOC_CONF "
                         "expandable_segments_reserve or expandable_segments_reserve_by_class (or unset it) so "
                         "that a segment is at least {}.",
-                        format_size(p.reserve_refused),
+                        format_size(refused_reserve_),
                         refused_reserve_class_.empty()
                             ? std::string("for this stream")
                             : fmt::format("for stream reserve class '{}'", refused_reserve_class_),

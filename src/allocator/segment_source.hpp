@@ -41,10 +41,6 @@ struct AllocParams {
   Block* block = nullptr;
   bool block_in_pool = false;  // a cached block, still in its pool's set
   std::size_t requested = 0;   // the caller's size (set on a miss)
-  // A new expandable segment would have been too small for the request:
-  // its stream's reserve (expandable_segments_reserve), which the
-  // out-of-memory message names (0: none refused it).
-  std::size_t reserve_refused = 0;
 };
 
 // What the core needs to know of a policy, read once per configuration.

@@ -108,7 +108,7 @@ Block* CachingAllocator::Impl::new_vm_segment(AllocParams& p) {
   const std::size_t pages = pages_of(space);
   if (pages * page < p.size) {
     if (pages_of(full) * page >= p.size) {
-      p.reserve_refused = space;
+      refused_reserve_ = space;
       refused_reserve_class_ = reserve_class;
     }
     return nullptr;

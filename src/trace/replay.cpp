@@ -162,7 +162,7 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
   // Requests refused, counted here too: one of 1 EiB or more is refused
   // ahead of the allocator's statistics, as PyTorch refuses it.
   std::int64_t refused = 0;
-  bool stopped = false;  // stop_at_first_oom met its out-of-memory error
+  struct StopAtFirstOom {};  // thrown past the op loops: nothing on the path of an op that succeeds
   auto run = [&](const ReplayOp& op) {
     switch (op.kind) {
       case ReplayOp::Kind::alloc:
@@ -171,10 +171,10 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
           pointers[op.id] = allocator.allocate(op.size, op.stream);
         } catch (const OutOfMemoryError& e) {
           ++refused;
-          stopped = options.stop_at_first_oom;
           if (result.first_oom.empty()) {
             result.first_oom = fmt::format("op {}: {}", op_index, e.what());
           }
+          if (options.stop_at_first_oom) throw StopAtFirstOom{};
         }
         break;
       case ReplayOp::Kind::free:
@@ -207,13 +207,11 @@ ReplayResult replay(const ReplayProgram& program, const AllocatorConfig& config,
     }
     ++op_index;
   };
-  for (const ReplayOp& op : program.initial) {
-    if (stopped) break;
-    run(op);
-  }
-  for (const ReplayOp& op : program.ops) {
-    if (stopped) break;
-    run(op);
+  try {
+    for (const ReplayOp& op : program.initial) run(op);
+    for (const ReplayOp& op : program.ops) run(op);
+  } catch (const StopAtFirstOom&) {
+    ++op_index;  // the op that ran out of memory was done
   }
   result.wall_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
