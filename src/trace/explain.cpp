@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include "reservoir/errors.hpp"
 #include "reservoir/format.hpp"
@@ -131,6 +132,64 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
   }
   std::string out = causes.front();
   for (std::size_t i = 1; i < causes.size(); ++i) out += "; and " + causes[i];
+  return out;
+}
+
+// The program's own history of the failed request: where the recording
+// shows the same request succeed before (the same call stack where stacks
+// were recorded; else the same size, for requests of 64 MiB and more), what
+// the program went on to hold while that allocation lived. A long-lived
+// process that served the request before tells how much the step needs,
+// which the part since the error before cannot.
+struct EarlierSuccess {
+  std::size_t times = 0;         // successes of the request the recording shows
+  std::uint64_t held_bytes = 0;  // the most held while the latest of them lived
+};
+
+std::optional<EarlierSuccess> earlier_success(const Trace& trace) {
+  std::size_t failed = trace.events.size();
+  for (std::size_t i = trace.events.size(); i-- > 0;) {
+    if (trace.events[i].action == TraceAction::oom && trace.events[i].size != 0) {
+      failed = i;
+      break;
+    }
+  }
+  if (failed == trace.events.size()) return std::nullopt;
+  const TraceEvent& oom = trace.events[failed];
+  const bool by_stack = oom.context != 0;
+  if (!by_stack && oom.size < (std::uint64_t{64} << 20)) return std::nullopt;
+  auto same = [&](const TraceEvent& e) {
+    return e.action == TraceAction::alloc && e.size == oom.size && e.stream == oom.stream &&
+           (!by_stack || e.context == oom.context);
+  };
+  std::unordered_map<DevicePtr, std::uint64_t> live;   // address -> size
+  std::unordered_map<DevicePtr, std::uint64_t> open;   // a success of the request still live -> most held
+  std::uint64_t held = 0;
+  EarlierSuccess out;
+  bool closed = false;
+  for (std::size_t i = 0; i < failed; ++i) {
+    const TraceEvent& e = trace.events[i];
+    if (e.action == TraceAction::alloc) {
+      live[e.addr] = e.size;
+      held += e.size;
+      for (auto& [addr, most] : open) most = std::max(most, held);
+      if (same(e)) {
+        ++out.times;
+        open[e.addr] = held;
+      }
+    } else if (e.action == TraceAction::free_requested) {
+      const auto it = live.find(e.addr);
+      if (it == live.end()) continue;  // made before the recording began
+      held -= std::min(held, it->second);
+      live.erase(it);
+      if (const auto o = open.find(e.addr); o != open.end()) {
+        out.held_bytes = o->second;  // the latest success that ended
+        closed = true;
+        open.erase(o);
+      }
+    }
+  }
+  if (!closed) return std::nullopt;
   return out;
 }
 
@@ -447,6 +506,18 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
                                  out.snapshot_path, out.page_path,
                                  out.snapshot_path.empty() ? "" : options.directory, options.advise_command,
                                  options.memory_limit);
+    // What the program held when it served this request before, where that
+    // is more than the part since the error before shows: the step's need.
+    if (const auto before = earlier_success(trace);
+        before && !out.lines.empty() && out.advice->diagnosis.request &&
+        before->held_bytes > out.advice->peak_requested_bytes) {
+      std::string& first = out.lines.front();
+      if (!first.empty() && first.back() == '.') first.pop_back();
+      first += fmt::format("; the last time it served this request ({} {} recorded), the program went on to "
+                           "hold {} while it lived: the step may need that much.",
+                           before->times, before->times == 1 ? "success" : "successes",
+                           format_size(before->held_bytes));
+    }
   } catch (const std::exception& e) {
     out.advice.reset();
     out.lines.push_back(fmt::format("{}could not analyse the recording: {}", site.prefix(), e.what()));

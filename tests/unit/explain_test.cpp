@@ -346,6 +346,41 @@ TEST(Explain, TheOwnAllocatorsSnapshotCarriesItsRelease) {
   EXPECT_FALSE(pytorch.pytorch_release_known);
 }
 
+// A long-lived process that served the request before: the recording shows
+// what the program held while that success lived (290 MiB), more than the
+// part since the error before needs; the first line says so.
+TEST(Explain, TheRequestsEarlierSuccessTellsWhatTheStepHeld) {
+  Recorder r("", 300 * kMiB);
+  void* request = r.alloc(100 * kMiB);
+  void* rest = r.alloc(190 * kMiB);  // the step goes on while the request's memory lives
+  r.allocator.deallocate(rest);
+  r.allocator.deallocate(request);
+  r.allocator.empty_cache();
+  EXPECT_THROW(r.alloc(400 * kMiB), OutOfMemoryError);  // an error before: the answer's part starts after it
+  // Then a 240 MiB segment carved into four 60 MiB blocks, two of them freed:
+  // the request finds holes too small, and no room for a segment of its own.
+  r.allocator.deallocate(r.alloc(240 * kMiB));
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(r.alloc(60 * kMiB));
+  r.allocator.deallocate(blocks[1]);
+  r.allocator.deallocate(blocks[3]);
+  EXPECT_THROW(r.alloc(100 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(blocks[0]);
+  r.allocator.deallocate(blocks[2]);
+  const Trace t = pickled(r.finish());
+  const OomExplanation e = explain_oom(t, {}, ExplainOptions{});
+  ASSERT_FALSE(e.lines.empty());
+  const std::string tail =
+      "; the last time it served this request (1 success recorded), the program went on to hold 290.00 MiB "
+      "while it lived: the step may need that much.";
+  ASSERT_GE(e.lines[0].size(), tail.size());
+  EXPECT_EQ(e.lines[0].substr(e.lines[0].size() - tail.size()), tail) << e.lines[0];
+  EXPECT_EQ(e.lines[0].rfind("reservoir: out of memory on a 100.00 MiB request: ", 0), 0u) << e.lines[0];
+  // Without the earlier success, nothing is said of it.
+  const OomExplanation plain = explain_oom(fragmented_oom(), {}, ExplainOptions{});
+  EXPECT_EQ(plain.lines[0].find("the last time"), std::string::npos) << plain.lines[0];
+}
+
 TEST(Explain, TheSnapshotAndThePageAreWrittenByHostRankAndTime) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "explain_files";
   std::filesystem::remove_all(dir);
