@@ -360,8 +360,8 @@ TEST(Explain, TheRequestsEarlierSuccessTellsWhatTheStepHeld) {
   // Then a 240 MiB segment carved into four 60 MiB blocks, two of them freed:
   // the request finds holes too small, and no room for a segment of its own.
   r.allocator.deallocate(r.alloc(240 * kMiB));
-  std::vector<void*> blocks;
-  for (int i = 0; i < 4; ++i) blocks.push_back(r.alloc(60 * kMiB));
+  std::vector<void*> blocks(4);
+  for (void*& b : blocks) b = r.alloc(60 * kMiB);
   r.allocator.deallocate(blocks[1]);
   r.allocator.deallocate(blocks[3]);
   EXPECT_THROW(r.alloc(100 * kMiB), OutOfMemoryError);
