@@ -1229,8 +1229,8 @@ def test_the_profiler_with_its_default_activities():
 # segments. reservoir's own allocator writes PyTorch's message for the
 # running release sentence for sentence (NVML's list of processes included:
 # the simulated device answers NVML as a GPU's driver does).
-MESSAGES = """
-GiB = 1 << 30
+# A request that may fail: its message, or "no error", in `messages`.
+FAIL = """
 messages = []
 def fail(n):
     try:
@@ -1238,6 +1238,9 @@ def fail(n):
         messages.append("no error")
     except torch.OutOfMemoryError as e:
         messages.append(str(e))
+"""
+MESSAGES = FAIL + """
+GiB = 1 << 30
 keep = [torch.empty(300 * MiB, dtype=torch.uint8, device="cuda"),
         torch.empty(5 * MiB + 1, dtype=torch.uint8, device="cuda")]
 cached = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
@@ -1268,14 +1271,7 @@ def test_the_out_of_memory_message_is_pytorchs_sentence_for_sentence(settings):
 # MiB, three 20 MiB pages) a segment; 55 MiB fits a new segment, 61 MiB fits
 # none and fails with 2.15's sentence on the reserve; an invalid value is
 # ignored with PyTorch's warning (the default reserve kept: 61 MiB fits).
-RESERVE = """
-messages = []
-def fail(n):
-    try:
-        torch.empty(n, dtype=torch.uint8, device="cuda")
-        messages.append("no error")
-    except torch.OutOfMemoryError as e:
-        messages.append(str(e))
+RESERVE = FAIL + """
 keep = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
 fail(55 * MiB)
 fail(61 * MiB)
