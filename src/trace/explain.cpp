@@ -166,13 +166,12 @@ std::optional<EarlierSuccess> earlier_success(const Trace& trace) {
   std::unordered_map<DevicePtr, std::uint64_t> open;   // a success of the request still live -> most held
   std::uint64_t held = 0;
   EarlierSuccess out;
-  bool closed = false;
   for (std::size_t i = 0; i < failed; ++i) {
     const TraceEvent& e = trace.events[i];
     if (e.action == TraceAction::alloc) {
       live[e.addr] = e.size;
       held += e.size;
-      for (auto& [addr, most] : open) most = std::max(most, held);
+      for (auto& entry : open) entry.second = std::max(entry.second, held);
       if (same(e)) {
         ++out.times;
         open[e.addr] = held;
@@ -183,13 +182,12 @@ std::optional<EarlierSuccess> earlier_success(const Trace& trace) {
       held -= std::min(held, it->second);
       live.erase(it);
       if (const auto o = open.find(e.addr); o != open.end()) {
-        out.held_bytes = o->second;  // the latest success that ended
-        closed = true;
+        out.held_bytes = o->second;  // the latest success that ended (never 0: it held the request)
         open.erase(o);
       }
     }
   }
-  if (!closed) return std::nullopt;
+  if (out.held_bytes == 0) return std::nullopt;  // none ended within the recording
   return out;
 }
 
