@@ -569,9 +569,9 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
     for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
       if (advice.candidates[i].recorded) named.push_back(i);
     }
-    for (const std::size_t i : named) {
+    auto refine = [&](std::size_t i) {
       Candidate& c = advice.candidates[i];
-      if (c.min_capacity_exact) continue;
+      if (c.min_capacity_exact) return;
       ReplayOptions o;
       o.memory_fraction = c.memory_fraction;
       refine_min_capacity(program, configs[i], texts[i], o, searches[i]);
@@ -582,8 +582,27 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
         c.min_capacity_over_requested =
             static_cast<double>(c.min_capacity_bytes) / static_cast<double>(peak_requested[i]);
       }
-    }
+    };
+    for (const std::size_t i : named) refine(i);
     choose();
+    // A setting whose search stopped above a best one but may fit below it
+    // (what it is known not to fit in is less) is searched to the end: the
+    // answer names no setting as the best, nor the recorded ones as no
+    // worse, that an exact search would not. Until the choice holds.
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
+        const Candidate& c = advice.candidates[i];
+        const Candidate& rival = advice.candidates[c.reservoir_only || !advice.best_pytorch
+                                                       ? advice.best_reservoir
+                                                       : *advice.best_pytorch];
+        if (!c.min_capacity_exact && searches[i].below + (std::uint64_t{2} << 20) < rival.min_capacity_bytes) {
+          refine(i);
+          changed = true;
+        }
+      }
+      if (changed) choose();
+    }
   }
   for (const Candidate& c : advice.candidates) advice.replays += c.replays;
   if (advice.capacity_bytes) {
