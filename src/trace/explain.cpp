@@ -109,10 +109,15 @@ std::string why(const Advice& a, const std::optional<std::uint64_t>& device_tota
     // What is known is that this request would have fit; where the step had
     // not finished (the recording ends at the error), not whether the rest
     // of it fits: said, so that the cause is not read as the whole story.
+    // A small request finds no block of its own pool: the unused memory
+    // sits in the large pool's segments, which it cannot use.
+    const std::uint64_t largest = std::max(d.request->largest_same_stream, d.request->largest_other_stream);
     causes.push_back(fmt::format(
-        "fragmentation: {} sat reserved but unused, in pieces too small for it (the largest {}), {}{}",
-        format_size(unusable),
-        format_size(std::max(d.request->largest_same_stream, d.request->largest_other_stream)),
+        "fragmentation: {} sat reserved but unused, {}, {}{}", format_size(unusable),
+        !d.request->large && largest == 0
+            ? std::string("in segments of the large pool, which a request of 1 MiB or less cannot use, none "
+                          "of them whole to give back")
+            : fmt::format("in pieces too small for it (the largest {})", format_size(largest)),
         limit ? fmt::format("and {} more was within the limit", format_size(*room))
               : fmt::format("and the device had {} free", format_size(*room)),
         d.ends_at_error && !a.shrink_bytes ? ": this request would have fit without it; whether the rest of the step fits is "
@@ -189,6 +194,16 @@ std::optional<EarlierSuccess> earlier_success(const Trace& trace) {
   }
   if (out.held_bytes == 0) return std::nullopt;  // none ended within the recording
   return out;
+}
+
+// The replay under the program's own settings fits the capacity the
+// program ran out of: it does not show the error it is to explain.
+bool reproduces_nothing(const Advice& a) {
+  if (!a.capacity_bytes || a.diagnosis.moment != "oom") return false;
+  for (const Candidate& c : a.candidates) {
+    if (c.recorded) return c.min_capacity_bytes <= *a.capacity_bytes;
+  }
+  return false;
 }
 
 }  // namespace
@@ -488,8 +503,16 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     }
   }
   try {
-    const Trace window = since_previous_error(trace);
+    Trace window = since_previous_error(trace);
     out.advice = advise_at_error(window, options.threads, options.memory_limit);
+    // The part since the error before starts from the blocks live then,
+    // without the segments the allocator had cached: where its replay under
+    // the program's settings serves the request that failed, it lost what
+    // was in the way, and the whole recording is weighed instead.
+    if (window.events.size() != trace.events.size() && reproduces_nothing(*out.advice)) {
+      window = trace;
+      out.advice = advise_at_error(window, options.threads, options.memory_limit);
+    }
     if (!stem.empty() && options.page) {
       try {
         const std::string html = options.page(window, *out.advice);

@@ -574,5 +574,46 @@ TEST(Explain, TheAnswerAtALaterErrorIsOfWhatHappenedSinceTheOneBefore) {
   r.allocator.deallocate(c);
 }
 
+// A 200 MiB segment cached before the error before, then split again: the
+// part since that error starts from the blocks live then, without the
+// segment, and its replay under the program's settings serves the small
+// request that failed. The whole recording, which shows the segment, is
+// weighed instead, and the cause is named as it was: the unused memory sat in
+// the large pool's segments, which a small request cannot use.
+TEST(Explain, WhereThePartSinceTheErrorBeforeLostWhatWasCachedTheWholeRecordingIsWeighed) {
+  Recorder r("", 300 * kMiB);
+  void* weights = r.alloc(100 * kMiB);
+  r.allocator.deallocate(r.alloc(200 * kMiB));  // cached whole
+  void* pin = r.alloc(30 * kMiB);               // splits it
+  EXPECT_THROW(r.alloc(180 * kMiB), OutOfMemoryError);
+  r.allocator.deallocate(pin);
+  void* again = r.alloc(30 * kMiB);  // splits it again
+  EXPECT_THROW(r.alloc(500 << 10), OutOfMemoryError);
+  r.allocator.deallocate(again);
+  r.allocator.deallocate(weights);
+  const Trace t = pickled(r.finish());
+  const OomExplanation e = explain_oom(t, {}, ExplainOptions{});
+  ASSERT_GE(e.lines.size(), 2u);
+  EXPECT_EQ(e.lines[0],
+            "reservoir: out of memory on a 500.00 KiB request: fragmentation: 170.00 MiB sat reserved but unused, "
+            "in segments of the large pool, which a request of 1 MiB or less cannot use, none of them whole to "
+            "give back, and the device had 0 bytes free: this request would have fit without it; whether the "
+            "rest of the step fits is not known (it had not run).");
+  EXPECT_EQ(e.lines[1],
+            "reservoir: set PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:128 and "
+            "call torch.cuda.set_per_process_memory_fraction(1.0) (garbage collection runs only under one): the "
+            "recorded part needs 300.00 MiB under it, 2.00 MiB less than under your settings, and the device had "
+            "300.00 MiB.");
+  // The part since the error before alone shows no error: its replay under
+  // the program's settings fits.
+  const Trace w = since_previous_error(t);
+  const Advice part = advise_at_error(w);
+  for (const Candidate& c : part.candidates) {
+    if (c.recorded) {
+      EXPECT_LE(c.min_capacity_bytes, 300 * kMiB);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace reservoir
