@@ -319,7 +319,9 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
   const Candidate* best = a.best_pytorch ? &a.candidates[*a.best_pytorch] : nullptr;
   const Candidate& best_any = a.candidates[a.best_reservoir];
   const bool fits = a.fits.value_or(false);
+  bool named_setting = true;
   if (a.shrink_bytes) {
+    named_setting = false;
     lines.push_back(fmt::format("{}no setting helps: the program must need {} less (smaller batches, "
                                 "activation checkpointing, lower precision).",
                                 p, format_size(*a.shrink_bytes)));
@@ -349,15 +351,17 @@ std::vector<std::string> oom_answer_lines(const Trace& trace, const Advice& a, c
                                 format_size(recorded->min_capacity_bytes - best_any.min_capacity_bytes),
                                 best_any.config));
   } else {
+    named_setting = false;
     lines.push_back(fmt::format("{}no setting does better than yours: the recorded part needs {} at its "
                                 "peak; less live memory is what helps.",
                                 p, format_size(a.peak_requested_bytes)));
   }
   if (d.ends_at_error) {
+    // With a setting named, how to check the rest; without, what it means.
     lines.push_back(fmt::format(
-        "{}this covers the program up to the failed request; the rest of the step was never recorded: "
-        "rerun with the setting and RESERVOIR_EXPLAIN_OOM=1 to check it.",
-        p));
+        "{}this covers the program up to the failed request; the rest of the step was never recorded: {}", p,
+        named_setting ? "rerun with the setting and RESERVOIR_EXPLAIN_OOM=1 to check it."
+                      : "the step needs at least this much."));
   }
   if (!snapshot_path.empty()) {
     lines.push_back(page_path.empty()

@@ -116,6 +116,10 @@ TEST(Explain, TooLittleMemorySaysNoSettingHelpsAndByHowMuch) {
   EXPECT_EQ(lines[1],
             "reservoir [rank 3]: no setting helps: the program must need 100.00 MiB less (smaller "
             "batches, activation checkpointing, lower precision).");
+  // No setting named: nothing to rerun with.
+  EXPECT_EQ(lines[2],
+            "reservoir [rank 3]: this covers the program up to the failed request; the rest of the step was "
+            "never recorded: the step needs at least this much.");
 }
 
 TEST(Explain, WhereNoStockSettingFitsButNativePagedDoesTheAnswerNamesIt) {
