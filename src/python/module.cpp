@@ -240,8 +240,22 @@ PYBIND11_MODULE(_core, m) {
           py::arg("ptr"), py::arg("stream"))
       .def(
           "pause",
-          [](Saver& s, std::optional<std::string> tag) { tag ? s.pause(*tag) : s.pause(); },
-          py::arg("tag") = py::none(), release)
+          [](Saver& s, std::optional<std::string> tag, const std::string& contents) {
+            const PauseContents how = parse_pause_contents(contents, "pause: contents");
+            if (tag) return s.pause(*tag, how);
+            if (how == PauseContents::as_regions) return s.pause();
+            // Every running tag, each as asked.
+            std::vector<std::string> running;
+            for (const TagInfo& t : s.tags()) {
+              if (!t.paused && std::find(running.begin(), running.end(), t.tag) == running.end()) {
+                running.push_back(t.tag);
+              }
+            }
+            for (const std::string& t : running) s.pause(t, how);
+          },
+          py::arg("tag") = py::none(), py::arg("contents") = "as_regions", release,
+          "Pause one tag (or every running one), keeping of its contents what `contents` says: "
+          "'as_regions' (the backup its regions asked for), 'discard' or 'zero' (zeroed on resume)")
       .def(
           "resume",
           [](Saver& s, std::optional<std::string> tag) { tag ? s.resume(*tag) : s.resume(); },

@@ -122,6 +122,28 @@ std::unique_ptr<HostStore> make_pinned_store(HostCachingAllocator& cache, std::s
   return std::make_unique<PinnedStore>(cache, bytes, chunk);
 }
 
+namespace {
+class ZeroStore final : public HostStore {
+ public:
+  ZeroStore(std::size_t bytes, std::size_t chunk) : bytes_(bytes), zeros_(chunk) {}
+  std::size_t size() const noexcept override { return bytes_; }
+  std::byte* at(std::size_t offset, std::size_t* contiguous) noexcept override {
+    const std::size_t in = offset % zeros_.size();
+    *contiguous = std::min(zeros_.size() - in, bytes_ - offset);
+    return zeros_.data() + in;
+  }
+  bool staged() const noexcept override { return true; }
+
+ private:
+  std::size_t bytes_;
+  std::vector<std::byte> zeros_;
+};
+}  // namespace
+
+std::unique_ptr<HostStore> make_zero_store(std::size_t bytes, std::size_t chunk) {
+  return std::make_unique<ZeroStore>(bytes, chunk);
+}
+
 std::unique_ptr<HostStore> make_mmap_store(const std::string& directory, std::size_t bytes) {
   return std::make_unique<MmapStore>(directory, bytes);
 }

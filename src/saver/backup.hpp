@@ -47,6 +47,9 @@ std::unique_ptr<HostStore> make_pinned_store(HostCachingAllocator& cache, std::s
 // created, OutOfMemoryError when the space cannot be reserved.
 std::unique_ptr<HostStore> make_mmap_store(const std::string& directory, std::size_t bytes);
 
+// `bytes` of zeros, read from one zeroed buffer of `chunk` bytes (staged).
+std::unique_ptr<HostStore> make_zero_store(std::size_t bytes, std::size_t chunk);
+
 // One direction of copies between device memory and a store. Pieces are
 // issued as they become ready (resume issues a piece as soon as its memory
 // is mapped); finish() waits for them all.

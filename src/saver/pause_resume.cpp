@@ -82,7 +82,7 @@ const std::vector<StreamId>& Saver::Impl::copy_streams() {
   return streams_;
 }
 
-void Saver::Impl::pause_tag(TagState& state) {
+void Saver::Impl::pause_tag(TagState& state, PauseContents contents) {
   detail::UniqueLock lock(state.mutex);
   if (state.paused) return;
   const auto t0 = Clock::now();
@@ -95,15 +95,19 @@ void Saver::Impl::pause_tag(TagState& state) {
   std::unordered_set<DevicePtr> live;
   std::vector<BackupPiece> pieces;
   std::size_t total = 0;
+  const bool copy = state.cpu_backup && contents == PauseContents::as_regions;
   for (const auto& [address, requested] : state.allocator.live_allocations()) {
     live.insert(address);
-    if (state.cpu_backup && requested > 0) {
+    if ((copy || contents == PauseContents::zero) && requested > 0) {
       pieces.push_back({address, requested, total});
       total += requested;
     }
   }
   std::unique_ptr<detail::HostStore> store;
-  if (total > 0) {
+  if (contents == PauseContents::zero) {
+    // What comes back is zeros: nothing to copy now.
+    store = detail::make_zero_store(total, options_.chunk_bytes);
+  } else if (total > 0) {
     switch (state.storage) {
       case BackupStorage::pinned:
         store = detail::make_pinned_store(host_cache_, total, options_.chunk_bytes);
@@ -151,9 +155,10 @@ void Saver::Impl::pause_tag(TagState& state) {
   }
   state.backup = std::move(store);
   state.pieces = std::move(pieces);
+  state.zeroed = contents == PauseContents::zero;
   state.paused = true;
   state.record.pauses += 1;
-  state.record.last_pause_copied = total;
+  state.record.last_pause_copied = state.zeroed ? 0 : total;
   state.record.last_released_bytes = released;
   state.record.last_pause_seconds = seconds_since(t0);
 }
@@ -163,6 +168,8 @@ void Saver::Impl::resume_tag(TagState& state) {
   if (!state.paused) return;
   const auto t0 = Clock::now();
   const std::string what = fmt::format("resume of tag '{}'", state.tag);
+  const char* const stays =
+      state.backup && !state.zeroed ? "the tag stays paused with its backup" : "the tag stays paused";
   (void)state.device.retry_releases();
   // What comes back from the host: the backup less the blocks freed meanwhile.
   std::vector<BackupPiece> wanted;
@@ -207,9 +214,9 @@ void Saver::Impl::resume_tag(TagState& state) {
       const bool back = !state.device.release_all(&ignored).failed();
       if (!back) state.paused = false;  // mapped, contents incomplete: say so
       throw DeviceError(f.call, f.status,
-                        fmt::format("{}: copying {} bytes back from host memory ({})", what,
-                                    copied,
-                                    back ? "the tag stays paused with its backup"
+                        fmt::format("{}: {} {} bytes {} ({})", what, state.zeroed ? "zeroing" : "copying",
+                                    copied, state.zeroed ? "of its allocations" : "back from host memory",
+                                    back ? stays
                                          : "its memory could not be released again: the tag "
                                            "is running with incomplete contents"));
     }
@@ -221,22 +228,25 @@ void Saver::Impl::resume_tag(TagState& state) {
       const std::size_t needed = state.allocator.stats().reserved_bytes[0].current;
       throw OutOfMemoryError(
           fmt::format("{}: out of memory recreating its {} bytes of physical memory ({} bytes "
-                      "free of {}); the tag stays paused with its backup",
-                      what, needed, info.free, info.total),
+                      "free of {}); {}",
+                      what, needed, info.free, info.total, stays),
           needed, info.free, info.total);
     }
     throw DeviceError(f.call, f.status,
-                      fmt::format("{}: {} (the tag stays paused with its backup)", what,
+                      fmt::format("{}: {} ({})", what,
                                   f.call == CallKind::copy_to_device || f.call == CallKind::synchronize_stream
-                                      ? "copying its contents back from host memory"
-                                      : "mapping its memory again"));
+                                      ? (state.zeroed ? "zeroing its allocations"
+                                                      : "copying its contents back from host memory")
+                                      : "mapping its memory again",
+                                  stays));
   }
   state.paused = false;
   engine.reset();
-  if (!retain_backup_.load(std::memory_order_relaxed)) {
+  if (!retain_backup_.load(std::memory_order_relaxed) || state.zeroed) {
     state.backup.reset();
     state.pieces.clear();
   }
+  state.zeroed = false;
   std::vector<void*> frees;
   {
     detail::LockGuard pending(state.pending_mutex);
@@ -249,12 +259,28 @@ void Saver::Impl::resume_tag(TagState& state) {
   state.record.last_resume_seconds = seconds_since(t0);
 }
 
-void Saver::Impl::pause(std::string_view tag) {
+void Saver::Impl::pause(std::string_view tag, PauseContents contents) {
   std::vector<TagState*> states = tags_named(tag, "pause");
   if (std::all_of(states.begin(), states.end(), paused_now)) {
     throw UsageError(fmt::format("pause: tag '{}' is paused already", tag));
   }
-  for (TagState* p : states) pause_tag(*p);
+  for (TagState* p : states) pause_tag(*p, contents);
+}
+
+std::string_view to_string(PauseContents contents) noexcept {
+  switch (contents) {
+    case PauseContents::as_regions: return "as_regions";
+    case PauseContents::discard: return "discard";
+    case PauseContents::zero: return "zero";
+  }
+  return "as_regions";
+}
+
+PauseContents parse_pause_contents(std::string_view text, std::string_view what) {
+  for (PauseContents c : {PauseContents::as_regions, PauseContents::discard, PauseContents::zero}) {
+    if (text == to_string(c)) return c;
+  }
+  throw UsageError(fmt::format("{}: '{}' is not a way to pause (as_regions, discard or zero)", what, text));
 }
 
 void Saver::Impl::resume(std::string_view tag) {
@@ -317,7 +343,7 @@ bool Saver::Impl::read_backup(const void* ptr, std::size_t bytes, void* out) con
   if (state == nullptr) return false;
   const auto addr = reinterpret_cast<DevicePtr>(ptr);
   detail::SharedLock lock(state->mutex);
-  if (!state->backup) return false;
+  if (!state->backup || state->zeroed) return false;
   for (const BackupPiece& p : state->pieces) {
     if (addr < p.addr || addr >= p.addr + p.bytes) continue;
     if (bytes > p.addr + p.bytes - addr) {

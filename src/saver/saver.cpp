@@ -200,6 +200,9 @@ void Saver::checked(Call&& call) {
 void Saver::pause(std::string_view tag) {
   checked([&] { impl_->pause(tag); });
 }
+void Saver::pause(std::string_view tag, PauseContents contents) {
+  impl_->pause(tag, contents);
+}
 void Saver::pause() {
   checked([&] { impl_->pause_all(); });
 }

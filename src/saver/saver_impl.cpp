@@ -317,7 +317,7 @@ TagInfo Saver::Impl::info(TagState& state) const {
   t.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);
   t.reserved_bytes = static_cast<std::size_t>(s.reserved_bytes[0].current);
   t.physical_bytes = state.device.physical_bytes();
-  t.backup_bytes = state.backup ? state.backup->size() : 0;
+  t.backup_bytes = state.backup && !state.zeroed ? state.backup->size() : 0;  // zeros hold nothing
   {
     detail::LockGuard pending(state.pending_mutex);
     t.pending_frees = state.pending_frees.size();

@@ -61,6 +61,9 @@ struct TagState {
   // the saver retains backups.
   std::unique_ptr<HostStore> backup RESERVOIR_GUARDED_BY(mutex);
   std::vector<BackupPiece> pieces RESERVOIR_GUARDED_BY(mutex);
+  // Paused with PauseContents::zero: `backup` is a store of zeros, no
+  // backup of the contents (read_backup finds none), dropped on resume.
+  bool zeroed RESERVOIR_GUARDED_BY(mutex) = false;
   PauseRecord record RESERVOIR_GUARDED_BY(mutex);
 };
 
@@ -130,7 +133,7 @@ class Saver::Impl {
   std::vector<TagState*> tags_named(std::string_view tag, const char* operation) const;
   static bool paused_now(TagState* state);
   const std::vector<StreamId>& copy_streams();
-  void pause_tag(TagState& state);
+  void pause_tag(TagState& state, PauseContents contents = PauseContents::as_regions);
   void resume_tag(TagState& state);
   // resume_tag; when it runs out of memory, the other allocators' cached
   // memory goes back to the device (reclaim) and it tries once more.
@@ -138,7 +141,7 @@ class Saver::Impl {
   // Empties the caches of the untagged allocator and of every running tag
   // but `except`; returns the bytes of segments released.
   std::int64_t reclaim(const TagState& except);
-  void pause(std::string_view tag);
+  void pause(std::string_view tag, PauseContents contents = PauseContents::as_regions);
   void resume(std::string_view tag);
   void pause_all();
   void resume_all();

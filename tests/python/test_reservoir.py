@@ -64,6 +64,33 @@ def test_contents_survive_byte_for_byte_at_the_same_addresses(config):
     saver.validate()
 
 
+def test_what_a_pause_keeps_is_chosen_at_the_pause():
+    saver = reservoir.Saver(reservoir.HostDevice(), chunk_bytes=1 * MiB)
+    with saver.region("kv_cache", cpu_backup=True):
+        kv = saver.allocate(3 * MiB)
+    with saver.region("weights", cpu_backup=True):
+        w = saver.allocate(2 * MiB)
+    data = os.urandom(3 * MiB)
+    write(kv, data)
+    write(w, data[:2 * MiB])
+    saver.pause("kv_cache", contents="zero")
+    assert saver.tag_info("kv_cache")["last_pause_copied"] == 0
+    saver.resume("kv_cache")
+    assert read(kv, 3 * MiB) == bytes(3 * MiB)
+    # Every running tag at once, discarding: nothing copied either way.
+    saver.pause(contents="discard")
+    assert saver.is_paused("kv_cache") and saver.is_paused("weights")
+    assert saver.tag_info("weights")["last_pause_copied"] == 0
+    saver.resume()
+    with pytest.raises(reservoir.UsageError, match=r"pause: contents: 'cpu' is not a way to pause "
+                                                   r"\(as_regions, discard or zero\)"):
+        saver.pause("kv_cache", contents="cpu")
+    assert not saver.is_paused("kv_cache")
+    saver.free(kv)
+    saver.free(w)
+    saver.validate()
+
+
 def test_resident_memory_falls_after_pause_and_rises_after_resume():
     # Margins leave room for what a sanitizer's shadow memory adds.
     saver = reservoir.Saver(reservoir.HostDevice(), storage="mmap")

@@ -73,6 +73,74 @@ TEST(SaverBackupKinds, EachRegionKeepsItsOwnStorageAndAllSurviveAPause) {
   fs::remove_all(dir);
 }
 
+// What a pause keeps is chosen at the pause: a tag whose region asked for a
+// backup paused with discard copies nothing (and its memory comes back
+// holding whatever it holds), with zero copies nothing and comes back zeroed
+// at the same addresses, and the next plain pause backs it up again. Blocks
+// freed while paused are left out; names are parsed with a clear error.
+TEST(SaverBackupKinds, WhatAPauseKeepsIsChosenAtEachPause) {
+  HostDevice host;
+  Saver saver(host, options());
+  std::vector<void*> blocks;
+  {
+    auto r = saver.region("kv", {.cpu_backup = true});
+    blocks = {saver.allocate(3 * kMiB), saver.allocate(5 * kMiB), saver.allocate(kMiB)};
+  }
+  auto fill_all = [&] {
+    fill(blocks[0], 3 * kMiB, 1);
+    fill(blocks[1], 5 * kMiB, 2);
+  };
+  fill_all();
+  saver.pause("kv", PauseContents::zero);
+  TagInfo t = saver.tag_info("kv");
+  EXPECT_TRUE(t.paused);
+  EXPECT_EQ(t.last_pause_copied, 0u);
+  EXPECT_EQ(t.backup_bytes, 0u);  // nothing of the contents is held
+  std::vector<unsigned char> out(16);
+  EXPECT_FALSE(saver.read_backup(blocks[0], out.size(), out.data()));
+  saver.deallocate(blocks[2]);  // freed while paused: not zeroed on resume
+  saver.resume("kv");
+  t = saver.tag_info("kv");
+  EXPECT_EQ(t.last_resume_copied, 8 * kMiB);
+  const std::vector<unsigned char> zeros(5 * kMiB, 0);
+  EXPECT_EQ(std::memcmp(blocks[0], zeros.data(), 3 * kMiB), 0);
+  EXPECT_EQ(std::memcmp(blocks[1], zeros.data(), 5 * kMiB), 0);
+  // Discard: nothing copied either way.
+  fill_all();
+  saver.pause("kv", PauseContents::discard);
+  EXPECT_EQ(saver.tag_info("kv").last_pause_copied, 0u);
+  saver.resume("kv");
+  EXPECT_EQ(saver.tag_info("kv").last_resume_copied, 0u);
+  // As the region says: backed up and restored byte for byte.
+  fill_all();
+  saver.pause("kv");
+  EXPECT_EQ(saver.tag_info("kv").last_pause_copied, 8 * kMiB);
+  saver.resume("kv");
+  EXPECT_EQ(mismatch(blocks[0], 3 * kMiB, 1), -1);
+  EXPECT_EQ(mismatch(blocks[1], 5 * kMiB, 2), -1);
+  // A region without a backup is never copied, whatever the pause says.
+  void* plain = nullptr;
+  {
+    auto r = saver.region("scratch");
+    plain = saver.allocate(kMiB);
+  }
+  saver.pause("scratch", PauseContents::as_regions);
+  EXPECT_EQ(saver.tag_info("scratch").last_pause_copied, 0u);
+  saver.resume("scratch");
+  EXPECT_EQ(parse_pause_contents("zero", "sleep"), PauseContents::zero);
+  EXPECT_EQ(to_string(PauseContents::discard), "discard");
+  try {
+    (void)parse_pause_contents("cpu", "sleep of 'kv'");
+    ADD_FAILURE() << "no error";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(), "sleep of 'kv': 'cpu' is not a way to pause (as_regions, discard or zero)");
+  }
+  EXPECT_THROW(saver.pause("nosuch", PauseContents::zero), UsageError);
+  saver.deallocate(plain);
+  saver.deallocate(blocks[0]);
+  saver.deallocate(blocks[1]);
+}
+
 TEST(SaverBackupKinds, BadRegionsAndADiskBackupWithoutADirectoryAreErrors) {
   HostDevice host;
   Saver saver(host, options());

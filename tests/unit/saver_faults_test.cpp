@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -178,6 +179,42 @@ INSTANTIATE_TEST_SUITE_P(
                                          FaultCase{CallKind::copy_to_device, 9, Status::device_error},
                                          FaultCase{CallKind::synchronize_stream, 1, Status::device_error})),
     fault_name<ResumeFaults::ParamType>);
+
+// A tag paused to come back zeroed: a failed zeroing or mapping leaves it
+// paused (no backup to keep: none was taken), its memory given back, and the
+// next resume zeroes every live allocation.
+TEST(SaverFaults, AResumeThatFailsToZeroStaysPausedAndTheNextOneZeroes) {
+  for (const FaultCase fault : {FaultCase{CallKind::copy_to_device, 1, Status::device_error},
+                                FaultCase{CallKind::synchronize_stream, 1, Status::device_error},
+                                FaultCase{CallKind::create_physical, 2, Status::out_of_memory}}) {
+    Fixture f("");
+    f.saver->pause("w", PauseContents::zero);
+    EXPECT_EQ(f.saver->tag_info("w").last_pause_copied, 0u);
+    const std::size_t used = f.host.used_bytes();
+    f.dev.fail_nth(fault.call, fault.nth, fault.status);
+    try {
+      f.saver->resume("w");
+      ADD_FAILURE() << "resume succeeded";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("the tag stays paused"), std::string::npos) << what;
+      EXPECT_EQ(what.find("with its backup"), std::string::npos) << what;
+      if (fault.call != CallKind::create_physical) {
+        EXPECT_NE(what.find("zeroing"), std::string::npos) << what;
+      }
+    }
+    EXPECT_TRUE(f.saver->is_paused("w"));
+    EXPECT_EQ(f.host.used_bytes(), used);
+    f.saver->validate();
+    f.saver->resume("w");
+    for (std::size_t i = 0; i < f.sizes.size(); ++i) {
+      const auto* b = static_cast<const unsigned char*>(f.ps[i]);
+      EXPECT_TRUE(std::all_of(b, b + f.sizes[i], [](unsigned char c) { return c == 0; })) << "block " << i;
+    }
+    EXPECT_EQ(f.saver->tag_info("w").last_resume_copied, 3 * kMiB + 30 * kMiB + 5000);
+    f.finish();
+  }
+}
 
 TEST(SaverFaults, ResumeRunsOutOfMemoryHalfwayOnARealCapacityAndRollsBack) {
   SimDeviceOptions so;

@@ -69,6 +69,19 @@ enum class BackupStorage : std::uint8_t {
 std::string_view to_string(BackupStorage storage) noexcept;
 BackupStorage parse_backup_storage(std::string_view text, std::string_view what);
 
+// What one pause keeps of a tag's contents, chosen at each pause (vLLM's
+// sleep levels; the restore modes of TensorRT-LLM): what the tag's regions
+// say (their cpu_backup: copied to host memory and back), nothing (discard:
+// a resumed block holds whatever its new memory holds), or zeros (nothing
+// copied: resume maps the memory and zeroes every allocation live at the
+// pause, at the same speed a backup comes back).
+enum class PauseContents : std::uint8_t { as_regions, discard, zero };
+
+// "as_regions", "discard" or "zero"; parse_pause_contents throws UsageError
+// naming `what` for anything else.
+std::string_view to_string(PauseContents contents) noexcept;
+PauseContents parse_pause_contents(std::string_view text, std::string_view what);
+
 struct RegionOptions {
   // Copy the contents of the tag's live allocations to host memory on pause
   // and back on resume. Without it, pause discards them (a resumed block
@@ -254,6 +267,9 @@ class Saver {
   // physical memory. UsageError for an unknown or paused tag. DeviceError
   // when a copy or an unmap fails: the tag is left running, untouched.
   void pause(std::string_view tag);
+  // The same, keeping of its contents what `contents` says, whatever its
+  // regions asked for (a region without cpu_backup is never copied).
+  void pause(std::string_view tag, PauseContents contents);
   // Pauses every running tag (none running: nothing to do).
   void pause();
   // Recreates and maps the tag's physical memory at the same addresses,
