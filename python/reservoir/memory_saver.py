@@ -260,9 +260,9 @@ class _EveryDevice:
     def _holding(self, tag):
         return [s for s in self._savers() if tag is None or any(t["tag"] == tag for t in s.tags())]
 
-    def pause(self, tag=None):
+    def pause(self, tag=None, contents="as_regions"):
         for saver in self._holding(tag):
-            saver.pause(tag)
+            saver.pause(tag, contents=contents)
 
     def resume(self, tag=None):
         for saver in self._holding(tag):

@@ -287,7 +287,7 @@ def install_and_test(wheel, python, args, release):
         info = f"reservoir-{args.version}.dist-info"
         expected = {"reservoir_torch.py", "reservoir_autoinstall.pth", "reservoir/__init__.py",
                     "reservoir/__main__.py", "reservoir/_autoinstall.py",
-                    "reservoir/memory_saver.py", "reservoir/oom.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
+                    "reservoir/memory_saver.py", "reservoir/oom.py", "reservoir/vllm_sleep.py", f"reservoir/_core{ext_suffix}", "reservoir/bin/reservoir",
                     "reservoir/lib/libreservoir_torch.so"}
         # Folders' own entries (auditwheel writes them) are not files.
         payload = {n for n in members if not n.startswith(info + "/") and not n.endswith("/")}
@@ -317,6 +317,9 @@ def install_and_test(wheel, python, args, release):
         entry_points = z.read(f"{info}/entry_points.txt").decode()
         check(re.search(r"^reservoir = reservoir\.__main__:main$", entry_points, re.M) is not None,
               "a console script `reservoir` runs reservoir.__main__:main")
+        check(re.search(r"^\[vllm\.general_plugins\]\nreservoir = reservoir\.vllm_sleep:register$", entry_points,
+                        re.M) is not None,
+              "vLLM's plugin loader finds reservoir's sleep-mode backend (vllm.general_plugins: reservoir)")
         tool = members.get("reservoir/bin/reservoir")
         check(tool is not None and (tool.external_attr >> 16) & 0o111 != 0,
               "reservoir/bin/reservoir is executable in the wheel")
