@@ -585,10 +585,14 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
     };
     for (const std::size_t i : named) refine(i);
     choose();
-    // A setting whose search stopped above a best one but may fit below it
-    // (what it is known not to fit in is less) is searched to the end: the
-    // answer names no setting as the best, nor the recorded ones as no
-    // worse, that an exact search would not. Until the choice holds.
+    // Where the recorded settings come out best, a setting whose search
+    // stopped above them but may fit below them (what it is known not to
+    // fit in is less) is searched to the end: the answer never says that no
+    // setting does better than the program's own when an exact search finds
+    // one. (Where another setting is best, it is named with its exact
+    // figure, which does better; one that beats it within the tolerance is
+    // left to the page's figures, to keep the answer quick.) Until the
+    // choice holds.
     for (bool changed = true; changed;) {
       changed = false;
       for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
@@ -596,7 +600,8 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
         const Candidate& rival = advice.candidates[c.reservoir_only || !advice.best_pytorch
                                                        ? advice.best_reservoir
                                                        : *advice.best_pytorch];
-        if (!c.min_capacity_exact && searches[i].below + (std::uint64_t{2} << 20) < rival.min_capacity_bytes) {
+        if (rival.recorded && !c.min_capacity_exact &&
+            searches[i].below + (std::uint64_t{2} << 20) < rival.min_capacity_bytes) {
           refine(i);
           changed = true;
         }

@@ -376,13 +376,20 @@ Trace cached_then_split() {
 }
 
 // The answer at an error searches within a tolerance, exact only for what
-// it names: the best settings and the recorded ones come out as an exact
-// search gives them, also where a setting whose search stopped early beats
-// the recorded ones by less than the tolerance.
+// it names: the recorded settings' figure is an exact search's; where the
+// recorded settings come out best, no setting does better under an exact
+// search either (also where one beats them by less than the tolerance);
+// where another comes out best, its exact figure is below the recorded one
+// and no better than the exact search's best.
 TEST(Advise, ASearchWithinAToleranceNamesWhatAnExactSearchWould) {
-  // 59 generated recordings: a tenth of them have such a setting.
+  // Generated recordings; in 162, 165, 382 and 399 (of the first 600) the
+  // recorded settings come out best within the tolerance while a setting
+  // beats them under an exact search.
   std::vector<Trace> traces{classic(), cached_then_split()};
-  for (std::uint64_t seed = 1; seed < 60; ++seed) traces.push_back(record(seed, 600));
+  for (std::uint64_t seed : {3u, 11u, 162u, 165u, 382u, 399u}) {
+    traces.push_back(record(seed, 600));
+    traces.back().name = fmt::format("random {}", seed);
+  }
   for (const Trace& t : traces) {
     AdviseOptions exact;
     exact.configs = live_sweep(t.pytorch_since);
@@ -392,17 +399,23 @@ TEST(Advise, ASearchWithinAToleranceNamesWhatAnExactSearchWould) {
     const Advice e = advise(t, exact);
     const Advice a = advise(t, tolerant);
     ASSERT_EQ(a.best_pytorch.has_value(), e.best_pytorch.has_value());
-    if (e.best_pytorch) {
-      EXPECT_EQ(a.candidates[*a.best_pytorch].min_capacity_bytes, e.candidates[*e.best_pytorch].min_capacity_bytes)
-          << t.name << ": " << a.candidates[*a.best_pytorch].config << " against "
-          << e.candidates[*e.best_pytorch].config;
-    }
-    EXPECT_EQ(a.candidates[a.best_reservoir].min_capacity_bytes, e.candidates[e.best_reservoir].min_capacity_bytes)
-        << t.name;
+    std::uint64_t recorded = 0;
     for (std::size_t i = 0; i < a.candidates.size(); ++i) {
       if (a.candidates[i].recorded) {
         EXPECT_EQ(a.candidates[i].min_capacity_bytes, e.candidates[i].min_capacity_bytes) << t.name;
+        recorded = e.candidates[i].min_capacity_bytes;
       }
+    }
+    if (!e.best_pytorch) continue;
+    const Candidate& best = a.candidates[*a.best_pytorch];
+    const Candidate& exact_best = e.candidates[*e.best_pytorch];
+    EXPECT_TRUE(best.min_capacity_exact) << t.name;
+    if (best.recorded || best.min_capacity_bytes == recorded) {
+      EXPECT_EQ(exact_best.min_capacity_bytes, recorded)
+          << t.name << ": " << exact_best.config << " does better than the recorded settings";
+    } else {
+      EXPECT_LT(best.min_capacity_bytes, recorded) << t.name << ": " << best.config;
+      EXPECT_GE(best.min_capacity_bytes, exact_best.min_capacity_bytes) << t.name;
     }
   }
 }
