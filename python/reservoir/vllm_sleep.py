@@ -22,6 +22,7 @@ What a tag keeps while asleep is chosen per tag (RESERVOIR_VLLM_RESTORE, e.g.
 and, unset, as vLLM's sleep says: backed up when the tag is among the
 offload tags, else none.
 """
+import contextlib
 import gc
 import os
 import threading
@@ -80,38 +81,35 @@ class ReservoirMemAllocator:
     def restore_mode(self, tag):
         return self._modes.get(tag)
 
+    def _asleep(self):
+        """The tags paused now, from one look at every device's saver."""
+        return {t["tag"] for t in self._saver.tags() if t["paused"]}
+
     def state(self, tag):
         """RUNNING or ASLEEP."""
-        info = [t for t in self._saver.tags() if t["tag"] == tag]
-        if not info:
+        if tag not in self._tags:
             raise ValueError(f"unknown tag '{tag}' (known: {', '.join(self._tags) or 'none'})")
-        return "ASLEEP" if any(t["paused"] for t in info) else "RUNNING"
+        return "ASLEEP" if tag in self._asleep() else "RUNNING"
 
     # -- vLLM's MemAllocator protocol ---------------------------------------
+    @contextlib.contextmanager
     def use_memory_pool(self, tag=None):
         tag = DEFAULT_TAG if tag is None else tag
         if not isinstance(tag, str):
             raise TypeError(f"use_memory_pool: a tag is a str, not {type(tag).__name__}")
         if tag not in self._tags:
             self._tags.append(tag)
-        return self._region(tag)
-
-    def _region(self, tag):
-        import contextlib
-
-        @contextlib.contextmanager
-        def region():
-            old, self.current_tag = self.current_tag, tag
-            try:
-                # Every tag can be backed up: which are is chosen at sleep.
-                with self._saver.region(tag, cpu_backup=True):
-                    yield
-            finally:
-                self.current_tag = old
-        return region()
+        old, self.current_tag = self.current_tag, tag
+        try:
+            # Every tag can be backed up: which are is chosen at sleep.
+            with self._saver.region(tag, cpu_backup=True):
+                yield
+        finally:
+            self.current_tag = old
 
     def _running(self, tags):
-        return [t for t in self._tags if t in tags and self.state(t) == "RUNNING"]
+        asleep = self._asleep()
+        return [t for t in self._tags if t in tags and t not in asleep]
 
     def _contents(self, tag, offload):
         mode = self._modes.get(tag)
@@ -146,10 +144,9 @@ class ReservoirMemAllocator:
         import torch
         gc.collect()
         torch.cuda.empty_cache()
+        asleep = self._asleep()
         for tag in self._tags:
-            if self.state(tag) != "ASLEEP":
-                continue
-            if tags is None or tag in tags or tag not in DEFERRABLE_TAGS:
+            if tag in asleep and (tags is None or tag in tags or tag not in DEFERRABLE_TAGS):
                 self._saver.resume(tag)
 
     def get_current_usage(self):
