@@ -520,6 +520,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
     ReplayOptions o;
     o.memory_fraction = c.memory_fraction;
     o.min_capacity_tolerance = options.tolerance;
+    o.min_capacity_replay_at_hopeless_capacity = options.count_ooms_at_capacity;
     // The replays with no limit and at the capacity are probes of the search.
     searches[i] = min_capacity(program, configs[i], texts[i], o, advice.capacity_bytes);
     const MinCapacityResult& m = searches[i];
@@ -539,7 +540,7 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
                                    static_cast<double>(measured.allocations)
                              : 0.0;
     c.device_call_seconds = measured.device_call_seconds;
-    if (advice.capacity_bytes) c.ooms_at_capacity = measured.num_ooms;
+    if (advice.capacity_bytes && m.at_capacity) c.ooms_at_capacity = measured.num_ooms;
   }, options.progress);
 
   advice.peak_requested_bytes = *std::max_element(peak_requested.begin(), peak_requested.end());
@@ -571,7 +572,6 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
     }
     auto refine = [&](std::size_t i) {
       Candidate& c = advice.candidates[i];
-      if (c.min_capacity_exact) return;
       ReplayOptions o;
       o.memory_fraction = c.memory_fraction;
       refine_min_capacity(program, configs[i], texts[i], o, searches[i]);
@@ -583,7 +583,14 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
             static_cast<double>(c.min_capacity_bytes) / static_cast<double>(peak_requested[i]);
       }
     };
-    for (const std::size_t i : named) refine(i);
+    // Each on its own core: the searches share nothing but the program.
+    auto refine_all = [&](std::vector<std::size_t> which) {
+      std::sort(which.begin(), which.end());
+      which.erase(std::unique(which.begin(), which.end()), which.end());
+      std::erase_if(which, [&](std::size_t i) { return advice.candidates[i].min_capacity_exact; });
+      detail::parallel_for(which.size(), options.threads, [&](std::size_t k) { refine(which[k]); });
+    };
+    refine_all(named);
     choose();
     // Where the recorded settings come out best, a setting whose search
     // stopped above them but may fit below them (what it is known not to
@@ -591,10 +598,14 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
     // setting does better than the program's own when an exact search finds
     // one. (Where another setting is best, it is named with its exact
     // figure, which does better; one that beats it within the tolerance is
-    // left to the page's figures, to keep the answer quick.) Until the
-    // choice holds.
-    for (bool changed = true; changed;) {
-      changed = false;
+    // left to the page's figures, to keep the answer quick.) The most
+    // promising first (the least figure within the tolerance), two at a time
+    // (on two cores where there are; a fixed number, so that the setting
+    // named does not depend on the machine's cores), until one does better
+    // or none is left.
+    constexpr std::size_t at_once = 2;
+    for (;;) {
+      std::vector<std::size_t> open;
       for (std::size_t i = 0; i < advice.candidates.size(); ++i) {
         const Candidate& c = advice.candidates[i];
         const Candidate& rival = advice.candidates[c.reservoir_only || !advice.best_pytorch
@@ -602,11 +613,16 @@ Advice advise(const Trace& trace, const AdviseOptions& options) {
                                                        : *advice.best_pytorch];
         if (rival.recorded && !c.min_capacity_exact &&
             searches[i].below + (std::uint64_t{2} << 20) < rival.min_capacity_bytes) {
-          refine(i);
-          changed = true;
+          open.push_back(i);
         }
       }
-      if (changed) choose();
+      if (open.empty()) break;
+      std::stable_sort(open.begin(), open.end(), [&](std::size_t a, std::size_t b) {
+        return advice.candidates[a].min_capacity_bytes < advice.candidates[b].min_capacity_bytes;
+      });
+      if (open.size() > at_once) open.resize(at_once);
+      refine_all(std::move(open));
+      choose();
     }
   }
   for (const Candidate& c : advice.candidates) advice.replays += c.replays;

@@ -1,6 +1,7 @@
 #include "reservoir/explain.hpp"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "reservoir/errors.hpp"
@@ -274,6 +276,7 @@ Advice advise_at_error(const Trace& trace, unsigned threads, std::optional<std::
   // The other settings' minimum capacities within 1/32 (the page shows them
   // so); the recorded and the best ones exact, as the lines give them.
   options.tolerance = 1.0 / 32;
+  options.count_ooms_at_capacity = false;  // the answer shows no such count
   options.configs = live_sweep(trace.pytorch_since);
   const AllocatorConfig recorded = AllocatorConfig::parse(trace.recorded_config);
   bool have_recorded = false;
@@ -408,6 +411,37 @@ std::optional<int> process_rank(const ExplainOptions& options) {
   return std::nullopt;
 }
 
+unsigned explain_threads(const ExplainOptions& options) {
+  constexpr unsigned kMostThreads = 4;
+  if (options.threads != 0) return options.threads;
+  if (const char* text = std::getenv("RESERVOIR_EXPLAIN_OOM_THREADS"); text != nullptr && *text != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long v = std::strtoull(text, &end, 10);
+    if (*end != '\0' || errno != 0 || v == 0 || v > 1024 || text[0] == '-' || text[0] == '+') {
+      throw UsageError(fmt::format("RESERVOIR_EXPLAIN_OOM_THREADS='{}': not accepted; accepted: a whole number "
+                                   "from 1 to 1024 (the cores the analysis at an error replays on)",
+                                   text));
+    }
+    return static_cast<unsigned>(v);
+  }
+  unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+    cores = static_cast<unsigned>(CPU_COUNT(&set));
+  }
+  unsigned local = 1;
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                           "SLURM_NTASKS_PER_NODE"}) {
+    if (const auto n = rank_variable(name); n && *n > 0) {
+      local = static_cast<unsigned>(*n);
+      break;
+    }
+  }
+  return std::clamp(cores / local, 1u, kMostThreads);
+}
+
 std::size_t files_kept(const ExplainOptions& options) {
   if (options.keep) {
     if (*options.keep == 0) throw UsageError("explain_oom: keep must be at least 1 (the error's own files)");
@@ -507,15 +541,16 @@ OomExplanation explain_oom(const Trace& trace, std::span<const std::uint8_t> sna
     }
   }
   try {
+    const unsigned threads = explain_threads(options);
     Trace window = since_previous_error(trace);
-    out.advice = advise_at_error(window, options.threads, options.memory_limit);
+    out.advice = advise_at_error(window, threads, options.memory_limit);
     // The part since the error before starts from the blocks live then,
     // without the segments the allocator had cached: where its replay under
     // the program's settings serves the request that failed, it lost what
     // was in the way, and the whole recording is weighed instead.
     if (window.events.size() != trace.events.size() && reproduces_nothing(*out.advice)) {
       window = trace;
-      out.advice = advise_at_error(window, options.threads, options.memory_limit);
+      out.advice = advise_at_error(window, threads, options.memory_limit);
     }
     if (!stem.empty() && options.page) {
       try {

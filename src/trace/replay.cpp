@@ -308,6 +308,9 @@ MinCapacityResult min_capacity(const ReplayProgram& program, const AllocatorConf
   std::uint64_t hi = (free_run.peak_reserved_bytes + kStep - 1) / kStep * kStep;
   hi = std::max(hi, kStep);
   bool hi_known = false;  // hi is known to fit
+  if (at && !options.min_capacity_replay_at_hopeless_capacity && free_run.peak_requested_bytes > *at) {
+    at.reset();  // cannot fit: what is live at the peak alone is more
+  }
   if (at) {
     // The device's capacity as a probe (allocations are whole 2 MiB pages:
     // what fits at it fits at it rounded down).

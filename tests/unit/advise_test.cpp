@@ -381,6 +381,37 @@ Trace cached_then_split() {
 // search either (also where one beats them by less than the tolerance);
 // where another comes out best, its exact figure is below the recorded one
 // and no better than the exact search's best.
+TEST(Advise, AtTheErrorACapacityTheRequestsAloneExceedIsNotReplayed) {
+  // 350 MiB requested at once on 300 MiB: no setting can fit, and a replay
+  // at the capacity only counts its errors, which the answer at an error
+  // does not show.
+  Recorder r("", 300 * kMiB);
+  void* a = r.alloc(150 * kMiB);
+  void* b = r.alloc(150 * kMiB);
+  EXPECT_THROW(r.alloc(50 * kMiB), OutOfMemoryError);
+  (void)a;
+  (void)b;
+  const Trace t = pickled(r.finish());
+  AdviseOptions counted;
+  counted.configs = live_sweep(t.pytorch_since);
+  AdviseOptions quick = counted;
+  quick.count_ooms_at_capacity = false;
+  const Advice c = advise(t, counted);
+  const Advice q = advise(t, quick);
+  ASSERT_EQ(q.candidates.size(), c.candidates.size());
+  for (std::size_t i = 0; i < q.candidates.size(); ++i) {
+    EXPECT_EQ(q.candidates[i].min_capacity_bytes, c.candidates[i].min_capacity_bytes) << q.candidates[i].config;
+    EXPECT_EQ(q.candidates[i].replays + 1, c.candidates[i].replays) << q.candidates[i].config;
+    EXPECT_FALSE(q.candidates[i].ooms_at_capacity.has_value()) << q.candidates[i].config;
+    ASSERT_TRUE(c.candidates[i].ooms_at_capacity.has_value()) << c.candidates[i].config;
+    EXPECT_GE(*c.candidates[i].ooms_at_capacity, 1) << c.candidates[i].config;
+  }
+  // Ties are broken by device calls, counted there with no limit: the best
+  // figure is the same, not always the same setting.
+  EXPECT_EQ(q.candidates[q.best_reservoir].min_capacity_bytes, c.candidates[c.best_reservoir].min_capacity_bytes);
+  EXPECT_EQ(q.replays + q.candidates.size(), c.replays);
+}
+
 TEST(Advise, ASearchWithinAToleranceNamesWhatAnExactSearchWould) {
   // Generated recordings; in 162, 165, 382 and 399 (of the first 600) the
   // recorded settings come out best within the tolerance while a setting

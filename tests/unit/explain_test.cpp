@@ -4,8 +4,10 @@
 // never hides the allocator's error.
 #include <gtest/gtest.h>
 #include <fmt/format.h>
+#include <sched.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -291,6 +293,58 @@ TEST(Explain, TheRankIsTakenFromEveryLauncher) {
   EXPECT_EQ(process_rank(given), 9);
   set_process_rank(std::nullopt);
   EXPECT_EQ(process_rank({}), 7);
+  for (const char* n : names) ::unsetenv(n);
+  for (const auto& [n, v] : saved) ::setenv(n.c_str(), v.c_str(), 1);
+}
+
+TEST(Explain, TheAnalysisTakesThisProcesssShareOfItsCores) {
+  const char* const names[] = {"RESERVOIR_EXPLAIN_OOM_THREADS", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                               "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
+  std::map<std::string, std::string> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n)) saved[n] = v;
+    ::unsetenv(n);
+  }
+  cpu_set_t all;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(all), &all), 0);
+  const auto cores = static_cast<unsigned>(CPU_COUNT(&all));
+  EXPECT_EQ(explain_threads({}), std::clamp(cores, 1u, 4u));
+  // Eight ranks on the machine: each its share, at least one.
+  ::setenv("LOCAL_WORLD_SIZE", "8", 1);
+  EXPECT_EQ(explain_threads({}), std::clamp(cores / 8, 1u, 4u));
+  ::unsetenv("LOCAL_WORLD_SIZE");
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+  ::setenv("SLURM_NTASKS_PER_NODE", "2(x3)", 1);  // not a count: passed over
+  EXPECT_EQ(explain_threads({}), std::clamp(cores, 1u, 4u));
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  ::setenv("SLURM_NTASKS_PER_NODE", "1024", 1);
+  EXPECT_EQ(explain_threads({}), 1u);
+  // The variable, then the option, take precedence; a bad value is named.
+  ::setenv("RESERVOIR_EXPLAIN_OOM_THREADS", "3", 1);
+  EXPECT_EQ(explain_threads({}), 3u);
+  ExplainOptions given;
+  given.threads = 2;
+  EXPECT_EQ(explain_threads(given), 2u);
+  for (const char* bad : {"0", "-1", "two", "2x", "5000"}) {
+    ::setenv("RESERVOIR_EXPLAIN_OOM_THREADS", bad, 1);
+    try {
+      (void)explain_threads({});
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_EQ(std::string(e.what()), fmt::format("RESERVOIR_EXPLAIN_OOM_THREADS='{}': not accepted; accepted: a "
+                                                   "whole number from 1 to 1024 (the cores the analysis at an "
+                                                   "error replays on)",
+                                                   bad));
+    }
+  }
+  // At the error, the answer says what was wrong and the error stands.
+  ::setenv("RESERVOIR_EXPLAIN_OOM_THREADS", "0", 1);
+  const OomExplanation e = explain_oom(fragmented_oom(), {}, ExplainOptions{});
+  EXPECT_FALSE(e.advice.has_value());
+  ASSERT_FALSE(e.lines.empty());
+  EXPECT_NE(e.lines.front().find("could not analyse the recording: RESERVOIR_EXPLAIN_OOM_THREADS='0'"),
+            std::string::npos)
+      << e.lines.front();
   for (const char* n : names) ::unsetenv(n);
   for (const auto& [n, v] : saved) ::setenv(n.c_str(), v.c_str(), 1);
 }

@@ -173,6 +173,10 @@ struct AdviseOptions {
   // Each minimum capacity within this fraction above the exact one (0:
   // exact); the recorded settings' and the best ones' are made exact after.
   double tolerance = 0.0;
+  // false (the answer at an error, which shows no such count): a setting whose
+  // requests alone exceed the capacity is not replayed at it, so its
+  // ooms_at_capacity is empty and its device calls are those with no limit.
+  bool count_ooms_at_capacity = true;
   // Called after each candidate is done (from worker threads, serialized).
   std::function<void(std::size_t done, std::size_t total)> progress;
 };

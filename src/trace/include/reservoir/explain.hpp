@@ -42,7 +42,9 @@ struct ExplainOptions {
   std::string host;           // "": this machine's name
   std::optional<int> rank;    // none: process_rank() (torch.distributed's, else a launcher's variables)
   std::optional<int> device;  // the device of the error (CUDA's index); none: not said
-  unsigned threads = 1;       // replays in parallel (1: the analysis keeps to one core)
+  // Replays in parallel; 0: explain_threads() (the program is stopped at its
+  // error: its share of the machine's cores, at most 4).
+  unsigned threads = 0;
   // The device's whole memory, as the error saw it (CUDA's total): what the
   // device held beyond this allocator's reserved memory and its free memory
   // was held outside it (another process, CUDA's context, other libraries).
@@ -76,6 +78,14 @@ inline constexpr std::size_t kDefaultFilesKept = 20;
 // environment's RESERVOIR_EXPLAIN_OOM_KEEP, a whole number from 1; else the
 // default). Throws UsageError naming the variable for a value it cannot take.
 std::size_t files_kept(const ExplainOptions& options);
+
+// The cores the analysis at an error replays on: options.threads, else
+// RESERVOIR_EXPLAIN_OOM_THREADS (a whole number from 1), else this process's
+// share of the cores it may run on (sched_getaffinity) among the ranks of its
+// job on this machine (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
+// MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE; 1 where none is set), from 1 to 4.
+// Throws UsageError for a variable it does not accept.
+unsigned explain_threads(const ExplainOptions& options);
 
 struct OomExplanation {
   std::vector<std::string> lines;  // at most eight, each "reservoir: ..." (or "reservoir [rank R]: ...")

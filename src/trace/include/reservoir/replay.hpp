@@ -108,6 +108,11 @@ struct ReplayOptions {
   // min_capacity stops bisecting once the range is within this fraction of
   // its upper end (0: to the 2 MiB step, exact); refine_min_capacity ends it.
   double min_capacity_tolerance = 0.0;
+  // false: min_capacity does not replay at the capacity it is given where the
+  // program's requests alone exceed it (the unlimited replay's peak of
+  // requested bytes), which cannot fit and tells the search nothing; its
+  // result then has no at_capacity.
+  bool min_capacity_replay_at_hopeless_capacity = true;
   // Stop at the first request that runs out of memory (the result's other
   // figures then cover the ops up to it): what min_capacity's probes need to
   // know, sooner.
