@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <charconv>
 #include <iterator>
 #include <new>
 #include <utility>
@@ -314,13 +315,19 @@ class Reader {
     return static_cast<std::uint64_t>(i);
   }
 
+  // (The key's path is formatted only where the value is refused: these run
+  // for every field of every event.)
   std::int64_t integer(const Value& dict, std::string_view key, const std::string& path) const {
-    return as_integer(field(dict, key, path), fmt::format("{}.{}", path, key));
+    const Value& v = field(dict, key, path);
+    if (v.kind == Kind::integer) return v.integer;
+    return as_integer(v, fmt::format("{}.{}", path, key));
   }
 
   std::uint64_t unsigned_int(const Value& dict, std::string_view key,
                              const std::string& path) const {
-    return as_unsigned(field(dict, key, path), fmt::format("{}.{}", path, key));
+    const Value& v = field(dict, key, path);
+    if (v.kind == Kind::integer && (v.above_int64 || v.integer >= 0)) return static_cast<std::uint64_t>(v.integer);
+    return as_unsigned(v, fmt::format("{}.{}", path, key));
   }
 
   const std::string& text(const Value& dict, std::string_view key, const std::string& path) const {
@@ -540,6 +547,12 @@ class Reader {
   // The context of a frames list (null or None: 0).
   std::uint32_t frames_context(const Value* frames, const std::string& path, Trace& trace) {
     if (!with_contexts_ || frames == nullptr || frames->kind == Kind::none) return 0;
+    // An empty stack (a recording without stacks: each entry has its own
+    // empty list) has no context, and is not remembered.
+    if ((frames->kind == Kind::list || frames->kind == Kind::tuple) && frames->items.empty() &&
+        frames->taken_runs.empty()) {
+      return 0;
+    }
     if (auto it = by_list_.find(frames); it != by_list_.end()) return it->second;
     const auto& items = list(*frames, path + ".frames");
     if (items.size() > kMostFrames) {
@@ -697,6 +710,7 @@ class Reader {
     trace.events.reserve(events_size(list_value, dpath));
     std::size_t i = 0;  // the entry's index in the list
     std::size_t next_run = 0;
+    std::string path;
     for (std::size_t item = 0; item <= events.size(); ++item) {
       // The runs of entries the hook took (checked there) before this item.
       for (; next_run < list_value.taken_runs.size() &&
@@ -719,13 +733,18 @@ class Reader {
         continue;
       }
       const std::size_t this_entry = i++;
-      const std::string path = fmt::format("{}[{}]", dpath, this_entry);
+      // "device_traces[d][i]", into one buffer that keeps its capacity.
+      path.assign(dpath);
+      path += '[';
+      char digits[24];
+      path.append(digits, std::to_chars(digits, digits + sizeof(digits), this_entry).ptr);
+      path += ']';
       const std::string& name = text(e, "action", path);
       note_unknown(e, kEventKeys, "device_traces[][].", trace);
       const std::optional<TraceAction> a = action_of(name);
       std::int64_t time_us = 0;
       if (const Value* t = e.find("time_us"); t != nullptr && t->kind != Kind::none) {
-        time_us = as_integer(*t, path + ".time_us");
+        time_us = t->kind == Kind::integer ? t->integer : as_integer(*t, path + ".time_us");
       }
       (void)optional_text(e, "compile_context", path);
       if (const Value* m = e.find("user_metadata");
