@@ -294,6 +294,19 @@ reservoir_status reservoir_saver_pause(reservoir_saver* saver, const char* tag) 
   return guarded(__func__, [&] { tag == nullptr ? saver->saver->pause() : saver->saver->pause(tag); });
 }
 
+reservoir_status reservoir_saver_pause_keeping(reservoir_saver* saver, const char* tag, const char* contents) {
+  RESERVOIR_REQUIRE(saver != nullptr && tag != nullptr, "saver and tag must not be NULL");
+  reservoir::PauseContents keeps = reservoir::PauseContents::as_regions;
+  if (contents != nullptr) {
+    try {
+      keeps = reservoir::parse_pause_contents(contents, "contents");
+    } catch (const reservoir::UsageError& e) {
+      return fail(RESERVOIR_ERROR_INVALID_ARGUMENT, fmt::format("{}: {}", __func__, e.what()));
+    }
+  }
+  return guarded(__func__, [&] { saver->saver->pause(tag, keeps); });
+}
+
 reservoir_status reservoir_saver_resume(reservoir_saver* saver, const char* tag) {
   RESERVOIR_REQUIRE(saver != nullptr, "saver must not be NULL");
   return guarded(__func__, [&] { tag == nullptr ? saver->saver->resume() : saver->saver->resume(tag); });

@@ -135,6 +135,37 @@ int main(void) {
   int same = 1;
   for (size_t i = 0; i < (3u << 20); ++i) same &= ((unsigned char*)w)[i] == (unsigned char)(i * 5);
   CHECK(same);
+  /* What a pause keeps, chosen at the pause. */
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", "sideways") == RESERVOIR_ERROR_INVALID_ARGUMENT);
+  CHECK(strcmp(reservoir_last_error(), "reservoir_saver_pause_keeping: contents: 'sideways' is not a way to "
+                                       "pause (as_regions, discard or zero)") == 0);
+  CHECK(reservoir_saver_is_paused(saver, "weights", &paused) == RESERVOIR_OK && paused == 0);
+  CHECK(reservoir_saver_pause_keeping(saver, NULL, "zero") == RESERVOIR_ERROR_INVALID_ARGUMENT);
+  CHECK(strcmp(reservoir_last_error(), "reservoir_saver_pause_keeping: saver and tag must not be NULL") == 0);
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", "zero") == RESERVOIR_OK);
+  CHECK(reservoir_saver_tags_json(saver, &text) == RESERVOIR_OK);
+  CHECK(strstr(text, "\"paused\":true") != NULL && strstr(text, "\"backup_bytes\":0") != NULL);
+  reservoir_string_free(text);
+  CHECK(reservoir_saver_resume(saver, "weights") == RESERVOIR_OK);
+  int zero = 1;
+  for (size_t i = 0; i < (3u << 20); ++i) zero &= ((unsigned char*)w)[i] == 0;
+  CHECK(zero);
+  for (size_t i = 0; i < (3u << 20); ++i) ((unsigned char*)w)[i] = (unsigned char)(i * 7);
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", "discard") == RESERVOIR_OK);
+  CHECK(reservoir_saver_resume(saver, "weights") == RESERVOIR_OK);
+  for (size_t i = 0; i < (3u << 20); ++i) ((unsigned char*)w)[i] = (unsigned char)(i * 3);
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", NULL) == RESERVOIR_OK); /* its region's backup */
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", "as_regions") == RESERVOIR_ERROR_USAGE);
+  CHECK(strcmp(reservoir_last_error(), "pause: tag 'weights' is paused already") == 0);
+  CHECK(reservoir_saver_resume(saver, "weights") == RESERVOIR_OK);
+  same = 1;
+  for (size_t i = 0; i < (3u << 20); ++i) same &= ((unsigned char*)w)[i] == (unsigned char)(i * 3);
+  CHECK(same);
+  CHECK(reservoir_saver_pause_keeping(saver, "weights", "as_regions") == RESERVOIR_OK);
+  CHECK(reservoir_saver_resume(saver, "weights") == RESERVOIR_OK);
+  same = 1;
+  for (size_t i = 0; i < (3u << 20); ++i) same &= ((unsigned char*)w)[i] == (unsigned char)(i * 3);
+  CHECK(same);
   CHECK(reservoir_saver_free(saver, w) == RESERVOIR_OK);
   CHECK(reservoir_saver_free(saver, w) == RESERVOIR_ERROR_INVALID_POINTER);
   reservoir_saver_destroy(saver);

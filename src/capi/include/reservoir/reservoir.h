@@ -98,6 +98,15 @@ reservoir_status reservoir_saver_malloc(reservoir_saver* saver, size_t size, uin
 reservoir_status reservoir_saver_free(reservoir_saver* saver, void* ptr);
 /* tag NULL: every tag. */
 reservoir_status reservoir_saver_pause(reservoir_saver* saver, const char* tag);
+/* Pauses one tag keeping of its contents what `contents` says, whatever its
+   regions asked for: "as_regions" (NULL: what reservoir_saver_pause keeps, a
+   copy in host memory of what its regions' cpu_backup covers), "discard"
+   (nothing: a resumed block holds whatever its new memory holds) or "zero"
+   (nothing copied; resume maps the memory and zeroes every allocation live at
+   the pause). An unknown name is RESERVOIR_ERROR_INVALID_ARGUMENT, with
+   nothing paused; tag must not be NULL. */
+reservoir_status reservoir_saver_pause_keeping(reservoir_saver* saver, const char* tag,
+                                               const char* contents);
 reservoir_status reservoir_saver_resume(reservoir_saver* saver, const char* tag);
 reservoir_status reservoir_saver_is_paused(reservoir_saver* saver, const char* tag, int* paused);
 /* Every tag's state as a JSON array of objects with TagInfo's fields
