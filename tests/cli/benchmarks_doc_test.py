@@ -27,6 +27,8 @@ BRIEF_GBENCH = ["--benchmark_min_time=0.01", "--benchmark_repetitions=1", "--ben
 BRIEF_SCRIPTS = {
     "bench/torch_service.py": ["--requests", "12", "--explained", "2", "--timeout", "300"],
     "bench/torch_recording_bench.py": ["--pairs", "2000", "--steps", "4", "--repetitions", "1"],
+    "bench/vllm_sleep_bench.py": ["--weights-mib", "48", "--blocks", "4", "--kv-mib", "16", "--cycles", "2",
+                                  "--repetitions", "1"],
 }
 # What a run prints when it measured something.
 FIGURES = {
@@ -34,6 +36,7 @@ FIGURES = {
     "gbench": re.compile(r"^\S+\s+[0-9.]+ (ns|us|ms|s)\s+[0-9.]+ (ns|us|ms|s)\s+[0-9]+", re.M),
     "bench/torch_service.py": re.compile(r"served|requests", re.I),
     "bench/torch_recording_bench.py": re.compile(r"^pair \(us per pair\)\s+[0-9.]+", re.M),
+    "bench/vllm_sleep_bench.py": re.compile(r"^reservoir\s+[0-9.]+ ms\s+[0-9.]+ ms", re.M),
 }
 PROGRAM = re.compile(r"(?:^|\s)((?:build/bin/\w+_bench)|(?:bench/\w+\.py))(?=\s|$)")
 
@@ -61,7 +64,7 @@ def commands(page):
         if i >= len(words):
             continue
         head = words[i]
-        if head == "python3" and i + 1 < len(words) and words[i + 1].startswith("bench/"):
+        if head in ("python3", "/usr/bin/python3") and i + 1 < len(words) and words[i + 1].startswith("bench/"):
             pass
         elif not re.fullmatch(r"build/bin/\w+_bench", head):
             continue
