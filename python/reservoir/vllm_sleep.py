@@ -163,10 +163,24 @@ def _selects(config):
     return getattr(getattr(config, "model_config", None), "sleep_mode_backend", None) == "reservoir"
 
 
+def _env_selected():
+    """RESERVOIR_VLLM_SLEEP=1: every vLLM worker of a process that has it
+    (Ray's workers inherit it through a runtime_env's env_vars) takes
+    reservoir's allocator for its tagged pools, whichever backend its config
+    names: vLLM's own ("cumem") then drives it."""
+    value = os.environ.get("RESERVOIR_VLLM_SLEEP", "")
+    if value in ("", "0"):
+        return False
+    if value != "1":
+        raise ValueError(f"RESERVOIR_VLLM_SLEEP='{value}': not accepted; accepted: 1 (reservoir's allocator for "
+                         "vLLM's tagged pools) or 0 (vLLM's own)")
+    return True
+
+
 def _selected():
-    """This process's vLLM worker, or the current vLLM config, selects the
-    reservoir backend."""
-    if _worker_selected.is_set():
+    """This process's vLLM worker, the current vLLM config, or
+    RESERVOIR_VLLM_SLEEP selects the reservoir backend."""
+    if _worker_selected.is_set() or _env_selected():
         return True
     try:
         from vllm.config import get_current_vllm_config

@@ -11,6 +11,7 @@ drives them.
 Run by ctest (vllm_0.33.0_sleep) with the simulated runtime preloaded and
 tests/torch/requirements-vllm-0.33.0.txt's folder first on PYTHONPATH.
 """
+import functools
 import json
 import os
 import subprocess
@@ -107,6 +108,9 @@ from vllm.device_allocator import get_mem_allocator_instance
 MiB = 1 << 20
 name = sys.argv[1]
 out = {}
+if name == "cumem" and os.environ.get("RESERVOIR_VLLM_SLEEP") == "1":
+    import reservoir.vllm_sleep as rv
+    rv.register()  # as vLLM's plugin loader does; the worker's config names vLLM's own backend
 if name == "reservoir":
     import reservoir.vllm_sleep as rv
     rv.register()
@@ -183,10 +187,11 @@ os._exit(0)
 """
 
 
-def run_backend(name):
-    env = {k: v for k, v in os.environ.items() if k != "RESERVOIR_TORCH_ALLOCATOR"}
+@functools.lru_cache(maxsize=None)  # each backend's run once, for every test that compares it
+def run_backend(name, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RESERVOIR_TORCH_ALLOCATOR", "RESERVOIR_VLLM_SLEEP")}
     env.update({"RESERVOIR_SIMCUDA_KERNELS": "skip", "RESERVOIR_SIMCUDA_MEMORY": "1GiB",
-                "RESERVOIR_VLLM_RESTORE": "kv_cache:zero"})
+                "RESERVOIR_VLLM_RESTORE": "kv_cache:zero"}, **extra)
     r = subprocess.run([sys.executable, "-W", "ignore", "-c", BACKENDS, name], capture_output=True, text=True,
                        timeout=600, env=env)
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -232,3 +237,17 @@ def test_both_sleep_mode_backends_run_the_same_program():
     # because the simulated device's new memory is).
     assert theirs["full_wake"].startswith("RuntimeError: CUDA Error: out of memory"), theirs["full_wake"]
     assert theirs["wake_after"] is True and theirs["asleep_first_last"] == ours["asleep_first_last"]
+
+
+def test_the_environment_selects_reservoirs_allocator_under_vllms_own_backend():
+    # RESERVOIR_VLLM_SLEEP=1, the worker's config left at vLLM's own backend
+    # ("cumem", as a stack that passes no engine argument through): vLLM's
+    # backend drives reservoir's allocator, with the same results step by
+    # step as reservoir's backend.
+    ours, env = run_backend("reservoir"), run_backend("cumem", RESERVOIR_VLLM_SLEEP="1")
+    assert env["allocator"] == "ReservoirMemAllocator"
+    strip = [{k: v for k, v in s.items() if k != "state"} for s in env["steps"]]
+    assert strip == [{k: v for k, v in s.items() if k != "state"} for s in ours["steps"]], env["steps"]
+    assert env["asleep_first_last"] == ours["asleep_first_last"] and env["weights_after_cycles"]
+    assert env["full_wake"].startswith("OutOfMemoryError: resume of tag '"), env["full_wake"]
+    assert env["wake_after"] is True, env["wake_after"]
