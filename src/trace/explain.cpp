@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <deque>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -395,6 +396,20 @@ std::optional<int> rank_variable(const char* name) {
   if (*end != '\0' || errno != 0 || v < 0 || v > 1'000'000 || r[0] == '+' || r[0] == ' ') return std::nullopt;
   return static_cast<int>(v);
 }
+// A whole number from 1 to `most` in the variable `name`; none where it is
+// unset or empty. UsageError naming it and what is `accepted` otherwise.
+std::optional<unsigned long long> count_variable(const char* name, unsigned long long most,
+                                                 std::string_view accepted) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (*end != '\0' || errno != 0 || v == 0 || v > most || text[0] == '-' || text[0] == '+') {
+    throw UsageError(fmt::format("{}='{}': not accepted; accepted: {}", name, text, accepted));
+  }
+  return v;
+}
 }  // namespace
 
 void set_process_rank(std::optional<int> rank) {
@@ -414,16 +429,9 @@ std::optional<int> process_rank(const ExplainOptions& options) {
 unsigned explain_threads(const ExplainOptions& options) {
   constexpr unsigned kMostThreads = 4;
   if (options.threads != 0) return options.threads;
-  if (const char* text = std::getenv("RESERVOIR_EXPLAIN_OOM_THREADS"); text != nullptr && *text != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long v = std::strtoull(text, &end, 10);
-    if (*end != '\0' || errno != 0 || v == 0 || v > 1024 || text[0] == '-' || text[0] == '+') {
-      throw UsageError(fmt::format("RESERVOIR_EXPLAIN_OOM_THREADS='{}': not accepted; accepted: a whole number "
-                                   "from 1 to 1024 (the cores the analysis at an error replays on)",
-                                   text));
-    }
-    return static_cast<unsigned>(v);
+  if (const auto v = count_variable("RESERVOIR_EXPLAIN_OOM_THREADS", 1024,
+                                     "a whole number from 1 to 1024 (the cores the analysis at an error replays on)")) {
+    return static_cast<unsigned>(*v);
   }
   unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   cpu_set_t set;
@@ -447,17 +455,10 @@ std::size_t files_kept(const ExplainOptions& options) {
     if (*options.keep == 0) throw UsageError("explain_oom: keep must be at least 1 (the error's own files)");
     return *options.keep;
   }
-  const char* text = std::getenv("RESERVOIR_EXPLAIN_OOM_KEEP");
-  if (text == nullptr || *text == '\0') return kDefaultFilesKept;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(text, &end, 10);
-  if (*end != '\0' || errno != 0 || v == 0 || text[0] == '-' || text[0] == '+') {
-    throw UsageError(fmt::format("RESERVOIR_EXPLAIN_OOM_KEEP='{}': not accepted; accepted: a whole number "
-                                 "from 1 (the errors whose files are kept; default {})",
-                                 text, kDefaultFilesKept));
-  }
-  return static_cast<std::size_t>(v);
+  const auto v = count_variable(
+      "RESERVOIR_EXPLAIN_OOM_KEEP", std::numeric_limits<unsigned long long>::max(),
+      fmt::format("a whole number from 1 (the errors whose files are kept; default {})", kDefaultFilesKept));
+  return v ? static_cast<std::size_t>(*v) : kDefaultFilesKept;
 }
 
 namespace {

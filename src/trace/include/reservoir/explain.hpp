@@ -80,7 +80,7 @@ inline constexpr std::size_t kDefaultFilesKept = 20;
 std::size_t files_kept(const ExplainOptions& options);
 
 // The cores the analysis at an error replays on: options.threads, else
-// RESERVOIR_EXPLAIN_OOM_THREADS (a whole number from 1), else this process's
+// RESERVOIR_EXPLAIN_OOM_THREADS (a whole number from 1 to 1024), else this process's
 // share of the cores it may run on (sched_getaffinity) among the ranks of its
 // job on this machine (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE,
 // MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE; 1 where none is set), from 1 to 4.
